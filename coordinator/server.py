@@ -1,0 +1,146 @@
+"""The coordinator daemon: a thin shell of sockets and journal around :func:`coordinator.state.step`.
+
+One asyncio task owns everything (the actor): it takes every event that arrived (requests,
+disconnects, a clock tick), runs them through ``step``, appends the resulting records to the
+write-ahead journal, makes them durable with one fsync for the whole batch (group commit), and only
+then sends the answers and pushes. While the fsync runs, new events queue up and form the next
+batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import structlog
+
+from transport.channel import ControlServer, Disconnected, Inbound
+from transport.codec import Limits, decode, encode
+
+from .journal import Journal
+from .state import Disconnect, Record, Request, Send, State, Tick, apply_record, restore, snapshot, step
+
+__all__ = ["Coordinator"]
+
+log = structlog.get_logger(__name__)
+
+# Journal records may carry key-value entries up to the control limit; give them headroom.
+_JOURNAL_LIMITS = Limits(max_message_nbytes=64 * 1024 * 1024, max_bin_len=32 * 1024 * 1024)
+
+
+class Coordinator:
+    """The daemon.
+
+    Args:
+        bind: ZeroMQ address to bind, e.g. ``tcp://0.0.0.0:29600``; port 0 picks a free port.
+        journal_dir: folder of the write-ahead journal; created if missing; replayed at start.
+        tick_s: how often heartbeats and deadlines are checked, seconds.
+        snapshot_every: records after which the journal is compacted into a snapshot.
+        fsync: make journal appends durable (off only for throwaway tests).
+
+    Raises:
+        JournalCorruptError: (from :meth:`start`) the journal is corrupt before its tail.
+        ConnectError: (from :meth:`start`) the address cannot be bound.
+    """
+
+    def __init__(self, bind: str, journal_dir: str | Path, *, tick_s: float = 0.05,
+                 snapshot_every: int = 10000, fsync: bool = True):
+        self.bind = bind
+        self.journal = Journal(journal_dir, fsync=fsync)
+        self.tick_s = tick_s
+        self.snapshot_every = snapshot_every
+        self.state = State()
+        self.server: ControlServer | None = None
+        self.address: str | None = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> str:
+        """Replay the journal and bind. Returns the bound address."""
+        now = time.monotonic()
+        snap, records = self.journal.open()
+        self.state = restore(decode(snap, limits=_JOURNAL_LIMITS), now) if snap else State()
+        for raw in records:
+            apply_record(self.state, decode(raw, limits=_JOURNAL_LIMITS), now)
+        log.info(
+            "journal_replayed",
+            snapshot=snap is not None,
+            records=len(records),
+            jobs=len(self.state.jobs),
+            epochs={j.job: j.epoch for j in self.state.jobs.values()},
+        )
+        self.server = ControlServer(self.bind)
+        self.address = self.server.address
+        return self.address
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def serve(self) -> None:
+        """Run until :meth:`stop`."""
+        assert self.server is not None, "start() first"
+        server = self.server
+        last_tick = time.monotonic()
+        stop_wait = asyncio.ensure_future(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                nxt = asyncio.ensure_future(server.next())
+                done, _ = await asyncio.wait({nxt, stop_wait}, timeout=self.tick_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                events = []
+                if nxt in done:
+                    events.append(nxt.result())
+                else:
+                    nxt.cancel()
+                while (ev := server.next_nowait()) is not None:
+                    events.append(ev)
+                now = time.monotonic()
+                batch = [self._event(ev) for ev in events]
+                if now - last_tick >= self.tick_s:
+                    batch.append(Tick())
+                    last_tick = now
+                await self._run(batch, now)
+        finally:
+            stop_wait.cancel()
+
+    @staticmethod
+    def _event(ev: Inbound | Disconnected) -> Request | Disconnect:
+        if isinstance(ev, Disconnected):
+            return Disconnect(ev.identity)
+        return Request(ev.identity, ev.msg)
+
+    async def _run(self, batch: list, now: float) -> None:
+        sends: list[Send] = []
+        wrote = False
+        for ev in batch:
+            try:
+                _, actions = step(self.state, ev, now)
+            except Exception:
+                # One bad request must not take the daemon down for every other job.
+                log.exception("step_failed", event=type(ev).__name__)
+                if isinstance(ev, Request):
+                    from transport import wire
+                    sends.append(Send(ev.identity, wire.make("error", rid=ev.msg["rid"], job=ev.msg["job"],
+                                                             error="RtxError", message="internal error in the coordinator")))
+                continue
+            for act in actions:
+                if isinstance(act, Record):
+                    self.journal.append(encode(act.data, limits=_JOURNAL_LIMITS))
+                    wrote = True
+                    if act.data["k"] == "epoch":
+                        log.info("epoch_opened", job=act.data["job"], epoch=act.data["epoch"],
+                                 world_size=len(act.data["members"]))
+                else:
+                    sends.append(act)
+        if wrote:
+            await self.journal.flush()  # nothing is acknowledged before it is durable
+            if self.journal.records_since_snapshot >= self.snapshot_every:
+                self.journal.write_snapshot(encode(snapshot(self.state), limits=_JOURNAL_LIMITS))
+                log.info("journal_compacted", jobs=len(self.state.jobs))
+        for s in sends:
+            self.server.send(s.identity, s.msg)
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+        self.journal.close()

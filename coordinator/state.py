@@ -1,0 +1,611 @@
+"""The coordinator's decisions: a deterministic function of (state, event, now).
+
+:func:`step` takes the current :class:`State`, one event (a decoded request from an agent, a
+disconnect noticed by ZeroMQ, or a clock tick) and the monotonic time, and returns the state and
+the actions the shell must carry out: :class:`Record` (append to the write-ahead journal) and
+:class:`Send` (a message to one agent). The shell makes every record of a batch durable before it
+sends anything, so nothing is acknowledged before it is journaled. No I/O and no clock reads
+happen here; tests drive it with a fake clock.
+
+Every state change that must survive a coordinator restart is expressed as a record and applied
+through :func:`apply_record`, the same function replay uses, so live and replayed state cannot
+drift apart. What is not journaled (pending joiners, heartbeat times, waiters) is rebuilt by the
+agents themselves after a restart: heartbeats resume and pending joiners join again.
+
+Ranks: a formed world always has ranks ``0..W-1``. When ranks are lost, survivors keep their
+relative order and are renumbered densely; a joiner of a running job takes a free requested rank
+or the next one.
+
+``step`` mutates ``state`` in place and returns it (copying the whole state per heartbeat would
+cost more than it buys); it is otherwise pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transport import wire
+
+__all__ = [
+    "Member",
+    "Job",
+    "State",
+    "Request",
+    "Disconnect",
+    "Tick",
+    "Record",
+    "Send",
+    "step",
+    "apply_record",
+    "snapshot",
+    "restore",
+]
+
+
+@dataclass
+class Member:
+    identity: str
+    endpoint: str
+    host: str
+    pid: int
+    info: dict
+    rank: int | None = None  # requested (pending) or assigned (member)
+    last_seen: float = 0.0  # monotonic seconds; not journaled
+    joined_at: float = 0.0
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "identity": self.identity,
+            "endpoint": self.endpoint,
+            "host": self.host,
+            "pid": self.pid,
+            "info": self.info,
+        }
+
+
+@dataclass
+class Job:
+    job: str
+    token: str
+    min_ranks: int
+    max_ranks: int
+    last_call_s: float
+    heartbeat_timeout_s: float
+    epoch: int = -1  # -1 while the first rendezvous is open
+    members: dict[int, Member] = field(default_factory=dict)
+    pending: dict[str, Member] = field(default_factory=dict)  # identity -> joiner
+    ready_since: float | None = None
+    kv: dict[str, bytes] = field(default_factory=dict)
+    committed_step: int = -1
+    commit_metadata: dict = field(default_factory=dict)
+    fenced: set[str] = field(default_factory=set)  # identities declared lost
+    # Not journaled: waiters are agents' open requests, which they repeat after a restart.
+    kv_waiters: list[tuple[str, int, list[str], float]] = field(default_factory=list)
+    votes: dict[int, dict[int, bool]] = field(default_factory=dict)  # step -> rank -> ok
+    commit_waiters: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
+    vote_metadata: dict[int, dict] = field(default_factory=dict)
+
+    @property
+    def formed(self) -> bool:
+        return self.epoch >= 0
+
+    def member_by_identity(self, identity: str) -> Member | None:
+        for m in self.members.values():
+            if m.identity == identity:
+                return m
+        return None
+
+
+@dataclass
+class State:
+    jobs: dict[str, Job] = field(default_factory=dict)
+    # identity -> job id, for disconnects and heartbeats (identities are unique per process)
+    where: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Request:
+    identity: str
+    msg: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    identity: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class Record:
+    """A journal record: a msgpack-able dict with ``k`` naming its kind."""
+
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Send:
+    identity: str
+    msg: dict[str, Any]
+
+
+Action = Record | Send
+Event = Request | Disconnect | Tick
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers that build answers
+
+
+def _reply(identity: str, req: dict, job: Job | None, **body: Any) -> Send:
+    return Send(
+        identity,
+        wire.make(
+            "reply",
+            rid=req["rid"],
+            job=req["job"],
+            epoch=job.epoch if job else -1,
+            ok=True,
+            body=body,
+        ),
+    )
+
+
+def _error(identity: str, req: dict, error: str, message: str) -> Send:
+    return Send(
+        identity,
+        wire.make("error", rid=req["rid"], job=req["job"], epoch=-1, error=error, message=message),
+    )
+
+
+def _epoch_push(job: Job, identity: str, lost: list[int], added: list[int], reason: str) -> Send:
+    return Send(
+        identity,
+        wire.make(
+            "epoch",
+            job=job.job,
+            epoch=job.epoch,
+            world_size=len(job.members),
+            members={r: m.public() for r, m in sorted(job.members.items())},
+            lost=lost,
+            added=added,
+            reason=reason,
+            committed_step=job.committed_step,
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# journal records
+
+
+def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
+    """Apply one journal record to ``state`` (used live by :func:`step` and on replay)."""
+    kind = rec["k"]
+    if kind == "job":
+        state.jobs[rec["job"]] = Job(
+            job=rec["job"],
+            token=rec["token"],
+            min_ranks=rec["min_ranks"],
+            max_ranks=rec["max_ranks"],
+            last_call_s=rec["last_call_s"],
+            heartbeat_timeout_s=rec["heartbeat_timeout_s"],
+        )
+        return
+    job = state.jobs[rec["job"]]
+    if kind == "epoch":
+        old = {m.identity: m for m in job.members.values()}
+        job.epoch = rec["epoch"]
+        job.members = {}
+        for rank, pub in rec["members"].items():
+            prev = old.get(pub["identity"]) or job.pending.pop(pub["identity"], None)
+            last_seen = prev.last_seen if prev else now
+            job.members[int(rank)] = Member(
+                identity=pub["identity"],
+                endpoint=pub["endpoint"],
+                host=pub["host"],
+                pid=pub["pid"],
+                info=pub.get("info") or {},
+                rank=int(rank),
+                last_seen=last_seen,
+                joined_at=prev.joined_at if prev else now,
+            )
+            state.where[pub["identity"]] = job.job
+        for ident in rec.get("fenced", []):
+            job.fenced.add(ident)
+        for ident in rec.get("unfenced", []):
+            job.fenced.discard(ident)
+        job.ready_since = None
+        # Votes of the old epoch are void: the members changed.
+        job.votes.clear()
+        job.vote_metadata.clear()
+    elif kind == "kv_set":
+        job.kv[rec["key"]] = rec["value"]
+    elif kind == "kv_del":
+        job.kv.pop(rec["key"], None)
+    elif kind == "commit":
+        job.committed_step = rec["step"]
+        job.commit_metadata = rec.get("metadata") or {}
+    elif kind == "job_end":
+        for m in list(job.members.values()) + list(job.pending.values()):
+            state.where.pop(m.identity, None)
+        del state.jobs[rec["job"]]
+    else:
+        raise ValueError(f"unknown journal record kind {kind!r}")
+
+
+def snapshot(state: State) -> dict[str, Any]:
+    """The journaled part of ``state`` as a msgpack-able dict (for compaction)."""
+    return {
+        "jobs": [
+            {
+                "job": j.job,
+                "token": j.token,
+                "min_ranks": j.min_ranks,
+                "max_ranks": j.max_ranks,
+                "last_call_s": j.last_call_s,
+                "heartbeat_timeout_s": j.heartbeat_timeout_s,
+                "epoch": j.epoch,
+                "members": {r: m.public() for r, m in j.members.items()},
+                "kv": dict(j.kv),
+                "committed_step": j.committed_step,
+                "commit_metadata": j.commit_metadata,
+                "fenced": sorted(j.fenced),
+            }
+            for j in state.jobs.values()
+        ]
+    }
+
+
+def restore(snap: dict[str, Any], now: float) -> State:
+    """Rebuild a :class:`State` from :func:`snapshot` output; every member counts as seen ``now``."""
+    state = State()
+    for j in snap["jobs"]:
+        apply_record(state, {"k": "job", **{k: j[k] for k in _JOB_FIELDS}, "job": j["job"]}, now)
+        if j["epoch"] >= 0:
+            apply_record(
+                state,
+                {"k": "epoch", "job": j["job"], "epoch": j["epoch"], "members": j["members"], "fenced": j["fenced"]},
+                now,
+            )
+        job = state.jobs[j["job"]]
+        job.kv = dict(j["kv"])
+        job.committed_step = j["committed_step"]
+        job.commit_metadata = j["commit_metadata"]
+    return state
+
+
+_JOB_FIELDS = ("token", "min_ranks", "max_ranks", "last_call_s", "heartbeat_timeout_s")
+
+
+def _record(state: State, actions: list[Action], rec: dict[str, Any], now: float) -> None:
+    apply_record(state, rec, now)
+    actions.append(Record(rec))
+
+
+# ------------------------------------------------------------------------------------------------
+# the step function
+
+
+def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
+    """Decide what ``event`` at monotonic time ``now`` changes and what must be said.
+
+    Returns:
+        ``(state, actions)``; ``state`` is the same object, updated.
+    """
+    actions: list[Action] = []
+    if isinstance(event, Tick):
+        for job in list(state.jobs.values()):
+            _tick_job(state, job, now, actions)
+    elif isinstance(event, Disconnect):
+        job_id = state.where.get(event.identity)
+        job = state.jobs.get(job_id) if job_id else None
+        if job is not None:
+            member = job.member_by_identity(event.identity)
+            if member is not None:
+                _lose(state, job, [member.rank], now, actions, reason="lost")
+            elif event.identity in job.pending:
+                del job.pending[event.identity]
+                state.where.pop(event.identity, None)
+                if len(job.pending) < job.min_ranks:
+                    job.ready_since = None
+    else:
+        _request(state, event.identity, event.msg, now, actions)
+    return state, actions
+
+
+def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None:
+    if job.formed:
+        late = [r for r, m in job.members.items() if now - m.last_seen > job.heartbeat_timeout_s]
+        if late:
+            _lose(state, job, late, now, actions, reason="lost")
+    else:
+        # Pending joiners that stopped heartbeating are dropped before the world forms.
+        for ident, m in list(job.pending.items()):
+            if now - m.last_seen > job.heartbeat_timeout_s:
+                del job.pending[ident]
+                state.where.pop(ident, None)
+        if len(job.pending) < job.min_ranks:
+            job.ready_since = None
+        elif job.ready_since is not None and now - job.ready_since >= job.last_call_s:
+            _form(state, job, now, actions)
+    for waiter in list(job.kv_waiters):
+        ident, rid, keys, deadline = waiter
+        if now >= deadline:
+            job.kv_waiters.remove(waiter)
+            missing = [k for k in keys if k not in job.kv]
+            actions.append(
+                _error(ident, {"rid": rid, "job": job.job}, "RtxTimeoutError", f"kv_wait timed out; keys still missing: {missing}")
+            )
+    for step_no, waiters in list(job.commit_waiters.items()):
+        for w in list(waiters):
+            ident, rid, deadline = w
+            if now >= deadline:
+                waiters.remove(w)
+                votes = job.votes.get(step_no, {})
+                missing = sorted(set(job.members) - set(votes))
+                actions.append(
+                    _error(ident, {"rid": rid, "job": job.job}, "RtxTimeoutError",
+                           f"commit of step {step_no} timed out; ranks that did not vote: {missing}")
+                )
+        if not waiters:
+            del job.commit_waiters[step_no]
+
+
+def _form(state: State, job: Job, now: float, actions: list[Action]) -> None:
+    joiners = sorted(job.pending.values(), key=lambda m: m.joined_at)
+    world = len(joiners)
+    taken: dict[int, Member] = {}
+    free_agents = []
+    for m in joiners:
+        if m.rank is not None and m.rank < world and m.rank not in taken:
+            taken[m.rank] = m
+        else:
+            free_agents.append(m)
+    free_ranks = [r for r in range(world) if r not in taken]
+    for r, m in zip(free_ranks, free_agents, strict=True):
+        taken[r] = m
+    members = {r: taken[r].public() for r in range(world)}
+    _record(state, actions, {"k": "epoch", "job": job.job, "epoch": 0, "members": members}, now)
+    for m in job.members.values():
+        actions.append(_epoch_push(job, m.identity, [], sorted(job.members), "formed"))
+
+
+def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Action], *, reason: str) -> None:
+    ranks = sorted(set(ranks))
+    lost_ids = [job.members[r].identity for r in ranks]
+    survivors = [m for r, m in sorted(job.members.items()) if r not in ranks]
+    members = {i: m.public() for i, m in enumerate(survivors)}
+    rec = {
+        "k": "epoch",
+        "job": job.job,
+        "epoch": job.epoch + 1,
+        "members": members,
+        "fenced": lost_ids if reason == "lost" else [],
+    }
+    _fail_commit_waiters(job, actions, f"epoch changed: ranks {ranks} {reason}")
+    _record(state, actions, rec, now)
+    for ident in lost_ids:
+        state.where.pop(ident, None)
+    if not job.members:
+        _record(state, actions, {"k": "job_end", "job": job.job}, now)
+        return
+    for m in job.members.values():
+        actions.append(_epoch_push(job, m.identity, ranks, [], reason))
+
+
+def _fail_commit_waiters(job: Job, actions: list[Action], why: str) -> None:
+    for step_no, waiters in job.commit_waiters.items():
+        for ident, rid, _ in waiters:
+            actions.append(
+                _reply_raw(job, ident, rid, committed=False, step=step_no, reason=why)
+            )
+    job.commit_waiters.clear()
+
+
+def _reply_raw(job: Job, ident: str, rid: int, **body: Any) -> Send:
+    return _reply(ident, {"rid": rid, "job": job.job}, job, **body)
+
+
+def _request(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    t = msg["t"]
+    if t == "status":
+        actions.append(_reply(identity, msg, None, jobs=_status(state, now)))
+        return
+    if t == "join":
+        _join(state, identity, msg, now, actions)
+        return
+    job = state.jobs.get(msg["job"])
+    if job is None:
+        if t == "heartbeat":
+            actions.append(_reply(identity, msg, None, state="unknown", epoch=-1))
+        else:
+            actions.append(_error(identity, msg, "RendezvousError", f"unknown job {msg['job']!r}"))
+        return
+    if t == "heartbeat":
+        member = job.member_by_identity(msg["identity"])
+        if member is not None:
+            member.last_seen = now
+            state.where[member.identity] = job.job
+            body: dict[str, Any] = {"state": "member", "rank": member.rank}
+            if msg["epoch"] != job.epoch:
+                # The agent missed a push (e.g. the coordinator restarted between journal and send).
+                body["view"] = _epoch_push(job, identity, [], [], "resync").msg
+            actions.append(_reply(identity, msg, job, **body))
+        elif msg["identity"] in job.pending:
+            job.pending[msg["identity"]].last_seen = now
+            actions.append(_reply(identity, msg, job, state="pending"))
+        elif msg["identity"] in job.fenced:
+            actions.append(_reply(identity, msg, job, state="fenced"))
+        else:
+            actions.append(_reply(identity, msg, job, state="unknown"))
+    elif t == "leave":
+        member = job.member_by_identity(msg["identity"])
+        if member is not None:
+            actions.append(_reply(identity, msg, job, left=True))
+            _lose(state, job, [member.rank], now, actions, reason="left")
+        else:
+            job.pending.pop(msg["identity"], None)
+            state.where.pop(msg["identity"], None)
+            actions.append(_reply(identity, msg, job, left=False))
+    elif t == "kv_set":
+        _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
+        actions.append(_reply(identity, msg, job))
+        _wake_kv(job, actions)
+    elif t == "kv_get":
+        actions.append(_reply(identity, msg, job, value=job.kv.get(msg["key"])))
+    elif t == "kv_wait":
+        keys = msg["keys"]
+        if not all(isinstance(k, str) for k in keys):
+            actions.append(_error(identity, msg, "ProtocolError", "kv_wait.keys must be a list of str"))
+        elif all(k in job.kv for k in keys):
+            actions.append(_reply(identity, msg, job, values={k: job.kv[k] for k in keys}))
+        else:
+            job.kv_waiters.append((identity, msg["rid"], list(keys), now + float(msg["timeout_s"])))
+    elif t == "kv_cas":
+        current = job.kv.get(msg["key"])
+        if current == msg["expected"]:
+            _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
+            actions.append(_reply(identity, msg, job, swapped=True, value=msg["value"]))
+            _wake_kv(job, actions)
+        else:
+            actions.append(_reply(identity, msg, job, swapped=False, value=current))
+    elif t == "kv_del":
+        existed = msg["key"] in job.kv
+        if existed:
+            _record(state, actions, {"k": "kv_del", "job": job.job, "key": msg["key"]}, now)
+        actions.append(_reply(identity, msg, job, deleted=existed))
+    elif t == "commit":
+        _commit(state, job, identity, msg, now, actions)
+    else:  # pragma: no cover - wire.validate admits only known types
+        actions.append(_error(identity, msg, "ProtocolError", f"{t!r} is not a request"))
+
+
+def _wake_kv(job: Job, actions: list[Action]) -> None:
+    for waiter in list(job.kv_waiters):
+        ident, rid, keys, _ = waiter
+        if all(k in job.kv for k in keys):
+            job.kv_waiters.remove(waiter)
+            actions.append(_reply_raw(job, ident, rid, values={k: job.kv[k] for k in keys}))
+
+
+def _commit(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    member = job.member_by_identity(msg["identity"])
+    if member is None:
+        actions.append(_error(identity, msg, "RendezvousError", f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))
+        return
+    if msg["epoch"] != job.epoch:
+        actions.append(_reply(identity, msg, job, committed=False, step=msg["step"], reason=f"stale epoch {msg['epoch']} (current {job.epoch})"))
+        return
+    step_no = msg["step"]
+    if step_no <= job.committed_step:
+        actions.append(_reply(identity, msg, job, committed=True, step=step_no, reason="already committed"))
+        return
+    votes = job.votes.setdefault(step_no, {})
+    votes[member.rank] = bool(msg["ok"]) and votes.get(member.rank, True)
+    if msg.get("metadata") and member.rank == min(job.members):
+        job.vote_metadata[step_no] = msg["metadata"]
+    job.commit_waiters.setdefault(step_no, []).append((identity, msg["rid"], now + float(msg["timeout_s"])))
+    if set(votes) >= set(job.members):
+        ok = all(votes[r] for r in job.members)
+        if ok:
+            _record(state, actions, {"k": "commit", "job": job.job, "step": step_no, "epoch": job.epoch,
+                                     "metadata": job.vote_metadata.pop(step_no, {})}, now)
+        failed = sorted(r for r in job.members if not votes[r])
+        for ident, rid, _ in job.commit_waiters.pop(step_no, []):
+            actions.append(_reply_raw(job, ident, rid, committed=ok, step=step_no, failed=failed,
+                                      reason="" if ok else f"ranks {failed} voted failure"))
+        job.votes.pop(step_no, None)
+
+
+def _join(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    job_id = msg["job"]
+    ident = msg["identity"]
+
+    def refuse(error: str, text: str) -> None:
+        actions.append(_error(identity, msg, error, text))
+
+    if not job_id:
+        return refuse("ConfigError", "job id must not be empty")
+    min_r, max_r = msg["min_ranks"], msg["max_ranks"]
+    if not (1 <= min_r <= max_r):
+        return refuse("ConfigError", f"need 1 <= min_ranks({min_r}) <= max_ranks({max_r})")
+    if msg["heartbeat_timeout_s"] <= 0 or msg["last_call_s"] < 0:
+        return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) must be > 0 and last_call_s({msg['last_call_s']}) >= 0")
+    rank = msg["rank"]
+    if rank is not None and not (0 <= rank < max_r):
+        return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
+    job = state.jobs.get(job_id)
+    if job is None:
+        _record(state, actions, {"k": "job", "job": job_id, "token": msg["token"], "min_ranks": min_r, "max_ranks": max_r,
+                                 "last_call_s": float(msg["last_call_s"]), "heartbeat_timeout_s": float(msg["heartbeat_timeout_s"])}, now)
+        job = state.jobs[job_id]
+    if msg["token"] != job.token:
+        return refuse("RendezvousError", f"wrong token for job {job_id!r}")
+    other = state.where.get(ident)
+    if other is not None and other != job_id:
+        return refuse("RendezvousError", f"identity {ident!r} already belongs to job {other!r}")
+    newcomer = Member(identity=ident, endpoint=msg["endpoint"], host=msg["host"], pid=msg["pid"],
+                      info=msg.get("info") or {}, rank=rank, last_seen=now, joined_at=now)
+    if not job.formed:
+        if ident in job.pending:
+            return refuse("RendezvousError", f"identity {ident!r} already joined job {job_id!r}")
+        if rank is not None:
+            for m in job.pending.values():
+                if m.rank == rank:
+                    return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already claimed by {m.identity!r} (pid {m.pid} on {m.host})")
+        if len(job.pending) >= job.max_ranks:
+            return refuse("RendezvousError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
+        job.pending[ident] = newcomer
+        state.where[ident] = job_id
+        actions.append(_reply(identity, msg, job, state="pending"))
+        if len(job.pending) >= job.min_ranks and job.ready_since is None:
+            job.ready_since = now
+        if len(job.pending) == job.max_ranks or (job.ready_since is not None and job.last_call_s == 0):
+            _form(state, job, now, actions)
+        return
+    # The job is running: this is a rejoin or a replacement.
+    existing = job.member_by_identity(ident)
+    if existing is not None:
+        return refuse("RendezvousError", f"identity {ident!r} is already rank {existing.rank} of job {job_id!r}")
+    if rank is not None and rank in job.members:
+        m = job.members[rank]
+        return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already taken by {m.identity!r} (pid {m.pid} on {m.host})")
+    if len(job.members) >= job.max_ranks:
+        return refuse("RendezvousError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
+    new_rank = rank if rank is not None and rank == len(job.members) else len(job.members)
+    members = {r: m.public() for r, m in job.members.items()}
+    members[new_rank] = newcomer.public()
+    job.pending[ident] = newcomer
+    actions.append(_reply(identity, msg, job, state="pending"))
+    _record(state, actions, {"k": "epoch", "job": job_id, "epoch": job.epoch + 1, "members": members,
+                             "unfenced": [ident]}, now)
+    _fail_commit_waiters(job, actions, f"epoch changed: rank {new_rank} joined")
+    for m in job.members.values():
+        actions.append(_epoch_push(job, m.identity, [], [new_rank], "joined"))
+
+
+def _status(state: State, now: float) -> list[dict[str, Any]]:
+    out = []
+    for job in state.jobs.values():
+        out.append({
+            "job": job.job,
+            "state": "running" if job.formed else "rendezvous",
+            "epoch": job.epoch,
+            "world_size": len(job.members),
+            "min_ranks": job.min_ranks,
+            "max_ranks": job.max_ranks,
+            "pending": len(job.pending),
+            "committed_step": job.committed_step,
+            "kv_keys": len(job.kv),
+            "members": [
+                {"rank": r, "identity": m.identity, "host": m.host, "pid": m.pid,
+                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3)}
+                for r, m in sorted(job.members.items())
+            ],
+        })
+    return out

@@ -1,0 +1,65 @@
+"""rtxnet: a distributed training runtime where a failure costs seconds and at most one step.
+
+Start here::
+
+    import rtxnet
+    pg = rtxnet.init()            # blocking; reads the environment rtxnet-run sets
+    pg.store.set("hello", b"world")
+    pg.close()
+
+or, with asyncio::
+
+    async with rtxnet.connect() as pg:
+        await pg.store.set("hello", b"world")
+"""
+
+from transport.errors import (
+    ClosedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    ConfigError,
+    ConnectError,
+    JournalCorruptError,
+    JournalError,
+    PeerLostError,
+    ProtocolError,
+    RendezvousError,
+    RendezvousTimeout,
+    RtxError,
+    RtxTimeoutError,
+    TransportError,
+)
+
+from .agent import Membership
+from .config import Timeouts
+from .portal import Work
+from .process_group import BlockingProcessGroup, ProcessGroup, Store, connect, init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockingProcessGroup",
+    "ClosedError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeout",
+    "ConfigError",
+    "ConnectError",
+    "JournalCorruptError",
+    "JournalError",
+    "Membership",
+    "PeerLostError",
+    "ProcessGroup",
+    "ProtocolError",
+    "RendezvousError",
+    "RendezvousTimeout",
+    "RtxError",
+    "RtxTimeoutError",
+    "Store",
+    "Timeouts",
+    "TransportError",
+    "Work",
+    "connect",
+    "init",
+]

@@ -1,0 +1,322 @@
+"""The per-rank agent: the control-plane actor of one rank.
+
+It joins the job's rendezvous, heartbeats on the monotonic clock, receives epoch pushes, and
+serves key-value and commit requests. When the coordinator restarts, the DEALER socket reconnects
+by itself; the heartbeat answers tell the agent whether it is still a member (and hand it any epoch
+it missed), whether it must join again (it was pending, which is not journaled), or whether it was
+fenced out (declared lost while frozen or cut off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from transport.channel import ControlClient
+from transport.errors import ClosedError, RendezvousError, RendezvousTimeout, RtxError, RtxTimeoutError
+
+from .config import Timeouts
+
+__all__ = ["Agent", "Membership"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One epoch of a job as this rank sees it.
+
+    Attributes:
+        job: job id.
+        epoch: increases by one at every membership change.
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of ranks in the epoch.
+        members: rank -> ``{"identity", "endpoint", "host", "pid", "info"}``.
+        lost: ranks of the previous epoch that were lost or left.
+        added: ranks new in this epoch.
+        reason: ``formed``, ``lost``, ``left``, ``joined`` or ``resync``.
+        committed_step: the job's last committed step, -1 if none.
+    """
+
+    job: str
+    epoch: int
+    rank: int
+    world_size: int
+    members: dict[int, dict[str, Any]] = field(repr=False)
+    lost: tuple[int, ...] = ()
+    added: tuple[int, ...] = ()
+    reason: str = "formed"
+    committed_step: int = -1
+
+
+Listener = Callable[[Membership | None, str], None]
+
+
+class Agent:
+    """Control-plane actor of one rank; see the module docstring.
+
+    Args:
+        coordinator: the coordinator's address, e.g. ``tcp://127.0.0.1:29600``.
+        job: job id; jobs sharing a coordinator are isolated by it.
+        token: job token; must match the one the job was created with.
+        rank: requested rank or None for any free rank.
+        min_ranks / max_ranks: rendezvous bounds, ``1 <= min_ranks <= max_ranks``.
+        last_call_s: after ``min_ranks`` are present, seconds to wait for more.
+        timeouts: deadlines; see :class:`rtxnet.config.Timeouts`.
+        endpoint: this rank's data endpoint (peer-to-peer payloads), told to the others.
+        info: topology facts to publish (hostname is always included).
+    """
+
+    def __init__(self, *, coordinator: str, job: str, token: str = "", rank: int | None = None,
+                 min_ranks: int, max_ranks: int, last_call_s: float = 0.0, timeouts: Timeouts,
+                 endpoint: str = "", info: dict[str, Any] | None = None):
+        self.coordinator = coordinator
+        self.job = job
+        self.token = token
+        self.requested_rank = rank
+        self.min_ranks = min_ranks
+        self.max_ranks = max_ranks
+        self.last_call_s = last_call_s
+        self.timeouts = timeouts
+        self.endpoint = endpoint
+        self.host = socket.gethostname()
+        self.info = dict(info or {})
+        self.identity = f"{self.host}/{os.getpid()}/{uuid.uuid4().hex[:10]}"
+        self.membership: Membership | None = None
+        self.fenced = False
+        self.last_heartbeat_ok: float | None = None
+        self._listeners: list[Listener] = []
+        self._changed = asyncio.Event()
+        self._client: ControlClient | None = None
+        self._hb_task: asyncio.Task | None = None
+        self._joining = False
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch if self.membership else -1
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(membership, reason)`` at every new epoch (and ``fn(None, "fenced")``)."""
+        self._listeners.append(fn)
+
+    async def join(self) -> Membership:
+        """Enter the rendezvous and wait for the world to form.
+
+        Raises:
+            RendezvousError: refused (duplicate rank or identity, job full, wrong token).
+            RendezvousTimeout: no world within ``timeouts.rendezvous_s``.
+            RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
+        """
+        if self._client is None:
+            self._client = ControlClient(self.coordinator, self.identity, self._on_push)
+        start_epoch = self.epoch
+        self.fenced = False
+        await self._send_join()
+        if self._hb_task is None:
+            self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
+        try:
+            return await self.wait_epoch(start_epoch, timeout_s=self.timeouts.rendezvous_s)
+        except RtxTimeoutError:
+            raise RendezvousTimeout(
+                f"job {self.job!r}: the world did not form within {self.timeouts.rendezvous_s:g} s "
+                f"(min_ranks={self.min_ranks}, max_ranks={self.max_ranks}, coordinator {self.coordinator})"
+            ) from None
+
+    async def _send_join(self) -> None:
+        self._joining = True
+        await self._request(
+            "join",
+            identity=self.identity,
+            token=self.token,
+            rank=self.requested_rank,
+            min_ranks=self.min_ranks,
+            max_ranks=self.max_ranks,
+            last_call_s=float(self.last_call_s),
+            heartbeat_timeout_s=float(self.timeouts.heartbeat_timeout_s),
+            endpoint=self.endpoint,
+            host=self.host,
+            pid=os.getpid(),
+            info=self.info,
+        )
+
+    async def wait_epoch(self, after: int, *, timeout_s: float) -> Membership:
+        """Wait until an epoch newer than ``after`` arrives; returns it.
+
+        Raises:
+            RtxTimeoutError: none within ``timeout_s``.
+            ClosedError: the agent was closed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.membership is None or self.membership.epoch <= after:
+            if self._closed:
+                raise ClosedError("agent closed")
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RtxTimeoutError(f"no epoch after {after} within {timeout_s:g} s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                continue
+        return self.membership
+
+    # ------------------------------------------------------------------------------------------
+    async def _request(self, mtype: str, *, deadline_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        if self._closed or self._client is None:
+            raise ClosedError("agent is closed" if self._closed else "agent has not joined")
+        return await self._client.request(mtype, job=self.job, epoch=self.epoch,
+                                          deadline_s=deadline_s or self.timeouts.request_s, **fields)
+
+    async def _on_push(self, msg: dict[str, Any]) -> None:
+        if msg["job"] != self.job:
+            return
+        if msg["t"] == "epoch":
+            self._apply_epoch(msg)
+        elif msg["t"] == "fenced":
+            self._fence(msg["reason"])
+
+    def _apply_epoch(self, msg: dict[str, Any]) -> None:
+        if msg["epoch"] <= self.epoch:
+            return  # stale or duplicate
+        members = {int(r): m for r, m in msg["members"].items()}
+        mine = [r for r, m in members.items() if m["identity"] == self.identity]
+        if not mine:
+            self._fence(f"epoch {msg['epoch']} does not include this agent")
+            return
+        self._joining = False
+        self.membership = Membership(
+            job=self.job,
+            epoch=msg["epoch"],
+            rank=mine[0],
+            world_size=msg["world_size"],
+            members=members,
+            lost=tuple(msg["lost"]),
+            added=tuple(msg["added"]),
+            reason=msg["reason"],
+            committed_step=msg["committed_step"],
+        )
+        structlog.contextvars.bind_contextvars(rank=mine[0], epoch=msg["epoch"], job=self.job)
+        log.info("epoch", world_size=msg["world_size"], lost=msg["lost"], added=msg["added"], reason=msg["reason"])
+        for fn in self._listeners:
+            fn(self.membership, msg["reason"])
+        self._changed.set()
+
+    def _fence(self, reason: str) -> None:
+        if self.fenced:
+            return
+        self.fenced = True
+        log.warning("fenced", reason=reason)
+        for fn in self._listeners:
+            fn(None, "fenced")
+        self._changed.set()
+
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.timeouts.heartbeat_interval_s
+        unreachable = False
+        while not self._closed:
+            sent_at = loop.time()
+            try:
+                body = await self._request("heartbeat", identity=self.identity,
+                                           deadline_s=max(interval, self.timeouts.heartbeat_timeout_s))
+            except RtxTimeoutError:
+                if not unreachable:
+                    log.warning("coordinator_unreachable", coordinator=self.coordinator)
+                unreachable = True
+                continue
+            except ClosedError:
+                return
+            except RtxError as exc:
+                log.warning("heartbeat_refused", error=str(exc))
+                body = {"state": "unknown"}
+            if unreachable:
+                log.info("coordinator_reachable", coordinator=self.coordinator)
+                unreachable = False
+            self.last_heartbeat_ok = loop.time()
+            state = body.get("state")
+            if state == "member" and "view" in body:
+                self._apply_epoch(body["view"])
+            elif state == "fenced":
+                self._fence("the coordinator declared this rank lost")
+            elif state == "unknown":
+                if self._joining or self.membership is None:
+                    # The coordinator restarted while we were pending (pending joins are not
+                    # journaled): join again.
+                    try:
+                        await self._send_join()
+                    except RtxError as exc:
+                        log.warning("rejoin_failed", error=str(exc))
+                elif not self.fenced:
+                    self._fence("the coordinator does not know this rank (job ended?)")
+            await asyncio.sleep(max(0.0, interval - (loop.time() - sent_at)))
+
+    # ------------------------------------------------------------------------------------------
+    # key-value store
+
+    async def kv_set(self, key: str, value: bytes) -> None:
+        await self._request("kv_set", key=key, value=bytes(value))
+
+    async def kv_get(self, key: str) -> bytes | None:
+        return (await self._request("kv_get", key=key))["value"]
+
+    async def kv_wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
+        # The coordinator enforces timeout_s; the channel deadline adds slack for the answer.
+        body = await self._request("kv_wait", deadline_s=timeout_s + self.timeouts.request_s,
+                                   keys=list(keys), timeout_s=float(timeout_s))
+        return body["values"]
+
+    async def kv_cas(self, key: str, expected: bytes | None, value: bytes) -> tuple[bool, bytes | None]:
+        body = await self._request("kv_cas", key=key, expected=None if expected is None else bytes(expected), value=bytes(value))
+        return body["swapped"], body["value"]
+
+    async def kv_del(self, key: str) -> bool:
+        return (await self._request("kv_del", key=key))["deleted"]
+
+    async def commit(self, step: int, *, ok: bool = True, metadata: dict | None = None,
+                     timeout_s: float) -> dict[str, Any]:
+        return await self._request("commit", deadline_s=timeout_s + self.timeouts.request_s,
+                                   identity=self.identity, step=int(step), ok=bool(ok),
+                                   metadata=metadata or {}, timeout_s=float(timeout_s))
+
+    async def status(self) -> list[dict[str, Any]]:
+        return (await self._request("status"))["jobs"]
+
+    # ------------------------------------------------------------------------------------------
+    async def leave(self) -> None:
+        """Tell the coordinator this rank leaves in order (not a crash)."""
+        if self._client is None or self._closed or self.fenced:
+            return
+        try:
+            await self._request("leave", identity=self.identity)
+        except RtxError as exc:
+            log.warning("leave_failed", error=str(exc))
+
+    async def aclose(self, *, leave: bool = True) -> None:
+        """Leave (unless ``leave`` is false), stop heartbeats, close the socket."""
+        if self._closed:
+            return
+        if leave:
+            await self.leave()
+        self._closed = True
+        self._changed.set()
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+            try:
+                await self._hb_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._client is not None:
+            await self._client.aclose()
+
+
+_ = RendezvousError  # re-exported for users catching join refusals

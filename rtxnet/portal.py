@@ -1,0 +1,92 @@
+"""The blocking bridge: one event loop in a background thread runs the async API.
+
+Modelled on anyio's blocking portal. Training code that is not async calls the same coroutines
+through :meth:`Portal.call`; heartbeats keep flowing while that code computes, because the loop
+lives in its own thread. There is one copy of the logic, the async one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+__all__ = ["Portal", "Work"]
+
+T = TypeVar("T")
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.new_event_loop()
+
+
+class Work:
+    """Handle of an operation started with ``async_op=True`` (like ``torch.distributed.Work``).
+
+    ``wait(timeout=None)`` blocks until done and re-raises its error; ``is_completed()`` polls;
+    ``result()`` returns what the operation returned.
+    """
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation finished; raise its error if it failed.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the operation goes on).
+        """
+        self._future.result(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and not self._future.cancelled() and self._future.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._future.result(timeout)
+
+
+class Portal:
+    """An event loop running in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = _new_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(ready.set)
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="rtxnet-loop", daemon=True)
+        self.thread.start()
+        ready.wait()
+
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        if threading.current_thread() is self.thread:
+            raise RuntimeError("the blocking API was called from inside rtxnet's own event loop")
+        return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        return self.submit(fn, *args, **kwargs).result()
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()

@@ -1,0 +1,381 @@
+"""What a training script holds: the process group of its job, async and blocking.
+
+``pg = await rtxnet.connect(...)`` (or ``async with rtxnet.connect(...) as pg``) gives the async
+:class:`ProcessGroup`; ``pg = rtxnet.init(...)`` gives :class:`BlockingProcessGroup`, the same
+object driven from a background event loop, with ``async_op=True`` returning a :class:`Work`.
+
+Arguments not given are read from the environment the launcher sets:
+
+    RTXNET_COORDINATOR   coordinator address            (required)
+    RTXNET_JOB           job id                         (default "default")
+    RTXNET_TOKEN         job token                      (default "")
+    RTXNET_RANK          requested rank                 (default: any free rank)
+    RTXNET_WORLD_SIZE    sets min_ranks = max_ranks
+    RTXNET_MIN_RANKS / RTXNET_MAX_RANKS / RTXNET_LAST_CALL
+    RTXNET_BIND_HOST     address for this rank's data socket (default 127.0.0.1)
+    RTXNET_SHM           0 disables shared memory between ranks on one host
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import structlog
+
+from transport.errors import ConfigError
+
+from .agent import Agent, Membership
+from .config import Timeouts, env_float, env_int
+from .portal import Portal, Work
+
+__all__ = ["ProcessGroup", "BlockingProcessGroup", "Store", "connect", "init"]
+
+log = structlog.get_logger(__name__)
+
+# Names served by the collective engine's world group.
+_COLLECTIVES = frozenset({
+    "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather", "scatter",
+    "all_to_all", "barrier", "send", "recv", "new_group", "split",
+})
+
+
+class Store:
+    """The job's key-value store on the coordinator (journaled; survives coordinator restarts).
+
+    Values are ``bytes``; ``str`` is encoded as UTF-8. Every call has a deadline
+    (``Timeouts.request_s``, or ``timeout`` for :meth:`wait`).
+    """
+
+    def __init__(self, agent: Agent):
+        self._agent = agent
+
+    @staticmethod
+    def _b(value: bytes | str) -> bytes:
+        if isinstance(value, str):
+            return value.encode()
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value)
+        raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
+
+    async def set(self, key: str, value: bytes | str) -> None:
+        await self._agent.kv_set(key, self._b(value))
+
+    async def get(self, key: str) -> bytes | None:
+        """The value, or None when the key is absent."""
+        return await self._agent.kv_get(key)
+
+    async def wait(self, keys: list[str] | str, timeout: float | None = None) -> dict[str, bytes]:
+        """Wait until every key exists; returns their values.
+
+        Raises:
+            RtxTimeoutError: some key is still missing after ``timeout`` seconds (names them).
+        """
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        return await self._agent.kv_wait(keys, timeout if timeout is not None else self._agent.timeouts.op_s)
+
+    async def compare_set(self, key: str, expected: bytes | str | None, value: bytes | str) -> tuple[bool, bytes | None]:
+        """Set ``key`` to ``value`` only if it currently equals ``expected`` (None: absent).
+
+        Returns:
+            ``(swapped, current_value)``.
+        """
+        return await self._agent.kv_cas(key, None if expected is None else self._b(expected), self._b(value))
+
+    async def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it existed."""
+        return await self._agent.kv_del(key)
+
+    def epoch_key(self, key: str) -> str:
+        """``key`` scoped to the current epoch (``epoch/<n>/<key>``)."""
+        return f"epoch/{self._agent.epoch}/{key}"
+
+
+class ProcessGroup:
+    """The world of one job, as seen by one rank (async API).
+
+    Attributes:
+        rank: this process's rank in the current epoch.
+        world_size: ranks in the current epoch.
+        epoch: the current epoch; increases at every membership change.
+        store: the job's key-value store.
+    """
+
+    def __init__(self, agent: Agent, engine: Any, timeouts: Timeouts):
+        self._agent = agent
+        self._engine = engine
+        self.timeouts = timeouts
+        self.store = Store(agent)
+
+    @property
+    def membership(self) -> Membership:
+        m = self._agent.membership
+        if m is None:
+            raise ConfigError("the process group has not joined a world yet")
+        return m
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.membership.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
+
+    @property
+    def job(self) -> str:
+        return self._agent.job
+
+    @property
+    def agent(self) -> Agent:
+        return self._agent
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _COLLECTIVES:
+            engine = self.__dict__.get("_engine")
+            if engine is None or engine.world is None:
+                raise ConfigError(f"{name}: the collective engine is not available in this process")
+            return getattr(engine.world, name)
+        raise AttributeError(name)
+
+    async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,
+                     timeout: float | None = None) -> bool:
+        """Vote that ``step`` succeeded (``ok``) on this rank; returns whether the step committed.
+
+        The step counts only when every member of the epoch voted success; the coordinator
+        journals it before answering. False when a member voted failure or the epoch changed.
+
+        Raises:
+            RtxTimeoutError: not every member voted within ``timeout`` seconds (default op timeout).
+        """
+        body = await self._agent.commit(step, ok=ok, metadata=metadata,
+                                        timeout_s=timeout if timeout is not None else self.timeouts.op_s)
+        return bool(body["committed"])
+
+    async def status(self) -> list[dict[str, Any]]:
+        """Every job on the coordinator, as ``rtxnet status`` shows them."""
+        return await self._agent.status()
+
+    async def aclose(self) -> None:
+        """Leave the job in order and release sockets and shared memory."""
+        await self._agent.aclose()
+        if self._engine is not None:
+            await self._engine.aclose()
+
+    close = aclose
+
+    async def __aenter__(self) -> ProcessGroup:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s) -> dict[str, Any]:
+    coordinator = coordinator or os.environ.get("RTXNET_COORDINATOR")
+    if not coordinator:
+        raise ConfigError("no coordinator address: pass coordinator= or set RTXNET_COORDINATOR (rtxnet-run sets it)")
+    job = job or os.environ.get("RTXNET_JOB") or "default"
+    token = token if token is not None else os.environ.get("RTXNET_TOKEN", "")
+    if rank is None:
+        rank = env_int("RTXNET_RANK", None)
+    if os.environ.get("RTXNET_REJOIN") == "1" and rank == env_int("RTXNET_RANK", None):
+        rank = None  # a restarted rank takes whatever rank is free in the re-formed world
+    world_size = world_size if world_size is not None else env_int("RTXNET_WORLD_SIZE", None)
+    min_ranks = min_ranks if min_ranks is not None else env_int("RTXNET_MIN_RANKS", world_size)
+    max_ranks = max_ranks if max_ranks is not None else env_int("RTXNET_MAX_RANKS", world_size or min_ranks)
+    if min_ranks is None or max_ranks is None:
+        raise ConfigError("world size unknown: pass world_size= (or min_ranks=/max_ranks=) or set RTXNET_WORLD_SIZE")
+    if not (1 <= min_ranks <= max_ranks):
+        raise ConfigError(f"need 1 <= min_ranks({min_ranks}) <= max_ranks({max_ranks})")
+    if rank is not None and not (0 <= rank < max_ranks):
+        raise ConfigError(f"rank({rank}) must be in 0..max_ranks-1 ({max_ranks - 1})")
+    if last_call_s is None:
+        last_call_s = env_float("RTXNET_LAST_CALL", 0.0 if min_ranks == max_ranks else 1.0)
+    return dict(coordinator=coordinator, job=job, token=token, rank=rank, min_ranks=min_ranks,
+                max_ranks=max_ranks, last_call_s=last_call_s)
+
+
+async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
+    try:
+        from .collectives import Engine
+    except ImportError:  # the data plane is optional for control-only use
+        return None
+    host = bind_host or os.environ.get("RTXNET_BIND_HOST", "127.0.0.1")
+    shm = os.environ.get("RTXNET_SHM", "1") not in ("0", "false")
+    return await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm)
+
+
+def _wire_engine(agent: Agent, engine: Any) -> None:
+    from .collectives import WorldView
+    from transport.errors import PeerLostError
+
+    def on_epoch(m: Membership | None, reason: str) -> None:
+        if m is None:
+            engine.abort(PeerLostError("this rank was fenced out: the coordinator declared it lost; rejoin"))
+            return
+        engine.set_view(
+            WorldView(job=m.job, epoch=m.epoch, rank=m.rank, world_size=m.world_size,
+                      endpoints={r: i["endpoint"] for r, i in m.members.items()},
+                      hosts={r: i["host"] for r, i in m.members.items()}),
+            lost=m.lost,
+        )
+
+    agent.add_listener(on_epoch)
+
+
+async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_size=None,
+                   min_ranks=None, max_ranks=None, last_call_s=None, timeouts=None,
+                   bind_host=None, info=None) -> ProcessGroup:
+    settings = _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s)
+    timeouts = timeouts or Timeouts.from_env()
+    engine = await _make_engine(timeouts, bind_host)
+    agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)
+    if engine is not None:
+        _wire_engine(agent, engine)
+    try:
+        await agent.join()
+    except BaseException:
+        await agent.aclose(leave=False)
+        if engine is not None:
+            await engine.aclose()
+        raise
+    return ProcessGroup(agent, engine, timeouts)
+
+
+class connect:  # noqa: N801 - used like a function: `await connect()` / `async with connect()`
+    """Join a job and return its :class:`ProcessGroup` (asyncio).
+
+    Usable as ``pg = await rtxnet.connect(...)`` or ``async with rtxnet.connect(...) as pg:``
+    (leaves the job at the end of the block).
+
+    Args:
+        coordinator: address like ``tcp://host:29600``; default ``RTXNET_COORDINATOR``.
+        job: job id; default ``RTXNET_JOB`` or ``"default"``.
+        token: job token; default ``RTXNET_TOKEN`` or ``""``.
+        rank: requested rank; default ``RTXNET_RANK`` or any free rank.
+        world_size: shorthand for ``min_ranks = max_ranks = world_size``.
+        min_ranks, max_ranks: rendezvous bounds.
+        last_call_s: seconds to wait for more ranks once ``min_ranks`` are present.
+        timeouts: :class:`Timeouts`; default from ``RTXNET_*`` variables.
+
+    Raises:
+        ConfigError: missing or contradictory settings (names the values).
+        RendezvousError: the coordinator refused the join (duplicate rank, job full, wrong token).
+        RendezvousTimeout: the world did not form within ``timeouts.rendezvous_s``.
+    """
+
+    def __init__(self, coordinator: str | None = None, **kwargs: Any):
+        self._args = (coordinator,)
+        self._kwargs = kwargs
+        self._pg: ProcessGroup | None = None
+
+    def __await__(self):
+        return _connect(*self._args, **self._kwargs).__await__()
+
+    async def __aenter__(self) -> ProcessGroup:
+        self._pg = await _connect(*self._args, **self._kwargs)
+        return self._pg
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._pg is not None:
+            await self._pg.aclose()
+
+
+class BlockingProcessGroup:
+    """The blocking facade of :class:`ProcessGroup`: same methods, same names, no ``await``.
+
+    Collectives take ``async_op=True`` to return a :class:`Work` handle at once, so communication
+    overlaps computation. The event loop runs in a background thread, so heartbeats continue while
+    the caller computes.
+    """
+
+    def __init__(self, portal: Portal, pg: ProcessGroup):
+        self._portal = portal
+        self._pg = pg
+        self.store = _BlockingProxy(portal, pg.store)
+
+    rank = property(lambda self: self._pg.rank)
+    world_size = property(lambda self: self._pg.world_size)
+    epoch = property(lambda self: self._pg.epoch)
+    job = property(lambda self: self._pg.job)
+    membership = property(lambda self: self._pg.membership)
+    timeouts = property(lambda self: self._pg.timeouts)
+    async_pg = property(lambda self: self._pg, doc="The underlying async ProcessGroup.")
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._pg, name)
+        if not callable(target):
+            return target
+        return _blocking(self._portal, target)
+
+    def close(self) -> None:
+        """Leave the job, release resources and stop the background loop."""
+        try:
+            self._portal.call(self._pg.aclose)
+        finally:
+            self._portal.stop()
+
+    def __enter__(self) -> BlockingProcessGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _BlockingProxy:
+    def __init__(self, portal: Portal, obj: Any):
+        self._portal = portal
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._obj, name)
+        return _blocking(self._portal, target) if callable(target) else target
+
+
+def _blocking(portal: Portal, fn: Any) -> Any:
+    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        if not asyncio.iscoroutine(result):
+            return _wrap(portal, result)
+        fut = portal.submit(lambda: result)
+        if async_op:
+            return Work(fut)
+        return fut.result()
+
+    call.__name__ = getattr(fn, "__name__", "call")
+    call.__doc__ = getattr(fn, "__doc__", None)
+    return call
+
+
+def _wrap(portal: Portal, value: Any) -> Any:
+    # Subgroups returned by new_group() are async objects too: give them the blocking face.
+    if value is not None and hasattr(value, "all_reduce") and asyncio.iscoroutinefunction(getattr(value, "all_reduce")):
+        return _BlockingProxy(portal, value)
+    return value
+
+
+def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
+    """Join a job and return the blocking :class:`BlockingProcessGroup`.
+
+    Takes the arguments of :class:`connect`; reads the environment ``rtxnet-run`` sets.
+
+    Raises:
+        ConfigError, RendezvousError, RendezvousTimeout: as :class:`connect`.
+    """
+    portal = Portal()
+    try:
+        pg = portal.call(_connect, coordinator, **kwargs)
+    except BaseException:
+        portal.stop()
+        raise
+    return BlockingProcessGroup(portal, pg)

@@ -1,0 +1,315 @@
+"""The control channel: coordinator ROUTER, agent DEALER, one msgpack frame per message.
+
+:class:`ControlClient` (agent side) matches replies to requests by request id, puts a deadline on
+every request and hands pushes to a callback. :class:`ControlServer` (coordinator side) yields
+``(identity, message)`` pairs and disconnect notices: it maps each connection's file descriptor
+(``zmq.SRCFD`` of received frames) to the sender's routing id, so a ZeroMQ ``EVENT_DISCONNECTED``
+names the agent whose process went away. Sockets close with ``linger=0``. A ZeroMQ context is
+bound to the process that made it: using it after ``fork()`` raises :class:`ClosedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from . import wire
+from .codec import DEFAULT_LIMITS, Limits, decode, encode
+from .errors import ClosedError, ConnectError, ProtocolError, RtxError, RtxTimeoutError, error_from_wire
+
+__all__ = ["ControlClient", "ControlServer", "Inbound", "Disconnected", "process_context"]
+
+log = structlog.get_logger(__name__)
+
+_contexts: dict[int, zmq.asyncio.Context] = {}
+
+
+def process_context() -> zmq.asyncio.Context:
+    """This process's asyncio ZeroMQ context (a fresh one in a forked child, never the parent's)."""
+    pid = os.getpid()
+    ctx = _contexts.get(pid)
+    if ctx is None:
+        ctx = zmq.asyncio.Context()
+        _contexts.clear()  # a parent's context must not be touched in a fork child
+        _contexts[pid] = ctx
+    return ctx
+
+
+class ControlClient:
+    """An agent's DEALER connection to the coordinator.
+
+    Args:
+        address: the coordinator's ZeroMQ address, e.g. ``tcp://127.0.0.1:29600``.
+        identity: routing id, unique per process; the coordinator recognises the agent by it after
+            a coordinator restart.
+        on_push: coroutine called with each pushed message (``epoch``, ``fenced``).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        identity: str,
+        on_push: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+    ):
+        if not isinstance(address, str) or "://" not in address:
+            raise ConnectError(f"coordinator address {address!r} is not a ZeroMQ address like tcp://HOST:PORT")
+        self.address = address
+        self.identity = identity
+        self._on_push = on_push
+        self._limits = limits
+        self._pid = os.getpid()
+        self._rid = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._closed = False
+        ctx = process_context()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        self._sock.setsockopt(zmq.SNDHWM, 10000)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            raise ConnectError(f"cannot connect to {address!r}: {exc}") from exc
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="control-reader")
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError("control channel is closed")
+        if os.getpid() != self._pid:
+            raise ClosedError("control channel was made in another process (fork); make a new one")
+
+    async def request(self, mtype: str, *, job: str, epoch: int, deadline_s: float, **fields: Any) -> dict[str, Any]:
+        """Send a request and wait for its answer.
+
+        Args:
+            mtype: a request type of :mod:`transport.wire`.
+            deadline_s: seconds to wait for the answer.
+            fields: the message's own fields (see :mod:`transport.wire`).
+
+        Returns:
+            the ``body`` of the reply.
+
+        Raises:
+            RtxTimeoutError: no answer within ``deadline_s``.
+            RtxError: (a subclass, by name) the coordinator answered with an error.
+            ClosedError: the channel was closed meanwhile.
+        """
+        self._check()
+        rid = next(self._rid)
+        msg = wire.make(mtype, rid=rid, job=job, epoch=epoch, **fields)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            try:
+                await self._sock.send(encode(msg, limits=self._limits), copy=True)
+            except zmq.ZMQError as exc:
+                raise ConnectError(f"send to {self.address} failed: {exc}") from exc
+            try:
+                reply = await asyncio.wait_for(fut, deadline_s)
+            except TimeoutError:
+                raise RtxTimeoutError(f"{mtype} to {self.address}: no answer within {deadline_s:g} s") from None
+        finally:
+            self._pending.pop(rid, None)
+        if reply["t"] == "error":
+            raise error_from_wire(reply["error"], reply["message"])
+        return reply["body"]
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                frames = await self._sock.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                if len(frames) != 1:
+                    raise ProtocolError(f"expected 1 frame, got {len(frames)}")
+                msg = wire.validate(decode(frames[0], limits=self._limits))
+            except ProtocolError as exc:
+                log.warning("control_message_dropped", error=str(exc))
+                continue
+            if msg["t"] in ("reply", "error"):
+                fut = self._pending.get(msg["rid"])
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif self._on_push is not None:
+                try:
+                    await self._on_push(msg)
+                except Exception:  # a bad handler must not kill the channel
+                    log.exception("push_handler_failed", type=msg["t"])
+
+    async def aclose(self) -> None:
+        """Close the socket (``linger=0``) and fail pending requests with :class:`ClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.cancel()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ClosedError("control channel closed"))
+        self._pending.clear()
+        if os.getpid() == self._pid:
+            self._sock.close(0)
+
+
+class Inbound:
+    """A request received by the server: ``identity`` and the validated ``msg``."""
+
+    __slots__ = ("identity", "msg")
+
+    def __init__(self, identity: str, msg: dict[str, Any]):
+        self.identity = identity
+        self.msg = msg
+
+
+class Disconnected:
+    """The connection that carried ``identity``'s messages went away."""
+
+    __slots__ = ("identity",)
+
+    def __init__(self, identity: str):
+        self.identity = identity
+
+
+def _log_send_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("send_failed", error=str(fut.exception()))
+
+
+class ControlServer:
+    """The coordinator's ROUTER socket plus a disconnect monitor.
+
+    Malformed, oversize, wrong-version or unknown messages are answered with a ``ProtocolError``
+    (when the request id can be read) or dropped and logged; the server keeps serving everyone.
+    """
+
+    def __init__(self, bind: str, *, limits: Limits = DEFAULT_LIMITS):
+        self._limits = limits
+        ctx = process_context()
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # ZeroMQ drops a connection that sends a bigger frame than this; smaller oversize messages
+        # get a ProtocolError answer from the codec instead.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * limits.max_message_nbytes)
+        self._sock.setsockopt(zmq.SNDHWM, 100000)
+        self._sock.setsockopt(zmq.RCVHWM, 100000)
+        try:
+            if bind.endswith(":0"):
+                port = self._sock.bind_to_random_port(bind[: -len(":0")])
+                self.address = f"{bind[: -len(':0')]}:{port}"
+            else:
+                self._sock.bind(bind)
+                self.address = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            raise ConnectError(f"cannot bind {bind!r}: {exc}") from exc
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_owner: dict[int, bytes] = {}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._read_loop(), name="control-server-reader"),
+            loop.create_task(self._monitor_loop(), name="control-server-monitor"),
+        ]
+
+    async def next(self) -> Inbound | Disconnected:
+        """The next request or disconnect notice."""
+        return await self._queue.get()
+
+    def next_nowait(self) -> Inbound | Disconnected | None:
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                frames = await self._sock.recv_multipart(copy=False)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            ident_b = frames[0].bytes
+            try:
+                fd = frames[-1].get(zmq.SRCFD)
+                if fd >= 0:
+                    self._fd_owner[fd] = ident_b
+            except zmq.ZMQError:
+                pass
+            try:
+                identity = ident_b.decode()
+            except UnicodeDecodeError:
+                log.warning("control_message_dropped", error="routing id is not UTF-8")
+                continue
+            self._handle(identity, ident_b, frames[1:])
+
+    def _handle(self, identity: str, ident_b: bytes, frames: list) -> None:
+        raw = None
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected 1 frame, got {len(frames)}")
+            raw = decode(frames[0].buffer, limits=self._limits)
+            msg = wire.validate(raw)
+            if msg["t"] not in wire.REQUESTS:
+                raise ProtocolError(f"{msg['t']!r} is not a request")
+        except ProtocolError as exc:
+            rid = raw.get("rid") if isinstance(raw, dict) else None
+            log.warning("protocol_error", identity=identity, error=str(exc), answered=isinstance(rid, int))
+            if isinstance(rid, int) and not isinstance(rid, bool) and -(2**63) <= rid < 2**64:
+                job = raw.get("job") if isinstance(raw.get("job"), str) else ""
+                self.send_raw(ident_b, wire.make("error", rid=rid, job=job, error="ProtocolError", message=str(exc)))
+            return
+        self._queue.put_nowait(Inbound(identity, msg))
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                evt = parse_monitor_message(await self._monitor.recv_multipart())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if evt["event"] == zmq.EVENT_DISCONNECTED:
+                ident_b = self._fd_owner.pop(evt["value"], None)
+                if ident_b is not None:
+                    try:
+                        self._queue.put_nowait(Disconnected(ident_b.decode()))
+                    except UnicodeDecodeError:
+                        pass
+
+    def send(self, identity: str, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to the agent with routing id ``identity`` (dropped if it is gone)."""
+        self.send_raw(identity.encode(), msg)
+
+    def send_raw(self, ident_b: bytes, msg: dict[str, Any]) -> None:
+        try:
+            data = encode(msg, limits=self._limits)
+        except RtxError as exc:
+            log.error("reply_unencodable", error=str(exc), type=msg.get("t"))
+            data = encode(wire.make("error", rid=msg.get("rid", 0), error="ProtocolError", message=str(exc)))
+        try:
+            fut = self._sock.send_multipart([ident_b, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("send_failed", error=str(exc))
+            return
+        fut.add_done_callback(_log_send_failure)
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self._sock.close(0)

@@ -1,0 +1,97 @@
+"""msgpack codec with explicit limits; never unpickles.
+
+Limits are enforced while unpacking (msgpack's ``max_*_len``), so an oversize length prefix is
+refused before memory is allocated for it. Bytes are always packed as msgpack ``bin``
+(``use_bin_type=True``); ``str`` must be valid UTF-8; integers outside
+``[-2**63, 2**64 - 1]`` cannot be packed and are a :class:`ProtocolError`. Extension types and
+timestamps are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+__all__ = ["Limits", "DEFAULT_LIMITS", "encode", "decode"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds for one decoded message.
+
+    Attributes:
+        max_message_nbytes: whole encoded message, bytes.
+        max_bin_len: one ``bin`` value, bytes.
+        max_str_len: one ``str`` value, bytes of UTF-8.
+        max_array_len: elements of one array.
+        max_map_len: pairs of one map.
+    """
+
+    max_message_nbytes: int = 16 * 1024 * 1024
+    max_bin_len: int = 8 * 1024 * 1024
+    max_str_len: int = 1024 * 1024
+    max_array_len: int = 1 << 20
+    max_map_len: int = 1 << 16
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Pack ``obj`` (dict/list/str/bytes/int/float/bool/None) into msgpack bytes.
+
+    Raises:
+        ProtocolError: an unsupported type, an integer outside 64 bits, or a result larger than
+            ``limits.max_message_nbytes``.
+    """
+    try:
+        data = msgpack.packb(obj, use_bin_type=True, strict_types=False, datetime=False)
+    except OverflowError as exc:
+        raise ProtocolError(f"integer outside the 64-bit range: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"cannot encode {type(obj).__name__}: {exc}") from exc
+    if len(data) > limits.max_message_nbytes:
+        raise ProtocolError(
+            f"message of {len(data)} bytes exceeds the limit of {limits.max_message_nbytes} bytes"
+        )
+    return data
+
+
+def decode(data: bytes | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Unpack one msgpack object from ``data`` under ``limits``.
+
+    Raises:
+        ProtocolError: oversize, truncated, trailing bytes, invalid UTF-8, an extension type, or any
+            length above the limits.
+    """
+    n = len(data)
+    if n > limits.max_message_nbytes:
+        raise ProtocolError(f"message of {n} bytes exceeds the limit of {limits.max_message_nbytes} bytes")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            ext_hook=_refuse_ext,
+            timestamp=0,
+            max_bin_len=limits.max_bin_len,
+            max_str_len=limits.max_str_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except msgpack.ExtraData as exc:
+        raise ProtocolError("trailing bytes after the message") from exc
+    except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ProtocolError(f"malformed message ({n} bytes): {exc}") from exc

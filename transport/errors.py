@@ -1,0 +1,170 @@
+"""rtxnet's exception tree: one root, shared by the agent, the coordinator and the transport.
+
+::
+
+    RtxError
+    |-- ConfigError (also ValueError)
+    |-- ProtocolError               malformed or oversize message, wrong version
+    |-- TransportError
+    |   |-- ConnectError
+    |   |-- ClosedError             we closed it
+    |   `-- PeerLostError           a peer died or was declared lost (carries the ranks)
+    |-- RtxTimeoutError (also TimeoutError)
+    |   |-- RendezvousTimeout
+    |   `-- CollectiveTimeout       carries the ranks that did not contribute
+    |-- RendezvousError             duplicate rank, job full, wrong token, stale epoch
+    |-- CollectiveError
+    |   `-- CollectiveMismatchError shapes, dtypes or ops differ across ranks
+    `-- JournalError
+        `-- JournalCorruptError     carries the file and offset
+
+Errors cross the wire by name (:func:`error_from_wire`); library errors (zmq, OS) are translated
+at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "RtxError",
+    "ConfigError",
+    "ProtocolError",
+    "TransportError",
+    "ConnectError",
+    "ClosedError",
+    "PeerLostError",
+    "RtxTimeoutError",
+    "RendezvousTimeout",
+    "CollectiveTimeout",
+    "RendezvousError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "JournalError",
+    "JournalCorruptError",
+    "error_from_wire",
+]
+
+
+class RtxError(Exception):
+    """Root of every error rtxnet raises on purpose."""
+
+
+class ConfigError(RtxError, ValueError):
+    """A configuration value is invalid or values contradict each other."""
+
+
+class ProtocolError(RtxError):
+    """A message is malformed, oversize, of an unknown type or of another protocol version."""
+
+
+class TransportError(RtxError):
+    """A link to a peer or to the coordinator failed."""
+
+
+class ConnectError(TransportError):
+    """A connection could not be established."""
+
+
+class ClosedError(TransportError):
+    """The object was closed by this process (as opposed to the peer breaking it)."""
+
+
+class PeerLostError(TransportError):
+    """One or more peers died or were declared lost.
+
+    Attributes:
+        ranks: the lost ranks, sorted.
+        epoch: the epoch opened because of the loss, when known.
+    """
+
+    def __init__(self, message: str, *, ranks: Iterable[int] = (), epoch: int | None = None):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.epoch = epoch
+
+
+class RtxTimeoutError(RtxError, TimeoutError):
+    """A deadline passed."""
+
+
+class RendezvousTimeout(RtxTimeoutError):
+    """The world did not form before the rendezvous deadline."""
+
+
+class CollectiveTimeout(RtxTimeoutError):
+    """A collective did not complete in time.
+
+    Attributes:
+        ranks: ranks that did not contribute in time, sorted.
+        op: name of the collective.
+    """
+
+    def __init__(self, message: str, *, ranks: Iterable[int] = (), op: str | None = None):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.op = op
+
+
+class RendezvousError(RtxError):
+    """Rendezvous refused: duplicate rank or identity, job full, wrong token, stale epoch."""
+
+
+class CollectiveError(RtxError):
+    """A collective failed."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks called a collective with different ops, dtypes, shapes or element counts.
+
+    Attributes:
+        field: what differs (``"op"``, ``"dtype"``, ``"shape"``, ...).
+        values: per-rank values of that field, ``{rank: value}``.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, values: dict | None = None):
+        super().__init__(message)
+        self.field = field
+        self.values = dict(values or {})
+
+
+class JournalError(RtxError):
+    """The coordinator's write-ahead journal cannot be used."""
+
+
+class JournalCorruptError(JournalError):
+    """A journal record before the tail failed its length or CRC check.
+
+    Attributes:
+        path: the journal file.
+        offset: byte offset of the bad record in that file.
+    """
+
+    def __init__(self, message: str, *, path: str, offset: int):
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+_BY_NAME = {
+    cls.__name__: cls
+    for cls in (
+        RtxError,
+        ConfigError,
+        ProtocolError,
+        TransportError,
+        ConnectError,
+        ClosedError,
+        RendezvousError,
+        RendezvousTimeout,
+        RtxTimeoutError,
+        CollectiveError,
+        JournalError,
+    )
+}
+
+
+def error_from_wire(name: str, message: str) -> RtxError:
+    """Rebuild an error the coordinator sent by class name; unknown names become ``RtxError``."""
+    cls = _BY_NAME.get(name, RtxError)
+    return cls(message)

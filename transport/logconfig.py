@@ -1,0 +1,44 @@
+"""structlog set-up for entry points (daemons, launcher, CLIs); never called on import.
+
+Logs go to stderr: JSON lines when ``json`` is true (or ``RTXNET_LOG_JSON=1``), a readable console
+rendering otherwise. Context bound with :func:`structlog.contextvars.bind_contextvars` (rank,
+epoch, job) follows into asyncio tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+__all__ = ["configure_logging"]
+
+
+def configure_logging(*, level: str | None = None, json: bool | None = None) -> None:
+    """Configure structlog for this process.
+
+    Args:
+        level: ``debug``, ``info``, ``warning`` or ``error``; default ``RTXNET_LOG_LEVEL`` or info.
+        json: JSON lines instead of the console renderer; default ``RTXNET_LOG_JSON``.
+    """
+    level = (level or os.environ.get("RTXNET_LOG_LEVEL") or "info").lower()
+    if json is None:
+        json = os.environ.get("RTXNET_LOG_JSON", "") not in ("", "0", "false")
+    lvl = getattr(logging, level.upper(), None)
+    if not isinstance(lvl, int):
+        raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,176 @@
+"""The wire contract: every control message between agents and the coordinator, in one place.
+
+A message is a msgpack map. Every message carries the header fields:
+
+    v      int   protocol version (:data:`PROTOCOL_VERSION`); another version is a ProtocolError
+    t      str   message type, one of :data:`MESSAGES`
+    rid    int   request id chosen by the sender (0 for pushes); replies echo it
+    job    str   job id ("" for job-less requests such as ``status``)
+    epoch  int   the sender's epoch (-1 when it has none yet)
+
+and then the fields of its type, listed below with their types and whether they are required.
+Bytes travel as msgpack ``bin``; nothing is ever pickled. Integers must fit in 64 bits.
+
+Requests (agent -> coordinator) are answered with ``reply`` (same ``rid``, ``ok`` true and the
+answer's fields) or ``error`` (same ``rid``, the error's class name and message). Pushes
+(coordinator -> agent) have ``rid`` 0 and need no answer.
+
+Message types and their meaning:
+
+- ``join``: ask to enter a job's rendezvous (creating the job if it does not exist) or to rejoin a
+  formed job. Answered at once (``reply`` with ``state`` "pending" or "member"); the world itself
+  arrives later as an ``epoch`` push.
+- ``heartbeat``: "I am alive"; answered with the job's epoch and this agent's standing (``member``,
+  ``pending``, ``fenced`` or ``unknown``), so an agent learns that the coordinator restarted or that
+  it was declared lost.
+- ``leave``: orderly exit of a rank; distinct from a crash.
+- ``kv_set`` / ``kv_get`` / ``kv_wait`` / ``kv_cas`` / ``kv_del``: the job's key-value store. A
+  ``kv_wait`` reply comes when the key exists or the request's ``timeout_s`` runs out.
+- ``commit``: a rank's vote that ``step`` succeeded (or failed) in ``epoch``; the reply comes once
+  every member voted (``committed`` true only if all voted success) or the epoch changed.
+- ``status``: a snapshot of every job for ``rtxnet status``.
+- ``epoch`` (push): a new epoch was formed; carries the members and the ranks lost or added.
+- ``fenced`` (push): this agent belongs to an epoch that is gone; it must rejoin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HEADER",
+    "MESSAGES",
+    "REQUESTS",
+    "PUSHES",
+    "INT64_MIN",
+    "UINT64_MAX",
+    "validate",
+    "make",
+]
+
+PROTOCOL_VERSION = 1
+
+INT64_MIN = -(2**63)
+UINT64_MAX = 2**64 - 1
+
+# Field spec: name -> (python type or tuple of types, required).
+_Num = (int, float)
+_Opt = type(None)
+
+HEADER: dict[str, tuple[Any, bool]] = {
+    "v": (int, True),
+    "t": (str, True),
+    "rid": (int, True),
+    "job": (str, True),
+    "epoch": (int, True),
+}
+
+MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
+    # --- requests -------------------------------------------------------------------------------
+    "join": {
+        "identity": (str, True),  # unique per agent process; also its ZeroMQ routing id
+        "token": (str, True),  # job token; the first joiner sets it, later ones must match
+        "rank": ((int, _Opt), True),  # requested rank or None
+        "min_ranks": (int, True),
+        "max_ranks": (int, True),
+        "last_call_s": (_Num, True),  # window after min_ranks are present for more to join
+        "heartbeat_timeout_s": (_Num, True),
+        "endpoint": (str, True),  # this rank's data endpoint for peer-to-peer payloads
+        "host": (str, True),  # hostname, for same-host paths and topology
+        "pid": (int, True),
+        "info": (dict, False),  # free-form topology facts (GPU UUID, ...)
+    },
+    "heartbeat": {"identity": (str, True)},
+    "leave": {"identity": (str, True)},
+    "kv_set": {"key": (str, True), "value": (bytes, True)},
+    "kv_get": {"key": (str, True)},
+    "kv_wait": {"keys": (list, True), "timeout_s": (_Num, True)},
+    "kv_cas": {
+        "key": (str, True),
+        "expected": ((bytes, _Opt), True),  # None: the key must be absent
+        "value": (bytes, True),
+    },
+    "kv_del": {"key": (str, True)},
+    "commit": {
+        "identity": (str, True),
+        "step": (int, True),
+        "ok": (bool, True),
+        "metadata": (dict, False),
+        "timeout_s": (_Num, True),
+    },
+    "status": {},
+    # --- answers ---------------------------------------------------------------------------------
+    "reply": {"ok": (bool, True), "body": (dict, True)},
+    "error": {"error": (str, True), "message": (str, True)},
+    # --- pushes ----------------------------------------------------------------------------------
+    "epoch": {
+        "world_size": (int, True),
+        # rank -> {"identity", "endpoint", "host", "pid", "info"}; msgpack map keys are ints
+        "members": (dict, True),
+        "lost": (list, True),
+        "added": (list, True),
+        "reason": (str, True),  # "formed", "lost", "left", "joined"
+        "committed_step": (int, True),  # last committed step of the job, -1 if none
+    },
+    "fenced": {"reason": (str, True)},
+}
+
+REQUESTS = frozenset(
+    {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "status"}
+)
+PUSHES = frozenset({"epoch", "fenced"})
+
+
+def _check_type(name: str, value: Any, expected: Any, mtype: str) -> None:
+    # bool is an int in Python; an int field must not accept True.
+    exp = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in exp:
+        raise ProtocolError(f"{mtype}.{name}: expected {_names(exp)}, got bool")
+    if not isinstance(value, exp):
+        raise ProtocolError(f"{mtype}.{name}: expected {_names(exp)}, got {type(value).__name__}")
+
+
+def _names(types: tuple) -> str:
+    return "|".join("None" if t is _Opt else t.__name__ for t in types)
+
+
+def validate(msg: Any) -> dict[str, Any]:
+    """Check a decoded message against the contract.
+
+    Args:
+        msg: the decoded msgpack object.
+
+    Returns:
+        ``msg`` itself, known to be a dict with a valid header and the fields of its type.
+
+    Raises:
+        ProtocolError: not a map, wrong version, unknown type, a missing or mistyped field.
+    """
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message is a {type(msg).__name__}, not a map")
+    v = msg.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {v!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    for name, (typ, _) in HEADER.items():
+        if name not in msg:
+            raise ProtocolError(f"header field {name!r} missing")
+        _check_type(name, msg[name], typ, "header")
+    mtype = msg["t"]
+    spec = MESSAGES.get(mtype)
+    if spec is None:
+        raise ProtocolError(f"unknown message type {mtype!r}")
+    for name, (typ, required) in spec.items():
+        if name not in msg:
+            if required:
+                raise ProtocolError(f"{mtype}.{name} missing")
+            continue
+        _check_type(name, msg[name], typ, mtype)
+    return msg
+
+
+def make(mtype: str, *, rid: int = 0, job: str = "", epoch: int = -1, **fields: Any) -> dict[str, Any]:
+    """Build a message dict of type ``mtype`` with the header filled in (not validated)."""
+    return {"v": PROTOCOL_VERSION, "t": mtype, "rid": rid, "job": job, "epoch": epoch, **fields}
