@@ -1,0 +1,730 @@
+"""Tests of the coordinator's write-ahead journal on real files, with real fsync."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinator.journal import (
+    FRAME_HEADER_NBYTES,
+    MAX_RECORD_NBYTES,
+    SNAPSHOT_NAME,
+    SNAPSHOT_TMP_NAME,
+    Journal,
+    encode_frame,
+)
+from transport.errors import JournalCorruptError, JournalError
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def segment(directory: Path, generation: int) -> Path:
+    return directory / f"journal-{generation:020d}.log"
+
+
+def frame_offsets(records: list[bytes]) -> list[int]:
+    offsets, offset = [], 0
+    for r in records:
+        offsets.append(offset)
+        offset += FRAME_HEADER_NBYTES + len(r)
+    return offsets
+
+
+def reopen(directory: Path, **kwargs) -> tuple[bytes | None, list[bytes]]:
+    j = Journal(directory, **kwargs)
+    try:
+        return j.open()
+    finally:
+        j.close()
+
+
+def write_journal(directory: Path, records: list[bytes]) -> None:
+    with Journal(directory) as j:
+        j.open()
+        for r in records:
+            j.append(r)
+        j.flush_sync()
+
+
+RECORDS = [b"first record", b"", b"x" * 1000, msgpack.packb({"op": "kv_set", "k": "a", "v": 1})]
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+async def test_append_flush_reopen_round_trip(tmp_path: Path) -> None:
+    d = tmp_path / "j"  # does not exist yet: open() creates it
+    j = Journal(d)
+    assert j.open() == (None, [])
+    for r in RECORDS:
+        j.append(r)
+    assert j.pending_records == len(RECORDS)
+    await j.flush()
+    assert j.pending_records == 0
+    assert j.records_since_snapshot == len(RECORDS)
+    assert j.bytes_since_snapshot == sum(FRAME_HEADER_NBYTES + len(r) for r in RECORDS)
+    assert segment(d, 1).read_bytes() == b"".join(encode_frame(r) for r in RECORDS)
+    j.close()
+
+    j = Journal(d)
+    assert j.open() == (None, RECORDS)
+    assert j.records_since_snapshot == len(RECORDS)
+    j.append(b"more")
+    j.flush_sync()
+    j.close()
+    assert reopen(d) == (None, [*RECORDS, b"more"])
+
+
+def test_flush_sync_and_close_make_records_durable(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    j.append(b"a")
+    j.flush_sync()
+    assert segment(tmp_path, 1).read_bytes() == encode_frame(b"a")
+    j.append(b"b")  # not flushed: close() writes it
+    j.close()
+    j.close()  # idempotent
+    assert reopen(tmp_path) == (None, [b"a", b"b"])
+
+
+def test_unflushed_records_never_reach_the_file(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    j.append(b"buffered")
+    assert segment(tmp_path, 1).read_bytes() == b""
+    j.close()
+
+
+def test_accepts_bytearray_and_memoryview(tmp_path: Path) -> None:
+    with Journal(tmp_path) as j:
+        j.open()
+        j.append(bytearray(b"ba"))
+        j.append(memoryview(b"xmvx")[1:3])
+    assert reopen(tmp_path) == (None, [b"ba", b"mv"])
+
+
+# ---------------------------------------------------------------------------- misuse
+
+
+def test_record_size_limit(tmp_path: Path) -> None:
+    with Journal(tmp_path, max_record_nbytes=16) as j:
+        j.open()
+        j.append(b"x" * 16)
+        with pytest.raises(JournalError, match=r"17 bytes exceeds max_record_nbytes\(16\)"):
+            j.append(b"x" * 17)
+    assert reopen(tmp_path) == (None, [b"x" * 16])
+
+
+def test_default_record_size_limit_is_64_mib(tmp_path: Path) -> None:
+    assert MAX_RECORD_NBYTES == 64 * 1024 * 1024
+    with Journal(tmp_path, fsync=False) as j:
+        j.open()
+        with pytest.raises(JournalError, match="exceeds max_record_nbytes"):
+            j.append(bytes(MAX_RECORD_NBYTES + 1))
+        assert j.pending_records == 0
+
+
+def test_calls_outside_open_raise(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    with pytest.raises(JournalError, match="open"):
+        j.append(b"a")
+    j.open()
+    with pytest.raises(JournalError):
+        j.open()
+    with pytest.raises(JournalError, match="bytes-like"):
+        j.append("text")  # type: ignore[arg-type]
+    j.close()
+    with pytest.raises(JournalError, match="closed"):
+        j.append(b"a")
+    with pytest.raises(JournalError, match="closed"):
+        j.flush_sync()
+    with pytest.raises(JournalError, match="closed"):
+        j.write_snapshot(b"s")
+
+
+async def test_failed_fsync_poisons_the_journal(tmp_path: Path, monkeypatch) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    j.append(b"a")
+    with pytest.raises(JournalError, match="Input/output error"):
+        await j.flush()
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    # After a failed fsync the page cache cannot be trusted: nothing more is accepted.
+    with pytest.raises(JournalError, match="restart"):
+        j.append(b"b")
+    with pytest.raises(JournalError):
+        await j.flush()
+    j.close()
+
+
+# ---------------------------------------------------------------------------- group commit
+
+
+async def test_concurrent_flushes_share_fsyncs(tmp_path: Path, monkeypatch) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    real_fsync = os.fsync
+    fsync_threads: set[int] = set()
+
+    def slow_fsync(fd: int) -> None:
+        fsync_threads.add(threading.get_ident())
+        time.sleep(0.005)  # widen the window in which appends pile up behind an fsync
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    writers, rounds = 50, 6
+    seg = segment(tmp_path, 1)
+
+    async def writer(w: int) -> None:
+        for i in range(rounds):
+            record = f"w{w:02d}-{i:02d}".encode()
+            j.append(record)
+            await j.flush()
+            # Acknowledged means on disk, not just appended.
+            assert encode_frame(record) in seg.read_bytes()
+
+    await asyncio.gather(*(writer(w) for w in range(writers)))
+    total = writers * rounds
+    # One fsync per round of writers (plus slack), not one per record.
+    assert j.fsync_count <= 2 * rounds + 2, j.fsync_count
+    assert j.commit_count == j.fsync_count
+    assert threading.get_ident() not in fsync_threads  # fsync ran off the event loop
+    j.close()
+    _, records = reopen(tmp_path)
+    assert len(records) == total
+    for w in range(writers):  # each writer's records in its own order
+        mine = [r for r in records if r.startswith(f"w{w:02d}-".encode())]
+        assert mine == [f"w{w:02d}-{i:02d}".encode() for i in range(rounds)]
+
+
+async def test_event_loop_keeps_serving_during_fsync(tmp_path: Path, monkeypatch) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    real_fsync = os.fsync
+    in_fsync = threading.Event()
+    release = threading.Event()
+
+    def blocking_fsync(fd: int) -> None:
+        in_fsync.set()
+        release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", blocking_fsync)
+    j.append(b"a")
+    flush = asyncio.ensure_future(j.flush())
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, in_fsync.wait, 10)
+    # The loop runs while the fsync is stuck; appends made now wait for the next commit.
+    j.append(b"b")
+    second = asyncio.ensure_future(j.flush())
+    await asyncio.sleep(0.01)
+    assert not flush.done() and not second.done()
+    release.set()
+    await asyncio.wait_for(asyncio.gather(flush, second), 10)
+    assert j.fsync_count == 2
+    j.close()
+    assert reopen(tmp_path) == (None, [b"a", b"b"])
+
+
+async def test_cancelled_flush_does_not_cancel_the_commit(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    j.append(b"a")
+    task = asyncio.ensure_future(j.flush())
+    await asyncio.sleep(0)  # let it start the commit
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await j.flush()
+    assert j.pending_records == 0
+    j.close()
+    assert reopen(tmp_path) == (None, [b"a"])
+
+
+# ---------------------------------------------------------------------------- torn tails
+
+
+def test_torn_tail_at_every_byte_offset_of_the_last_record(tmp_path: Path) -> None:
+    records = [b"alpha", b"bravo-bravo", b"the last record, cut short"]
+    src = tmp_path / "src"
+    write_journal(src, records)
+    data = segment(src, 1).read_bytes()
+    last_start = frame_offsets(records)[-1]
+    assert len(data) == last_start + FRAME_HEADER_NBYTES + len(records[-1])
+    cuts = range(last_start + 1, len(data))
+    assert len(cuts) == FRAME_HEADER_NBYTES + len(records[-1]) - 1
+    for cut in cuts:
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        segment(d, 1).write_bytes(data[:cut])
+        with structlog.testing.capture_logs() as logs:
+            j = Journal(d)
+            assert j.open() == (None, records[:-1]), cut
+        torn = [e for e in logs if e["event"] == "journal_torn_tail"]
+        assert torn == [
+            {
+                "event": "journal_torn_tail",
+                "log_level": "warning",
+                "path": str(segment(d, 1)),
+                "offset": last_start,
+                "nbytes": cut - last_start,
+                "reason": "header_cut_short"
+                if cut - last_start < FRAME_HEADER_NBYTES
+                else "payload_cut_short",
+            }
+        ], cut
+        assert segment(d, 1).stat().st_size == last_start  # truncated away
+        j.append(b"after the tear")
+        j.flush_sync()
+        j.close()
+        with structlog.testing.capture_logs() as logs:
+            assert reopen(d) == (None, [*records[:-1], b"after the tear"]), cut
+        assert not [e for e in logs if e["event"] == "journal_torn_tail"]
+
+
+def test_crc_mismatch_on_the_last_record_is_a_torn_tail(tmp_path: Path) -> None:
+    write_journal(tmp_path, RECORDS)
+    seg = segment(tmp_path, 1)
+    data = bytearray(seg.read_bytes())
+    data[-1] ^= 0xFF  # payload byte of the last record
+    seg.write_bytes(bytes(data))
+    with structlog.testing.capture_logs() as logs:
+        assert reopen(tmp_path) == (None, RECORDS[:-1])
+    (torn,) = [e for e in logs if e["event"] == "journal_torn_tail"]
+    assert torn["reason"] == "crc_mismatch_last_record"
+    assert torn["offset"] == frame_offsets(RECORDS)[-1]
+
+
+def test_zero_filled_tail_is_a_torn_tail(tmp_path: Path) -> None:
+    write_journal(tmp_path, RECORDS)
+    seg = segment(tmp_path, 1)
+    size = seg.stat().st_size
+    with open(seg, "ab") as f:
+        f.write(bytes(4096))
+    with structlog.testing.capture_logs() as logs:
+        assert reopen(tmp_path) == (None, RECORDS)
+    (torn,) = [e for e in logs if e["event"] == "journal_torn_tail"]
+    assert (torn["offset"], torn["nbytes"]) == (size, 4096)
+    assert seg.stat().st_size == size
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+@pytest.mark.parametrize(
+    ("field", "delta"),
+    [
+        ("magic", 0),
+        ("version", 1),
+        ("length", 2),
+        ("payload_crc", 6),
+        ("header_crc", 10),
+        ("payload", FRAME_HEADER_NBYTES + 3),
+    ],
+)
+@pytest.mark.parametrize("bad", [0, 2])
+def test_corruption_before_the_tail_names_file_and_offset(
+    tmp_path: Path, field: str, delta: int, bad: int
+) -> None:
+    write_journal(tmp_path, RECORDS)
+    seg = segment(tmp_path, 1)
+    data = bytearray(seg.read_bytes())
+    offset = frame_offsets(RECORDS)[bad]
+    data[offset + delta] ^= 0x40
+    seg.write_bytes(bytes(data))
+    with pytest.raises(JournalCorruptError) as info:
+        Journal(tmp_path).open()
+    assert info.value.path == str(seg)
+    assert info.value.offset == offset
+    assert str(seg) in str(info.value) and f"offset {offset}" in str(info.value)
+    assert seg.read_bytes() == bytes(data)  # a failed open repairs nothing
+
+
+def test_corruption_in_the_last_record_header_is_not_taken_for_a_tear(tmp_path: Path) -> None:
+    # A flipped length bit could point past EOF; the header CRC tells it from a torn append.
+    write_journal(tmp_path, RECORDS)
+    seg = segment(tmp_path, 1)
+    data = bytearray(seg.read_bytes())
+    offset = frame_offsets(RECORDS)[-1]
+    data[offset + 5] ^= 0x01  # high byte of the length
+    seg.write_bytes(bytes(data))
+    with pytest.raises(JournalCorruptError) as info:
+        Journal(tmp_path).open()
+    assert (info.value.path, info.value.offset) == (str(seg), offset)
+
+
+def test_corrupt_snapshot_raises(tmp_path: Path) -> None:
+    with Journal(tmp_path) as j:
+        j.open()
+        j.append(b"a")
+        j.write_snapshot(b"state")
+    snap = tmp_path / SNAPSHOT_NAME
+    good = snap.read_bytes()
+    for bad in (good[:-1], good[:5], good[:-1] + bytes([good[-1] ^ 1]), good + b"junk", b""):
+        snap.write_bytes(bad)
+        with pytest.raises(JournalCorruptError) as info:
+            Journal(tmp_path).open()
+        assert info.value.path == str(snap)
+    snap.write_bytes(good)
+    assert reopen(tmp_path) == (b"state", [])
+
+
+def test_missing_segment_raises(tmp_path: Path) -> None:
+    write_journal(tmp_path, [b"a"])
+    segment(tmp_path, 1).rename(segment(tmp_path, 2))
+    with pytest.raises(JournalCorruptError) as info:
+        Journal(tmp_path).open()
+    assert info.value.path == str(segment(tmp_path, 1))
+
+
+def test_torn_record_followed_by_a_later_segment_is_corruption(tmp_path: Path) -> None:
+    write_journal(tmp_path, [b"a", b"bbbb"])
+    seg1 = segment(tmp_path, 1)
+    seg1.write_bytes(seg1.read_bytes()[:-2])
+    segment(tmp_path, 2).write_bytes(encode_frame(b"c"))
+    with pytest.raises(JournalCorruptError) as info:
+        Journal(tmp_path).open()
+    assert (info.value.path, info.value.offset) == (str(seg1), FRAME_HEADER_NBYTES + 1)
+
+
+# ---------------------------------------------------------------------------- snapshots
+
+
+async def test_snapshot_compacts_and_reopens(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    for i in range(10):
+        j.append(b"r%d" % i)
+    await j.flush()
+    j.write_snapshot(b"S1")
+    assert j.records_since_snapshot == 0 and j.bytes_since_snapshot == 0
+    assert j.generation == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [segment(tmp_path, 2).name, SNAPSHOT_NAME]
+    for i in range(3):
+        j.append(b"s%d" % i)
+    await j.flush()
+    assert j.records_since_snapshot == 3
+    j.close()
+
+    j = Journal(tmp_path)
+    assert j.open() == (b"S1", [b"s0", b"s1", b"s2"])
+    assert j.records_since_snapshot == 3
+    j.write_snapshot(b"S2")
+    j.append(b"t")
+    j.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [segment(tmp_path, 3).name, SNAPSHOT_NAME]
+    assert reopen(tmp_path) == (b"S2", [b"t"])
+
+
+def test_snapshot_writes_unflushed_records_first(tmp_path: Path) -> None:
+    j = Journal(tmp_path)
+    j.open()
+    j.append(b"unflushed")
+    j.write_snapshot(b"covers unflushed")
+    assert j.pending_records == 0
+    j.close()
+    assert reopen(tmp_path) == (b"covers unflushed", [])
+
+
+def test_empty_snapshot_is_not_none(tmp_path: Path) -> None:
+    with Journal(tmp_path) as j:
+        j.open()
+        j.write_snapshot(b"")
+    assert reopen(tmp_path) == (b"", [])
+
+
+def _before_and_after_snapshot(tmp_path: Path) -> tuple[Path, Path]:
+    """Two copies of one journal: `before` holds r0..r4 in segment 1; `after` is compacted."""
+    before, after = tmp_path / "before", tmp_path / "after"
+    write_journal(before, [b"r%d" % i for i in range(5)])
+    shutil.copytree(before, after)
+    with Journal(after) as j:
+        j.open()
+        j.write_snapshot(b"S(r0..r4)")
+    return before, after
+
+
+def test_crash_after_snapshot_rename_before_segment_deletion(tmp_path: Path) -> None:
+    before, after = _before_and_after_snapshot(tmp_path)
+    shutil.copy2(segment(before, 1), segment(after, 1))  # the old segment was never deleted
+    with structlog.testing.capture_logs() as logs:
+        j = Journal(after)
+        assert j.open() == (b"S(r0..r4)", [])  # r0..r4 are not applied a second time
+    assert [e["path"] for e in logs if e["event"] == "journal_stale_segment_removed"] == [
+        str(segment(after, 1))
+    ]
+    assert not segment(after, 1).exists()
+    j.append(b"new")
+    j.close()
+    assert reopen(after) == (b"S(r0..r4)", [b"new"])
+
+
+def test_crash_after_snapshot_rename_with_records_in_the_new_segment(tmp_path: Path) -> None:
+    before, after = _before_and_after_snapshot(tmp_path)
+    with Journal(after) as j:
+        j.open()
+        j.append(b"after-1")
+    shutil.copy2(segment(before, 1), segment(after, 1))
+    assert reopen(after) == (b"S(r0..r4)", [b"after-1"])
+
+
+def test_crash_after_snapshot_rename_before_new_segment(tmp_path: Path) -> None:
+    before, after = _before_and_after_snapshot(tmp_path)
+    segment(after, 2).unlink()
+    shutil.copy2(segment(before, 1), segment(after, 1))
+    j = Journal(after)
+    assert j.open() == (b"S(r0..r4)", [])
+    assert j.generation == 2 and segment(after, 2).exists() and not segment(after, 1).exists()
+    j.append(b"x")
+    j.close()
+    assert reopen(after) == (b"S(r0..r4)", [b"x"])
+
+
+def test_crash_before_snapshot_rename_keeps_the_old_state(tmp_path: Path) -> None:
+    before, after = _before_and_after_snapshot(tmp_path)
+    shutil.copy2(after / SNAPSHOT_NAME, before / SNAPSHOT_TMP_NAME)  # written, never renamed
+    j = Journal(before)
+    assert j.open() == (None, [b"r%d" % i for i in range(5)])
+    assert not (before / SNAPSHOT_TMP_NAME).exists()
+    j.close()
+
+
+class _Crash(BaseException):
+    """A simulated process death: not an OSError, so the journal's handlers do not see it."""
+
+
+def test_crash_at_every_file_operation_of_write_snapshot(tmp_path: Path) -> None:
+    def state(snapshot: bytes | None, records: list[bytes]) -> list[bytes]:
+        return (msgpack.unpackb(snapshot) if snapshot is not None else []) + records
+
+    names = ("open", "write", "fsync", "close", "replace", "unlink", "rename")
+    real = {name: getattr(os, name) for name in names}
+    crashed_at: list[str] = []
+    step = 0
+    while True:
+        d = tmp_path / f"step{step}"
+        history = [b"a0", b"a1"]
+        j = Journal(d)
+        j.open()
+        for r in history:
+            j.append(r)
+        j.write_snapshot(msgpack.packb(history))
+        for r in (b"b0", b"b1", b"b2"):
+            j.append(r)
+            history.append(r)
+        j.flush_sync()
+
+        calls = 0
+
+        def make(name: str, crash_before_call: int = step + 1):
+            def wrapper(*args, **kwargs):
+                nonlocal calls
+                calls += 1
+                if calls == crash_before_call:
+                    crashed_at.append(name)
+                if calls >= crash_before_call:  # the dead process does nothing more
+                    raise _Crash(name)
+                return real[name](*args, **kwargs)
+
+            return wrapper
+
+        try:
+            for name in names:
+                setattr(os, name, make(name))
+            j.write_snapshot(msgpack.packb(history))
+            completed = True
+        except _Crash:
+            completed = False
+        finally:
+            for name in names:
+                setattr(os, name, real[name])
+        fd = j._fd  # the dead process's descriptor; nothing is written through it any more
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+        snapshot, records = reopen(d)
+        assert state(snapshot, records) == history, (step, crashed_at[-1:])
+        # And the journal carries on from there.
+        with Journal(d) as j2:
+            j2.open()
+            j2.append(b"c0")
+        snapshot, records = reopen(d)
+        assert state(snapshot, records) == [*history, b"c0"], step
+        if completed:
+            break
+        step += 1
+    # open+write+fsync+close+replace of the temp file, the directory fsyncs, segment switch...
+    assert crashed_at == [
+        *("open", "write", "fsync", "close", "replace"),  # snapshot.bin.tmp, the commit point
+        *("open", "fsync", "close"),  # directory
+        *("open", "open", "fsync", "close"),  # new segment, directory
+        *("close", "unlink", "open", "fsync", "close"),  # old segment gone, directory
+    ], crashed_at
+
+
+# ---------------------------------------------------------------------------- property
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.binary(max_size=200)),
+        st.tuples(st.just("flush"), st.none()),
+        st.tuples(st.just("snapshot"), st.none()),
+        st.tuples(st.just("reopen"), st.none()),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS)
+def test_reopen_gives_the_last_snapshot_and_the_records_after_it(ops) -> None:
+    with (
+        tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp,
+        structlog.testing.capture_logs(),
+    ):
+        d = Path(tmp)
+        j = Journal(d)
+        assert j.open() == (None, [])
+        expected_snapshot: bytes | None = None
+        after: list[bytes] = []
+        snapshots = 0
+        for op, arg in ops:
+            if op == "append":
+                j.append(arg)
+                after.append(arg)
+            elif op == "flush":
+                j.flush_sync()
+            elif op == "snapshot":
+                j.flush_sync()
+                snapshots += 1
+                expected_snapshot = b"snapshot %d covering %d" % (snapshots, len(after))
+                j.write_snapshot(expected_snapshot)
+                after = []
+            else:
+                j.close()
+                j = Journal(d)
+                assert j.open() == (expected_snapshot, after)
+            assert j.records_since_snapshot == len(after)
+        j.close()
+        assert reopen(d) == (expected_snapshot, after)
+
+
+# ---------------------------------------------------------------------------- real process
+
+
+_CHILD = r"""
+import asyncio, json, sys
+sys.path.insert(0, sys.argv[2])
+import structlog
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+from coordinator.journal import Journal
+
+def replay(snapshot, records):
+    state = json.loads(snapshot) if snapshot is not None else {}
+    for r in records:
+        w, i, _ = r.decode().split(":")
+        if int(i) != state.get(w, 0):
+            raise SystemExit(f"replay out of order: {r!r} but state {state}")
+        state[w] = int(i) + 1
+    return state
+
+async def main():
+    j = Journal(sys.argv[1])
+    state = replay(*j.open())
+    appended = 0
+
+    async def writer(n):
+        nonlocal appended
+        w, pad = str(n), "p" * (n * 7 % 50)
+        while True:
+            i = state.get(w, 0)
+            j.append(f"{w}:{i}:{pad}".encode())
+            state[w] = i + 1
+            appended += 1
+            await j.flush()
+            print(f"ack {w} {i}", flush=True)
+            if appended % 97 == 0:
+                j.write_snapshot(json.dumps(state).encode())
+
+    await asyncio.gather(*(writer(n) for n in range(16)))
+
+asyncio.run(main())
+"""
+
+
+def _replay_state(snapshot: bytes | None, records: list[bytes]) -> dict[str, int]:
+    state: dict[str, int] = json.loads(snapshot) if snapshot is not None else {}
+    for r in records:
+        w, i, _ = r.decode().split(":")
+        assert int(i) == state.get(w, 0), (r, state)  # no gap, no duplicate
+        state[w] = int(i) + 1
+    return state
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_writer_loses_no_acknowledged_record(tmp_path: Path) -> None:
+    d = tmp_path / "journal"
+    kill_after_acks = [1, 400, 3000]  # a fresh journal, then mid-run twice (with compactions)
+    acked: dict[str, int] = {}  # writer -> highest acknowledged index
+    for round_, target in enumerate(kill_after_acks):
+        stderr = open(tmp_path / f"child{round_}.err", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(d), str(REPO_ROOT)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            count = 0
+            assert proc.stdout is not None
+            while count < target:
+                line = proc.stdout.readline()
+                assert line, f"child exited early: {(tmp_path / f'child{round_}.err').read_text()}"
+                _, w, i = line.split()
+                acked[w.decode()] = max(acked.get(w.decode(), -1), int(i))
+                count += 1
+                assert time.monotonic() < deadline
+            os.kill(proc.pid, signal.SIGKILL)
+            for line in proc.stdout.read().splitlines(keepends=True):
+                if line.endswith(b"\n"):  # a line cut by the kill was never acknowledged
+                    _, w, i = line.split()
+                    acked[w.decode()] = max(acked.get(w.decode(), -1), int(i))
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            returncode = proc.wait(timeout=10)
+            proc.stdout.close()
+            stderr.close()
+        assert returncode == -signal.SIGKILL
+
+        state = _replay_state(*reopen(d))
+        for w, i in acked.items():
+            assert state.get(w, 0) > i, (w, i, state)
+    assert sum(acked.values()) > sum(kill_after_acks) // 2
