@@ -237,6 +237,11 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
                    min_ranks=None, max_ranks=None, last_call_s=None, timeouts=None,
                    bind_host=None, info=None) -> ProcessGroup:
     settings = _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s)
+    if not structlog.is_configured():
+        # A rank process is an entry point too; without this, structlog's default prints to stdout.
+        from transport.logconfig import configure_logging
+
+        configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL", "warning"))
     timeouts = timeouts or Timeouts.from_env()
     engine = await _make_engine(timeouts, bind_host)
     agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)

@@ -1,0 +1,77 @@
+"""``rtxnet``: command-line tools.
+
+    rtxnet status [--coordinator ADDR] [--json] [--timeout S]
+
+``status`` prints every job on the coordinator: state, epoch, world size, last committed step and,
+per member, rank, host, pid and heartbeat age. ADDR defaults to ``RTXNET_COORDINATOR`` or
+``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import uuid
+
+from transport.channel import ControlClient
+from transport.errors import ConnectError, RtxError
+
+__all__ = ["main"]
+
+
+async def _status(address: str, timeout_s: float) -> list[dict]:
+    client = ControlClient(address, f"rtxnet-status/{os.getpid()}/{uuid.uuid4().hex[:8]}")
+    try:
+        body = await client.request("status", job="", epoch=-1, deadline_s=timeout_s)
+    finally:
+        await client.aclose()
+    return body["jobs"]
+
+
+def _render(jobs: list[dict]) -> str:
+    if not jobs:
+        return "no jobs"
+    lines = []
+    for j in jobs:
+        lines.append(
+            f"job {j['job']}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
+            f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}, "
+            f"last committed step {j['committed_step']}, {j['kv_keys']} key(s)"
+        )
+        for m in j["members"]:
+            lines.append(
+                f"  rank {m['rank']:>3}  {m['host']}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago  {m['identity']}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rtxnet", description="rtxnet command-line tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("status", help="show the coordinator's jobs, members, epochs and heartbeats")
+    st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"))
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    args = p.parse_args(argv)
+    if args.cmd == "status":
+        if args.timeout <= 0:
+            print(f"rtxnet status: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
+            return 2
+        try:
+            jobs = asyncio.run(_status(args.coordinator, args.timeout))
+        except ConnectError as exc:
+            print(f"rtxnet status: {exc}", file=sys.stderr)
+            return 2
+        except RtxError as exc:
+            print(f"rtxnet status: {args.coordinator}: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(jobs, indent=2) if args.json else _render(jobs))
+        return 0
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

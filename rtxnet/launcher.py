@@ -1,0 +1,241 @@
+"""``rtxnet-run``: start a coordinator (if none is given) and N rank processes of a script.
+
+    rtxnet-run --nproc 4 [--coordinator ADDR] [--job ID] [--max-restarts K] script.py [args...]
+
+Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them. Every line a rank
+prints is prefixed with ``[rankN]``. SIGINT and SIGTERM are forwarded to the ranks. A rank that
+exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
+``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left
+running: the job re-forms around the loss. The exit code is 0 when every rank's last process
+exited 0, else the code of the first rank whose last process failed (128+N for signal N).
+
+With no ``--coordinator``, a coordinator daemon is started on a free local port
+(``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
+and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+__all__ = ["main", "start_coordinator"]
+
+
+@dataclass
+class _Slot:
+    rank: int
+    proc: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    returncode: int | None = None
+    failed_at: float | None = None
+    pumps: list = field(default_factory=list)
+
+
+def _code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
+                            extra: list[str] | None = None) -> tuple[asyncio.subprocess.Process, str]:
+    """Start ``python -m coordinator`` and return ``(process, address)`` once it listens.
+
+    Raises:
+        RuntimeError: the daemon exited or did not report its address within 30 s.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError("the coordinator did not start within 30 s") from None
+    text = line.decode().strip()
+    if not text.startswith("RTXNET_COORDINATOR="):
+        await proc.wait()
+        raise RuntimeError(f"the coordinator failed to start (exit code {proc.returncode}); see its log above")
+    return proc, text.split("=", 1)[1]
+
+
+async def _pump(stream: asyncio.StreamReader, prefix: bytes, out) -> None:
+    while True:
+        line = await stream.readline()
+        if not line:
+            return
+        out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+        out.buffer.flush()
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.slots = [_Slot(r) for r in range(args.nproc)]
+        self.coordinator_proc: asyncio.subprocess.Process | None = None
+        self.address = args.coordinator
+        self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
+        self.stopping = False
+        self.tmp_journal: str | None = None
+        self.first_failure: tuple[float, int] | None = None
+        self._exited: asyncio.Queue = asyncio.Queue()
+
+    def _env(self, slot: _Slot) -> dict[str, str]:
+        a = self.args
+        env = dict(os.environ)
+        env.update({
+            "RTXNET_COORDINATOR": self.address,
+            "RTXNET_JOB": self.job,
+            "RTXNET_RANK": str(slot.rank),
+            "RTXNET_WORLD_SIZE": str(a.nproc),
+            "RTXNET_MIN_RANKS": str(a.min_ranks or a.nproc),
+            "RTXNET_MAX_RANKS": str(a.nproc),
+            "RTXNET_RESTART_COUNT": str(slot.restarts),
+            "RTXNET_REJOIN": "1" if slot.restarts else "0",
+            "RANK": str(slot.rank),
+            "WORLD_SIZE": str(a.nproc),
+            "LOCAL_RANK": str(slot.rank),
+            "LOCAL_WORLD_SIZE": str(a.nproc),
+            "PYTHONUNBUFFERED": "1",
+        })
+        if a.faults:
+            env["RTXNET_FAULTS"] = a.faults
+        return env
+
+    async def _spawn(self, slot: _Slot) -> None:
+        cmd = [sys.executable, "-u", self.args.script, *self.args.script_args]
+        slot.proc = await asyncio.create_subprocess_exec(
+            *cmd, env=self._env(slot), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        prefix = f"[rank{slot.rank}] ".encode()
+        slot.pumps = [
+            asyncio.ensure_future(_pump(slot.proc.stdout, prefix, sys.stdout)),
+            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr)),
+        ]
+        asyncio.ensure_future(self._watch(slot, slot.proc))
+
+    async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
+        rc = await proc.wait()
+        await asyncio.gather(*slot.pumps, return_exceptions=True)
+        await self._exited.put((slot, proc, rc))
+
+    def _signal(self, sig: int) -> None:
+        self.stopping = True
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                try:
+                    slot.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    async def run(self) -> int:
+        a = self.args
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._signal, sig)
+        if not self.address:
+            journal = a.journal
+            if journal is None:
+                self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
+            self.coordinator_proc, self.address = await start_coordinator(journal)
+            _say(f"coordinator {self.address} (journal {journal}, pid {self.coordinator_proc.pid})")
+        _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
+        try:
+            for slot in self.slots:
+                await self._spawn(slot)
+            running = len(self.slots)
+            while running:
+                slot, proc, rc = await self._exited.get()
+                if proc is not slot.proc:
+                    continue
+                code = _code(rc)
+                if code != 0 and not self.stopping and slot.restarts < a.max_restarts:
+                    slot.restarts += 1
+                    _say(f"rank {slot.rank} exited with code {code}; restart {slot.restarts}/{a.max_restarts}")
+                    await self._spawn(slot)
+                    continue
+                slot.returncode = code
+                running -= 1
+                if code != 0:
+                    _say(f"rank {slot.rank} exited with code {code}")
+                    if self.first_failure is None:
+                        self.first_failure = (time.monotonic(), code)
+        finally:
+            await self._shutdown()
+        return self.first_failure[1] if self.first_failure else 0
+
+    async def _shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                slot.proc.kill()
+                await slot.proc.wait()
+        if self.coordinator_proc is not None and self.coordinator_proc.returncode is None:
+            self.coordinator_proc.terminate()
+            try:
+                await asyncio.wait_for(self.coordinator_proc.wait(), 10)
+            except TimeoutError:
+                self.coordinator_proc.kill()
+                await self.coordinator_proc.wait()
+        if self.tmp_journal:
+            shutil.rmtree(self.tmp_journal, ignore_errors=True)
+
+
+def _say(text: str) -> None:
+    print(f"[rtxnet-run] {text}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rtxnet-run", description="Launch N ranks of a training script under rtxnet.")
+    p.add_argument("--nproc", type=int, required=True, help="number of ranks to start on this host")
+    p.add_argument("--coordinator", default=None, help="address of a running coordinator (default: start one)")
+    p.add_argument("--journal", default=None, help="journal folder for the coordinator this command starts")
+    p.add_argument("--job", default=None, help="job id (default: a fresh random one)")
+    p.add_argument("--min-ranks", type=int, default=None, help="smallest world the job may shrink to (default nproc)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0)")
+    p.add_argument("--faults", default=None, help="fault-injection plan (see README)")
+    p.add_argument("script", help="the Python script each rank runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    errors = []
+    if args.nproc < 1:
+        errors.append(f"--nproc must be >= 1, got {args.nproc}")
+    if args.max_restarts < 0:
+        errors.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.min_ranks is not None and not (1 <= args.min_ranks <= args.nproc):
+        errors.append(f"--min-ranks must be in 1..nproc({args.nproc}), got {args.min_ranks}")
+    if not os.path.isfile(args.script):
+        errors.append(f"script {args.script!r} does not exist")
+    if args.faults:
+        try:
+            from .faults import parse_plan
+            parse_plan(args.faults)
+        except ImportError:
+            pass
+        except ValueError as exc:
+            errors.append(f"--faults: {exc}")
+    if errors:
+        for e in errors:
+            print(f"rtxnet-run: {e}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        return uvloop.run(Launcher(args).run())
+    except ImportError:  # pragma: no cover
+        return asyncio.run(Launcher(args).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
