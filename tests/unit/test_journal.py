@@ -728,3 +728,20 @@ def test_sigkilled_writer_loses_no_acknowledged_record(tmp_path: Path) -> None:
         for w, i in acked.items():
             assert state.get(w, 0) > i, (w, i, state)
     assert sum(acked.values()) > sum(kill_after_acks) // 2
+
+
+# ---------------------------------------------------------------------------- benchmark
+
+
+def test_bench_journal_smoke(tmp_path: Path) -> None:
+    from tools.bench.journal_bench import bench_journal
+
+    with structlog.testing.capture_logs():
+        rows = bench_journal(tmp_path, records=300, record_nbytes=10, writers=16)
+    assert [r["mode"] for r in rows] == ["group_commit", "fsync_per_record"]
+    for row in rows:
+        assert row["bench"] == "journal" and row["records"] == 300
+        assert row["seconds"] > 0 and row["records_per_s"] > 0
+    assert rows[0]["fsyncs"] < 300 // 4  # group commit shares fsyncs
+    assert rows[1]["fsyncs"] == 300
+    assert list(tmp_path.iterdir()) == []  # run folders removed
