@@ -1,0 +1,253 @@
+"""The coordinator's decisions, driven with a fake clock and no sockets."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from coordinator.state import (
+    Disconnect,
+    Record,
+    Request,
+    Send,
+    State,
+    Tick,
+    apply_record,
+    restore,
+    snapshot,
+    step,
+)
+from transport import wire
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+
+class Harness:
+    """Feeds events to ``step`` and keeps every record, as the shell would."""
+
+    def __init__(self) -> None:
+        self.state = State()
+        self.clock = Clock()
+        self.records: list[dict] = []
+        self.rid = 0
+
+    def run(self, event) -> list[Send]:
+        _, actions = step(self.state, event, self.clock.now)
+        sends = []
+        for a in actions:
+            if isinstance(a, Record):
+                # Records must survive the journal's encoding unchanged.
+                self.records.append(msgpack.unpackb(msgpack.packb(a.data, use_bin_type=True), raw=False, strict_map_key=False))
+            else:
+                sends.append(a)
+        return sends
+
+    def req(self, sender: str, mtype: str, job: str = "j", epoch: int = -1, **fields) -> list[Send]:
+        self.rid += 1
+        msg = wire.validate(wire.make(mtype, rid=self.rid, job=job, epoch=epoch, **fields))
+        return self.run(Request(sender, msg))
+
+    def join(self, identity: str, job: str = "j", rank=None, min_ranks=2, max_ranks=2, last_call_s=0.0, token="t", hb=2.0):
+        return self.req(identity, "join", job=job, identity=identity, token=token, rank=rank, min_ranks=min_ranks,
+                        max_ranks=max_ranks, last_call_s=last_call_s, heartbeat_timeout_s=hb,
+                        endpoint=f"tcp://h:{len(identity)}", host="h", pid=1)
+
+    def tick(self, dt: float = 0.0) -> list[Send]:
+        self.clock.now += dt
+        return self.run(Tick())
+
+
+def pushes(sends: list[Send], mtype: str = "epoch") -> dict[str, dict]:
+    return {s.identity: s.msg for s in sends if s.msg["t"] == mtype}
+
+
+def errors(sends: list[Send]) -> list[dict]:
+    return [s.msg for s in sends if s.msg["t"] == "error"]
+
+
+def test_world_forms_when_max_ranks_join_and_requested_ranks_are_honoured():
+    h = Harness()
+    assert not pushes(h.join("a", rank=1))
+    out = h.join("b")
+    ep = pushes(out)
+    assert set(ep) == {"a", "b"}
+    members = ep["a"]["members"]
+    assert members[1]["identity"] == "a" and members[0]["identity"] == "b"
+    assert ep["a"]["epoch"] == 0 and ep["a"]["world_size"] == 2
+    assert [r["k"] for r in h.records] == ["job", "epoch"]
+
+
+def test_last_call_window_admits_more_then_forms():
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=4, last_call_s=1.0)
+    h.join("b", min_ranks=2, max_ranks=4, last_call_s=1.0)
+    assert not pushes(h.tick(0.5))
+    h.join("c", min_ranks=2, max_ranks=4, last_call_s=1.0)
+    ep = pushes(h.tick(0.6))
+    assert set(ep) == {"a", "b", "c"} and ep["a"]["world_size"] == 3
+
+
+def test_duplicate_rank_and_identity_are_refused_at_once_naming_them():
+    h = Harness()
+    h.join("a", rank=0, max_ranks=3, min_ranks=3)
+    err = errors(h.join("b", rank=0, max_ranks=3, min_ranks=3))
+    assert err and err[0]["error"] == "RendezvousError" and "rank 0" in err[0]["message"] and "'a'" in err[0]["message"]
+    err = errors(h.join("a", max_ranks=3, min_ranks=3))
+    assert err and "identity 'a'" in err[0]["message"]
+
+
+def test_full_job_refuses_further_joins():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    err = errors(h.join("c"))
+    assert err and "full" in err[0]["message"] and "max_ranks=2" in err[0]["message"]
+
+
+def test_wrong_token_and_bad_bounds_refused():
+    h = Harness()
+    h.join("a", token="x", min_ranks=2, max_ranks=3)
+    assert "wrong token" in errors(h.join("b", token="y", min_ranks=2, max_ranks=3))[0]["message"]
+    err = errors(h.join("c", job="k", min_ranks=3, max_ranks=2))[0]
+    assert err["error"] == "ConfigError" and "min_ranks(3)" in err["message"]
+    err = errors(h.join("d", job="k", rank=7, min_ranks=1, max_ranks=2))[0]
+    assert "rank 7" in err["message"]
+
+
+def test_missed_heartbeats_open_a_new_epoch_naming_the_lost_rank():
+    h = Harness()
+    h.join("a", hb=2.0)
+    h.join("b", hb=2.0)
+    h.tick(1.5)
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    assert not pushes(h.tick(0.4))  # b silent for 1.9 s: not yet lost
+    ep = pushes(h.tick(0.2))  # 2.1 s > heartbeat timeout
+    assert set(ep) == {"a"}
+    assert ep["a"]["lost"] == [1] and ep["a"]["epoch"] == 1 and ep["a"]["world_size"] == 1
+    assert ep["a"]["reason"] == "lost"
+    # b wakes up: it is told it was fenced out.
+    sends = h.req("b", "heartbeat", epoch=0, identity="b")
+    assert sends[0].msg["body"]["state"] == "fenced"
+
+
+def test_disconnect_is_a_crash_and_leave_is_not():
+    h = Harness()
+    for i in "abc":
+        h.join(i, min_ranks=3, max_ranks=3)
+    ep = pushes(h.run(Disconnect("b")))
+    assert ep["a"]["reason"] == "lost" and ep["a"]["lost"] == [1]
+    # survivors renumbered densely, in order
+    assert ep["a"]["members"][1]["identity"] == "c"
+    ep = pushes(h.req("c", "leave", epoch=1, identity="c"))
+    assert ep["a"]["reason"] == "left" and ep["a"]["epoch"] == 2
+    assert h.req("c", "heartbeat", epoch=1, identity="c")[0].msg["body"]["state"] == "unknown"
+    assert h.req("b", "heartbeat", epoch=0, identity="b")[0].msg["body"]["state"] == "fenced"
+
+
+def test_last_member_leaving_ends_the_job_without_touching_others():
+    h = Harness()
+    h.join("a", job="one", min_ranks=1, max_ranks=1)
+    h.join("x", job="two", min_ranks=1, max_ranks=1)
+    h.req("x", "kv_set", job="two", epoch=0, key="k", value=b"v")
+    h.req("a", "leave", job="one", epoch=0, identity="a")
+    assert "one" not in h.state.jobs and h.records[-1]["k"] == "job_end"
+    assert h.state.jobs["two"].kv == {"k": b"v"}
+    assert h.req("x", "heartbeat", job="two", epoch=0, identity="x")[0].msg["body"]["state"] == "member"
+
+
+def test_replacement_joins_running_job_at_next_rank():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    h.run(Disconnect("a"))
+    ep = pushes(h.join("c", rank=None))
+    assert set(ep) == {"b", "c"} and ep["c"]["added"] == [1] and ep["c"]["epoch"] == 2
+    err = errors(h.join("d", rank=None))
+    assert err and "full" in err[0]["message"]
+    err = errors(h.join("e", rank=0))
+    assert err and "rank 0" in err[0]["message"] and "'b'" in err[0]["message"]
+
+
+def test_kv_set_get_wait_cas_delete():
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    assert h.req("a", "kv_wait", epoch=0, keys=["x"], timeout_s=1.0) == []  # parked
+    woke = h.req("a", "kv_set", epoch=0, key="x", value=b"1")
+    bodies = [s.msg["body"] for s in woke]
+    assert {"values": {"x": b"1"}} in bodies
+    assert h.req("a", "kv_get", epoch=0, key="x")[0].msg["body"]["value"] == b"1"
+    assert h.req("a", "kv_get", epoch=0, key="nope")[0].msg["body"]["value"] is None
+    body = h.req("a", "kv_cas", epoch=0, key="x", expected=b"0", value=b"2")[0].msg["body"]
+    assert body == {"swapped": False, "value": b"1"}
+    body = h.req("a", "kv_cas", epoch=0, key="x", expected=b"1", value=b"2")[0].msg["body"]
+    assert body["swapped"] is True
+    body = h.req("a", "kv_cas", epoch=0, key="new", expected=None, value=b"n")[0].msg["body"]
+    assert body["swapped"] is True
+    assert h.req("a", "kv_del", epoch=0, key="x")[0].msg["body"]["deleted"] is True
+    assert h.req("a", "kv_del", epoch=0, key="x")[0].msg["body"]["deleted"] is False
+    h.req("a", "kv_wait", epoch=0, keys=["never"], timeout_s=0.5)
+    assert not errors(h.tick(0.3))
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    err = errors(h.tick(0.3))
+    assert err and err[0]["error"] == "RtxTimeoutError" and "never" in err[0]["message"]
+
+
+def test_commit_needs_every_member_and_fails_on_epoch_change():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    assert h.req("a", "commit", epoch=0, identity="a", step=1, ok=True, timeout_s=5.0) == []
+    out = h.req("b", "commit", epoch=0, identity="b", step=1, ok=True, timeout_s=5.0)
+    assert all(s.msg["body"]["committed"] for s in out) and len(out) == 2
+    assert h.state.jobs["j"].committed_step == 1 and h.records[-1]["k"] == "commit"
+    h.req("a", "commit", epoch=0, identity="a", step=2, ok=True, timeout_s=5.0)
+    out = h.req("b", "commit", epoch=0, identity="b", step=2, ok=False, timeout_s=5.0)
+    assert not any(s.msg["body"]["committed"] for s in out)
+    assert h.state.jobs["j"].committed_step == 1
+    h.req("a", "commit", epoch=0, identity="a", step=3, ok=True, timeout_s=5.0)
+    out = h.run(Disconnect("b"))
+    replies = [s.msg for s in out if s.msg["t"] == "reply"]
+    assert replies and replies[0]["body"]["committed"] is False and "epoch changed" in replies[0]["body"]["reason"]
+
+
+def test_replaying_the_records_rebuilds_the_same_journaled_state():
+    h = Harness()
+    for i in "abc":
+        h.join(i, min_ranks=3, max_ranks=3)
+    h.req("a", "kv_set", epoch=0, key="k", value=b"v")
+    h.run(Disconnect("c"))
+    h.req("a", "commit", epoch=1, identity="a", step=5, ok=True, timeout_s=5.0)
+    h.req("b", "commit", epoch=1, identity="b", step=5, ok=True, timeout_s=5.0)
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 5.0)
+    assert snapshot(replayed) == snapshot(h.state)
+    packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False, strict_map_key=False)
+    assert snapshot(restore(packed, 5.0)) == snapshot(h.state)
+    # After a restart every member gets a fresh grace period and is still recognised.
+    restored = restore(packed, 5.0)
+    _, acts = step(restored, Request("a", wire.make("heartbeat", rid=1, job="j", epoch=1, identity="a")), 5.1)
+    assert acts[0].msg["body"]["state"] == "member"
+
+
+def test_heartbeat_with_stale_epoch_gets_the_current_view():
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=2, last_call_s=0.0)
+    h.join("b", min_ranks=1, max_ranks=2)
+    body = h.req("a", "heartbeat", epoch=0, identity="a")[0].msg["body"]
+    assert body["view"]["epoch"] == 1 and body["view"]["world_size"] == 2
+
+
+def test_status_lists_members_with_heartbeat_ages():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    h.clock.now += 0.25
+    jobs = h.req("x", "status", job="")[0].msg["body"]["jobs"]
+    assert jobs[0]["job"] == "j" and jobs[0]["epoch"] == 0
+    assert [m["heartbeat_age_s"] for m in jobs[0]["members"]] == [0.25, 0.25]
