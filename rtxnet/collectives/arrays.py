@@ -1,0 +1,105 @@
+"""Adapting user arrays (NumPy, or anything speaking DLPack such as torch CPU tensors).
+
+``as_numpy`` returns a NumPy view of the same memory (no copy). Collectives work on a contiguous
+1-d view of it (``Buffer.flat``); a non-contiguous input is copied into a scratch array first and
+the result is written back into the original view by ``Buffer.commit``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
+
+__all__ = ["as_numpy", "Buffer", "payload_view"]
+
+
+def as_numpy(t) -> np.ndarray:
+    """A NumPy view of ``t`` sharing its memory.
+
+    Raises:
+        ValueError: ``t`` is neither a NumPy array nor a CPU DLPack tensor, or its dtype is not
+            supported.
+    """
+    if isinstance(t, np.ndarray):
+        a = t
+    elif type(t).__module__.startswith("torch"):
+        a = _torch_to_numpy(t)
+    elif hasattr(t, "__dlpack__"):
+        try:
+            a = np.from_dlpack(t)
+        except (BufferError, RuntimeError, TypeError) as exc:
+            raise ValueError(f"cannot view {type(t).__name__} as a CPU array: {exc}") from exc
+    else:
+        raise ValueError(f"expected a NumPy array or a DLPack tensor, got {type(t).__name__}")
+    dtype_name(a.dtype)
+    return a
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+    import torch
+
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor on {t.device}; the CPU collectives take CPU tensors only")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return np.from_dlpack(t.view(torch.int16)).view(BFLOAT16)
+    if t.is_conj() or t.is_neg():
+        raise ValueError("conjugated/negated torch views are not supported")
+    return np.from_dlpack(t)
+
+
+class Buffer:
+    """A user array and the contiguous flat view collectives read and write.
+
+    Attributes:
+        array: the NumPy view of the user's memory.
+        flat: contiguous 1-d array; the user's memory itself when it is contiguous.
+    """
+
+    __slots__ = ("array", "flat", "_scratch")
+
+    def __init__(self, t, *, readonly: bool = False):
+        a = as_numpy(t)
+        self.array = a
+        if a.flags.c_contiguous:
+            self.flat = a.reshape(-1)
+            self._scratch = False
+        else:
+            self.flat = np.ascontiguousarray(a).reshape(-1)
+            self._scratch = True
+        if not readonly and not a.flags.writeable:
+            raise ValueError("output array is read-only")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def size(self) -> int:
+        return self.array.size
+
+    def commit(self) -> None:
+        """Write ``flat`` back into the user's (non-contiguous) memory."""
+        if self._scratch:
+            np.copyto(self.array, self.flat.reshape(self.array.shape))
+
+
+def payload_view(payload, dtype: np.dtype, count: int) -> np.ndarray:
+    """``count`` elements of ``dtype`` over a received or mapped buffer, without a copy.
+
+    Raises:
+        CollectiveError: the buffer's size is not ``count * itemsize``.
+    """
+    from transport.errors import CollectiveError
+
+    nbytes = 0 if payload is None else memoryview(payload).nbytes
+    if nbytes != count * dtype.itemsize:
+        raise CollectiveError(f"payload of {nbytes} bytes, expected {count} x {dtype}")
+    if count == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer(payload, dtype=dtype, count=count)

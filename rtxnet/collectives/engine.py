@@ -1,0 +1,479 @@
+"""The collective engine: one per process, owning the peer mesh and the state of every group.
+
+The engine is an actor on the process's event loop: the mesh's reader feeds ``_on_message``, which
+routes each message to the operation it belongs to (by group id and sequence number), to a
+point-to-point queue (by group, source and tag), or to a buffer when that operation has not started
+here yet. Messages of an older epoch are dropped; messages of a newer one wait for ``set_view``.
+
+Every collective runs as an :class:`Op`: a mailbox keyed by ``(src, kind, step)``, one deadline
+timer, and the first round every algorithm shares, ``hello``: each rank sends every other rank its
+signature (op, algorithm, reduce op, root, dtype, element count, shape), so that ranks which
+disagree all raise the same ``CollectiveMismatchError`` instead of hanging. Small algorithms carry
+their payload in that round; shared-memory ones announce their segment in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from transport import shm as shm_mod
+from transport.errors import (
+    ClosedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    ConfigError,
+    PeerLostError,
+    RtxError,
+)
+from transport.peer import DataHeader, Kind, PeerMesh, encode_header
+
+__all__ = ["WorldView", "Engine", "Op", "SIG_FIELDS"]
+
+log = structlog.get_logger(__name__)
+
+# The fields of an operation's signature, in the order they are compared (the first that differs
+# is the one the mismatch error names).
+SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape", "splits")
+_MAX_FUTURE_MSGS = 100_000
+
+
+@dataclass(frozen=True)
+class WorldView:
+    """The membership of one epoch, as the coordinator announced it.
+
+    Attributes:
+        job: job id; messages of other jobs are dropped.
+        epoch: increases by one at every membership change.
+        rank: this process's rank in this epoch.
+        world_size: number of ranks.
+        endpoints: rank -> that rank's ``Engine.endpoint``.
+        hosts: rank -> hostname; ranks on this process's host exchange payloads through shared
+            memory.
+    """
+
+    job: str
+    epoch: int
+    rank: int
+    world_size: int
+    endpoints: dict[int, str] = field(default_factory=dict)
+    hosts: dict[int, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raises ConfigError when the view is inconsistent."""
+        if self.world_size < 1:
+            raise ConfigError(f"world_size({self.world_size}) < 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank({self.rank}) not in [0, world_size({self.world_size}))")
+        missing = [r for r in range(self.world_size) if r not in self.endpoints]
+        if missing:
+            raise ConfigError(f"no data endpoint for ranks {missing}")
+        if self.epoch < 0:
+            raise ConfigError(f"epoch({self.epoch}) < 0")
+
+
+class Op:
+    """One collective call on this rank: its mailbox, deadline and helpers for algorithms.
+
+    Attributes:
+        n: group size. r: this rank in the group. peers: the other group ranks.
+    """
+
+    def __init__(self, engine: Engine, group, seq: int, name: str, timeout_s: float):
+        self.engine = engine
+        self.group = group
+        self.seq = seq
+        self.name = name
+        self.n = group.size
+        self.r = group.rank
+        self.peers = [g for g in range(self.n) if g != self.r]
+        self._mail: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+        self._waiter: asyncio.Future | None = None
+        self._waiting_key: tuple | None = None
+        self._pending: set[int] = set()
+        self._trackers: list = []
+        self.error: BaseException | None = None
+        self.failed_remotely = False
+        self.timeout_s = timeout_s
+        self.t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(timeout_s, self._on_timeout)
+
+    # -- mailbox ---------------------------------------------------------------------------------
+
+    def deliver(self, h: DataHeader, payload) -> None:
+        if h.kind == Kind.ABORT:
+            self.failed_remotely = True
+            self.fail(_error_from_abort(h, self.name, self.group))
+            return
+        try:
+            g = self.group.ranks.index(h.src)
+        except ValueError:
+            return
+        key = (g, int(h.kind), h.step)
+        if self._waiter is not None and key == self._waiting_key and not self._waiter.done():
+            self._waiter.set_result((h.meta, payload))
+        else:
+            self._mail[key] = (h.meta, payload)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_exception(exc)
+
+    def _on_timeout(self) -> None:
+        missing = sorted(self.group.ranks[g] for g in self._pending)
+        self.fail(CollectiveTimeout(
+            f"{self.name} (group {self.group.gid!r}, seq {self.seq}) timed out after "
+            f"{self.timeout_s:g} s waiting for ranks {missing}", ranks=missing, op=self.name))
+
+    async def recv(self, g: int, step: int, kind: Kind = Kind.DATA) -> tuple[Any, Any]:
+        """The (meta, payload) group rank ``g`` sent at ``step``; waits within the deadline."""
+        if self.error is not None:
+            raise self.error
+        key = (g, int(kind), step)
+        item = self._mail.pop(key, None)
+        if item is not None:
+            return item
+        self._pending.add(g)
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiting_key = key
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+            self._pending.discard(g)
+
+    async def recv_all(self, granks: Iterable[int], step: int) -> dict[int, tuple[Any, Any]]:
+        """``recv`` from each of ``granks``; a timeout names all that are still missing."""
+        granks = list(granks)
+        self._pending = {g for g in granks if (g, int(Kind.DATA), step) not in self._mail}
+        out = {}
+        for g in granks:
+            out[g] = await self.recv(g, step)
+            self._pending.discard(g)
+        return out
+
+    def send(self, g: int, step: int, payload=None, meta=None, kind: Kind = Kind.DATA) -> None:
+        if self.error is not None:
+            raise self.error
+        tr = self.engine._send(self.group.ranks[g], kind, self.group.gid, self.seq, step, meta,
+                               payload)
+        if tr is not None:
+            self._trackers.append(tr)
+
+    async def hello(self, sig: list, extra: Any = None,
+                    payload_for: Callable[[int], Any] | None = None) -> dict[int, tuple[Any, Any]]:
+        """Exchange signatures with every peer and check that they agree.
+
+        Args:
+            sig: this rank's values of ``SIG_FIELDS``.
+            extra: per-operation data every peer receives (shm segment offer, split color).
+            payload_for: group rank -> payload to attach for that peer (or None).
+
+        Returns:
+            group rank -> (extra, payload) for every rank, this one included (payload None).
+
+        Raises:
+            CollectiveMismatchError: signatures differ; raised identically on every rank.
+        """
+        meta = [sig, extra]
+        for g in self.peers:
+            self.send(g, 0, payload_for(g) if payload_for else None, meta, Kind.HELLO)
+        self._pending = set(self.peers) - {k[0] for k in self._mail if k[1] == Kind.HELLO}
+        got: dict[int, tuple[Any, Any]] = {self.r: (extra, None)}
+        sigs = {self.group.ranks[self.r]: sig}
+        for g in self.peers:
+            m, payload = await self.recv(g, 0, Kind.HELLO)
+            self._pending.discard(g)
+            if not (isinstance(m, list) and len(m) == 2 and isinstance(m[0], list)):
+                raise CollectiveError(f"{self.name}: malformed hello from rank {self.group.ranks[g]}")
+            sigs[self.group.ranks[g]] = m[0]
+            got[g] = (m[1], payload)
+        self.group._after_hello(self)
+        check_signatures(self.name, sigs)
+        return got
+
+    async def flush(self) -> None:
+        """Wait until zmq no longer reads any buffer this op sent without a copy."""
+        while self._trackers:
+            if all(t.done for t in self._trackers):
+                self._trackers.clear()
+                return
+            if self.error is not None:
+                raise self.error
+            await asyncio.sleep(0.0002)
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+def check_signatures(name: str, sigs: dict[int, list]) -> None:
+    """Raise the same CollectiveMismatchError on every rank when signatures differ."""
+    for i, fname in enumerate(SIG_FIELDS):
+        vals = {rank: _hashable(s[i] if i < len(s) else None) for rank, s in sigs.items()}
+        if len(set(vals.values())) > 1:
+            shown = {rank: (s[i] if i < len(s) else None) for rank, s in sorted(sigs.items())}
+            raise CollectiveMismatchError(
+                f"{name}: ranks disagree on {fname}: {shown}", field=fname, values=shown)
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+def _error_from_abort(h: DataHeader, name: str, group) -> RtxError:
+    meta = h.meta if isinstance(h.meta, list) and len(h.meta) == 3 else ["RtxError", "?", []]
+    cls, msg, ranks = meta
+    ranks = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
+    text = f"rank {h.src} failed {name} (group {group.gid!r}, seq {h.seq}): {msg}"
+    if cls == "CollectiveTimeout":
+        return CollectiveTimeout(text, ranks=ranks, op=name)
+    if cls == "PeerLostError":
+        return PeerLostError(text, ranks=ranks)
+    if cls == "CollectiveMismatchError":
+        return CollectiveMismatchError(text)
+    return CollectiveError(text)
+
+
+class _P2PWaiter:
+    __slots__ = ("future", "handle")
+
+    def __init__(self, future, handle):
+        self.future = future
+        self.handle = handle
+
+
+class Engine:
+    """The collective engine of one process. Create it with :meth:`create`."""
+
+    def __init__(self, *, bind_host: str, default_timeout_s: float, shm: bool):
+        if default_timeout_s <= 0:
+            raise ConfigError(f"default_timeout_s({default_timeout_s}) must be > 0")
+        self.default_timeout_s = float(default_timeout_s)
+        self.shm_enabled = bool(shm)
+        self.view: WorldView | None = None
+        self.world = None
+        self.hostname = os.uname().nodename
+        self._mesh = PeerMesh(bind_host, self._on_message)
+        self.endpoint = self._mesh.endpoint
+        self._running: dict[tuple[str, int], Op] = {}
+        self._early: dict[tuple[str, int], list] = {}
+        self._watermark: dict[str, int] = {}
+        self._p2p_msgs: dict[tuple[str, int, int], deque] = {}
+        self._p2p_waiters: dict[tuple[str, int, int], deque] = {}
+        self._future_msgs: list = []
+        self._groups: list = []
+        self._group_counter: dict[tuple[int, ...], int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._closed: BaseException | None = None
+        self._seg_counter = 0
+
+    @classmethod
+    async def create(cls, *, bind_host: str = "127.0.0.1", default_timeout_s: float = 30.0,
+                     shm: bool = True) -> Engine:
+        """Bind the data socket on a free port and start receiving.
+
+        Also removes shared-memory segments left by dead processes on this host.
+        """
+        if shm:
+            shm_mod.reap_dead_segments()
+        self = cls(bind_host=bind_host, default_timeout_s=default_timeout_s, shm=shm)
+        self._mesh.start()
+        return self
+
+    # -- membership ------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int | None:
+        return None if self.view is None else self.view.epoch
+
+    def set_view(self, view: WorldView, *, lost: Iterable[int] = ()) -> None:
+        """Enter a new epoch (also the first).
+
+        Every in-flight and queued operation of the old epoch fails at once with
+        ``PeerLostError(ranks=lost, epoch=view.epoch)`` (``ClosedError`` when nobody was lost),
+        buffered messages are discarded, later messages of older epochs are dropped, sequence
+        numbers restart and ``world`` is a new group; groups of the old epoch raise ``ClosedError``.
+
+        Raises:
+            ConfigError: the view is inconsistent or its epoch is older than the current one.
+            ClosedError: the engine was closed.
+        """
+        from rtxnet.collectives.group import Group
+
+        if self._closed is not None:
+            raise ClosedError("engine is closed")
+        view.validate()
+        old = self.view
+        if old is not None:
+            if view.epoch < old.epoch:
+                raise ConfigError(f"epoch({view.epoch}) < current epoch({old.epoch})")
+            if view == old:
+                return
+            lost = sorted(lost)
+            if lost:
+                exc: RtxError = PeerLostError(
+                    f"ranks {lost} lost; epoch {old.epoch} -> {view.epoch}", ranks=lost,
+                    epoch=view.epoch)
+            else:
+                exc = ClosedError(f"membership changed: epoch {old.epoch} -> {view.epoch}")
+            self._fail_all(exc, retire_groups=True)
+        self.view = view
+        self._running.clear()
+        self._early.clear()
+        self._watermark.clear()
+        self._p2p_msgs.clear()
+        self._group_counter.clear()
+        for r, ep in view.endpoints.items():
+            if r != view.rank:
+                self._mesh.connect(ep)
+        self.world = Group._create(self, "w", list(range(view.world_size)))
+        log.debug("view_set", job=view.job, epoch=view.epoch, rank=view.rank,
+                  world_size=view.world_size)
+        pending, self._future_msgs = self._future_msgs, []
+        for h, payload in pending:
+            self._on_message(h, payload, None)
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every in-flight and queued operation with ``exc``; groups stay usable."""
+        self._fail_all(exc, retire_groups=False)
+
+    def _fail_all(self, exc: BaseException, *, retire_groups: bool) -> None:
+        for op in list(self._running.values()):
+            op.fail(exc)
+        for dq in self._p2p_waiters.values():
+            for w in dq:
+                if not w.future.done():
+                    w.future.set_exception(exc)
+                w.handle.cancel()
+        self._p2p_waiters.clear()
+        for g in self._groups:
+            if retire_groups:
+                g._retire(exc)
+            else:
+                g._fail_queued(exc)
+        if retire_groups:
+            self._groups.clear()
+
+    async def aclose(self) -> None:
+        """Fail what is in flight with ClosedError, close sockets (linger 0), unlink segments."""
+        if self._closed is not None:
+            return
+        exc = ClosedError("engine closed")
+        self._fail_all(exc, retire_groups=True)
+        self._closed = exc
+        # let failed operations unwind before the sockets go
+        await asyncio.sleep(0)
+        self._mesh.close()
+
+    # -- data plane ------------------------------------------------------------------------------
+
+    def _send(self, world_rank: int, kind: Kind, gid: str, seq: int, step: int, meta, payload):
+        if self._closed is not None:
+            raise self._closed
+        v = self.view
+        header = encode_header(DataHeader(v.job, v.epoch, gid, seq, v.rank, kind, step, meta))
+        return self._mesh.send(v.endpoints[world_rank], header, payload)
+
+    def _on_message(self, h: DataHeader, payload, frame) -> None:
+        v = self.view
+        if v is None or h.epoch > v.epoch:
+            if len(self._future_msgs) < _MAX_FUTURE_MSGS:
+                self._future_msgs.append((h, payload))
+            return
+        if h.job != v.job or h.epoch < v.epoch or not 0 <= h.src < v.world_size:
+            return
+        if h.kind == Kind.P2P:
+            key = (h.group, h.src, h.step)
+            waiters = self._p2p_waiters.get(key)
+            if waiters:
+                w = waiters.popleft()
+                w.handle.cancel()
+                w.future.set_result((h.meta, payload))
+            else:
+                self._p2p_msgs.setdefault(key, deque()).append((h.meta, payload))
+            return
+        key = (h.group, h.seq)
+        if h.seq <= self._watermark.get(h.group, -1):
+            return
+        op = self._running.get(key)
+        if op is not None:
+            op.deliver(h, payload)
+        else:
+            self._early.setdefault(key, []).append((h, payload))
+
+    def _start_op(self, op: Op) -> None:
+        key = (op.group.gid, op.seq)
+        self._running[key] = op
+        for h, payload in self._early.pop(key, ()):
+            op.deliver(h, payload)
+
+    def _end_op(self, op: Op) -> None:
+        op.close()
+        key = (op.group.gid, op.seq)
+        self._running.pop(key, None)
+        self._early.pop(key, None)
+        gid = op.group.gid
+        if op.seq > self._watermark.get(gid, -1):
+            self._watermark[gid] = op.seq
+
+    def _abort_peers(self, op: Op, exc: BaseException) -> None:
+        """Tell the group's other ranks that this operation failed here."""
+        ranks = list(getattr(exc, "ranks", []) or [])
+        meta = [type(exc).__name__, str(exc), ranks]
+        for g in op.peers:
+            try:
+                self._send(op.group.ranks[g], Kind.ABORT, op.group.gid, op.seq, 0, meta, None)
+            except RtxError:
+                return
+
+    async def _p2p_recv(self, gid: str, src_world: int, tag: int, timeout_s: float):
+        key = (gid, src_world, tag)
+        msgs = self._p2p_msgs.get(key)
+        if msgs:
+            item = msgs.popleft()
+            if not msgs:
+                del self._p2p_msgs[key]
+            return item
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def expire():
+            dq = self._p2p_waiters.get(key)
+            if dq is not None and w in dq:
+                dq.remove(w)
+            if not fut.done():
+                fut.set_exception(CollectiveTimeout(
+                    f"recv from rank {src_world} tag {tag} timed out after {timeout_s:g} s",
+                    ranks=[src_world], op="recv"))
+
+        w = _P2PWaiter(fut, loop.call_later(timeout_s, expire))
+        self._p2p_waiters.setdefault(key, deque()).append(w)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            dq = self._p2p_waiters.get(key)
+            if dq is not None and w in dq:
+                dq.remove(w)
+            w.handle.cancel()
+            raise
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _next_segment_name(self) -> str:
+        self._seg_counter += 1
+        return shm_mod.segment_name(self.view.job, os.getpid(), self._seg_counter)

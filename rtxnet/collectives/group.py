@@ -1,0 +1,748 @@
+"""``Group``: the collective API of a set of ranks (``engine.world``, ``new_group``, ``split``).
+
+Shapes legend: ``N`` elements of one rank's array, ``W`` group size.
+
+Ranks given to a group's methods (``src``, ``dst`` of broadcast, reduce, gather, scatter, send,
+recv) are **group ranks** (``0 .. W-1``); ``new_group`` takes **world ranks**. ``exc.ranks`` of a
+``CollectiveTimeout`` and the keys of ``CollectiveMismatchError.values`` are world ranks.
+
+Collectives of one group run one at a time in call order (sequence numbers are taken at call time,
+so the order of calls is what must agree across ranks); different groups run concurrently;
+send/recv do not queue behind collectives.
+
+Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen by size):
+
+==================== ===========================================================================
+``"direct"``         one round: every rank sends its payload inside the signature exchange; the
+                     reduction is done locally in rank order. Latency-optimal for small messages.
+``"recursive_doubling"`` all_reduce in log2(W) rounds (non powers of two folded in first).
+``"ring"``           all_reduce as ring reduce-scatter + all-gather, in pipelined 1 MiB blocks.
+``"shm"``            same-host ranks: each copies its input once into its shared-memory segment,
+                     reduces its 1/W chunk reading the peers' segments, then copies the others'
+                     reduced chunks (see :mod:`rtxnet.collectives.shared_memory`).
+==================== ===========================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import structlog
+
+from rtxnet.collectives.arrays import Buffer
+from rtxnet.collectives.arrays import payload_view as _view
+from rtxnet.collectives.doubling import recursive_doubling_all_reduce
+from rtxnet.collectives.engine import Engine, Op
+from rtxnet.collectives.reduce_ops import (
+    ReduceOp,
+    acc_dtype,
+    check_op_dtype,
+    combine,
+    combine2,
+    dtype_name,
+    finish,
+)
+from rtxnet.collectives.ring import ring_all_reduce
+from rtxnet.collectives import shared_memory as shmops
+from transport.errors import (
+    ClosedError,
+    CollectiveError,
+    CollectiveMismatchError,
+    PeerLostError,
+)
+from transport.peer import Kind
+
+__all__ = ["Group", "ALGORITHMS", "SMALL_MAX_NBYTES", "SHM_MIN_NBYTES"]
+
+log = structlog.get_logger(__name__)
+
+SMALL_MAX_NBYTES = 64 * 1024      # all_reduce up to this size: "direct" (<= 8 ranks)
+SHM_MIN_NBYTES = 64 * 1024        # same-host operations from this size: "shm"
+_DIRECT_MAX_RANKS = 8
+ALGORITHMS = {
+    "all_reduce": ("direct", "recursive_doubling", "ring", "shm"),
+    "broadcast": ("direct", "shm"),
+    "all_gather": ("direct", "shm"),
+    "reduce_scatter": ("direct", "shm"),
+}
+
+
+def _as_list(name: str, x, n: int) -> list[Buffer] | None:
+    if isinstance(x, (list, tuple)):
+        if len(x) != n:
+            raise ValueError(f"{name} has {len(x)} entries, group size is {n}")
+        return [Buffer(t) for t in x]
+    return None
+
+
+class Group:
+    """A set of ranks that run collectives together. Obtain one from ``Engine.world``,
+    :meth:`new_group` or :meth:`split`; the constructor is internal.
+
+    Attributes:
+        rank: this process's rank in the group.
+        size: number of ranks in the group.
+        ranks: world ranks of the members, indexed by group rank.
+        gid: group id, identical on every member.
+        epoch: the epoch the group belongs to.
+        algorithm: ``None`` (choose by size) or an algorithm name to force where it applies.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("groups come from engine.world, Group.new_group or Group.split")
+
+    @classmethod
+    def _create(cls, engine: Engine, gid: str, ranks: list[int]) -> Group:
+        self = object.__new__(cls)
+        self.engine = engine
+        self.gid = gid
+        self.ranks = list(ranks)
+        self.size = len(ranks)
+        self.rank = self.ranks.index(engine.view.rank)
+        self.epoch = engine.view.epoch
+        self.algorithm: str | None = None
+        self._seq = 0
+        self._tail: asyncio.Future | None = None
+        self._dead: BaseException | None = None
+        self._aborts = 0
+        self._abort_exc: BaseException | None = None
+        hosts = engine.view.hosts
+        me = hosts.get(engine.view.rank)
+        self.same_host = me is not None and all(hosts.get(r) == me for r in self.ranks)
+        self._shm = shmops.ShmState(engine) if engine.shm_enabled and self.same_host else None
+        engine._groups.append(self)
+        return self
+
+    def __repr__(self) -> str:
+        return (f"Group(gid={self.gid!r}, rank={self.rank}, size={self.size}, "
+                f"epoch={self.epoch})")
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._dead is not None:
+            if isinstance(self._dead, PeerLostError):
+                raise PeerLostError(
+                    f"group {self.gid!r} of epoch {self.epoch} is gone: {self._dead}",
+                    ranks=self._dead.ranks, epoch=self._dead.epoch) from self._dead
+            raise ClosedError(
+                f"group {self.gid!r} belongs to epoch {self.epoch}, which ended: {self._dead}"
+            ) from self._dead
+
+    def _retire(self, exc: BaseException) -> None:
+        self._dead = exc
+        if self._shm is not None:
+            self._shm.close()
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        self._aborts += 1
+        self._abort_exc = exc
+
+    def _timeout_s(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.engine.default_timeout_s
+        if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
+
+    def _after_hello(self, op: Op) -> None:
+        if self._shm is not None:
+            self._shm.after_hello(op.seq)
+
+    def _choose(self, opname: str, nbytes: int, forced: str | None) -> str:
+        allowed = ALGORITHMS.get(opname, ("direct",))
+        if forced is not None and forced not in allowed:
+            raise ValueError(f"{opname}: algorithm {forced!r} not in {allowed}")
+        if forced is None and self.algorithm in allowed:
+            forced = self.algorithm
+        if self.size == 1:
+            return "local"
+        shm_ok = self._shm is not None
+        if forced == "shm" and not shm_ok:
+            raise ValueError(f"{opname}: algorithm 'shm' needs every rank of the group on this "
+                             f"host and an engine created with shm=True")
+        if forced is not None:
+            return forced
+        if shm_ok and nbytes >= SHM_MIN_NBYTES and "shm" in allowed:
+            return "shm"
+        if opname == "all_reduce" and nbytes > SMALL_MAX_NBYTES:
+            return "ring"
+        if opname == "all_reduce" and self.size > _DIRECT_MAX_RANKS:
+            return "recursive_doubling"
+        return "direct"
+
+    def _sig(self, name, algo, rop=None, root=None, dtype=None, numel=None, shape=None,
+             splits=None) -> list:
+        return [name, algo, None if rop is None else rop.value, root,
+                None if dtype is None else dtype_name(dtype), numel,
+                None if shape is None else list(shape), splits]
+
+    def _check_root(self, name: str, root: int) -> int:
+        if not (isinstance(root, (int, np.integer)) and 0 <= int(root) < self.size):
+            raise ValueError(f"{name}: rank {root!r} not in group of size {self.size}")
+        return int(root)
+
+    async def _collective(self, name: str, timeout: float | None, body):
+        """Run ``body(op)`` as the next operation of this group, after the previous ones."""
+        self._check_usable()
+        timeout_s = self._timeout_s(timeout)
+        seq = self._seq
+        self._seq += 1
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        aborts = self._aborts
+        prev = self._tail
+        done = loop.create_future()
+        self._tail = done
+        try:
+            if prev is not None:
+                await asyncio.shield(prev)
+            self._check_usable()
+            if self._aborts != aborts:
+                raise self._abort_exc
+            op = Op(engine, self, seq, name, timeout_s)
+            engine._start_op(op)
+            try:
+                return await body(op)
+            except BaseException as exc:
+                if self._shm is not None:
+                    self._shm.taint()
+                if not (op.failed_remotely or isinstance(
+                        exc, (CollectiveMismatchError, PeerLostError, ClosedError))):
+                    err = exc if not isinstance(exc, asyncio.CancelledError) else \
+                        CollectiveError("cancelled on that rank")
+                    engine._abort_peers(op, err)
+                if op.error is not None and exc is not op.error and not isinstance(
+                        exc, asyncio.CancelledError):
+                    raise op.error from exc
+                raise
+            finally:
+                engine._end_op(op)
+        finally:
+            done.set_result(None)
+            if self._tail is done:
+                self._tail = None
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    async def all_reduce(self, tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None,
+                         algorithm: str | None = None):
+        """Reduce ``tensor`` over the group; every rank ends with the result, in place.
+
+        Args:
+            tensor: NumPy array or CPU DLPack tensor, any shape (0-d, empty and non-contiguous
+                views included); same shape and dtype on every rank; written in place.
+            op: ``ReduceOp``; float16/bfloat16 accumulate in float32, AVG divides at the end.
+            timeout: seconds; ``None`` uses the engine's default.
+            algorithm: force ``"direct"``, ``"recursive_doubling"``, ``"ring"`` or ``"shm"``.
+
+        Returns:
+            ``tensor``.
+
+        Raises:
+            ValueError: unsupported dtype, op (PROD/AVG of bool, AVG of ints) or algorithm;
+                raised before anything is sent.
+            CollectiveMismatchError: ranks disagree on op, dtype, shape or element count.
+            CollectiveTimeout: a rank did not contribute in time; ``exc.ranks`` names them.
+            PeerLostError: a peer was lost meanwhile; ``tensor`` is undefined.
+        """
+        buf = Buffer(tensor)
+        rop = check_op_dtype(op, buf.dtype)
+        nbytes = buf.size * buf.dtype.itemsize
+        algo = self._choose("all_reduce", nbytes, algorithm)
+        sig = self._sig("all_reduce", algo, rop, None, buf.dtype, buf.size, buf.shape)
+        flat, dtype, n, N = buf.flat, buf.dtype, self.size, buf.size
+        accdt = acc_dtype(dtype)
+
+        async def body(op: Op):
+            if algo == "local":
+                return tensor
+            if algo == "shm":
+                await shmops.all_reduce(op, self._shm, sig, flat, rop)
+            elif algo == "direct":
+                got = await op.hello(sig, None, lambda g: flat)
+                xs = [flat if g == self.rank else _view(got[g][1], dtype, N) for g in range(n)]
+                acc = np.empty(N, accdt)
+                combine2(rop, acc, xs[0], xs[1])
+                for x in xs[2:]:
+                    combine(rop, acc, x)
+                finish(rop, acc, n)
+                await op.flush()
+                np.copyto(flat, acc, casting="unsafe")
+            else:
+                await op.hello(sig)
+                acc = flat if accdt == dtype else flat.astype(accdt)
+                if algo == "ring":
+                    await ring_all_reduce(op, acc, rop)
+                else:
+                    acc = await recursive_doubling_all_reduce(op, acc, rop)
+                    finish(rop, acc, n)
+                if acc is not flat:
+                    np.copyto(flat, acc, casting="unsafe")
+            buf.commit()
+            return tensor
+
+        return await self._collective("all_reduce", timeout, body)
+
+    async def broadcast(self, tensor, src: int = 0, *, timeout: float | None = None,
+                        algorithm: str | None = None):
+        """Copy ``tensor`` of group rank ``src`` into ``tensor`` of every rank, in place.
+
+        Args:
+            tensor: same shape and dtype on every rank; read on ``src``, written elsewhere.
+            src: group rank of the source.
+
+        Returns:
+            ``tensor``.
+
+        Raises:
+            ValueError, CollectiveMismatchError, CollectiveTimeout, PeerLostError: as
+            :meth:`all_reduce`.
+        """
+        src = self._check_root("broadcast", src)
+        buf = Buffer(tensor, readonly=(self.rank == src))
+        nbytes = buf.size * buf.dtype.itemsize
+        algo = self._choose("broadcast", nbytes, algorithm)
+        sig = self._sig("broadcast", algo, None, src, buf.dtype, buf.size, buf.shape)
+
+        async def body(op: Op):
+            if algo == "local":
+                return tensor
+            if algo == "shm":
+                await shmops.broadcast(op, self._shm, sig, buf.flat, src)
+            else:
+                me = self.rank == src
+                got = await op.hello(sig, None, (lambda g: buf.flat) if me else None)
+                if me:
+                    await op.flush()
+                else:
+                    np.copyto(buf.flat, _view(got[src][1], buf.dtype, buf.size))
+            if self.rank != src:
+                buf.commit()
+            return tensor
+
+        return await self._collective("broadcast", timeout, body)
+
+    async def reduce(self, tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
+                     timeout: float | None = None):
+        """Reduce ``tensor`` over the group into ``tensor`` of group rank ``dst``.
+
+        Other ranks' ``tensor`` is left unchanged. Arguments and errors as :meth:`all_reduce`.
+        """
+        dst = self._check_root("reduce", dst)
+        buf = Buffer(tensor)
+        rop = check_op_dtype(op, buf.dtype)
+        sig = self._sig("reduce", "direct", rop, dst, buf.dtype, buf.size, buf.shape)
+        n, N, dtype = self.size, buf.size, buf.dtype
+
+        async def body(op: Op):
+            if self.size == 1:
+                return tensor
+            me = self.rank == dst
+            got = await op.hello(sig, None, None if me else (lambda g: buf.flat if g == dst else None))
+            if me:
+                xs = [buf.flat if g == dst else _view(got[g][1], dtype, N) for g in range(n)]
+                acc = np.empty(N, acc_dtype(dtype))
+                combine2(rop, acc, xs[0], xs[1])
+                for x in xs[2:]:
+                    combine(rop, acc, x)
+                finish(rop, acc, n)
+                np.copyto(buf.flat, acc, casting="unsafe")
+                buf.commit()
+            else:
+                await op.flush()
+            return tensor
+
+        return await self._collective("reduce", timeout, body)
+
+    async def all_gather(self, output, input, *, timeout: float | None = None,
+                         algorithm: str | None = None):
+        """Gather every rank's ``input`` into ``output`` on every rank.
+
+        Args:
+            output: a list of W arrays shaped like ``input``, or one array of ``W * N`` elements
+                (``[W * d0, ...]`` or ``[W, ...]``) whose k-th slice receives rank k's input.
+            input: shape ``[...]`` with N elements; same shape and dtype on every rank.
+
+        Returns:
+            ``output``.
+
+        Raises:
+            ValueError: output of the wrong size or dtype (before anything is sent); others as
+            :meth:`all_reduce`.
+        """
+        n = self.size
+        ib = Buffer(input, readonly=True)
+        N, dtype = ib.size, ib.dtype
+        outs = _as_list("all_gather output", output, n)
+        if outs is not None:
+            for k, o in enumerate(outs):
+                if o.dtype != dtype or o.size != N:
+                    raise ValueError(f"all_gather output[{k}] is {o.dtype}[{o.size}], input is "
+                                     f"{dtype}[{N}]")
+            slots = [o.flat for o in outs]
+        else:
+            ob = Buffer(output)
+            if ob.dtype != dtype or ob.size != n * N:
+                raise ValueError(f"all_gather output is {ob.dtype}[{ob.size}], needs "
+                                 f"{dtype}[{n} * {N}]")
+            slots = [ob.flat[k * N:(k + 1) * N] for k in range(n)]
+        algo = self._choose("all_gather", n * N * dtype.itemsize, algorithm)
+        sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape)
+
+        async def body(op: Op):
+            if algo == "shm":
+                await shmops.all_gather(op, self._shm, sig, ib.flat, slots)
+            else:
+                got = await op.hello(sig, None, lambda g: ib.flat) if algo != "local" else {}
+                for k in range(n):
+                    src = ib.flat if k == self.rank else _view(got[k][1], dtype, N)
+                    if slots[k] is not src:
+                        np.copyto(slots[k], src)
+                await op.flush()
+            for b in outs if outs is not None else [ob]:
+                b.commit()
+            return output
+
+        return await self._collective("all_gather", timeout, body)
+
+    async def reduce_scatter(self, output, input, op: ReduceOp = ReduceOp.SUM, *,
+                             timeout: float | None = None, algorithm: str | None = None):
+        """Reduce ``input`` over the group and keep this rank's shard in ``output``.
+
+        Args:
+            output: shape ``[...]`` with N elements; dtype of ``input``; written in place.
+            input: a list of W arrays shaped like ``output`` (entry k goes to rank k), or one
+                array of ``W * N`` elements whose k-th slice goes to rank k.
+            op: ``ReduceOp``.
+
+        Returns:
+            ``output``.
+
+        Raises:
+            As :meth:`all_reduce`. Bus bandwidth is reported with the factor (W-1)/W, as
+            nccl-tests define it.
+        """
+        n = self.size
+        ob = Buffer(output)
+        N, dtype = ob.size, ob.dtype
+        rop = check_op_dtype(op, dtype)
+        ins = _as_list("reduce_scatter input", input, n)
+        if ins is not None:
+            for k, b in enumerate(ins):
+                if b.dtype != dtype or b.size != N:
+                    raise ValueError(f"reduce_scatter input[{k}] is {b.dtype}[{b.size}], output "
+                                     f"is {dtype}[{N}]")
+            chunks = [b.flat for b in ins]
+        else:
+            ibuf = Buffer(input, readonly=True)
+            if ibuf.dtype != dtype or ibuf.size != n * N:
+                raise ValueError(f"reduce_scatter input is {ibuf.dtype}[{ibuf.size}], needs "
+                                 f"{dtype}[{n} * {N}]")
+            chunks = [ibuf.flat[k * N:(k + 1) * N] for k in range(n)]
+        algo = self._choose("reduce_scatter", n * N * dtype.itemsize, algorithm)
+        sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape)
+
+        async def body(op: Op):
+            r = self.rank
+            if algo == "local":
+                np.copyto(ob.flat, chunks[0])
+            elif algo == "shm":
+                await shmops.reduce_scatter(op, self._shm, sig, chunks, ob.flat, rop)
+            else:
+                got = await op.hello(sig, None, lambda g: chunks[g])
+                xs = [chunks[r] if g == r else _view(got[g][1], dtype, N) for g in range(n)]
+                acc = np.empty(N, acc_dtype(dtype))
+                combine2(rop, acc, xs[0], xs[1])
+                for x in xs[2:]:
+                    combine(rop, acc, x)
+                finish(rop, acc, n)
+                np.copyto(ob.flat, acc, casting="unsafe")
+                await op.flush()
+            ob.commit()
+            return output
+
+        return await self._collective("reduce_scatter", timeout, body)
+
+    async def gather(self, tensor, gather_list: Sequence | None = None, dst: int = 0, *,
+                     timeout: float | None = None):
+        """Collect every rank's ``tensor`` into ``gather_list`` (W arrays) on group rank ``dst``.
+
+        ``gather_list`` is required on ``dst`` and ignored elsewhere. Returns ``gather_list``.
+        Errors as :meth:`all_gather`.
+        """
+        dst = self._check_root("gather", dst)
+        n = self.size
+        ib = Buffer(tensor, readonly=True)
+        N, dtype = ib.size, ib.dtype
+        outs = None
+        if self.rank == dst:
+            if gather_list is None:
+                raise ValueError("gather: gather_list is required on the destination rank")
+            outs = _as_list("gather_list", list(gather_list), n)
+            for k, o in enumerate(outs):
+                if o.dtype != dtype or o.size != N:
+                    raise ValueError(f"gather_list[{k}] is {o.dtype}[{o.size}], tensor is "
+                                     f"{dtype}[{N}]")
+        sig = self._sig("gather", "direct", None, dst, dtype, N, ib.shape)
+
+        async def body(op: Op):
+            me = self.rank == dst
+            if n == 1:
+                got = {}
+            else:
+                got = await op.hello(sig, None, None if me else (
+                    lambda g: ib.flat if g == dst else None))
+            if me:
+                for k in range(n):
+                    np.copyto(outs[k].flat, ib.flat if k == dst else _view(got[k][1], dtype, N))
+                    outs[k].commit()
+            else:
+                await op.flush()
+            return gather_list
+
+        return await self._collective("gather", timeout, body)
+
+    async def scatter(self, tensor, scatter_list: Sequence | None = None, src: int = 0, *,
+                      timeout: float | None = None):
+        """Send ``scatter_list[k]`` of group rank ``src`` into ``tensor`` of rank k, in place.
+
+        ``scatter_list`` (W arrays shaped like ``tensor``) is required on ``src`` only.
+        Returns ``tensor``. Errors as :meth:`all_gather`.
+        """
+        src = self._check_root("scatter", src)
+        n = self.size
+        ob = Buffer(tensor)
+        N, dtype = ob.size, ob.dtype
+        ins = None
+        if self.rank == src:
+            if scatter_list is None:
+                raise ValueError("scatter: scatter_list is required on the source rank")
+            ins = [Buffer(t, readonly=True) for t in scatter_list]
+            if len(ins) != n:
+                raise ValueError(f"scatter_list has {len(ins)} entries, group size is {n}")
+            for k, b in enumerate(ins):
+                if b.dtype != dtype or b.size != N:
+                    raise ValueError(f"scatter_list[{k}] is {b.dtype}[{b.size}], tensor is "
+                                     f"{dtype}[{N}]")
+        sig = self._sig("scatter", "direct", None, src, dtype, N, ob.shape)
+
+        async def body(op: Op):
+            me = self.rank == src
+            got = {} if n == 1 else await op.hello(
+                sig, None, (lambda g: ins[g].flat) if me else None)
+            if me:
+                np.copyto(ob.flat, ins[src].flat)
+                await op.flush()
+            else:
+                np.copyto(ob.flat, _view(got[src][1], dtype, N))
+            ob.commit()
+            return tensor
+
+        return await self._collective("scatter", timeout, body)
+
+    async def all_to_all(self, output, input, *, timeout: float | None = None):
+        """Send ``input[k]`` to rank k and receive rank k's ``input[me]`` into ``output[k]``.
+
+        Args:
+            output: W arrays, or one array split evenly into W slices; sizes may differ per
+                peer with lists, and must equal the size the peer sends.
+            input: W arrays, or one array split evenly into W slices.
+
+        Returns:
+            ``output``.
+
+        Raises:
+            CollectiveMismatchError: ``field == "splits"`` when a rank's output size for a peer
+            differs from what that peer sends; others as :meth:`all_reduce`.
+        """
+        n = self.size
+        ins = _as_list("all_to_all input", input, n)
+        outs = _as_list("all_to_all output", output, n)
+        if ins is None:
+            ib = Buffer(input, readonly=True)
+            if ib.size % n:
+                raise ValueError(f"all_to_all input of {ib.size} elements not divisible by {n}")
+            m = ib.size // n
+            in_chunks = [ib.flat[k * m:(k + 1) * m] for k in range(n)]
+            dtype = ib.dtype
+        else:
+            in_chunks = [b.flat for b in ins]
+            dtype = ins[0].dtype
+        if outs is None:
+            obuf = Buffer(output)
+            if obuf.size % n:
+                raise ValueError(f"all_to_all output of {obuf.size} elements not divisible by {n}")
+            m = obuf.size // n
+            out_chunks = [obuf.flat[k * m:(k + 1) * m] for k in range(n)]
+            out_bufs = [obuf]
+        else:
+            out_chunks = [b.flat for b in outs]
+            out_bufs = outs
+        for a in in_chunks + out_chunks:
+            if a.dtype != dtype:
+                raise ValueError(f"all_to_all mixes dtypes {a.dtype} and {dtype}")
+        splits = [[int(a.size) for a in in_chunks], [int(a.size) for a in out_chunks]]
+        sig = self._sig("all_to_all", "direct", None, None, dtype, None, None, None)
+        r = self.rank
+
+        async def body(op: Op):
+            got = {} if n == 1 else await op.hello(sig, splits, lambda g: in_chunks[g])
+            got[r] = (splits, None)
+            _check_splits(self, {g: got[g][0] for g in range(n)})
+            for k in range(n):
+                src = in_chunks[r] if k == r else _view(got[k][1], dtype, out_chunks[k].size)
+                np.copyto(out_chunks[k], src)
+            await op.flush()
+            for b in out_bufs:
+                b.commit()
+            return output
+
+        return await self._collective("all_to_all", timeout, body)
+
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank of the group has entered the barrier."""
+        sig = self._sig("barrier", "direct")
+
+        async def body(op: Op):
+            if self.size > 1:
+                await op.hello(sig)
+
+        await self._collective("barrier", timeout, body)
+
+    # -- point to point --------------------------------------------------------------------------
+
+    async def send(self, tensor, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Send ``tensor`` to group rank ``dst``; matched with ``recv(src=me, tag=tag)`` there.
+
+        The message is queued at once, so it is delivered even if this coroutine is wrapped in
+        a task that is dropped. Returns when the buffer may be modified again.
+
+        Raises:
+            ValueError: bad ``dst``/``tag`` or dtype. ClosedError/PeerLostError: the group's
+            epoch ended.
+        """
+        dst = self._check_root("send", dst)
+        if dst == self.rank:
+            raise ValueError("send to self")
+        if not isinstance(tag, (int, np.integer)) or not -(1 << 62) < int(tag) < (1 << 62):
+            raise ValueError(f"tag must be an int, got {tag!r}")
+        buf = Buffer(tensor, readonly=True)
+        timeout_s = self._timeout_s(timeout)
+        self._check_usable()
+        payload = buf.flat
+        meta = [dtype_name(buf.dtype), list(buf.shape)]
+        tracker = self.engine._send(self.ranks[dst], Kind.P2P, self.gid, 0, int(tag), meta,
+                                    payload)
+        if tracker is not None:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while not tracker.done:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise CollectiveError(f"send to rank {self.ranks[dst]} not flushed in "
+                                          f"{timeout_s:g} s")
+                await asyncio.sleep(0.0002)
+
+    async def recv(self, tensor, src: int, tag: int = 0, *, timeout: float | None = None) -> int:
+        """Receive into ``tensor`` (in place) the message group rank ``src`` sent with ``tag``.
+
+        Messages are matched by (source, tag) in the order they were sent, whatever order sends
+        and receives are posted in.
+
+        Returns:
+            ``src``.
+
+        Raises:
+            CollectiveMismatchError: the message's dtype or shape differs from ``tensor``'s.
+            CollectiveTimeout: nothing arrived in time (``exc.ranks == [src's world rank]``).
+        """
+        src = self._check_root("recv", src)
+        if src == self.rank:
+            raise ValueError("recv from self")
+        buf = Buffer(tensor)
+        timeout_s = self._timeout_s(timeout)
+        self._check_usable()
+        meta, payload = await self.engine._p2p_recv(self.gid, self.ranks[src], int(tag), timeout_s)
+        mine = [dtype_name(buf.dtype), list(buf.shape)]
+        me_w, src_w = self.ranks[self.rank], self.ranks[src]
+        if not (isinstance(meta, list) and len(meta) == 2):
+            raise CollectiveError(f"recv: malformed message from rank {src_w}")
+        for i, fname in enumerate(("dtype", "shape")):
+            if meta[i] != mine[i]:
+                raise CollectiveMismatchError(
+                    f"recv tag {tag}: rank {src_w} sent {fname} {meta[i]}, rank {me_w} expects "
+                    f"{mine[i]}", field=fname, values={src_w: meta[i], me_w: mine[i]})
+        np.copyto(buf.flat, _view(payload, buf.dtype, buf.size))
+        buf.commit()
+        return src
+
+    # -- subgroups -----------------------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> Group | None:
+        """A group of the given **world** ranks (a subset of this group's), sorted.
+
+        Only members need to call it; members must create groups of the same rank set in the
+        same order. Returns ``None`` on a rank that is not a member. No communication.
+
+        Raises:
+            ValueError: duplicate ranks or ranks not in this group.
+        """
+        self._check_usable()
+        rs = sorted(int(r) for r in ranks)
+        if len(set(rs)) != len(rs) or not rs:
+            raise ValueError(f"new_group ranks must be distinct and non-empty: {list(ranks)}")
+        outside = [r for r in rs if r not in self.ranks]
+        if outside:
+            raise ValueError(f"new_group: ranks {outside} are not in group {self.gid!r}")
+        key = tuple(rs)
+        k = self.engine._group_counter.get(key, 0)
+        self.engine._group_counter[key] = k + 1
+        if self.engine.view.rank not in rs:
+            return None
+        return Group._create(self.engine, f"{','.join(map(str, rs))}#{k}", rs)
+
+    async def split(self, color: int | None, key: int = 0, *,
+                    timeout: float | None = None) -> Group | None:
+        """Split this group by ``color``; ranks in each new group are ordered by (key, rank).
+
+        A collective over this group. ``color=None`` joins no group and gets ``None``.
+
+        Raises:
+            ValueError: color or key is not an int.
+        """
+        for name, v in (("color", color), ("key", key)):
+            if v is not None and not isinstance(v, (int, np.integer)):
+                raise ValueError(f"split {name} must be an int, got {v!r}")
+        if key is None:
+            raise ValueError("split key must be an int")
+        mine = [None if color is None else int(color), int(key)]
+        sig = self._sig("split", "direct")
+        seq_box = {}
+
+        async def body(op: Op):
+            seq_box["seq"] = op.seq
+            got = {self.rank: (mine, None)} if self.size == 1 else await op.hello(sig, mine)
+            return {g: got[g][0] for g in range(self.size)}
+
+        colors = await self._collective("split", timeout, body)
+        if color is None:
+            return None
+        members = sorted((c[1], g) for g, c in colors.items() if c[0] == mine[0])
+        ranks = [self.ranks[g] for _, g in members]
+        return Group._create(self.engine, f"{self.gid}/{seq_box['seq']}:{mine[0]}", ranks)
+
+
+def _check_splits(group: Group, splits: dict[int, list]) -> None:
+    n = group.size
+    bad = {}
+    for i in range(n):
+        for j in range(n):
+            sent, expect = splits[i][0][j], splits[j][1][i]
+            if sent != expect:
+                bad[f"{group.ranks[i]}->{group.ranks[j]}"] = [sent, expect]
+    if bad:
+        raise CollectiveMismatchError(
+            f"all_to_all: sizes sent and expected differ (sent, expected): {bad}",
+            field="splits", values=bad)

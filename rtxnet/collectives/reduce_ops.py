@@ -1,0 +1,113 @@
+"""Reduction operators, the dtypes they accept, and the arithmetic every algorithm shares.
+
+float16 and bfloat16 accumulate in float32 (``acc_dtype``) and are rounded back once at the end;
+AVG divides after accumulation. bool supports SUM (logical or), MIN (and) and MAX (or) only;
+integers support every op except AVG (an integer mean is not well defined).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "acc_dtype", "check_op_dtype", "combine", "combine2", "finish",
+           "dtype_name", "dtype_from_name"]
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+    PROD = "prod"
+
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+SUPPORTED_DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": BFLOAT16,
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+_NAME_OF = {v: k for k, v in SUPPORTED_DTYPES.items()}
+_HALF = (np.dtype(np.float16), BFLOAT16)
+_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
+          ReduceOp.MAX: np.maximum, ReduceOp.PROD: np.multiply}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The wire name of a supported dtype.
+
+    Raises:
+        ValueError: the dtype is not supported.
+    """
+    try:
+        return _NAME_OF[np.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} is not supported by rtxnet collectives; supported: "
+                         f"{', '.join(SUPPORTED_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    try:
+        return SUPPORTED_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}") from None
+
+
+def acc_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype reductions of ``dtype`` accumulate in (float32 for float16 and bfloat16)."""
+    return np.dtype(np.float32) if dtype in _HALF else dtype
+
+
+def check_op_dtype(op, dtype: np.dtype) -> ReduceOp:
+    """Validate a reduction before anything is sent.
+
+    Raises:
+        ValueError: unknown op, unsupported dtype, or an op the dtype has no meaning for
+            (PROD or AVG of bool, AVG of integers).
+    """
+    if not isinstance(op, ReduceOp):
+        try:
+            op = ReduceOp(op) if isinstance(op, str) else ReduceOp[getattr(op, "name", str(op))]
+        except (KeyError, ValueError):
+            raise ValueError(f"unknown reduce op {op!r}; use ReduceOp.SUM/AVG/MIN/MAX/PROD") from None
+    dtype_name(dtype)
+    if dtype == np.bool_ and op in (ReduceOp.PROD, ReduceOp.AVG):
+        raise ValueError(f"ReduceOp.{op.name} is not supported for bool; use SUM, MIN or MAX")
+    if op is ReduceOp.AVG and dtype.kind in "iu":
+        raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}")
+    return op
+
+
+def combine(op: ReduceOp, out: np.ndarray, x: np.ndarray) -> None:
+    """``out = out (op) x`` in place; ``out`` is in the accumulation dtype, ``x`` in any."""
+    uf = _UFUNC[op]
+    if x.dtype != out.dtype:
+        uf(out, x, out=out, dtype=out.dtype, casting="unsafe")
+    else:
+        uf(out, x, out=out)
+
+
+def combine2(op: ReduceOp, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """``out = a (op) b`` without temporaries; ``out`` is in the accumulation dtype."""
+    uf = _UFUNC[op]
+    if a.dtype != out.dtype or b.dtype != out.dtype:
+        uf(a, b, out=out, dtype=out.dtype, casting="unsafe")
+    else:
+        uf(a, b, out=out)
+
+
+def finish(op: ReduceOp, acc: np.ndarray, nranks: int) -> None:
+    """Apply what comes after accumulation: AVG divides by the number of ranks."""
+    if op is ReduceOp.AVG:
+        np.divide(acc, nranks, out=acc)

@@ -1,0 +1,56 @@
+"""Ring all-reduce: reduce-scatter then all-gather around the ring, in pipelined blocks.
+
+Shapes legend: ``acc_N`` the working array of N elements (accumulation dtype), split into W
+chunks by element (chunk c = ``[c*N//W, (c+1)*N//W)``), each cut into blocks of
+``BLOCK_NBYTES``.
+
+Step t (0 <= t < 2(W-1)) sends chunk ``(r - t) mod W`` to the right neighbour and receives chunk
+``(r - t - 1) mod W`` from the left one: for t < W-1 it is reduced into ``acc_N`` (reduce-scatter),
+afterwards copied (all-gather). A block is forwarded as soon as it is processed, so the next
+rank works on block b while this one receives block b+1 (the pipelining of nccl's ring). Each
+chunk is reduced by one rank only, so every rank ends with bit-identical results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rtxnet.collectives.arrays import payload_view
+from rtxnet.collectives.reduce_ops import ReduceOp, combine, finish
+
+__all__ = ["ring_all_reduce", "BLOCK_NBYTES"]
+
+BLOCK_NBYTES = 1 << 20
+_STEP_STRIDE = 1 << 24
+
+
+def _blocks(lo: int, hi: int, blk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + blk, hi)) for s in range(lo, hi, blk)]
+
+
+async def ring_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
+    """All-reduce ``acc_N`` in place over ``op``'s group (AVG division included)."""
+    n, r = op.n, op.r
+    N = acc_N.size
+    right, left = (r + 1) % n, (r - 1) % n
+    bounds = [c * N // n for c in range(n + 1)]
+    blk = max(1, BLOCK_NBYTES // acc_N.itemsize)
+    chunk_blocks = [_blocks(bounds[c], bounds[c + 1], blk) for c in range(n)]
+    last = 2 * (n - 1)
+    for b, (lo, hi) in enumerate(chunk_blocks[r]):
+        op.send(right, b, acc_N[lo:hi])
+    for t in range(last):
+        c = (r - t - 1) % n
+        for b, (lo, hi) in enumerate(chunk_blocks[c]):
+            _, payload = await op.recv(left, t * _STEP_STRIDE + b)
+            x = payload_view(payload, acc_N.dtype, hi - lo)
+            seg = acc_N[lo:hi]
+            if t < n - 1:
+                combine(rop, seg, x)
+                if t == n - 2:
+                    finish(rop, seg, n)
+            else:
+                seg[...] = x
+            if t + 1 < last:
+                op.send(right, (t + 1) * _STEP_STRIDE + b, seg)
+    await op.flush()

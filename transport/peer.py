@@ -1,0 +1,206 @@
+"""Peer data links: one ROUTER bound for incoming messages, one DEALER per peer for outgoing ones.
+
+A data message is ``[header, payload?]``: ``header`` is a msgpack array (never pickle; bytes use
+the bin type) and the optional payload travels as its own frame, zero-copy at or above
+``ZERO_COPY_MIN_NBYTES``::
+
+    header = [version, job, epoch, group, seq, src, kind, step, meta]
+
+=========  =========================================================================
+version    ``DATA_VERSION``; other versions are dropped
+job        job id (str); messages of another job are dropped
+epoch      membership epoch (int) of the sender
+group      group id (str), identical on every member of the group
+seq        the group's sequence number of the operation (int; 0 for point-to-point)
+src        the sender's index in the world of ``epoch`` (int)
+kind       what the message is (:class:`Kind`)
+step       step of the algorithm (int), or the tag for point-to-point messages
+meta       small msgpack value whose meaning depends on ``kind``
+=========  =========================================================================
+
+The receive side is an edge-triggered reader on the ROUTER's file descriptor that drains every
+queued message into a handler, so no future is created per message. Sends never block: the
+high-water marks are unlimited, and a zero-copy send returns a tracker that says when zmq is done
+with the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import msgpack
+import structlog
+import zmq
+
+from transport.errors import ClosedError, ProtocolError
+
+__all__ = ["DATA_VERSION", "ZERO_COPY_MIN_NBYTES", "Kind", "DataHeader", "encode_header",
+           "decode_header", "PeerMesh"]
+
+log = structlog.get_logger(__name__)
+
+DATA_VERSION = 1
+ZERO_COPY_MIN_NBYTES = 64 * 1024
+MAX_HEADER_NBYTES = 1 << 20
+
+
+class Kind(enum.IntEnum):
+    HELLO = 0   # first message of every collective: signature (+ inline payload or shm offer)
+    DATA = 1    # a step of an algorithm
+    ABORT = 2   # the sender failed this operation; meta = [error class, message, ranks]
+    P2P = 3     # point-to-point send; step = tag; meta = [dtype, shape]
+
+
+class DataHeader(NamedTuple):
+    job: str
+    epoch: int
+    group: str
+    seq: int
+    src: int
+    kind: Kind
+    step: int
+    meta: Any
+
+
+def encode_header(h: DataHeader) -> bytes:
+    return msgpack.packb([DATA_VERSION, h.job, h.epoch, h.group, h.seq, h.src, int(h.kind),
+                          h.step, h.meta], use_bin_type=True)
+
+
+def decode_header(buf: bytes | memoryview) -> DataHeader:
+    """Parse and validate a header.
+
+    Raises:
+        ProtocolError: malformed, oversize, or of another version.
+    """
+    if len(buf) > MAX_HEADER_NBYTES:
+        raise ProtocolError(f"data header of {len(buf)} bytes > {MAX_HEADER_NBYTES}")
+    try:
+        obj = msgpack.unpackb(buf, raw=False, use_list=True, strict_map_key=True,
+                              max_str_len=1 << 16, max_bin_len=MAX_HEADER_NBYTES,
+                              max_array_len=1 << 16, max_map_len=1 << 10, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable data header: {exc}") from exc
+    if not isinstance(obj, list) or len(obj) != 9:
+        raise ProtocolError("data header is not an array of 9")
+    version, job, epoch, group, seq, src, kind, step, meta = obj
+    if version != DATA_VERSION:
+        raise ProtocolError(f"data header version {version!r} != {DATA_VERSION}")
+    if not (isinstance(job, str) and isinstance(group, str)):
+        raise ProtocolError("data header job/group must be str")
+    for name, v in (("epoch", epoch), ("seq", seq), ("src", src), ("step", step)):
+        if type(v) is not int:
+            raise ProtocolError(f"data header {name} must be int, got {type(v).__name__}")
+    try:
+        kind = Kind(kind)
+    except ValueError as exc:
+        raise ProtocolError(f"unknown data message kind {kind!r}") from exc
+    return DataHeader(job, epoch, group, seq, src, kind, step, meta)
+
+
+Handler = Callable[[DataHeader, "memoryview | None", "zmq.Frame | None"], None]
+
+
+class PeerMesh:
+    """The data sockets of one process.
+
+    Args:
+        bind_host: interface for the ROUTER; the port is picked at random.
+        handler: called in the event loop for every valid incoming message with the header, the
+            payload as a ``memoryview`` (or ``None``) and the frame that owns it.
+    """
+
+    def __init__(self, bind_host: str, handler: Handler):
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.RCVBUF, 4 << 20)
+        port = self._router.bind_to_random_port(f"tcp://{bind_host}")
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._handler = handler
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.dropped = 0
+
+    def start(self) -> None:
+        """Start reading (in the running loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._router.getsockopt(zmq.FD), self._drain)
+        self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        router = self._router
+        while not self._closed and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                if len(frames) not in (2, 3):
+                    raise ProtocolError(f"data message of {len(frames)} frames")
+                header = decode_header(frames[1].buffer)
+            except ProtocolError as exc:
+                self.dropped += 1
+                log.warning("data_message_dropped", reason=str(exc))
+                continue
+            if len(frames) == 3:
+                self._handler(header, frames[2].buffer, frames[2])
+            else:
+                self._handler(header, None, None)
+
+    def connect(self, endpoint: str) -> None:
+        """Open (once) the outgoing link to ``endpoint``."""
+        if endpoint not in self._dealers:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.SNDBUF, 4 << 20)
+            s.connect(endpoint)
+            self._dealers[endpoint] = s
+
+    def send(self, endpoint: str, header: bytes, payload=None) -> zmq.MessageTracker | None:
+        """Queue a message for ``endpoint``; never blocks.
+
+        Returns:
+            A tracker when the payload was sent without a copy (the caller must not modify the
+            buffer before ``tracker.done``), else ``None``.
+
+        Raises:
+            ClosedError: the mesh was closed.
+        """
+        if self._closed:
+            raise ClosedError("peer mesh is closed")
+        self.connect(endpoint)
+        sock = self._dealers[endpoint]
+        if payload is None:
+            sock.send(header, zmq.NOBLOCK)
+            return None
+        mv = memoryview(payload)
+        if mv.nbytes >= ZERO_COPY_MIN_NBYTES:
+            frame = zmq.Frame(mv, copy=False, track=True)
+            sock.send_multipart([header, frame], zmq.NOBLOCK, copy=False)
+            return frame.tracker
+        sock.send_multipart([header, mv], zmq.NOBLOCK)
+        return None
+
+    def disconnect(self, endpoint: str) -> None:
+        s = self._dealers.pop(endpoint, None)
+        if s is not None:
+            s.close(linger=0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._router.getsockopt(zmq.FD))
+            except Exception:  # loop already torn down
+                pass
+        for s in self._dealers.values():
+            s.close(linger=0)
+        self._dealers.clear()
+        self._router.close(linger=0)
+        self._ctx.term()
