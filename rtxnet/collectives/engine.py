@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
 
 from transport import shm as shm_mod
@@ -385,6 +386,9 @@ class Engine:
             raise self._closed
         v = self.view
         header = encode_header(DataHeader(v.job, v.epoch, gid, seq, v.rank, kind, step, meta))
+        if payload is not None and isinstance(payload, np.ndarray):
+            # as bytes: some dtypes (bfloat16) cannot export a buffer of their own
+            payload = payload.reshape(-1).view(np.uint8)
         return self._mesh.send(v.endpoints[world_rank], header, payload)
 
     def _on_message(self, h: DataHeader, payload, frame) -> None:
