@@ -137,7 +137,8 @@ class Agent:
             "join",
             identity=self.identity,
             token=self.token,
-            rank=self.requested_rank,
+            # After having been a member, ranks were renumbered: take whichever rank is free.
+            rank=self.requested_rank if self.membership is None else None,
             min_ranks=self.min_ranks,
             max_ranks=self.max_ranks,
             last_call_s=float(self.last_call_s),

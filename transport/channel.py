@@ -22,7 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
-from .codec import DEFAULT_LIMITS, Limits, decode, encode
+from .codec import DEFAULT_LIMITS, Limits, decode, encode, peek_fields
 from .errors import ClosedError, ConnectError, ProtocolError, RtxError, RtxTimeoutError, error_from_wire
 
 __all__ = ["ControlClient", "ControlServer", "Inbound", "Disconnected", "process_context"]
@@ -183,6 +183,9 @@ class Disconnected:
         self.identity = identity
 
 
+_HEAD = frozenset({"rid", "job"})
+
+
 def _log_send_failure(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("send_failed", error=str(fut.exception()))
@@ -248,11 +251,8 @@ class ControlServer:
                     self._fd_owner[fd] = ident_b
             except zmq.ZMQError:
                 pass
-            try:
-                identity = ident_b.decode()
-            except UnicodeDecodeError:
-                log.warning("control_message_dropped", error="routing id is not UTF-8")
-                continue
+            # surrogateescape: any routing id (ZeroMQ makes binary ones) maps to a str and back.
+            identity = ident_b.decode("utf-8", "surrogateescape")
             self._handle(identity, ident_b, frames[1:])
 
     def _handle(self, identity: str, ident_b: bytes, frames: list) -> None:
@@ -265,10 +265,11 @@ class ControlServer:
             if msg["t"] not in wire.REQUESTS:
                 raise ProtocolError(f"{msg['t']!r} is not a request")
         except ProtocolError as exc:
-            rid = raw.get("rid") if isinstance(raw, dict) else None
+            head = raw if isinstance(raw, dict) else (peek_fields(frames[0].buffer, _HEAD) if frames else {})
+            rid = head.get("rid")
             log.warning("protocol_error", identity=identity, error=str(exc), answered=isinstance(rid, int))
             if isinstance(rid, int) and not isinstance(rid, bool) and -(2**63) <= rid < 2**64:
-                job = raw.get("job") if isinstance(raw.get("job"), str) else ""
+                job = head.get("job") if isinstance(head.get("job"), str) else ""
                 self.send_raw(ident_b, wire.make("error", rid=rid, job=job, error="ProtocolError", message=str(exc)))
             return
         self._queue.put_nowait(Inbound(identity, msg))
@@ -282,14 +283,11 @@ class ControlServer:
             if evt["event"] == zmq.EVENT_DISCONNECTED:
                 ident_b = self._fd_owner.pop(evt["value"], None)
                 if ident_b is not None:
-                    try:
-                        self._queue.put_nowait(Disconnected(ident_b.decode()))
-                    except UnicodeDecodeError:
-                        pass
+                    self._queue.put_nowait(Disconnected(ident_b.decode("utf-8", "surrogateescape")))
 
     def send(self, identity: str, msg: dict[str, Any]) -> None:
         """Send ``msg`` to the agent with routing id ``identity`` (dropped if it is gone)."""
-        self.send_raw(identity.encode(), msg)
+        self.send_raw(identity.encode("utf-8", "surrogateescape"), msg)
 
     def send_raw(self, ident_b: bytes, msg: dict[str, Any]) -> None:
         try:

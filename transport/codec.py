@@ -16,7 +16,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-__all__ = ["Limits", "DEFAULT_LIMITS", "encode", "decode"]
+__all__ = ["Limits", "DEFAULT_LIMITS", "encode", "decode", "peek_fields"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,29 @@ def decode(data: bytes | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
         raise ProtocolError("trailing bytes after the message") from exc
     except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise ProtocolError(f"malformed message ({n} bytes): {exc}") from exc
+
+
+def peek_fields(data: bytes | memoryview, names: frozenset[str], *, max_entries: int = 64) -> dict[str, Any]:
+    """Read only the small scalar fields ``names`` of a top-level map, skipping everything else.
+
+    Used to answer a message that is too large (or otherwise undecodable) with an error that
+    carries its request id. Values are skipped without being materialised, so a huge ``bin`` costs
+    nothing. Returns what it could read; never raises.
+    """
+    found: dict[str, Any] = {}
+    try:
+        up = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), max_str_len=256,
+                              max_bin_len=0, max_array_len=0, max_map_len=max_entries, max_ext_len=0)
+        up.feed(data)
+        n = up.read_map_header()
+        for _ in range(min(n, max_entries)):
+            key = up.unpack()
+            if isinstance(key, str) and key in names:
+                value = up.unpack()
+                if isinstance(value, int | str) and not isinstance(value, bool):
+                    found[key] = value
+            else:
+                up.skip()
+    except Exception:  # whatever it is, this is best effort
+        pass
+    return found

