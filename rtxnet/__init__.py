@@ -32,6 +32,7 @@ from transport.errors import (
 )
 
 from .agent import Membership
+from .collectives import ReduceOp
 from .config import Timeouts
 from .portal import Work
 from .process_group import BlockingProcessGroup, ProcessGroup, Store, connect, init
@@ -52,6 +53,7 @@ __all__ = [
     "PeerLostError",
     "ProcessGroup",
     "ProtocolError",
+    "ReduceOp",
     "RendezvousError",
     "RendezvousTimeout",
     "RtxError",
