@@ -99,7 +99,8 @@ class Op:
         self._mail: dict[tuple[int, int, int], tuple[Any, Any]] = {}
         self._waiter: asyncio.Future | None = None
         self._waiting_key: tuple | None = None
-        self._pending: set[int] = set()
+        self._pending: set[int] = set()   # group ranks whose message of _pending_ks is due
+        self._pending_ks: tuple[int, int] = (-1, -1)
         self._trackers: list = []
         self.error: BaseException | None = None
         self.failed_remotely = False
@@ -120,6 +121,8 @@ class Op:
         except ValueError:
             return
         key = (g, int(h.kind), h.step)
+        if key[1:] == self._pending_ks:
+            self._pending.discard(g)
         if self._waiter is not None and key == self._waiting_key and not self._waiter.done():
             self._waiter.set_result((h.meta, payload))
         else:
@@ -145,6 +148,9 @@ class Op:
         item = self._mail.pop(key, None)
         if item is not None:
             return item
+        if self._pending_ks != (int(kind), step):
+            self._pending_ks = (int(kind), step)
+            self._pending = set()
         self._pending.add(g)
         self._waiter = asyncio.get_running_loop().create_future()
         self._waiting_key = key
@@ -157,6 +163,7 @@ class Op:
     async def recv_all(self, granks: Iterable[int], step: int) -> dict[int, tuple[Any, Any]]:
         """``recv`` from each of ``granks``; a timeout names all that are still missing."""
         granks = list(granks)
+        self._pending_ks = (int(Kind.DATA), step)
         self._pending = {g for g in granks if (g, int(Kind.DATA), step) not in self._mail}
         out = {}
         for g in granks:
@@ -190,6 +197,7 @@ class Op:
         meta = [sig, extra]
         for g in self.peers:
             self.send(g, 0, payload_for(g) if payload_for else None, meta, Kind.HELLO)
+        self._pending_ks = (int(Kind.HELLO), 0)
         self._pending = set(self.peers) - {k[0] for k in self._mail if k[1] == Kind.HELLO}
         got: dict[int, tuple[Any, Any]] = {self.r: (extra, None)}
         sigs = {self.group.ranks[self.r]: sig}

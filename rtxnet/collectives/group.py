@@ -744,5 +744,5 @@ def _check_splits(group: Group, splits: dict[int, list]) -> None:
                 bad[f"{group.ranks[i]}->{group.ranks[j]}"] = [sent, expect]
     if bad:
         raise CollectiveMismatchError(
-            f"all_to_all: sizes sent and expected differ (sent, expected): {bad}",
+            f"all_to_all: ranks disagree on splits, element counts (sent, expected): {bad}",
             field="splits", values=bad)

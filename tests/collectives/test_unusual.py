@@ -1,0 +1,252 @@
+"""Unusual and bad input: empty, 0-d, non-contiguous, torch tensors, half precision range,
+mismatches on every rank, early ValueErrors, timeouts that name ranks and leave the group usable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rtxnet.collectives import ReduceOp
+from transport.errors import CollectiveMismatchError, CollectiveTimeout
+
+from .harness import RankError, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def odd_shapes(engine):
+    g = engine.world
+    n, r = g.size, g.rank
+    out = {}
+    for algo in (None, "direct", "recursive_doubling", "ring", "shm"):
+        e = np.ones((1, 0, 2), np.float32)
+        await g.all_reduce(e, algorithm=algo)
+        out[f"empty-{algo}"] = e.shape
+        z = np.array(r + 1.0)
+        await g.all_reduce(z, algorithm=algo)
+        out[f"0d-{algo}"] = float(z)
+        m = np.arange(4, dtype=np.float64).reshape(2, 2) + 10 * r
+        col = m[:, 1]
+        await g.all_reduce(col, algorithm=algo)
+        out[f"col-{algo}"] = m.copy()
+        big = np.ones((200_000, 2), np.float32) * (r + 1)
+        view = big[:, 0]
+        await g.all_reduce(view, ReduceOp.MAX, algorithm=algo)
+        out[f"bigcol-{algo}"] = (float(big[:, 0].min()), float(big[:, 0].max()),
+                                 float(big[:, 1].max()))
+    # empty and 0-d through the other ops
+    e = np.zeros((0, 3), np.int32)
+    await g.broadcast(e, 0)
+    outs = [np.zeros((0, 3), np.int32) for _ in range(n)]
+    await g.all_gather(outs, e)
+    z = np.array(r, np.int64)
+    gl = [np.array(0, np.int64) for _ in range(n)]
+    await g.all_gather(gl, z)
+    out["ag0d"] = [int(a) for a in gl]
+    # non-contiguous destination of broadcast and scatter
+    m = np.zeros((3, 3), np.float32) if r else np.arange(9, dtype=np.float32).reshape(3, 3)
+    await g.broadcast(m[::2, ::2], 0)
+    out["bc-strided"] = m.copy()
+    # float16 / bfloat16 accumulate in float32
+    h = np.full(5, 20000.0, np.float16)
+    await g.all_reduce(h, ReduceOp.AVG)
+    out["f16avg"] = h.astype(np.float32).tolist()
+    b = np.full(5, 3.0e37, np.float32).astype(ml_dtypes.bfloat16)
+    await g.all_reduce(b, ReduceOp.AVG, algorithm="ring")
+    out["bf16avg"] = b.astype(np.float32).tolist()
+    return out
+
+
+def test_empty_0d_noncontiguous_and_half_precision():
+    n = 4
+    res = run_world(n, odd_shapes)
+    s = sum(range(1, n + 1))
+    for r, out in enumerate(res):
+        for algo in (None, "direct", "recursive_doubling", "ring", "shm"):
+            assert out[f"empty-{algo}"] == (1, 0, 2)
+            assert out[f"0d-{algo}"] == s
+            m = out[f"col-{algo}"]
+            assert m[:, 0].tolist() == [0 + 10 * r, 2 + 10 * r], "untouched column changed"
+            assert m[:, 1].tolist() == [1 * n + 10 * 6, 3 * n + 10 * 6]
+            assert out[f"bigcol-{algo}"] == (n, n, r + 1)
+        assert out["ag0d"] == list(range(n))
+        want = np.zeros((3, 3), np.float32)
+        want[::2, ::2] = np.arange(9, dtype=np.float32).reshape(3, 3)[::2, ::2]
+        if r == 0:
+            want = np.arange(9, dtype=np.float32).reshape(3, 3)
+        np.testing.assert_array_equal(out["bc-strided"], want)
+        assert out["f16avg"] == [20000.0] * 5
+        assert all(abs(v - 3.0e37) / 3.0e37 < 1e-2 for v in out["bf16avg"])
+
+
+async def torch_tensors(engine):
+    import torch
+
+    g = engine.world
+    r = g.rank
+    out = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        t = (torch.arange(6) + r).to(dt) if dt != torch.bool else torch.tensor([r == 0] * 6)
+        ptr = t.data_ptr()
+        res = await g.all_reduce(t, ReduceOp.MAX)
+        assert res is t and t.data_ptr() == ptr
+        out[str(dt)] = t.to(torch.float32).tolist()
+    m = torch.zeros(2, 2, requires_grad=False) + r + 1
+    await g.all_reduce(m[:, 0])
+    out["col"] = m.tolist()
+    w = torch.ones(300_000, requires_grad=True)
+    with torch.no_grad():
+        await g.all_reduce(w.detach())
+    out["grad"] = float(w[0])
+    outs = torch.zeros(g.size * 3)
+    await g.all_gather(outs, torch.full((3,), float(r)))
+    out["ag"] = outs.tolist()
+    return out
+
+
+def test_torch_tensors_in_place():
+    pytest.importorskip("torch")
+    res = run_world(2, torch_tensors)
+    for r, out in enumerate(res):
+        assert out["torch.float32"] == [float(i + 1) for i in range(6)]
+        assert out["torch.bfloat16"] == [float(i + 1) for i in range(6)]
+        assert out["torch.int64"] == [float(i + 1) for i in range(6)]
+        assert out["torch.bool"] == [1.0] * 6
+        assert out["col"] == [[3.0, r + 1.0], [3.0, r + 1.0]]
+        assert out["grad"] == 2.0
+        assert out["ag"] == [0.0] * 3 + [1.0] * 3
+
+
+async def mismatches(engine, what):
+    g = engine.world
+    r = g.rank
+    x = np.zeros(8, np.float32)
+    try:
+        if what == "op":
+            if r == 0:
+                await g.broadcast(x, 0)
+            else:
+                await g.all_reduce(x)
+        elif what == "reduce_op":
+            await g.all_reduce(x, ReduceOp.MAX if r == 1 else ReduceOp.SUM)
+        elif what == "dtype":
+            await g.all_reduce(x.astype(np.float64) if r == 2 else x)
+        elif what == "numel":
+            await g.all_reduce(np.zeros(9 if r == 1 else 8, np.float32))
+        elif what == "shape":
+            await g.all_reduce(x.reshape(2, 4) if r == 0 else x)
+        elif what == "big-numel":  # shm and ring paths too
+            await g.all_reduce(np.zeros(100_000 + r, np.float32))
+        elif what == "root":
+            await g.broadcast(x, src=r % 2)
+        elif what == "splits":
+            outs = [np.zeros(2 if (r, k) == (0, 1) else 1, np.float32) for k in range(g.size)]
+            await g.all_to_all(outs, [np.zeros(1, np.float32) for _ in range(g.size)])
+    except CollectiveMismatchError as exc:
+        # the group is usable afterwards
+        y = np.ones(4, np.float32)
+        await g.all_reduce(y)
+        return exc.field, sorted(exc.values), str(exc), float(y[0])
+    return None
+
+
+@pytest.mark.parametrize("what,field", [
+    ("op", "op"), ("reduce_op", "reduce_op"), ("dtype", "dtype"), ("numel", "numel"),
+    ("shape", "shape"), ("big-numel", "numel"), ("root", "root"), ("splits", "splits"),
+])
+def test_mismatch_on_every_rank(what, field):
+    n = 3
+    res = run_world(n, mismatches, what, default_timeout_s=5)
+    for r, out in enumerate(res):
+        assert out is not None, f"rank {r} did not raise"
+        got_field, keys, msg, after = out
+        assert got_field == field, msg
+        assert field in msg
+        assert after == n
+    assert len({o[2].split(": ", 1)[1] for o in res}) == 1, "every rank reports the same mismatch"
+
+
+async def early_value_errors(engine):
+    g = engine.world
+    errors = []
+    for bad in (
+        lambda: g.all_reduce(np.ones(3, bool), ReduceOp.PROD),
+        lambda: g.all_reduce(np.ones(3, bool), ReduceOp.AVG),
+        lambda: g.all_reduce(np.ones(3, np.int32), ReduceOp.AVG),
+        lambda: g.all_reduce(np.ones(3, np.complex64)),
+        lambda: g.all_reduce(np.ones(3, np.uint32)),
+        lambda: g.all_reduce([1, 2, 3]),
+        lambda: g.all_reduce(np.ones(3), "nope"),
+        lambda: g.all_reduce(np.ones(3), algorithm="bogus"),
+        lambda: g.broadcast(np.ones(3), src=7),
+        lambda: g.all_gather([np.ones(3)], np.ones(3)),
+        lambda: g.all_gather(np.ones(5), np.ones(3)),
+        lambda: g.all_reduce(np.ones(3), timeout=-1),
+        lambda: g.send(np.ones(3), g.rank),
+    ):
+        try:
+            await bad()
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    # nothing was sent: sequence numbers still agree and the next op works
+    x = np.ones(3)
+    await g.all_reduce(x, timeout=5)
+    return errors, float(x[0]), g._seq
+
+
+def test_value_errors_before_anything_is_sent():
+    res = run_world(2, early_value_errors)
+    for errors, x0, seq in res:
+        assert all(e is not None for e in errors), errors
+        assert "bool" in errors[0] and "PROD" in errors[0]
+        assert x0 == 2.0 and seq == 1
+
+
+async def slow_rank(engine, algo):
+    g = engine.world
+    r = g.rank
+    x = np.ones(100_000, np.float32)
+    res = {}
+    if r == 2:
+        await asyncio.sleep(1.5)  # misses the first operation's deadline
+    try:
+        await g.all_reduce(x, timeout=0.5, algorithm=algo)
+        res["first"] = "ok"
+    except CollectiveTimeout as exc:
+        res["first"] = ("timeout", exc.ranks, exc.op)
+    await g.barrier(timeout=10)
+    y = np.ones(100_000, np.float32)
+    await g.all_reduce(y, timeout=10, algorithm=algo)
+    res["second"] = float(y[0])
+    return res
+
+
+@pytest.mark.parametrize("algo", ["direct", "ring", "shm"])
+def test_timeout_names_missing_rank_and_group_stays_usable(algo):
+    res = run_world(3, slow_rank, algo)
+    for r, out in enumerate(res):
+        assert out["first"][0] == "timeout", out
+        assert out["first"][1] == [2], out
+        assert out["first"][2] == "all_reduce"
+        assert out["second"] == 3.0
+
+
+async def absent_rank(engine):
+    g = engine.world
+    if g.rank == 1:
+        await asyncio.sleep(2.0)
+        return None
+    try:
+        await g.barrier(timeout=0.3)
+    except CollectiveTimeout as exc:
+        return exc.ranks
+    return "no timeout"
+
+
+def test_timeout_of_absent_rank():
+    res = run_world(3, absent_rank)
+    assert res[0] == [1] and res[2] == [1]
