@@ -434,8 +434,11 @@ class Engine:
 
     def _end_op(self, op: Op) -> None:
         op.close()
+        if self.view is None or op.group.epoch != self.view.epoch:
+            return  # an operation of an older epoch; its state was reset with the view
         key = (op.group.gid, op.seq)
-        self._running.pop(key, None)
+        if self._running.get(key) is op:
+            del self._running[key]
         self._early.pop(key, None)
         gid = op.group.gid
         if op.seq > self._watermark.get(gid, -1):

@@ -33,7 +33,7 @@ def make(rank: int, case: str, shape, dtype: str, op: ReduceOp | None = None) ->
                                           digest_size=8).digest(), "little")
     rng = np.random.default_rng(seed)
     if dtype == "bool":
-        return rng.random(shape) < 0.5
+        return np.asarray(rng.random(shape) < 0.5)
     if op is ReduceOp.PROD:
         vals = rng.integers(1, 3, size=shape)
     elif dtype == "uint8":

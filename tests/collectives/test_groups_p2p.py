@@ -1,0 +1,116 @@
+"""Subgroups (new_group, split) with their own sequence numbers running concurrently, and
+point-to-point tag matching."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import numpy as np
+import pytest
+
+from transport.errors import CollectiveMismatchError, CollectiveTimeout
+
+from .harness import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def subgroups(engine):
+    w = engine.world
+    r = w.rank
+    out = {}
+    evens = w.new_group([0, 2])
+    odds = w.new_group([1, 3])
+    mine = evens if r % 2 == 0 else odds
+    assert (evens is None) == (r % 2 == 1)
+    # different groups, different sizes, run at the same time, interleaved with the world
+    x = np.full(100_000, r, np.float32)
+    y = np.full(10, r, np.int64)
+    z = np.ones(3, np.float64)
+    await asyncio.gather(mine.all_reduce(x), mine.all_reduce(y), w.all_reduce(z))
+    out["sub"] = (float(x[0]), int(y[0]), float(z[0]), mine.rank, mine.size, mine.ranks)
+    # split by color, ordered by descending key
+    s = await w.split(color=r % 2, key=-r)
+    out["split"] = (s.ranks, s.rank)
+    b = np.array([float(r)])
+    await s.broadcast(b, src=0)
+    out["split_bc"] = float(b[0])
+    none = await w.split(color=None if r == 3 else 0, key=r)
+    out["split_none"] = none is None
+    # many concurrent operations on one group keep call order
+    vals = [np.full(4, r * 10 + i, np.int32) for i in range(8)]
+    await asyncio.gather(*(w.all_reduce(v) for v in vals))
+    out["queued"] = [int(v[0]) for v in vals]
+    # a second new_group of the same ranks is a different group
+    e2 = w.new_group([0, 2])
+    if e2 is not None:
+        a = np.ones(2)
+        await e2.all_reduce(a)
+        out["e2"] = (e2.gid != evens.gid, float(a[0]))
+    return out
+
+
+def test_subgroups_and_split():
+    res = run_world(4, subgroups)
+    for r, out in enumerate(res):
+        members = [0, 2] if r % 2 == 0 else [1, 3]
+        assert out["sub"] == (float(sum(members)), sum(members), 4.0, members.index(r), 2, members)
+        want = sorted(members, key=lambda k: -k)
+        assert out["split"] == (want, want.index(r))
+        assert out["split_bc"] == float(want[0])
+        assert out["split_none"] == (r == 3)
+        assert out["queued"] == [sum(k * 10 + i for k in range(4)) for i in range(8)]
+        if r % 2 == 0:
+            assert out["e2"] == (True, 2.0)
+
+
+async def p2p(engine):
+    g = engine.world
+    r = g.rank
+    out = {}
+    if r == 0:
+        # posted in an order unrelated to the receiver's
+        await g.send(np.array([1.0]), 1, tag=7)
+        await g.send(np.array([2.0]), 1, tag=3)
+        await g.send(np.array([3.0]), 1, tag=7)
+        big = np.arange(300_000, dtype=np.float32)
+        await g.send(big, 1, tag=1)
+        # a send whose task is dropped still delivers
+        asyncio.ensure_future(g.send(np.array([42], np.int64), 1, tag=9))
+        gc.collect()
+        await g.send(np.ones(3, np.float32), 1, tag=11)  # wrong shape for the receiver
+        await g.send(np.array([5.0]), 2, tag=0)
+    elif r == 1:
+        a, b, c = np.zeros(1), np.zeros(1), np.zeros(1)
+        t_b = asyncio.ensure_future(g.recv(b, 0, tag=3))
+        await g.recv(a, 0, tag=7)
+        await g.recv(c, 0, tag=7)
+        await t_b
+        big = np.zeros(300_000, np.float32)
+        await g.recv(big, 0, tag=1)
+        d = np.zeros(1, np.int64)
+        await g.recv(d, 0, tag=9)
+        out["vals"] = [a[0], b[0], c[0], int(d[0]), bool((big == np.arange(300_000)).all())]
+        try:
+            await g.recv(np.zeros(4, np.float32), 0, tag=11)
+        except CollectiveMismatchError as exc:
+            out["mismatch"] = exc.field
+        try:
+            await g.recv(np.zeros(1), 2, tag=5, timeout=0.2)
+        except CollectiveTimeout as exc:
+            out["timeout"] = exc.ranks
+    else:
+        m = np.zeros((2, 2))
+        await g.recv(m[:, 0][:1], 0, tag=0)
+        out["strided"] = m.tolist()
+    await g.barrier()
+    return out
+
+
+def test_send_recv_tag_matching():
+    res = run_world(3, p2p)
+    assert res[1]["vals"] == [1.0, 2.0, 3.0, 42, True]
+    assert res[1]["mismatch"] == "shape"
+    assert res[1]["timeout"] == [2]
+    assert res[2]["strided"] == [[5.0, 0.0], [0.0, 0.0]]

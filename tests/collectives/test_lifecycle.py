@@ -1,0 +1,189 @@
+"""Epochs (set_view), engine close, shared-memory cleanup (also after SIGKILL), Work handles."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import rtxnet.collectives as collectives
+from rtxnet.collectives import Engine, Work, WorldView
+from transport import shm
+from transport.errors import ClosedError, CollectiveTimeout, ConfigError, PeerLostError
+
+from .harness import RankError, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_public_names_are_pinned():
+    assert collectives.__all__ == ["ALGORITHMS", "Engine", "Group", "ReduceOp",
+                                   "SUPPORTED_DTYPES", "Work", "WorldView"]
+
+
+async def epoch_change(engine):
+    v0 = engine.view
+    g0 = engine.world
+    r = g0.rank
+    out = {}
+    v1 = WorldView(job=v0.job, epoch=1, rank=r, world_size=2, endpoints=v0.endpoints,
+                   hosts=v0.hosts)
+    if r == 0:
+        x = np.ones(200_000, np.float32)
+        task = asyncio.ensure_future(g0.all_reduce(x, timeout=20))
+        await asyncio.sleep(0.3)
+        engine.set_view(v1, lost=[1])
+        try:
+            await task
+        except PeerLostError as exc:
+            out["inflight"] = (exc.ranks, exc.epoch)
+        try:
+            await g0.barrier()
+        except PeerLostError as exc:
+            out["old_group"] = "PeerLostError"
+        # first op of epoch 1 starts before rank 1 reaches epoch 1: buffered there
+        y = np.full(4, 1.0)
+        await engine.world.all_reduce(y, timeout=10)
+        out["new"] = float(y[0])
+        try:
+            await engine.world.recv(np.zeros(1), 1, tag=5, timeout=0.5)
+        except CollectiveTimeout:
+            out["old_epoch_dropped"] = True
+    else:
+        await asyncio.sleep(0.6)
+        # a late message of epoch 0 reaches rank 0 in epoch 1 and is dropped
+        await g0.send(np.ones(1), 0, tag=5)
+        engine.set_view(v1)
+        y = np.full(4, 1.0)
+        await engine.world.all_reduce(y, timeout=10)
+        out["new"] = float(y[0])
+        try:
+            engine.set_view(v0)
+        except ConfigError:
+            out["stale_view"] = "refused"
+    return out
+
+
+def test_set_view_fails_inflight_fences_epochs_and_restarts_sequences():
+    res = run_world(2, epoch_change)
+    assert res[0]["inflight"] == ([1], 1)
+    assert res[0]["old_group"] == "PeerLostError"
+    assert res[0]["new"] == 2.0 and res[1]["new"] == 2.0
+    assert res[0]["old_epoch_dropped"] is True
+    assert res[1]["stale_view"] == "refused"
+
+
+async def close_inflight(engine):
+    g = engine.world
+    if g.rank == 0:
+        task = asyncio.ensure_future(g.barrier(timeout=20))
+        await asyncio.sleep(0.2)
+        await engine.aclose()
+        try:
+            await task
+        except ClosedError:
+            pass
+        try:
+            await g.barrier()
+        except ClosedError:
+            return "closed"
+    else:
+        await asyncio.sleep(0.5)
+    return None
+
+
+def test_aclose_fails_inflight_with_closed_error():
+    assert run_world(2, close_inflight)[0] == "closed"
+
+
+async def shm_ops_then_record(engine):
+    g = engine.world
+    for n in (100_000, 400_000, 100_000):
+        x = np.ones(n, np.float32)
+        await g.all_reduce(x, algorithm="shm")
+        await g.broadcast(x, 1, algorithm="shm")
+    # after two more operations every segment has been mapped by all peers: files unlinked
+    await g.barrier()
+    await g.barrier()
+    return os.getpid(), shm.list_segments(os.getpid())
+
+
+def test_segments_unlinked_while_running_and_after_exit():
+    res = run_world(3, shm_ops_then_record, job="shmclean")
+    for pid, names in res:
+        assert names == [], names
+        assert shm.list_segments(pid) == []
+    assert [s for s in shm.list_segments() if "-shmclean-" in s] == []
+
+
+async def crash_holding_segment(engine, pidfile):
+    g = engine.world
+    with open(f"{pidfile}.{g.rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if g.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    asyncio.ensure_future(g.all_reduce(np.ones(100_000, np.float32), algorithm="shm"))
+    await asyncio.sleep(0.3)  # the segment exists, no peer ever mapped it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_segments_of_sigkilled_ranks_are_reaped(tmp_path):
+    res = run_world(2, crash_holding_segment, str(tmp_path / "pid"), return_exceptions=True,
+                    job="shmcrash")
+    assert all(isinstance(r, RankError) for r in res)
+    pid0 = int((tmp_path / "pid.0").read_text())
+    assert shm.list_segments(pid0), "rank 0 died holding a linked segment"
+    # any engine starting on this host removes segments of dead pids
+
+    async def start():
+        e = await Engine.create()
+        await e.aclose()
+
+    asyncio.run(start())
+    assert shm.list_segments(pid0) == []
+
+
+def test_work_handle_from_blocking_thread():
+    """The blocking facade's shape: a loop in a thread, Work handles for async_op."""
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        async def make():
+            e = await Engine.create()
+            e.set_view(WorldView(job="w", epoch=0, rank=0, world_size=1,
+                                 endpoints={0: e.endpoint}, hosts={0: "h"}))
+            return e
+
+        engine = asyncio.run_coroutine_threadsafe(make(), loop).result(10)
+        x = np.arange(5.0)
+        w = Work.submit(engine.world.all_reduce(x), loop)
+        assert w.wait(10) is True and w.is_completed()
+        assert w.result() is x
+        asyncio.run_coroutine_threadsafe(engine.aclose(), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()
+
+
+async def overlap(engine):
+    g = engine.world
+    x = np.ones(2_000_000, np.float32)
+    w = Work(asyncio.ensure_future(g.all_reduce(x)))
+    before = w.is_completed()
+    acc = 0.0
+    while not w.is_completed():  # computation overlapping communication
+        acc += float(np.sum(np.ones(1000)))
+        await asyncio.sleep(0)
+    await w
+    return before, float(x[0]), w.is_completed()
+
+
+def test_work_overlap_in_a_rank():
+    for before, x0, done in run_world(2, overlap):
+        assert before is False and x0 == 2.0 and done
