@@ -1,0 +1,403 @@
+"""Data parallelism for PyTorch modules over an rtxnet process group.
+
+Shapes legend: ``N`` elements of one gradient bucket (``grads_N``), ``P`` parameters of a bucket.
+
+:class:`DistributedDataParallel` keeps one replica of the module per rank. Parameters and buffers
+are broadcast from rank 0 when it is built. During backward, each parameter's gradient is copied
+into a flat per-dtype **bucket** as soon as autograd has accumulated it
+(``Tensor.register_post_accumulate_grad_hook``); a bucket that is full is all-reduced at once with
+``async_op=True`` on rtxnet's background loop, so communication overlaps the rest of backward. The
+design follows ``torch.nn.parallel.DistributedDataParallel`` (Li et al., "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB 2020): buckets hold parameters in reverse
+registration order (roughly the order backward produces gradients), the first bucket is small so
+communication starts early, and buckets are launched strictly in index order so every rank issues
+the same sequence of collectives whatever order its gradients become ready in.
+
+At the end of backward (an autograd final callback) the remaining buckets are launched, every
+bucket is waited for and the reduced values are copied back into ``param.grad``. So after
+``loss.backward()`` returns, gradients are synchronised and ``optimizer.step()`` may run.
+
+**Parameters without a gradient.** Every bucket is reduced every step, on every rank, whether or
+not its parameters got a gradient on this rank (a missing gradient counts as zeros), so ranks never
+disagree on the sequence of collectives and nothing hangs. Each bucket carries one extra element
+per parameter, 1 where that rank had a gradient: a parameter that no rank produced a gradient for
+keeps ``grad = None`` (as in one process, so optimizers skip it); one that some rank used gets the
+reduced gradient everywhere.
+
+**Reduction.** ``reduce_op=ReduceOp.AVG`` (default) averages gradients over the ranks of the
+current world: with the same per-rank batch this equals one process with the global batch.
+``reduce_op=ReduceOp.SUM`` sums them; scale each rank's loss by ``local_n / global_n`` (for a mean
+loss) and the result equals one process with the global batch exactly even when ranks hold
+different numbers of samples, e.g. a global batch of 64 over 3 survivors after a failure.
+
+**After a failed step.** When a bucket's all-reduce fails (``PeerLostError`` after a rank died,
+``CollectiveTimeout``), ``loss.backward()`` raises that error and the module is left usable: the
+next ``forward`` starts a clean round (call :meth:`DistributedDataParallel.reset` to do it
+explicitly). Buckets whose all-reduce may still be in flight are replaced by fresh memory, so a late
+write of an aborted collective cannot touch the next step. ``param.grad`` holds unreduced or
+partially reduced values after a failure: zero the gradients before retrying the step (parameters
+are untouched, because ``optimizer.step()`` was never reached). The world size is never cached: a
+step uses whatever world the process group has when its buckets are launched, so the world may
+shrink or grow between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import structlog
+import torch
+
+from rtxnet.collectives import ReduceOp
+from transport.errors import ConfigError
+
+__all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_BUCKET_CAP_MB = 25.0       # torch DDP's default bucket_cap_mb
+DEFAULT_FIRST_BUCKET_MB = 1.0      # torch DDP's _DEFAULT_FIRST_BUCKET_BYTES: start comms early
+_MB = 1024 * 1024
+
+
+class _Bucket:
+    """Parameters of one dtype whose gradients are reduced together.
+
+    ``flat`` holds the gradients (``grads_N``) followed by one "has a gradient" flag per parameter
+    (``[N + P]``).
+    """
+
+    __slots__ = ("index", "params", "offsets", "numel", "dtype", "flat", "ready", "work",
+                 "launched")
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter]):
+        self.index = index
+        self.params = params
+        self.dtype = params[0].dtype
+        self.offsets: list[int] = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.flat = torch.zeros(n + len(params), dtype=self.dtype)
+        self.ready = 0
+        self.work: Any = None
+        self.launched = False
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        off = self.offsets[i]
+        return self.flat[off:off + p.numel()].view(p.shape)
+
+    def flags(self) -> torch.Tensor:
+        return self.flat[self.numel:]
+
+    def fresh(self) -> None:
+        """New memory for ``flat``: an aborted collective may still write the old one."""
+        self.flat = torch.zeros_like(self.flat)
+
+    def clear(self) -> None:
+        self.ready = 0
+        self.work = None
+        self.launched = False
+        self.flags().zero_()
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Replicate ``module`` over the ranks of ``pg`` and average (or sum) its gradients.
+
+    Use it like ``torch.nn.parallel.DistributedDataParallel``::
+
+        model = DistributedDataParallel(net, pg)
+        loss = criterion(model(x), y)
+        loss.backward()          # gradients are synchronised when this returns
+        optimizer.step()
+
+    Args:
+        module: a ``torch.nn.Module`` whose parameters and buffers are on the CPU (rtxnet's CPU
+            collectives take CPU tensors). Parameters with ``requires_grad=False`` are not reduced.
+        pg: a :class:`rtxnet.BlockingProcessGroup` (``rtxnet.init()``).
+        bucket_cap_mb: bucket size in MiB (default 25, as torch). Larger buckets mean fewer
+            collectives, smaller ones earlier overlap.
+        first_bucket_mb: size in MiB of the first bucket (the last layers' gradients, ready first),
+            so communication starts early in backward (default 1, as torch).
+        reduce_op: ``ReduceOp.AVG`` (mean over ranks) or ``ReduceOp.SUM`` (see the module notes
+            on loss scaling for uneven batches).
+        broadcast_buffers: broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at
+            every forward that will synchronise gradients, as torch does.
+        timeout_s: deadline in seconds of each bucket's all-reduce; ``None`` uses the group's.
+
+    Raises:
+        ConfigError: a bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``, or a
+            parameter that is not on the CPU; names the value.
+        PeerLostError, CollectiveTimeout: the initial broadcast failed.
+
+    Attributes:
+        module: the wrapped module.
+        buckets: bucket layout as lists of parameter names, in launch order.
+    """
+
+    def __init__(self, module: torch.nn.Module, pg: Any, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+                 first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB, reduce_op: ReduceOp = ReduceOp.AVG,
+                 broadcast_buffers: bool = True, timeout_s: float | None = None):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ConfigError(f"{name}({v!r}) must be a positive number of MiB")
+        if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
+            raise ConfigError(f"reduce_op({reduce_op!r}) must be ReduceOp.AVG or ReduceOp.SUM")
+        if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s > 0):
+            raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
+        self.module = module
+        self._pg = pg
+        self.reduce_op = reduce_op
+        self.broadcast_buffers = broadcast_buffers
+        self.timeout_s = timeout_s
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.first_bucket_mb = float(first_bucket_mb)
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if p.device.type != "cpu":
+                raise ConfigError(f"{name} is on {p.device}; rtxnet DDP takes CPU modules")
+        self._names = {id(p): n for n, p in named}
+        self._buckets = self._build_buckets([p for _, p in named])
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+
+        self._require_sync = True       # toggled by no_sync()
+        self._sync_armed = False        # set by forward: the next backward synchronises
+        self._round_open = False        # a backward of a synchronising step is under way
+        self._next_launch = 0
+        self._last_world_size: int | None = None
+        self.last_comm_wait_s = 0.0
+        self.broadcast_parameters(src=0)
+        log.info("ddp_ready", params=len(named), buckets=len(self._buckets),
+                 nbytes=sum(b.numel * b.flat.element_size() for b in self._buckets),
+                 reduce_op=reduce_op.name)
+
+    # -- layout ----------------------------------------------------------------------------------
+
+    def _build_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+        cap = int(self.bucket_cap_mb * _MB)
+        first_cap = int(min(self.first_bucket_mb, self.bucket_cap_mb) * _MB)
+        open_: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        done: list[list[torch.nn.Parameter]] = []
+        for p in reversed(params):
+            lst = open_.setdefault(p.dtype, [])
+            lst.append(p)
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+            limit = first_cap if not done else cap
+            if sizes[p.dtype] >= limit:
+                done.append(lst)
+                open_[p.dtype] = []
+                sizes[p.dtype] = 0
+        done.extend(lst for lst in open_.values() if lst)
+        return [_Bucket(i, ps) for i, ps in enumerate(done)]
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        return [[self._names[id(p)] for p in b.params] for b in self._buckets]
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._round_open:
+            # The previous backward never finished (an error, or no backward at all after hooks
+            # fired): start this step clean.
+            self.reset()
+        self._sync_armed = self._require_sync and torch.is_grad_enabled()
+        if self._sync_armed and self.broadcast_buffers:
+            self._broadcast_buffers()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient synchronisation for the backward passes of forwards run in this block.
+
+        Gradients accumulate locally in ``param.grad``; the first synchronising step after the
+        block reduces the accumulated sum (gradient accumulation over micro-batches).
+        """
+        old = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    def reset(self) -> None:
+        """Abandon a half-done gradient synchronisation so the next step starts clean.
+
+        Called automatically by the next ``forward`` after a failed backward. Buckets whose
+        all-reduce was launched get fresh memory (the aborted operation may still write the old
+        one); nothing is waited for. ``param.grad`` is left as it is: zero it before retrying.
+        """
+        replaced = 0
+        for b in self._buckets:
+            if b.launched:
+                b.fresh()
+                replaced += 1
+            b.clear()
+        self._next_launch = 0
+        self._round_open = False
+        self._sync_armed = False
+        log.info("ddp_reset", buckets_replaced=replaced)
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Copy parameters and buffers of rank ``src`` to every rank, in place.
+
+        Used at construction; call it again after the world re-formed with a rank whose state
+        must be brought in line (e.g. a replacement that joined).
+
+        Raises:
+            PeerLostError, CollectiveTimeout: the broadcast failed.
+        """
+        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        self._broadcast_coalesced(tensors, src)
+
+    def finish_gradient_sync(self) -> None:
+        """Launch the buckets not launched yet, wait for all and write ``param.grad``.
+
+        Runs automatically at the end of ``loss.backward()``; calling it when no round is open
+        does nothing.
+
+        Raises:
+            PeerLostError: a peer was lost during the step (``exc.ranks`` names it); the module
+                resets at the next forward.
+            CollectiveTimeout: a rank did not contribute in time.
+        """
+        if not self._round_open:
+            return
+        try:
+            for b in self._buckets:
+                if not b.launched:
+                    self._fill_missing(b)
+                    b.ready = len(b.params)
+            self._launch_ready()
+            t0 = time.perf_counter()
+            for b in self._buckets:
+                b.work.wait()
+            self.last_comm_wait_s = time.perf_counter() - t0
+            for b in self._buckets:
+                self._write_back(b)
+        except BaseException as exc:
+            log.warning("ddp_sync_failed", error=type(exc).__name__, detail=str(exc))
+            raise
+        for b in self._buckets:
+            b.clear()
+        self._next_launch = 0
+        self._round_open = False
+        # A second backward over the same forward (retain_graph) accumulates locally.
+        self._sync_armed = False
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's ``state_dict`` (keys without a ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Load into the wrapped module (keys as :meth:`state_dict` gives them); clears any
+        half-done synchronisation."""
+        if self._round_open:
+            self.reset()
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the module goes back to plain local training)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- backward machinery ----------------------------------------------------------------------
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._sync_armed:
+            return
+        if not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
+        b, i = self._where[id(p)]
+        if b.launched:
+            return  # defensive: a bucket is reduced at most once per round
+        b.view(i).copy_(p.grad)
+        b.flags()[i] = 1
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch_ready()
+
+    def _fill_missing(self, b: _Bucket) -> None:
+        # Parameters whose hook did not fire this step: their accumulated gradient (no_sync
+        # steps) or zeros, so every rank still contributes the whole bucket.
+        seen = b.flags()
+        for i, p in enumerate(b.params):
+            if seen[i] == 1:
+                continue
+            if p.grad is not None:
+                b.view(i).copy_(p.grad)
+                seen[i] = 1
+            else:
+                b.view(i).zero_()
+                seen[i] = 0
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets):
+            b = self._buckets[self._next_launch]
+            if b.ready < len(b.params):
+                return
+            if self._next_launch == 0:
+                self._note_world()
+            kw = {} if self.timeout_s is None else {"timeout": self.timeout_s}
+            b.work = self._pg.all_reduce(b.flat, op=self.reduce_op, async_op=True, **kw)
+            b.launched = True
+            self._next_launch += 1
+
+    def _write_back(self, b: _Bucket) -> None:
+        flags = b.flags()
+        for i, p in enumerate(b.params):
+            if float(flags[i]) <= 0:
+                continue  # no rank had a gradient for it: leave grad None, as one process would
+            v = b.view(i)
+            if p.grad is None:
+                p.grad = v.clone()
+            else:
+                p.grad.copy_(v)
+
+    def _note_world(self) -> None:
+        ws = self._pg.world_size
+        if ws != self._last_world_size:
+            if self._last_world_size is not None:
+                log.info("ddp_world_changed", world_size=ws, previous=self._last_world_size,
+                         epoch=self._pg.epoch)
+            self._last_world_size = ws
+
+    def _broadcast_buffers(self) -> None:
+        bufs = list(self.module.buffers())
+        if bufs:
+            self._broadcast_coalesced(bufs, 0)
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            ts = by_dtype[dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            if flat.dtype == torch.bool:
+                flat = flat.to(torch.uint8)
+            self._pg.broadcast(flat, src=src)
+            off = 0
+            with torch.no_grad():
+                for t in ts:
+                    n = t.numel()
+                    t.copy_(flat[off:off + n].view(t.shape).to(t.dtype))
+                    off += n

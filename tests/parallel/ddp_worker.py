@@ -1,0 +1,231 @@
+"""A rank of the DDP tests, run under ``python -m rtxnet.launcher``.
+
+    ddp_worker.py OUT_DIR scenario
+
+Every rank also computes the single-process reference itself (same seed, the whole global batch),
+so one launch checks equivalence without a second process. Each rank writes
+``OUT_DIR/<scenario>-rank<r>.json`` with the measured differences and a parameter checksum.
+
+Scenarios:
+    basic   equivalence (AVG, equal shares), SUM with uneven shares, no_sync accumulation, an
+            unused parameter, several buckets.
+    fault   rank 3 dies inside step 2's forward; the survivors' backward raises PeerLostError, they
+            retry the step on the 3-rank world with the elastic sampler, and must still match one
+            process with the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import rtxnet
+from rtxnet.parallel import DistributedDataParallel
+from rtxnet.sampler import ElasticDistributedSampler
+
+D_IN, D_H, D_OUT = 12, 24, 5
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(D_IN, D_H)
+        self.l2 = torch.nn.Linear(D_H, D_H)
+        self.extra = torch.nn.Linear(D_H, D_OUT)      # used only where use_extra is set
+        self.never = torch.nn.Linear(D_H, D_OUT)      # used by no rank
+        self.head = torch.nn.Linear(D_H, D_OUT)
+        self.use_extra = False
+
+    def forward(self, x):
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+        y = self.head(h)
+        if self.use_extra:
+            y = y + self.extra(h)
+        return y
+
+
+def make_net(seed: int) -> Net:
+    torch.manual_seed(seed)
+    net = Net()
+    return net
+
+
+def data(n: int, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g)
+    y = torch.randint(0, D_OUT, (n,), generator=g)
+    return x, y
+
+
+def flat_params(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest element-wise relative difference (denominator floored at 1e-3)."""
+    return float(((a - b).abs() / b.abs().clamp_min(1e-3)).max())
+
+
+LOSS = torch.nn.functional.cross_entropy
+BUCKETS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)   # several buckets on a tiny model
+
+
+def equivalence_avg(pg, steps=5, per_rank=4):
+    W, r = pg.world_size, pg.rank
+    B = per_rank * W
+    x, y = data(B * steps)
+    ref = make_net(1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    net = make_net(1 if r == 0 else 100 + r)   # other ranks differ: the broadcast must fix it
+    ddp = DistributedDataParallel(net, pg, **BUCKETS)
+    init_same = rel(flat_params(net), flat_params(make_net(1)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        LOSS(ddp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
+        opt.step()
+    return {"avg_rel": rel(flat_params(net), flat_params(ref)), "avg_buckets": len(ddp.buckets),
+            "avg_sum": float(flat_params(net).double().sum()), "init_broadcast_rel": init_same}
+
+
+def equivalence_sum_uneven(pg, steps=4, B=10):
+    W, r = pg.world_size, pg.rank
+    x, y = data(B * steps, seed=7)
+    ref = make_net(2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    net = make_net(2)
+    ddp = DistributedDataParallel(net, pg, reduce_op=rtxnet.ReduceOp.SUM, **BUCKETS)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    sampler = ElasticDistributedSampler(B * steps, B, rank=r, world_size=W, shuffle=False)
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        b = sampler.next_batch()
+        idx = torch.from_numpy(b.indices)
+        opt.zero_grad()
+        (LOSS(ddp(x[idx]), y[idx]) * b.loss_weight).backward()
+        opt.step()
+    return {"sum_rel": rel(flat_params(net), flat_params(ref)), "sum_local_n": b.local_n}
+
+
+def no_sync_accumulation(pg, per_rank=4, micro=2):
+    W, r = pg.world_size, pg.rank
+    B = per_rank * W * micro
+    x, y = data(B, seed=11)
+    ref = make_net(3)
+    LOSS(ref(x), y).backward()
+    net = make_net(3)
+    ddp = DistributedDataParallel(net, pg, **BUCKETS)
+    mine = torch.arange(B).view(micro, W, per_rank)[:, r]   # micro-batch m of rank r
+    works_before = None
+    for m in range(micro):
+        xb, yb = x[mine[m]], y[mine[m]]
+        if m < micro - 1:
+            with ddp.no_sync():
+                (LOSS(ddp(xb), yb) / micro).backward()
+            works_before = float(net.head.weight.grad.abs().sum())   # local only so far
+        else:
+            (LOSS(ddp(xb), yb) / micro).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
+    g_ref = torch.cat([p.grad.reshape(-1) for p in ref.parameters() if p.grad is not None])
+    return {"no_sync_rel": rel(g, g_ref), "no_sync_local_grad_sum": works_before}
+
+
+def unused_parameters(pg, per_rank=3):
+    W, r = pg.world_size, pg.rank
+    x, y = data(per_rank * W, seed=5)
+    ref = make_net(4)
+    total = 0
+    for q in range(W):      # rank q's loss, with the extra branch only on rank 0
+        ref.use_extra = q == 0
+        xb, yb = x[q * per_rank:(q + 1) * per_rank], y[q * per_rank:(q + 1) * per_rank]
+        total = total + LOSS(ref(xb), yb) / W
+    total.backward()
+    net = make_net(4)
+    net.use_extra = r == 0
+    ddp = DistributedDataParallel(net, pg, **BUCKETS)
+    for _ in range(2):      # twice: the second step must not hang or mix up buckets either
+        ddp.zero_grad(set_to_none=True)
+        LOSS(ddp(x[r * per_rank:(r + 1) * per_rank]), y[r * per_rank:(r + 1) * per_rank]).backward()
+    extra_rel = rel(net.extra.weight.grad, ref.extra.weight.grad)
+    head_rel = rel(net.head.weight.grad, ref.head.weight.grad)
+    return {"unused_extra_rel": extra_rel, "unused_head_rel": head_rel,
+            "never_grad_is_none": net.never.weight.grad is None and net.never.bias.grad is None}
+
+
+def fault(pg, steps=5, B=12):
+    """Rank 3 dies in step 2; survivors retry the step on 3 ranks (SUM + loss weight)."""
+    r0 = pg.rank
+    x, y = data(B * steps, seed=9)
+    ref = make_net(6)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    net = make_net(6)
+    ddp = DistributedDataParallel(net, pg, reduce_op=rtxnet.ReduceOp.SUM, **BUCKETS)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    sampler = ElasticDistributedSampler(B * steps, B, rank=pg.rank, world_size=pg.world_size, shuffle=False)
+    if r0 == 3:
+        def die(*_):
+            if die.step == 2:
+                os._exit(0)
+        die.step = -1
+        net.register_forward_pre_hook(die)
+    failures = []
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        snapshot = sampler.state_dict()
+        while True:
+            if r0 == 3:
+                die.step = s
+            sampler.set_world(pg.rank, pg.world_size)
+            b = sampler.next_batch()
+            idx = torch.from_numpy(b.indices)
+            opt.zero_grad()
+            try:
+                (LOSS(ddp(x[idx]), y[idx]) * b.loss_weight).backward()
+            except rtxnet.PeerLostError as exc:
+                failures.append({"step": s, "ranks": exc.ranks, "world_size_after": pg.world_size})
+                sampler.load_state_dict(snapshot)   # roll back this step's data position
+                continue
+            break
+        opt.step()
+    return {"fault_rel": rel(flat_params(net), flat_params(ref)), "failures": failures,
+            "fault_sum": float(flat_params(net).double().sum()), "final_world": pg.world_size}
+
+
+def main() -> int:
+    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    timeouts = rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=20, rendezvous_s=60)
+    pg = rtxnet.init(timeouts=timeouts)
+    rank = pg.rank
+    torch.set_num_threads(1)
+    res: dict = {"rank": rank, "world_size": pg.world_size}
+    if scenario == "basic":
+        res.update(equivalence_avg(pg))
+        res.update(equivalence_sum_uneven(pg))
+        res.update(no_sync_accumulation(pg))
+        res.update(unused_parameters(pg))
+    elif scenario == "fault":
+        res.update(fault(pg))
+    (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))
+    # Leave together: an early leave would open a new epoch under ranks still reducing.
+    pg.store.set(f"{scenario}/done/{rank}", b"1")
+    pg.store.wait([f"{scenario}/done/{q}" for q in range(pg.world_size)], timeout=30)
+    pg.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
