@@ -34,6 +34,7 @@ from transport.errors import (
 from .agent import Membership
 from .collectives import ReduceOp
 from .config import Timeouts
+from .elastic import FaultTolerance
 from .portal import Work
 from .process_group import BlockingProcessGroup, ProcessGroup, Store, connect, init
 
@@ -45,6 +46,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeout",
+    "FaultTolerance",
     "ConfigError",
     "ConnectError",
     "JournalCorruptError",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,11 +99,17 @@ class Agent:
         self._hb_task: asyncio.Task | None = None
         self._joining = False
         self._closed = False
+        self._muted_until = 0.0  # fault injection: no heartbeats until this time.monotonic()
 
     # ------------------------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
         return self.membership.epoch if self.membership else -1
+
+    def mute_heartbeats(self, seconds: float | None) -> None:
+        """Fault injection: send no heartbeats for ``seconds`` (None: until the process ends)."""
+        self._muted_until = float("inf") if seconds is None else time.monotonic() + seconds
+        log.warning("heartbeats_muted", seconds=seconds)
 
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn(membership, reason)`` at every new epoch (and ``fn(None, "fenced")``)."""
@@ -227,6 +234,10 @@ class Agent:
         unreachable = False
         while not self._closed:
             sent_at = loop.time()
+            mute_left = self._muted_until - time.monotonic()
+            if mute_left > 0:
+                await asyncio.sleep(min(interval, mute_left))
+                continue
             try:
                 body = await self._request("heartbeat", identity=self.identity,
                                            deadline_s=max(interval, self.timeouts.heartbeat_timeout_s))
@@ -285,9 +296,35 @@ class Agent:
 
     async def commit(self, step: int, *, ok: bool = True, metadata: dict | None = None,
                      timeout_s: float) -> dict[str, Any]:
-        return await self._request("commit", deadline_s=timeout_s + self.timeouts.request_s,
-                                   identity=self.identity, step=int(step), ok=bool(ok),
-                                   metadata=metadata or {}, timeout_s=float(timeout_s))
+        """Vote on ``step``; returns the coordinator's decision ``{committed, step, reason}``.
+
+        Votes are idempotent, so the vote is re-sent every few heartbeat timeouts until the
+        overall ``timeout_s``: a coordinator that restarted meanwhile (losing unjournaled votes)
+        hears it again, and a decision it journaled before dying is answered "already committed".
+
+        Raises:
+            RtxTimeoutError: no decision within ``timeout_s``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        attempt_s = max(4 * self.timeouts.heartbeat_timeout_s, 1.0)
+        epoch = self.epoch
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RtxTimeoutError(f"commit of step {step}: no decision within {timeout_s:g} s")
+            if self.epoch != epoch:
+                return {"committed": False, "step": step, "reason": f"epoch changed {epoch} -> {self.epoch}"}
+            wait_s = min(attempt_s, remaining)
+            try:
+                if self._closed or self._client is None:
+                    raise ClosedError("agent is closed")
+                return await self._client.request(
+                    "commit", job=self.job, epoch=epoch, deadline_s=wait_s + 0.5,
+                    identity=self.identity, step=int(step), ok=bool(ok), metadata=metadata or {},
+                    timeout_s=float(wait_s))
+            except RtxTimeoutError:
+                continue
 
     async def status(self) -> list[dict[str, Any]]:
         return (await self._request("status"))["jobs"]

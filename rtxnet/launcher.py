@@ -54,8 +54,9 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     """
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
-        stdout=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
+    asyncio.ensure_future(_pump(proc.stderr, b"[coordinator] ", sys.stderr))
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
     except TimeoutError:
@@ -87,6 +88,7 @@ class Launcher:
         self.stopping = False
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
+        self.done = False
         self._exited: asyncio.Queue = asyncio.Queue()
 
     def _env(self, slot: _Slot) -> dict[str, str]:
@@ -109,6 +111,8 @@ class Launcher:
         })
         if a.faults:
             env["RTXNET_FAULTS"] = a.faults
+        if self.coordinator_proc is not None:
+            env["RTXNET_COORDINATOR_PID"] = str(self.coordinator_proc.pid)
         return env
 
     async def _spawn(self, slot: _Slot) -> None:
@@ -148,6 +152,7 @@ class Launcher:
                 self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
             self.coordinator_proc, self.address = await start_coordinator(journal)
             _say(f"coordinator {self.address} (journal {journal}, pid {self.coordinator_proc.pid})")
+            self._supervisor = asyncio.ensure_future(self._supervise_coordinator(journal))
         _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
         try:
             for slot in self.slots:
@@ -173,7 +178,27 @@ class Launcher:
             await self._shutdown()
         return self.first_failure[1] if self.first_failure else 0
 
+    async def _supervise_coordinator(self, journal: str) -> None:
+        """Restart the coordinator this launcher started if it dies: same address, same journal."""
+        while True:
+            rc = await self.coordinator_proc.wait()
+            if self.stopping or self.done:
+                return
+            _say(f"coordinator exited with code {_code(rc)}; restarting it on {self.address} with journal {journal}")
+            for attempt in range(50):
+                try:
+                    self.coordinator_proc, _ = await start_coordinator(journal, bind=self.address)
+                    break
+                except RuntimeError as exc:
+                    # The port may linger for a moment after a kill.
+                    if attempt == 49:
+                        _say(f"could not restart the coordinator: {exc}")
+                        return
+                    await asyncio.sleep(0.1)
+            _say(f"coordinator restarted (pid {self.coordinator_proc.pid})")
+
     async def _shutdown(self) -> None:
+        self.done = True
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 slot.proc.kill()

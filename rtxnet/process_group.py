@@ -107,6 +107,10 @@ class ProcessGroup:
         self._engine = engine
         self.timeouts = timeouts
         self.store = Store(agent)
+        # While a FaultTolerance step runs, collectives go to the world group of the epoch the step
+        # began in; after a membership change that group is retired and raises, so a step never
+        # mixes two worlds.
+        self._pinned_world: Any = None
 
     @property
     def membership(self) -> Membership:
@@ -144,7 +148,7 @@ class ProcessGroup:
             engine = self.__dict__.get("_engine")
             if engine is None or engine.world is None:
                 raise ConfigError(f"{name}: the collective engine is not available in this process")
-            return getattr(engine.world, name)
+            return getattr(self.__dict__.get("_pinned_world") or engine.world, name)
         raise AttributeError(name)
 
     async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,

@@ -1,0 +1,331 @@
+"""Committed steps, rollback and re-formed groups: what makes a failure cost at most one step.
+
+Use it around each training step::
+
+    ft = rtxnet.FaultTolerance(pg, state)          # state: state_dict() / load_state_dict()
+    while ft.step < total_steps:
+        with ft.guard() as step:                   # async: `async with ft.aguard() as step:`
+            train_step(step)
+
+On entry to a step the group is in sync: after every new epoch (a rank lost or added) the members
+agree collectively who holds the newest committed state (the lowest rank with the highest
+committed step) and it is broadcast to the others, so old and new ranks run the same sequence of
+operations. On a clean exit the step is voted on (``pg.commit``): it counts only when every member
+of the epoch voted success, and the coordinator journals it. Then an in-memory snapshot of the
+state is taken (:func:`rtxnet.statesync.pack_state`).
+
+When the step fails with :class:`PeerLostError`, :class:`CollectiveTimeout`, a membership change
+or a failed vote, the guard swallows the error, rolls the state back to the last committed
+snapshot, waits (up to ``rejoin_window_s``) until the world has at least ``min_world_size`` ranks,
+and the loop simply runs the step again. Other exceptions propagate unchanged.
+
+``state`` may also define ``on_world(rank, world_size)``, called after every sync (e.g. to re-split
+a sampler), and the guard records failure and recovery events with detection latency, time to
+recover and steps lost in :attr:`FaultTolerance.events`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import structlog
+
+from transport.errors import (
+    ClosedError,
+    CollectiveError,
+    ConfigError,
+    PeerLostError,
+    RtxError,
+    RtxTimeoutError,
+)
+
+from .faults import Injector
+from .process_group import BlockingProcessGroup, ProcessGroup
+from .statesync import pack_state, unpack_state
+
+__all__ = ["FaultTolerance", "Stateful", "RECOVERABLE"]
+
+log = structlog.get_logger(__name__)
+
+# Errors a step can die of that re-forming the group answers.
+RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class FaultTolerance:
+    """Committed steps with rollback and peer state sync; see the module docstring.
+
+    Args:
+        pg: the process group, blocking (:func:`rtxnet.init`) or async (:func:`rtxnet.connect`).
+        state: the training state: ``state_dict()`` and ``load_state_dict(d)``; optionally
+            ``on_world(rank, world_size)``.
+        min_world_size: smallest world to go on with; default ``RTXNET_MIN_RANKS`` or 1.
+        rejoin_window_s: how long to wait for replacements while the world is below
+            ``min_world_size``, seconds.
+        commit_timeout_s: deadline of a step's vote; default the group's op timeout.
+        faults: an :class:`Injector`; default from ``RTXNET_FAULTS`` (set by ``rtxnet-run --faults``).
+
+    Raises:
+        ConfigError: ``min_world_size`` < 1 or ``rejoin_window_s`` <= 0 (names the value).
+    """
+
+    def __init__(self, pg: BlockingProcessGroup | ProcessGroup, state: Stateful, *,
+                 min_world_size: int | None = None, rejoin_window_s: float = 60.0,
+                 commit_timeout_s: float | None = None, faults: Injector | None | str = "env"):
+        if isinstance(pg, BlockingProcessGroup):
+            self._portal = pg._portal
+            self.pg = pg.async_pg
+        else:
+            self._portal = None
+            self.pg = pg
+        self.state = state
+        env_min = os.environ.get("RTXNET_MIN_RANKS")
+        self.min_world_size = min_world_size if min_world_size is not None else int(env_min or 1)
+        if self.min_world_size < 1:
+            raise ConfigError(f"min_world_size({self.min_world_size}) must be >= 1")
+        if rejoin_window_s <= 0:
+            raise ConfigError(f"rejoin_window_s({rejoin_window_s}) must be > 0")
+        self.rejoin_window_s = rejoin_window_s
+        self.commit_timeout_s = commit_timeout_s or self.pg.timeouts.op_s
+        self.injector = Injector.from_env() if faults == "env" else faults
+        launch = os.environ.get("RTXNET_RANK")
+        self.launch_rank = int(launch) if launch else self.pg.rank
+        self.step = 0  # the next step to run
+        self.committed_step = -1
+        self._snapshot = pack_state(state.state_dict())
+        self._synced_epoch = -1
+        self._step_epoch = -1
+        self.events: list[dict[str, Any]] = []
+        self._open_failure: dict[str, Any] | None = None
+        self._epoch_seen: dict[int, float] = {}
+        self.pg.agent.add_listener(self._on_epoch)
+
+    # ---------------------------------------------------------------------------------------------
+    # public API
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[int]:
+        """Run one step (blocking API); yields the step number. See the module docstring."""
+        if self._portal is None:
+            raise ConfigError("guard() needs the blocking process group (rtxnet.init); use aguard() with connect()")
+        step = self._portal.call(self._begin)
+        for f, rec in self._due("step", step):
+            if self._portal.call(self._record_fault, rec):
+                self.injector.act(f, agent=self.pg.agent, engine=self.pg.engine)
+        try:
+            yield step
+        except RECOVERABLE as exc:
+            self._portal.call(self._recover, exc, step)
+            return
+        self._portal.call(self._end, step)
+
+    @contextlib.asynccontextmanager
+    async def aguard(self) -> AsyncIterator[int]:
+        """Run one step (async API); yields the step number."""
+        step = await self._begin()
+        for f, rec in self._due("step", step):
+            if await self._record_fault(rec):
+                self.injector.act(f, agent=self.pg.agent, engine=self.pg.engine)
+        try:
+            yield step
+        except RECOVERABLE as exc:
+            await self._recover(exc, step)
+            return
+        await self._end(step)
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The completed recoveries: detection latency, time to recover, steps lost."""
+        return [e for e in self.events if e["event"] == "recovered"]
+
+    # ---------------------------------------------------------------------------------------------
+    # the steps of a step (they run on the process group's event loop)
+
+    def _on_epoch(self, membership, reason: str) -> None:
+        now = time.monotonic()
+        if membership is None:
+            self._epoch_seen[-1] = now
+        else:
+            self._epoch_seen[membership.epoch] = now
+
+    async def _begin(self) -> int:
+        while True:
+            try:
+                agent = self.pg.agent
+                if agent.fenced:
+                    log.warning("rejoining", reason="fenced")
+                    await agent.join()
+                if self._synced_epoch != self.pg.epoch:
+                    await self._wait_world()
+                    await self._sync()
+                if self._open_failure is not None:
+                    await self._close_failure()
+                self._step_epoch = self.pg.epoch
+                if self.pg.engine is not None:
+                    self.pg._pinned_world = self.pg.engine.world
+                return self.step
+            except RECOVERABLE as exc:
+                await self._recover(exc, self.step)
+
+    async def _end(self, step: int) -> None:
+        self.pg._pinned_world = None
+        epoch = self.pg.epoch
+        if epoch != self._step_epoch:
+            await self._recover(PeerLostError(f"membership changed during step {step} (epoch {self._step_epoch} -> {epoch})"), step)
+            return
+        try:
+            committed = await self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s)
+        except RECOVERABLE as exc:
+            await self._recover(exc, step)
+            return
+        if committed:
+            self.committed_step = step
+            self.step = step + 1
+            self._snapshot = pack_state(self.state.state_dict())
+        else:
+            await self._recover(PeerLostError(f"step {step} was not committed (epoch {epoch} -> {self.pg.epoch})"), step)
+
+    async def _recover(self, exc: BaseException, step: int) -> None:
+        self.pg._pinned_world = None
+        now = time.monotonic()
+        if self._open_failure is None:
+            seen = [t for e, t in self._epoch_seen.items() if e > self._synced_epoch or e == -1]
+            detected = min(seen + [now])
+            self._open_failure = {
+                "event": "failure", "step": step, "error": type(exc).__name__, "message": str(exc),
+                "lost": list(getattr(exc, "ranks", [])), "epoch": self._synced_epoch,
+                "t_detected": detected, "t_caught": now, "committed_step": self.committed_step,
+            }
+            self.events.append(dict(self._open_failure))
+            log.warning("step_failed", step=step, error=type(exc).__name__, message=str(exc),
+                        committed_step=self.committed_step)
+        # Roll back to the last committed state.
+        self.state.load_state_dict(unpack_state(self._snapshot))
+        self.step = self.committed_step + 1
+        if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
+            # Nobody was lost (a timeout or a remote error): make every member fail this step too,
+            # so all roll back to the same committed state and run the same operations next.
+            try:
+                await self.pg.commit(step, ok=False, timeout=self.commit_timeout_s)
+            except RtxError as exc2:
+                log.warning("failure_vote_failed", error=str(exc2))
+
+    async def _wait_world(self) -> None:
+        loop_deadline = time.monotonic() + self.rejoin_window_s
+        while self.pg.world_size < self.min_world_size:
+            remaining = loop_deadline - time.monotonic()
+            if remaining <= 0:
+                raise ConfigError(
+                    f"world_size({self.pg.world_size}) < min_world_size({self.min_world_size}) after "
+                    f"waiting rejoin_window_s({self.rejoin_window_s}) for replacements")
+            log.info("waiting_for_ranks", world_size=self.pg.world_size, min_world_size=self.min_world_size)
+            try:
+                await self.pg.agent.wait_epoch(self.pg.epoch, timeout_s=remaining)
+            except RtxTimeoutError:
+                continue
+
+    async def _sync(self) -> None:
+        """Agree on the newest committed state and give it to every member (one collective round)."""
+        pg = self.pg
+        epoch, rank, world = pg.epoch, pg.rank, pg.world_size
+        mine = np.array([self.committed_step], dtype=np.int64)
+        steps = np.zeros(world, dtype=np.int64)
+        await pg.all_gather(steps, mine)
+        best = int(steps.max())
+        src = int(np.flatnonzero(steps == best)[0])
+        if not np.all(steps == best):
+            if rank == src:
+                blob = np.frombuffer(self._snapshot, dtype=np.uint8).copy()
+                n = np.array([blob.size], dtype=np.int64)
+            else:
+                n = np.zeros(1, dtype=np.int64)
+            await pg.broadcast(n, src)
+            if rank != src:
+                blob = np.empty(int(n[0]), dtype=np.uint8)
+            await pg.broadcast(blob, src)
+            if rank != src:
+                self._snapshot = blob.tobytes()
+                self.state.load_state_dict(unpack_state(self._snapshot))
+                log.info("state_synced", source=src, step=best, nbytes=int(n[0]))
+        self.committed_step = best
+        self.step = best + 1
+        self._synced_epoch = epoch
+        if hasattr(self.state, "on_world"):
+            self.state.on_world(rank, world)
+        log.info("group_in_sync", epoch=epoch, world_size=world, step=self.step, source=src)
+
+    async def _close_failure(self) -> None:
+        f = self._open_failure
+        self._open_failure = None
+        now = time.monotonic()
+        injected = await self._injection_time(f["t_detected"])
+        rec = {
+            "event": "recovered",
+            "failed_step": f["step"],
+            "resumed_step": self.step,
+            "steps_lost": max(0, f["step"] - self.committed_step),
+            "error": f["error"],
+            "lost": f["lost"],
+            "epoch": self.pg.epoch,
+            "world_size": self.pg.world_size,
+            "t_detected": f["t_detected"],
+            "t_recovered": now,
+            "t_injected": injected,
+            "detection_latency_s": None if injected is None else round(f["t_detected"] - injected, 4),
+            "time_to_recover_s": round(now - (injected if injected is not None else f["t_detected"]), 4),
+        }
+        self.events.append(rec)
+        log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
+
+    async def _injection_time(self, detected: float) -> float | None:
+        """When the fault that caused this failure was injected (its rank wrote it to the store
+        just before acting; ``time.monotonic`` is one clock for all processes of a host)."""
+        inj = self.injector
+        if inj is None:
+            return None
+        best = None
+        for f in inj.faults:
+            try:
+                raw = await self.pg.store.get(f"faults/{f.index}")
+            except RtxError:
+                return best
+            if raw is None:
+                continue
+            t = json.loads(raw)["t"]
+            if t <= detected + 0.001 and (best is None or t > best):
+                best = t
+        return best
+
+    # ---------------------------------------------------------------------------------------------
+    # fault injection
+
+    def _due(self, at: str, step: int) -> list[tuple[Any, dict[str, Any]]]:
+        inj = self.injector
+        if inj is None:
+            return []
+        # Faults name ranks as launched (RTXNET_RANK), not as renumbered after a loss.
+        rank, world = self.launch_rank, self.pg.world_size
+        due = inj.due(at, rank=rank, world_size=world, step=step) + inj.timed(rank=rank, world_size=world)
+        return [(f, inj.record(f, rank=rank, step=step)) for f in due]
+
+    async def _record_fault(self, rec: dict[str, Any]) -> bool:
+        """Claim the fault in the store (once per job, even across restarts); True: act on it."""
+        try:
+            swapped, _ = await self.pg.store.compare_set(f"faults/{rec['index']}", None, json.dumps(rec))
+        except RtxError as exc:
+            log.warning("fault_record_failed", error=str(exc))
+            return False
+        if swapped:
+            log.warning("fault_injected", fault=rec["fault"], rank=rec["rank"], step=rec["step"])
+        return swapped

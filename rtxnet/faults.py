@@ -1,0 +1,270 @@
+"""Fault injection: a deterministic, seeded plan of failures fired at named points of a run.
+
+A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=value`` fields::
+
+    kill:rank=2:step=30                  SIGKILL the rank at the start of step 30
+    pause:rank=1:step=50:seconds=3       SIGSTOP the rank for 3 s (a helper process sends SIGCONT)
+    drop-heartbeats:rank=3:after=10s     stop heartbeats 10 s after start (for seconds=S, or for good)
+    delay:rank=0:ms=200                  add 200 ms before every step of the rank (a slow rank)
+    partition:rank=2:step=40:seconds=5   cut the rank off (no heartbeats, no peer traffic) for 5 s
+    kill-coordinator:step=60             SIGKILL the coordinator at step 60 (rtxnet-run restarts it)
+    seed=7                               seeds the choice of rank=any (default 0)
+
+Where a fault fires (``at=``): ``step`` (default; at the start of step N), ``collective`` (before
+the N-th collective of the rank, with ``collective=N``), ``checkpoint`` (while a checkpoint is
+written, with ``step=N`` for the checkpoint of step N or the first one), ``rendezvous`` (before the
+rank joins). ``rank=any`` picks one rank from the seed; a fault without ``rank`` fires on rank 0
+(for ``kill-coordinator``) and on every rank otherwise. Faults fire only in a rank's first
+process, so a restarted replacement does not fail again at the same step.
+
+Every fault that fires is written to the job's key-value store (``faults/<index>``, JSON with the
+kind, rank, step and ``time.monotonic()`` of the injection: one clock for all processes of a host
+on Linux) just before it acts, so survivors can measure detection latency and recovery time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+__all__ = ["Fault", "parse_plan", "Injector"]
+
+log = structlog.get_logger(__name__)
+
+KINDS = ("kill", "pause", "drop-heartbeats", "delay", "partition", "kill-coordinator")
+POINTS = ("step", "collective", "checkpoint", "rendezvous")
+_INT_FIELDS = {"step", "collective", "seed"}
+_FLOAT_FIELDS = {"seconds", "ms", "after"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of a plan. ``index`` is its position in the plan (its key in the store)."""
+
+    index: int
+    kind: str
+    rank: int | None = None  # None: every rank (rank 0 for kill-coordinator)
+    at: str = "step"
+    step: int | None = None
+    collective: int | None = None
+    seconds: float | None = None
+    ms: float | None = None
+    after: float | None = None
+    text: str = field(default="", compare=False)
+
+
+def _number(key: str, raw: str, part: str) -> float:
+    txt = raw[:-2] if raw.endswith("ms") and key != "ms" else raw
+    txt = txt[:-1] if txt.endswith("s") and key in ("seconds", "after") else txt
+    try:
+        v = float(txt)
+    except ValueError:
+        raise ValueError(f"{part!r}: {key}={raw!r} is not a number") from None
+    if v < 0:
+        raise ValueError(f"{part!r}: {key}={raw!r} must not be negative")
+    return v
+
+
+def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
+    """Parse a plan (grammar in the module docstring).
+
+    Raises:
+        ValueError: names the bad fault and field (unknown kind or key, bad number, missing step).
+    """
+    faults: list[Fault] = []
+    seed = 0
+    pending: list[tuple[str, dict[str, str]]] = []
+    for part in (p.strip() for p in text.split(";")):
+        if not part:
+            continue
+        if part.startswith("seed="):
+            try:
+                seed = int(part[5:])
+            except ValueError:
+                raise ValueError(f"{part!r}: seed must be an integer") from None
+            continue
+        kind, *fields_ = part.split(":")
+        kind = kind.strip()
+        if kind not in KINDS:
+            raise ValueError(f"{part!r}: unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
+        kv: dict[str, str] = {}
+        for f in fields_:
+            if "=" not in f:
+                raise ValueError(f"{part!r}: field {f!r} is not key=value")
+            k, v = f.split("=", 1)
+            kv[k.strip()] = v.strip()
+        pending.append((part, kv | {"__kind": kind}))
+    rng = random.Random(seed)
+    for index, (part, kv) in enumerate(pending):
+        kind = kv.pop("__kind")
+        args: dict[str, Any] = {}
+        for k, v in kv.items():
+            if k == "rank":
+                if v == "any":
+                    if world_size is None:
+                        args["rank"] = -1  # resolved when the world size is known
+                    else:
+                        args["rank"] = rng.randrange(world_size)
+                    continue
+                try:
+                    args["rank"] = int(v)
+                except ValueError:
+                    raise ValueError(f"{part!r}: rank={v!r} is not an integer or 'any'") from None
+                if args["rank"] < 0:
+                    raise ValueError(f"{part!r}: rank={v!r} must be >= 0")
+            elif k == "at":
+                if v not in POINTS:
+                    raise ValueError(f"{part!r}: at={v!r} is not one of {', '.join(POINTS)}")
+                args["at"] = v
+            elif k in _INT_FIELDS:
+                try:
+                    args[k] = int(v)
+                except ValueError:
+                    raise ValueError(f"{part!r}: {k}={v!r} is not an integer") from None
+            elif k in _FLOAT_FIELDS:
+                args[k] = _number(k, v, part)
+            else:
+                raise ValueError(f"{part!r}: unknown field {k!r}")
+        if "collective" in args and "at" not in args:
+            args["at"] = "collective"
+        at = args.get("at", "step")
+        if kind in ("kill", "pause", "partition", "kill-coordinator") and at == "step" and "step" not in args:
+            raise ValueError(f"{part!r}: {kind} needs step=N (or at=collective/checkpoint/rendezvous)")
+        if at == "collective" and "collective" not in args:
+            raise ValueError(f"{part!r}: at=collective needs collective=N")
+        if kind in ("pause", "partition") and "seconds" not in args:
+            raise ValueError(f"{part!r}: {kind} needs seconds=S")
+        if kind == "delay" and "ms" not in args:
+            raise ValueError(f"{part!r}: delay needs ms=N")
+        if kind == "drop-heartbeats" and "after" not in args and "step" not in args:
+            args["after"] = 0.0
+        if kind == "kill-coordinator" and "rank" not in args:
+            args["rank"] = 0
+        faults.append(Fault(index=index, kind=kind, text=part, **args))
+    return faults
+
+
+class Injector:
+    """Fires the faults of a plan for one rank process.
+
+    Args:
+        plan: the plan text (``RTXNET_FAULTS`` when created by :meth:`from_env`).
+        restart_count: this rank slot's restarts; faults fire only when it is 0.
+    """
+
+    def __init__(self, plan: str, *, restart_count: int = 0, coordinator_pid: int | None = None):
+        self.plan = plan
+        self.faults = parse_plan(plan)
+        self.active = restart_count == 0
+        self.coordinator_pid = coordinator_pid
+        self.fired: set[int] = set()
+        self.collectives = 0
+        self.started_at = time.monotonic()
+        self._seed_rng = None
+
+    @classmethod
+    def from_env(cls) -> Injector | None:
+        plan = os.environ.get("RTXNET_FAULTS")
+        if not plan:
+            return None
+        pid = os.environ.get("RTXNET_COORDINATOR_PID")
+        return cls(plan, restart_count=int(os.environ.get("RTXNET_RESTART_COUNT", "0")),
+                   coordinator_pid=int(pid) if pid else None)
+
+    def _mine(self, f: Fault, rank: int, world_size: int) -> bool:
+        if f.rank is None:
+            return True
+        if f.rank == -1:
+            seed = next((int(p[5:]) for p in self.plan.split(";") if p.strip().startswith("seed=")), 0)
+            rng = random.Random(seed)
+            for g in self.faults:
+                if g.rank == -1:
+                    pick = rng.randrange(world_size)
+                    if g.index == f.index:
+                        return pick == rank
+            return False
+        return f.rank == rank
+
+    def due(self, at: str, *, rank: int, world_size: int, step: int | None = None) -> list[Fault]:
+        """Faults of point ``at`` that should fire now on ``rank`` (each fires once)."""
+        if not self.active:
+            return []
+        if at == "collective":
+            self.collectives += 1
+        out = []
+        for f in self.faults:
+            if f.index in self.fired or f.at != at or not self._mine(f, rank, world_size):
+                continue
+            if f.kind == "delay" and at == "step":
+                out.append(f)  # every step
+                continue
+            if f.kind == "drop-heartbeats" and f.step is None:
+                continue  # time-based, see timed()
+            if at == "step" and f.step is not None and step != f.step:
+                continue
+            if at == "checkpoint" and f.step is not None and step != f.step:
+                continue
+            if at == "collective" and f.collective != self.collectives:
+                continue
+            self.fired.add(f.index)
+            out.append(f)
+        return out
+
+    def timed(self, *, rank: int, world_size: int) -> list[Fault]:
+        """Time-based faults (``drop-heartbeats:after=S``) whose time has come."""
+        if not self.active:
+            return []
+        now = time.monotonic() - self.started_at
+        out = []
+        for f in self.faults:
+            if (f.kind == "drop-heartbeats" and f.step is None and f.index not in self.fired
+                    and self._mine(f, rank, world_size) and now >= (f.after or 0.0)):
+                self.fired.add(f.index)
+                out.append(f)
+        return out
+
+    @staticmethod
+    def record(f: Fault, *, rank: int, step: int | None) -> dict[str, Any]:
+        rec = {"index": f.index, "kind": f.kind, "rank": rank, "step": step, "fault": f.text,
+               "t": time.monotonic(), "wall": time.time()}
+        return rec
+
+    def act(self, f: Fault, *, agent: Any = None, engine: Any = None) -> None:
+        """Carry out ``f`` in this process (after it was recorded)."""
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == "pause":
+            # A separate process wakes us: a stopped process cannot.
+            subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
+                             start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.kind == "delay":
+            time.sleep((f.ms or 0) / 1000)
+        elif f.kind == "drop-heartbeats":
+            if agent is not None:
+                agent.mute_heartbeats(f.seconds)
+        elif f.kind == "partition":
+            if agent is not None:
+                agent.mute_heartbeats(f.seconds)
+            if engine is not None and hasattr(engine, "partition"):
+                engine.partition(f.seconds)
+        elif f.kind == "kill-coordinator":
+            if self.coordinator_pid is None:
+                log.error("fault_skipped", fault=f.text, reason="RTXNET_COORDINATOR_PID is not set (use rtxnet-run)")
+                return
+            try:
+                os.kill(self.coordinator_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                log.warning("fault_skipped", fault=f.text, reason="coordinator already gone")
+
+
+def dump(rec: dict[str, Any]) -> bytes:
+    return json.dumps(rec).encode()

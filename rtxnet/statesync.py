@@ -1,0 +1,142 @@
+"""Training state to bytes and back, without pickle, for in-memory snapshots and peer sync.
+
+A state is any nesting of dict (str or int keys), list, tuple, None, bool, int, float, str,
+bytes, NumPy arrays and torch tensors (any device; they come back on the CPU, or on ``device``
+when given). The layout of a blob::
+
+    u64 little-endian  length of the msgpack header
+    header             the structure, with each array replaced by {"__a": i, "dtype", "shape", "kind"}
+    payload            the arrays' bytes, each 64-byte aligned, in order
+
+Arrays are copied once into the blob, so a blob is also a deep, immutable snapshot. Decoding never
+executes anything: dtypes are looked up by name in an allow-list.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = ["pack_state", "unpack_state"]
+
+_ALIGN = 64
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _torch():
+    import torch
+
+    if not _TORCH_DTYPES:
+        for name in ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+                     "complex64", "complex128"):
+            _TORCH_DTYPES[name] = getattr(torch, name)
+    return torch
+
+
+def pack_state(state: Any) -> bytes:
+    """Encode ``state`` into one ``bytes`` blob (see the module docstring).
+
+    Raises:
+        TypeError: a value of an unsupported type (names it and where it was found).
+    """
+    arrays: list[np.ndarray] = []
+
+    def enc(v: Any, where: str) -> Any:
+        if v is None or isinstance(v, bool | int | float | str | bytes):
+            return v
+        if isinstance(v, dict):
+            return {"__d": [[k if isinstance(k, str | int) else _bad(k, where), enc(x, f"{where}.{k}")] for k, x in v.items()]}
+        if isinstance(v, tuple):
+            return {"__t": [enc(x, f"{where}[{i}]") for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [enc(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, np.ndarray):
+            arrays.append(np.ascontiguousarray(v))
+            return {"__a": len(arrays) - 1, "dtype": v.dtype.str, "shape": list(v.shape), "kind": "numpy"}
+        if isinstance(v, np.generic):
+            return enc(v.item(), where)
+        if type(v).__module__.startswith("torch") and hasattr(v, "detach"):
+            torch = _torch()
+            t = v.detach().to("cpu").contiguous()
+            name = str(t.dtype).removeprefix("torch.")
+            raw = t.view(torch.uint8) if t.numel() and t.dim() else t.reshape(-1).view(torch.uint8)
+            arrays.append(raw.numpy().reshape(-1))
+            return {"__a": len(arrays) - 1, "dtype": name, "shape": list(t.shape), "kind": "torch"}
+        return _bad(v, where)
+
+    header = msgpack.packb(enc(state, "state"), use_bin_type=True)
+    offsets = []
+    pos = 8 + len(header)
+    for a in arrays:
+        pos = (pos + _ALIGN - 1) // _ALIGN * _ALIGN
+        offsets.append(pos)
+        pos += a.nbytes
+    out = bytearray(pos)
+    out[:8] = struct.pack("<Q", len(header))
+    out[8:8 + len(header)] = header
+    for off, a in zip(offsets, arrays, strict=True):
+        out[off:off + a.nbytes] = a.reshape(-1).view(np.uint8).tobytes() if a.nbytes else b""
+    return bytes(out)
+
+
+def _bad(v: Any, where: str):
+    raise TypeError(f"{where}: values of type {type(v).__name__} cannot be part of a synced state")
+
+
+def unpack_state(blob: bytes | memoryview, *, device: Any = None) -> Any:
+    """Decode a blob from :func:`pack_state`; arrays are fresh copies (writable).
+
+    Raises:
+        ValueError: the blob is malformed.
+    """
+    mv = memoryview(blob)
+    if len(mv) < 8:
+        raise ValueError(f"state blob of {len(mv)} bytes is too short")
+    (hlen,) = struct.unpack("<Q", mv[:8])
+    if 8 + hlen > len(mv):
+        raise ValueError("state blob header runs past its end")
+    tree = msgpack.unpackb(mv[8:8 + hlen], raw=False, strict_map_key=False)
+    pos = [8 + hlen]
+
+    def dec(v: Any) -> Any:
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if isinstance(v, dict):
+            if "__d" in v:
+                return {k: dec(x) for k, x in v["__d"]}
+            if "__t" in v:
+                return tuple(dec(x) for x in v["__t"])
+            if "__a" in v:
+                return arr(v)
+        return v
+
+    def arr(spec: dict) -> Any:
+        if spec["kind"] == "numpy":
+            dtype = np.dtype(spec["dtype"])
+            if dtype.hasobject:
+                raise ValueError("object arrays are not allowed in a state blob")
+        else:
+            torch = _torch()
+            if spec["dtype"] not in _TORCH_DTYPES:
+                raise ValueError(f"unknown torch dtype {spec['dtype']!r}")
+            dtype = np.dtype(np.uint8)
+        shape = tuple(spec["shape"])
+        count = int(np.prod(shape)) if shape else 1
+        start = (pos[0] + _ALIGN - 1) // _ALIGN * _ALIGN
+        if spec["kind"] == "numpy":
+            nbytes = count * dtype.itemsize
+            a = np.frombuffer(mv[start:start + nbytes], dtype=dtype).reshape(shape).copy()
+            pos[0] = start + nbytes
+            return a
+        tdtype = _TORCH_DTYPES[spec["dtype"]]
+        itemsize = torch.empty((), dtype=tdtype).element_size()
+        nbytes = count * itemsize
+        raw = np.frombuffer(mv[start:start + nbytes], dtype=np.uint8).copy()
+        pos[0] = start + nbytes
+        t = torch.from_numpy(raw).view(tdtype).reshape(shape)
+        return t.to(device) if device is not None else t
+
+    return dec(tree)
