@@ -391,6 +391,11 @@ def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Ac
     _record(state, actions, rec, now)
     for ident in lost_ids:
         state.where.pop(ident, None)
+    if reason == "lost":
+        # A rank declared lost may still be alive (frozen, cut off): tell it, in case it hears.
+        for ident in lost_ids:
+            actions.append(Send(ident, wire.make("fenced", job=job.job, epoch=job.epoch,
+                                                 reason=f"declared lost; epoch {job.epoch} formed without it")))
     if not job.members:
         _record(state, actions, {"k": "job_end", "job": job.job}, now)
         return

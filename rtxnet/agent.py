@@ -325,6 +325,10 @@ class Agent:
                     timeout_s=float(wait_s))
             except RtxTimeoutError:
                 continue
+            except RendezvousError as exc:
+                # Not a member any more: we were declared lost while frozen or cut off.
+                self._fence(str(exc))
+                return {"committed": False, "step": step, "reason": str(exc)}
 
     async def status(self) -> list[dict[str, Any]]:
         return (await self._request("status"))["jobs"]

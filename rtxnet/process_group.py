@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from transport.errors import ConfigError
+from transport.errors import ConfigError, PeerLostError
 
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int
@@ -146,6 +146,9 @@ class ProcessGroup:
     def __getattr__(self, name: str) -> Any:
         if name in _COLLECTIVES:
             engine = self.__dict__.get("_engine")
+            if self._agent.fenced:
+                raise PeerLostError(f"{name}: this rank was declared lost (fenced out of epoch "
+                                    f"{self._agent.epoch}); it must rejoin before any collective")
             if engine is None or engine.world is None:
                 raise ConfigError(f"{name}: the collective engine is not available in this process")
             return getattr(self.__dict__.get("_pinned_world") or engine.world, name)
@@ -221,7 +224,6 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
 
 def _wire_engine(agent: Agent, engine: Any) -> None:
     from .collectives import WorldView
-    from transport.errors import PeerLostError
 
     def on_epoch(m: Membership | None, reason: str) -> None:
         if m is None:

@@ -1,0 +1,97 @@
+"""Every fault type against a 4-rank numeric job with a known right answer (tools/ft_workload.py).
+
+Each run must finish with every rank holding exactly the state of the fault-free reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from ft_workload import reference  # noqa: E402
+
+pytestmark = pytest.mark.timeout(150)
+
+FAST = {"RTXNET_HEARTBEAT_INTERVAL": "0.1", "RTXNET_HEARTBEAT_TIMEOUT": "1.0", "RTXNET_OP_TIMEOUT": "20"}
+
+
+def run_job(tmp_path, plan, *launcher_args, steps=40, step_sleep=0.02, expect_rc=0):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", *launcher_args, "--faults", plan,
+         "tools/ft_workload.py", "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", str(out)],
+        capture_output=True, text=True, timeout=140, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))]
+    want = reference(steps, 1024)
+    assert results, proc.stderr[-3000:]
+    for r in results:
+        assert r["steps"] == steps and r["sha256"] == want, (r, proc.stderr[-3000:])
+    return results, proc
+
+
+def recoveries(results):
+    return [e for r in results for e in r["events"] if e["event"] == "recovered"]
+
+
+def test_fault_free_reference(tmp_path):
+    results, _ = run_job(tmp_path, "delay:rank=9:ms=1")  # a plan that never fires
+    assert len(results) == 4 and not recoveries(results)
+
+
+def test_killed_rank_survivors_continue_with_three(tmp_path):
+    # The launcher reports the killed rank's exit code (128 + SIGKILL), though the job finished.
+    results, proc = run_job(tmp_path, "kill:rank=2:step=15", "--min-ranks", "3", expect_rc=137)
+    assert len(results) == 3 and "rank 2 exited with code 137" in proc.stderr
+    rec = recoveries(results)
+    assert len(rec) == 3 and all(e["lost"] == [2] and e["steps_lost"] <= 1 for e in rec)
+    assert all(e["detection_latency_s"] is not None for e in rec)
+
+
+def test_killed_rank_is_replaced_and_gets_state_from_a_peer(tmp_path):
+    results, proc = run_job(tmp_path, "kill:rank=1:step=12", "--max-restarts", "1")
+    assert len(results) == 4 and sorted(r["restart_count"] for r in results) == [0, 0, 0, 1]
+    assert all(r["world_size"] == 4 for r in results)
+    assert "restart 1/1" in proc.stderr
+
+
+def test_frozen_rank_is_fenced_then_rejoins(tmp_path):
+    # SIGSTOP for 2.5 s > heartbeat timeout: declared lost; on waking it is fenced out and rejoins.
+    results, proc = run_job(tmp_path, "pause:rank=3:step=10:seconds=2.5", "--min-ranks", "3",
+                            steps=200, step_sleep=0.02)
+    assert len(results) == 4
+    # The woken rank rejoined and took the survivors' newer state instead of replaying old steps.
+    woke = [r for r in results if any(e["event"] == "recovered" and e["resumed_step"] > e["failed_step"] + 1
+                                      for e in r["events"])]
+    assert len(woke) == 1 and woke[0]["restart_count"] == 0, [r["events"] for r in results]
+
+
+def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):
+    results, proc = run_job(tmp_path, "kill-coordinator:step=15", steps=60)
+    assert len(results) == 4 and "coordinator restarted" in proc.stderr
+    assert not recoveries(results)  # training never stopped
+
+
+def test_dropped_heartbeats_and_delay(tmp_path):
+    results, proc = run_job(tmp_path, "drop-heartbeats:rank=2:step=10:seconds=2; delay:rank=0:ms=5",
+                            "--min-ranks", "3", steps=150)
+    assert len(results) == 4
+    assert recoveries(results)
+
+
+def test_bad_plan_is_refused_before_anything_starts(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "explode:rank=1",
+                           "tools/ft_workload.py", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT, env=env)
+    assert proc.returncode == 2 and "unknown fault kind 'explode'" in proc.stderr
