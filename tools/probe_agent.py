@@ -33,6 +33,7 @@ def emit(**kv) -> None:
 
 async def main(cfg: dict) -> int:
     timeouts = Timeouts.from_env(**cfg.get("timeouts", {}))
+    emit(event="joining", pid=os.getpid())
     try:
         pg = await rtxnet.connect(cfg["coordinator"], job=cfg.get("job", "j"), rank=cfg.get("rank"),
                                   world_size=cfg.get("world_size"), min_ranks=cfg.get("min_ranks"),
