@@ -42,7 +42,11 @@ class RankError(Exception):
         self.rank, self.exc, self.tb = rank, exc, tb
 
 
-def _child(rank: int, conn, fn: Callable, args: tuple, shm: bool, default_timeout_s: float):
+def _child(rank: int, conn, fn: Callable, args: tuple, shm: bool, default_timeout_s: float,
+           hang_dump_s: float):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(hang_dump_s, exit=False)  # stacks of a hung rank, to stderr
     try:
         import uvloop
 
@@ -99,7 +103,8 @@ def run_world(n: int, fn: Callable, *args, shm: bool = True, hosts: dict[int, st
     procs, conns = [], []
     for rank in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(rank, child, fn, args, shm, default_timeout_s),
+        p = ctx.Process(target=_child, args=(rank, child, fn, args, shm, default_timeout_s,
+                                                   max(1.0, timeout_s - 5)),
                         daemon=True)
         p.start()
         child.close()

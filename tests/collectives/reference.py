@@ -62,3 +62,31 @@ def close(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
         return np.allclose(got.astype(np.float64), want.astype(np.float64),
                            rtol=RTOL[dtype], atol=RTOL[dtype])
     return np.array_equal(got, want)
+
+
+# a rank function of test_properties: lives here so ranks need not import Hypothesis
+async def run_cases(engine, case_list):
+    g = engine.world
+    n, r = g.size, g.rank
+    fails = []
+    for i, (dtype, shape, opname, strided, algo) in enumerate(case_list):
+        op = ReduceOp[opname]
+        xs = [make(k, f"h{i}", shape, dtype, op) for k in range(n)]
+        if strided:
+            base = np.zeros(shape + (2,), np_dtype(dtype))
+            base[..., 1] = xs[r]
+            x = base[..., 1]
+        else:
+            x = xs[r].copy()
+        await g.all_reduce(x, op, algorithm=algo)
+        if not close(x, reduce_ref(xs, op, dtype), dtype):
+            fails.append((dtype, shape, opname, strided, algo))
+        if strided and np.any(base[..., 0]):
+            fails.append(("clobbered", dtype, shape))
+        out = np.zeros((n,) + shape, np_dtype(dtype))
+        await g.all_gather(out, xs[r])
+        if not close(out, np.stack(xs), dtype):
+            fails.append(("all_gather", dtype, shape))
+    return fails
+
+
