@@ -129,6 +129,10 @@ class DistributedDataParallel(torch.nn.Module):
             on loss scaling for uneven batches).
         broadcast_buffers: broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at
             every forward that will synchronise gradients, as torch does.
+        init_sync: broadcast rank 0's parameters and buffers now (a collective: every rank must
+            build the module at the same point). Pass False when replicas are already identical
+            (same seed) and something else aligns them later, e.g. ``rtxnet.FaultTolerance``,
+            whose first step syncs the state and which a replacement rank joins mid-run.
         timeout_s: deadline in seconds of each bucket's all-reduce; ``None`` uses the group's.
 
     Raises:
@@ -143,7 +147,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, pg: Any, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB, reduce_op: ReduceOp = ReduceOp.AVG,
-                 broadcast_buffers: bool = True, timeout_s: float | None = None):
+                 broadcast_buffers: bool = True, init_sync: bool = True,
+                 timeout_s: float | None = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -180,7 +185,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = 0
         self._last_world_size: int | None = None
         self.last_comm_wait_s = 0.0
-        self.broadcast_parameters(src=0)
+        if init_sync:
+            self.broadcast_parameters(src=0)
         log.info("ddp_ready", params=len(named), buckets=len(self._buckets),
                  nbytes=sum(b.numel * b.flat.element_size() for b in self._buckets),
                  reduce_op=reduce_op.name)
@@ -216,6 +222,12 @@ class DistributedDataParallel(torch.nn.Module):
             # The previous backward never finished (an error, or no backward at all after hooks
             # fired): start this step clean.
             self.reset()
+        elif self._sync_armed and self._hooks:
+            # The previous synchronising forward had no backward that reached the parameters: if
+            # the other ranks did run one, their buckets now wait for this rank.
+            log.warning("ddp_backward_skipped",
+                        hint="run backward through the module on every rank every step, "
+                             "even with an empty batch, or forward under no_sync()/no_grad()")
         self._sync_armed = self._require_sync and torch.is_grad_enabled()
         if self._sync_armed and self.broadcast_buffers:
             self._broadcast_buffers()

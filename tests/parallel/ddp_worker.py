@@ -207,7 +207,7 @@ def fault(pg, steps=5, B=12):
 
 def main() -> int:
     out, scenario = Path(sys.argv[1]), sys.argv[2]
-    timeouts = rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=20, rendezvous_s=60)
+    timeouts = rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120)
     pg = rtxnet.init(timeouts=timeouts)
     rank = pg.rank
     torch.set_num_threads(1)

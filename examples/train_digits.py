@@ -1,0 +1,301 @@
+"""Train an MLP on scikit-learn's handwritten digits with rtxnet DDP, committed steps and checkpoints.
+
+    rtxnet-run --nproc 4 examples/train_digits.py --out OUTDIR [--steps N] [--checkpoint-every N]
+                                                  [--resume] [--device cpu]
+
+The data set ships inside scikit-learn (``sklearn.datasets.load_digits``: 1797 images of 8x8
+pixels, 10 classes; no download). A fixed stratified split keeps 25 % for testing. Every step
+takes the next ``--global-batch`` samples of a seeded global order
+(:class:`rtxnet.sampler.ElasticDistributedSampler`) and splits them among the ranks there are.
+
+Gradients are **summed** over ranks (``ReduceOp.SUM``) and each rank scales its mean loss by
+``local_n / global_n``, so a step equals one process on the whole global batch even when the
+world shrank and the ranks hold unequal shares (64 samples over 3 ranks).
+
+Each step runs inside :meth:`rtxnet.FaultTolerance.guard`: it counts only once every rank voted
+it succeeded; after a lost rank the survivors roll back to the last committed step, re-split the
+data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller world, and
+``--max-restarts`` to let a replacement rejoin). Every ``--checkpoint-every`` steps a sharded
+checkpoint is committed under ``OUTDIR/checkpoints``; ``--resume`` starts from the newest intact
+one.
+
+Rank 0 shows a progress bar (steps, loss, samples/s), logs through structlog, prints
+``test_accuracy=<value>`` at the end and writes ``OUTDIR/metrics.json`` and
+``OUTDIR/loss_curve.png`` (failures and recoveries marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+import rtxnet
+from rtxnet import checkpoint
+from rtxnet.parallel import DistributedDataParallel
+from rtxnet.sampler import ElasticDistributedSampler
+
+log = structlog.get_logger("train_digits")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in OUT")
+    p.add_argument("--device", default="cpu", choices=["cpu"], help="rtxnet's CPU collectives: cpu")
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for name in ("steps", "checkpoint_every", "global_batch", "hidden"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    return a
+
+
+def load_data(seed: int = 0):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+    t = torch.from_numpy
+    return t(xtr), t(ytr.astype(np.int64)), t(xte), t(yte.astype(np.int64))
+
+
+def make_model(hidden: int) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
+class TrainState:
+    """Everything a step changes: model, optimizer, sampler position, step, RNG, loss history.
+
+    ``state_dict()`` holds tensors, numbers and lists only, so the fault-tolerance layer can
+    snapshot it in memory and :mod:`rtxnet.checkpoint` can save it with ``weights_only`` loading.
+    """
+
+    def __init__(self, pg, args: argparse.Namespace, n_train: int):
+        torch.manual_seed(args.seed)            # same init everywhere (DDP broadcasts rank 0's anyway)
+        self.pg = pg
+        # init_sync=False: replicas start equal (same seed) and FaultTolerance syncs the state at
+        # its first step, which is also where a replacement rank joining mid-run meets the others.
+        self.model = DistributedDataParallel(make_model(args.hidden), pg, reduce_op=rtxnet.ReduceOp.SUM,
+                                             init_sync=False)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.sampler = ElasticDistributedSampler(n_train, args.global_batch, rank=pg.rank,
+                                                 world_size=pg.world_size, seed=args.seed)
+        self.step = 0                            # steps completed
+        self.history: list[list[float]] = []     # [step, loss, world_size]
+        torch.manual_seed(args.seed + 1000 * pg.rank)   # per-rank stream for anything random later
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "sampler": self.sampler.state_dict(), "step": self.step,
+                "rng": checkpoint.capture_rng(), "history": [list(h) for h in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.zero_grad(set_to_none=True)      # drop gradients of a half-done step
+        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.set_world(self.pg.rank, self.pg.world_size)
+        self.step = int(state["step"])
+        self.history = [list(h) for h in state["history"]]
+        if "rng" in state:
+            checkpoint.restore_rng(state["rng"])
+
+    def on_world(self, rank: int, world_size: int) -> None:
+        """Called by FaultTolerance after the group (re-)formed: re-split the remaining samples."""
+        self.sampler.set_world(rank, world_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transport.logconfig import configure_logging
+
+    configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL", "info" if os.environ.get("RANK", "0") == "0" else "warning"))
+    torch.set_num_threads(1)                     # ranks share the cores
+    pg = rtxnet.init()
+    rank = pg.rank
+    structlog.contextvars.bind_contextvars(rank=rank)
+    out: Path = args.out
+    ckpt_dir = out / "checkpoints"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+
+    xtr, ytr, xte, yte = load_data()
+    state = TrainState(pg, args, len(xtr))
+    resumed_from = None
+    if args.resume:
+        latest = checkpoint.latest(ckpt_dir)
+        if latest is None:
+            log.warning("resume_no_checkpoint", folder=str(ckpt_dir))
+        else:
+            loaded = checkpoint.load(ckpt_dir, latest, pg=pg)
+            if loaded["_checkpoint"]["resharded"]:
+                loaded.pop("rng")                 # rank 0's RNG streams: keep this rank's own
+            state.load_state_dict(loaded)
+            resumed_from = state.step
+            log.info("resumed", step=state.step, checkpoint=latest)
+
+    ft = rtxnet.FaultTolerance(pg, state)
+    ft.step, ft.committed_step = state.step, state.step - 1     # continue the step count
+    loss_fn = torch.nn.functional.cross_entropy
+    loss_sum = torch.zeros(1)
+
+    def train_step(step: int) -> tuple[float, int]:
+        """One synchronous data-parallel step; returns the global mean loss and the global
+        number of samples."""
+        b = state.sampler.next_batch()
+        idx = torch.from_numpy(b.indices)
+        state.optimizer.zero_grad(set_to_none=True)
+        # Sum over this rank's samples / the step's global count: summed over ranks, this is the
+        # mean loss of the global batch. A rank with no samples (the last, short batch of an
+        # epoch) still runs forward and backward, so it takes part in every gradient bucket.
+        loss = loss_fn(state.model(xtr[idx]), ytr[idx], reduction="sum") / b.global_n
+        loss.backward()
+        state.optimizer.step()
+        loss_sum[0] = float(loss.detach())
+        pg.all_reduce(loss_sum, op=rtxnet.ReduceOp.SUM)
+        state.step = step + 1
+        value = float(loss_sum[0])
+        state.history.append([step, value, pg.world_size])
+        return value, b.global_n
+
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=min(state.step, args.steps), desc="train", unit="step",
+                   file=_LineStream(sys.stderr), mininterval=1.0, ascii=True, dynamic_ncols=False, ncols=100)
+    t0 = time.perf_counter()
+    samples = 0
+    loss_value = float("nan")
+    while ft.step < args.steps:
+        with ft.guard() as step:
+            if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
+                checkpoint.save(ckpt_dir, step, state.state_dict(), pg=pg, keep=3,
+                                metadata={"world_size": pg.world_size})
+            loss_value, global_n = train_step(step)
+        if ft.step == step + 1:                   # committed
+            samples += global_n
+            if bar is not None:
+                bar.n = ft.step
+                bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{samples / (time.perf_counter() - t0):.0f}",
+                                world=pg.world_size, refresh=False)
+                bar.refresh()
+            if step % 50 == 0:
+                log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
+    duration_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    if state.step != resumed_from:               # the final state, whatever the period
+        try:
+            checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3)
+        except (rtxnet.RtxError, OSError) as exc:
+            log.warning("final_checkpoint_failed", error=str(exc))
+
+    with torch.no_grad():
+        acc = float((state.model.module(xte).argmax(1) == yte).float().mean())
+    if rank == 0:
+        events = _events(ft.events)
+        metrics = {
+            "test_accuracy": acc, "steps": state.step, "world_size_end": pg.world_size,
+            "global_batch": args.global_batch, "duration_s": round(duration_s, 3),
+            "samples_per_s": round(samples / duration_s, 1) if duration_s > 0 else None,
+            "final_loss": state.history[-1][1] if state.history else None,
+            "resumed_from_step": resumed_from, "events": events,
+            "loss_history": state.history,
+        }
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        _plot(out / "loss_curve.png", state.history, events, resumed_from)
+        log.info("done", test_accuracy=round(acc, 4), duration_s=round(duration_s, 2), out=str(out))
+        print(f"test_accuracy={acc:.4f}", flush=True)
+    # Leave together, so nobody's last collective sees a peer's orderly leave as a failure.
+    epoch, world, me = pg.epoch, pg.world_size, pg.rank   # read once: the first to leave changes them
+    pg.store.set(f"train_digits/done/{epoch}/{me}", b"1")
+    pg.store.wait([f"train_digits/done/{epoch}/{r}" for r in range(world)], timeout=60)
+    pg.close()
+    return 0
+
+
+class _LineStream:
+    """tqdm's carriage-return updates as separate lines: rtxnet-run forwards output line by line."""
+
+    def __init__(self, stream):
+        self._s = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "\n")
+        for line in text.split("\n"):
+            if line.strip():
+                self._s.write(line.rstrip() + "\n")
+
+    def flush(self) -> None:
+        self._s.flush()
+
+
+def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keep = ("event", "step", "failed_step", "resumed_step", "steps_lost", "error", "lost",
+            "world_size", "time_to_recover_s", "detection_latency_s")
+    return [{k: e[k] for k in keep if k in e} for e in raw]
+
+
+def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], resumed_from: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    h = np.asarray(history, dtype=float).reshape(-1, 3)
+    if len(h):
+        ax.plot(h[:, 0], h[:, 1], lw=1.2, label="training loss (global batch)")
+        ws = ax.twinx()
+        ws.step(h[:, 0], h[:, 2], where="post", color="tab:gray", lw=1, alpha=0.6)
+        ws.set_ylabel("world size", color="tab:gray")
+        ws.set_ylim(0, h[:, 2].max() + 1)
+        ws.yaxis.get_major_locator().set_params(integer=True)
+    labelled: set[str] = set()
+    for e in events:
+        if e["event"] == "failure":
+            x, style, label = e["step"], dict(color="tab:red", ls="-", lw=2, alpha=0.5), "failure"
+            text = f"lost rank(s) {e['lost']}" if e.get("lost") else f"step failed ({e.get('error')})"
+        elif e["event"] == "recovered":
+            x, style, label = e["resumed_step"], dict(color="tab:green", ls="--", lw=1.2), "recovery"
+            text = f"world {e.get('world_size')}, {e.get('time_to_recover_s')} s"
+        else:
+            continue
+        ax.axvline(x, label=None if label in labelled else label, **style)
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12 if label == "failure" else -24),
+                    textcoords="offset points", fontsize=8, color=style["color"])
+        labelled.add(label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_yscale("log")
+    ax.set_title("digits MLP, rtxnet DDP")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
