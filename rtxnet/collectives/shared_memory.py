@@ -16,9 +16,10 @@ Why two slots and no "done" round: a rank only starts operation k+1 of a group a
 every peer's hello of operation k, which each peer sends after finishing operation k-1. So the
 slot written at operation k-1 is free again at operation k+1.
 
-Segment files are unlinked once every peer has mapped them (all peers map every offer during the
-operation that announces it; a peer's hello of any later operation proves it did), so a crash
-after that leaks nothing; a crash before is cleaned by ``transport.shm.reap_dead_segments``.
+Segment files are unlinked as soon as every peer has mapped them: an operation that offers a new
+segment ends with every peer acknowledging the mapping, then the owner unlinks the file. Growth is
+rare (segments only grow), so this costs one signal round per new segment. A crash after that
+leaks nothing; a crash before is cleaned by ``transport.shm.reap_dead_segments``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from transport.shm import PeerSegment, Segment
 __all__ = ["ShmState", "all_reduce", "reduce_scatter", "all_gather", "broadcast"]
 
 _BLOCK_ELEMS = 1 << 16
+_MAPPED_STEP = 1000
 _ALIGN = 1 << 16
 
 
@@ -47,6 +49,7 @@ class ShmState:
         self.announced: list[tuple[Segment, int]] = []
         self.retired: list[Segment] = []
         self.peer_maps: dict[int, PeerSegment] = {}
+        self.fresh = False
 
     def slot(self, nbytes: int, seq: int) -> tuple[memoryview, list]:
         """The next free slot of at least ``nbytes`` and the offer that names it."""
@@ -58,6 +61,7 @@ class ShmState:
             self.slot_nbytes = cap
             self.parity = 0
             self.announced.append((self.seg, seq))
+            self.fresh = True
         off = self.parity * self.slot_nbytes
         self.parity ^= 1
         return self.seg.buf[off:off + nbytes], [self.seg.name, self.seg.nbytes, off]
@@ -86,7 +90,18 @@ class ShmState:
         """Map every peer's offered segment (so that its owner may unlink it)."""
         for g, (offer, _) in got.items():
             if g != op.r and offer is not None:
+                known = self.peer_maps.get(g)
                 self._map(op, g, offer)
+                if known is None or known.name != offer[0]:
+                    op.send(g, _MAPPED_STEP)
+
+    async def settle(self, op) -> None:
+        """End of an operation: once every peer mapped a new segment, unlink its file."""
+        if self.fresh:
+            await op.recv_all(op.peers, _MAPPED_STEP)
+            self.fresh = False
+            self.seg.unlink()
+            self.announced = [(s, q) for s, q in self.announced if s is not self.seg]
 
     def _map(self, op, g: int, offer) -> PeerSegment:
         if not (isinstance(offer, list) and len(offer) == 3 and isinstance(offer[0], str)
@@ -116,6 +131,7 @@ class ShmState:
         if self.seg is not None:
             self.retired.append(self.seg)
             self.seg = None
+        self.fresh = False
 
     def close(self) -> None:
         for seg in self.retired + ([self.seg] if self.seg is not None else []):
@@ -165,6 +181,7 @@ async def all_reduce(op, st: ShmState, sig: list, flat: np.ndarray, rop: ReduceO
     await op.recv_all(op.peers, 1)
     for g in op.peers:
         np.copyto(flat[b[g]:b[g + 1]], peers[g][b[g]:b[g + 1]])
+    await st.settle(op)
 
 
 async def reduce_scatter(op, st: ShmState, sig: list, chunks: list[np.ndarray],
@@ -179,6 +196,7 @@ async def reduce_scatter(op, st: ShmState, sig: list, chunks: list[np.ndarray],
     srcs = [chunks[r] if g == r else
             st.peer_array(op, g, got[g][0], dtype, n * N)[r * N:(r + 1) * N] for g in range(n)]
     _reduce_into(rop, srcs, out, n)
+    await st.settle(op)
 
 
 async def all_gather(op, st: ShmState, sig: list, inp: np.ndarray,
@@ -192,6 +210,7 @@ async def all_gather(op, st: ShmState, sig: list, inp: np.ndarray,
         src = inp if g == r else st.peer_array(op, g, got[g][0], dtype, N)
         if slots[g] is not src:
             np.copyto(slots[g], src)
+    await st.settle(op)
 
 
 async def broadcast(op, st: ShmState, sig: list, flat: np.ndarray, src: int) -> None:
@@ -205,3 +224,4 @@ async def broadcast(op, st: ShmState, sig: list, flat: np.ndarray, src: int) -> 
     st.map_all(op, got)
     if op.r != src:
         np.copyto(flat, st.peer_array(op, src, got[src][0], dtype, N))
+    await st.settle(op)
