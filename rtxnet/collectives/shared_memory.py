@@ -35,6 +35,8 @@ __all__ = ["ShmState", "all_reduce", "reduce_scatter", "all_gather", "broadcast"
 
 _BLOCK_ELEMS = 1 << 16
 _MAPPED_STEP = 1000
+_PIECE_STEP = 2000
+PIECE_NBYTES = 8 << 20  # all_reduce pipeline piece: a quarter of a 32 MiB last-level cache
 _ALIGN = 1 << 16
 
 
@@ -164,23 +166,34 @@ def _reduce_into(rop: ReduceOp, xs: list[np.ndarray], out: np.ndarray, n: int,
 
 
 async def all_reduce(op, st: ShmState, sig: list, flat: np.ndarray, rop: ReduceOp) -> None:
+    """Pipelined over pieces of ``PIECE_NBYTES`` so that what one rank writes is still in the
+    shared last-level cache when its peers read it (and segments stay small)."""
     n, r, N, dtype = op.n, op.r, flat.size, flat.dtype
-    mv, offer = st.slot(N * dtype.itemsize, op.seq)
-    mine = payload_view(mv, dtype, N)
-    b = [c * N // n for c in range(n + 1)]
-    lo, hi = b[r], b[r + 1]
-    np.copyto(mine[:lo], flat[:lo])
-    np.copyto(mine[hi:], flat[hi:])
-    got = await op.hello(sig, offer)
-    st.map_all(op, got)
-    peers = {g: st.peer_array(op, g, got[g][0], dtype, N) for g in op.peers}
-    srcs = [flat[lo:hi] if g == r else peers[g][lo:hi] for g in range(n)]
-    _reduce_into(rop, srcs, mine[lo:hi], n, also=flat[lo:hi])
-    for g in op.peers:
-        op.send(g, 1)
-    await op.recv_all(op.peers, 1)
-    for g in op.peers:
-        np.copyto(flat[b[g]:b[g + 1]], peers[g][b[g]:b[g + 1]])
+    piece = max(n, PIECE_NBYTES // dtype.itemsize)
+    for k, s in enumerate(range(0, max(N, 1), piece)):
+        part = flat[s:min(s + piece, N)]
+        M = part.size
+        mv, offer = st.slot(M * dtype.itemsize, op.seq)
+        mine = payload_view(mv, dtype, M)
+        b = [c * M // n for c in range(n + 1)]
+        lo, hi = b[r], b[r + 1]
+        np.copyto(mine[:lo], part[:lo])
+        np.copyto(mine[hi:], part[hi:])
+        if k == 0:
+            got = await op.hello(sig, offer)
+            st.map_all(op, got)
+        else:
+            for g in op.peers:
+                op.send(g, _PIECE_STEP + 2 * k, meta=offer)
+            got = await op.recv_all(op.peers, _PIECE_STEP + 2 * k)
+        peers = {g: st.peer_array(op, g, got[g][0], dtype, M) for g in op.peers}
+        srcs = [part[lo:hi] if g == r else peers[g][lo:hi] for g in range(n)]
+        _reduce_into(rop, srcs, mine[lo:hi], n, also=part[lo:hi])
+        for g in op.peers:
+            op.send(g, _PIECE_STEP + 2 * k + 1)
+        await op.recv_all(op.peers, _PIECE_STEP + 2 * k + 1)
+        for g in op.peers:
+            np.copyto(part[b[g]:b[g + 1]], peers[g][b[g]:b[g + 1]])
     await st.settle(op)
 
 

@@ -250,3 +250,27 @@ async def absent_rank(engine):
 def test_timeout_of_absent_rank():
     res = run_world(3, absent_rank)
     assert res[0] == [1] and res[2] == [1]
+
+
+async def shm_pieces(engine):
+    from rtxnet.collectives import shared_memory
+
+    from .reference import close, make, reduce_ref
+
+    shared_memory.PIECE_NBYTES = 4096  # many pipeline pieces, the last one short
+    g = engine.world
+    fails = []
+    for dtype, N, op in (("float32", 10_007, ReduceOp.SUM), ("float16", 5_003, ReduceOp.AVG),
+                         ("int64", 3_001, ReduceOp.MAX), ("float64", 1, ReduceOp.SUM)):
+        for rep in range(3):
+            xs = [make(k, f"p{rep}", (N,), dtype, op) for k in range(g.size)]
+            x = xs[g.rank].copy()
+            await g.all_reduce(x, op, algorithm="shm")
+            if not close(x, reduce_ref(xs, op, dtype), dtype):
+                fails.append((dtype, N, rep))
+    return fails
+
+
+def test_shm_all_reduce_in_pipeline_pieces():
+    for fails in run_world(3, shm_pieces):
+        assert fails == []
