@@ -228,7 +228,9 @@ class DistributedDataParallel(torch.nn.Module):
             log.warning("ddp_backward_skipped",
                         hint="run backward through the module on every rank every step, "
                              "even with an empty batch, or forward under no_sync()/no_grad()")
-        self._sync_armed = self._require_sync and torch.is_grad_enabled()
+        # A world of one has nothing to reduce: its gradients are already the result.
+        self._sync_armed = (self._require_sync and torch.is_grad_enabled()
+                            and self._pg.world_size > 1)
         if self._sync_armed and self.broadcast_buffers:
             self._broadcast_buffers()
         return self.module(*args, **kwargs)
