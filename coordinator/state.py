@@ -545,6 +545,8 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
     job = state.jobs.get(job_id)
+    if job is None and msg.get("rejoin"):
+        return refuse("RendezvousError", f"job {job_id!r} is gone (it finished, or the coordinator never knew it): nothing to rejoin")
     if job is None:
         _record(state, actions, {"k": "job", "job": job_id, "token": msg["token"], "min_ranks": min_r, "max_ranks": max_r,
                                  "last_call_s": float(msg["last_call_s"]), "heartbeat_timeout_s": float(msg["heartbeat_timeout_s"])}, now)

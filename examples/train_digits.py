@@ -154,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             resumed_from = state.step
             log.info("resumed", step=state.step, checkpoint=latest)
 
-    ft = rtxnet.FaultTolerance(pg, state)
-    ft.step, ft.committed_step = state.step, state.step - 1     # continue the step count
+    ft = rtxnet.FaultTolerance(pg, state, start_step=state.step)   # continue the step count
     loss_fn = torch.nn.functional.cross_entropy
     loss_sum = torch.zeros(1)
 
@@ -196,10 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         if ft.step == step + 1:                   # committed
             samples += global_n
             if bar is not None:
-                bar.n = ft.step
                 bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{samples / (time.perf_counter() - t0):.0f}",
                                 world=pg.world_size, refresh=False)
-                bar.refresh()
+                bar.update(ft.step - bar.n)    # tqdm redraws at most once per mininterval
             if step % 50 == 0:
                 log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
     duration_s = time.perf_counter() - t0
@@ -226,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
         _plot(out / "loss_curve.png", state.history, events, resumed_from)
         log.info("done", test_accuracy=round(acc, 4), duration_s=round(duration_s, 2), out=str(out))
+        for line in ft.report():
+            print(f"recovery: {line}", flush=True)
         print(f"test_accuracy={acc:.4f}", flush=True)
     # Leave together, so nobody's last collective sees a peer's orderly leave as a failure.
     epoch, world, me = pg.epoch, pg.world_size, pg.rank   # read once: the first to leave changes them

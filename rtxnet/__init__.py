@@ -14,6 +14,8 @@ or, with asyncio::
 """
 
 from transport.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
     ClosedError,
     CollectiveError,
     CollectiveMismatchError,
@@ -37,11 +39,36 @@ from .config import Timeouts
 from .elastic import FaultTolerance
 from .portal import Work
 from .process_group import BlockingProcessGroup, ProcessGroup, Store, connect, init
+from .sampler import ElasticDistributedSampler, StepBatch
+
+# These import torch; `import rtxnet` must not.
+_LAZY = {
+    "parallel": ("rtxnet.parallel", None),
+    "checkpoint": ("rtxnet.checkpoint", None),
+    "DistributedDataParallel": ("rtxnet.parallel.ddp", "DistributedDataParallel"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(module)
+        return mod if attr is None else getattr(mod, attr)
+    raise AttributeError(f"module 'rtxnet' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockingProcessGroup",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "DistributedDataParallel",
+    "ElasticDistributedSampler",
+    "StepBatch",
+    "checkpoint",
+    "parallel",
     "ClosedError",
     "CollectiveError",
     "CollectiveMismatchError",

@@ -154,6 +154,7 @@ class Agent:
             host=self.host,
             pid=os.getpid(),
             info=self.info,
+            rejoin=self.membership is not None or os.environ.get("RTXNET_REJOIN") == "1",
         )
 
     async def wait_epoch(self, after: int, *, timeout_s: float) -> Membership:

@@ -27,7 +27,7 @@ one, else rank 0's. Data-parallel state (model, optimizer, step, sampler positio
 so any shard serves; per-rank RNG streams of ranks that did not exist are rank 0's, which a script
 may re-seed with its rank.
 
-Errors (``RtxError`` subclasses; they belong in ``transport/errors.py``'s tree)::
+Errors (from the tree in ``transport/errors.py``)::
 
     RtxError
     `-- CheckpointError             a save failed on some rank, or no usable checkpoint
@@ -52,7 +52,7 @@ import numpy as np
 import structlog
 import torch
 
-from transport.errors import ConfigError, RtxError
+from transport.errors import CheckpointCorruptError, CheckpointError, ConfigError, RtxError
 
 __all__ = [
     "CheckpointCorruptError",
@@ -74,32 +74,6 @@ FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _STATUS_NBYTES = 256          # ok(1) pad(1) msg_len(2) pad(4) nbytes(8) sha256(32) msg(208)
 _MSG_MAX = _STATUS_NBYTES - 48
-
-
-class CheckpointError(RtxError):
-    """A checkpoint could not be saved on every rank, or none is usable.
-
-    Attributes:
-        step: the step concerned, when known.
-        ranks: ranks whose save failed (sorted), when known.
-    """
-
-    def __init__(self, message: str, *, step: int | None = None, ranks: list[int] | None = None):
-        super().__init__(message)
-        self.step = step
-        self.ranks = sorted(ranks or [])
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A shard or manifest does not match what the manifest recorded.
-
-    Attributes:
-        path: the offending file.
-    """
-
-    def __init__(self, message: str, *, path: Path, step: int | None = None):
-        super().__init__(message, step=step)
-        self.path = Path(path)
 
 
 # -- RNG ------------------------------------------------------------------------------------------

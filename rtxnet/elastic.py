@@ -75,6 +75,11 @@ class FaultTolerance:
             ``min_world_size``, seconds.
         commit_timeout_s: deadline of a step's vote; default the group's op timeout.
         faults: an :class:`Injector`; default from ``RTXNET_FAULTS`` (set by ``rtxnet-run --faults``).
+        start_step: the first step to run (e.g. one past a checkpoint's step when resuming); the
+            state passed in counts as committed at ``start_step - 1``.
+        max_step_retries: how often one step may fail within one epoch (no membership change)
+            before the error is raised instead of retried: such a failure, e.g. a
+            :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
 
     Raises:
         ConfigError: ``min_world_size`` < 1 or ``rejoin_window_s`` <= 0 (names the value).
@@ -82,7 +87,8 @@ class FaultTolerance:
 
     def __init__(self, pg: BlockingProcessGroup | ProcessGroup, state: Stateful, *,
                  min_world_size: int | None = None, rejoin_window_s: float = 60.0,
-                 commit_timeout_s: float | None = None, faults: Injector | None | str = "env"):
+                 commit_timeout_s: float | None = None, faults: Injector | None | str = "env",
+                 start_step: int = 0, max_step_retries: int = 3):
         if isinstance(pg, BlockingProcessGroup):
             self._portal = pg._portal
             self.pg = pg.async_pg
@@ -101,8 +107,12 @@ class FaultTolerance:
         self.injector = Injector.from_env() if faults == "env" else faults
         launch = os.environ.get("RTXNET_RANK")
         self.launch_rank = int(launch) if launch else self.pg.rank
-        self.step = 0  # the next step to run
-        self.committed_step = -1
+        if start_step < 0:
+            raise ConfigError(f"start_step({start_step}) must be >= 0")
+        self.step = start_step  # the next step to run
+        self.committed_step = start_step - 1
+        self.max_step_retries = max_step_retries
+        self._same_epoch_failures: dict[tuple[int, int], int] = {}
         self._snapshot = pack_state(state.state_dict())
         self._synced_epoch = -1
         self._step_epoch = -1
@@ -144,6 +154,39 @@ class FaultTolerance:
             return
         await self._end(step)
 
+    def report(self) -> list[str]:
+        """One line per injected fault and per recovery: what was injected, when it was detected,
+        how long recovery took and how many steps were lost (blocking API)."""
+        if self._portal is None:
+            raise ConfigError("report() needs the blocking process group; use await areport()")
+        return self._portal.call(self.areport)
+
+    async def areport(self) -> list[str]:
+        lines = []
+        for f in self.injector.faults if self.injector else []:
+            try:
+                raw = await self.pg.store.get(f"faults/{f.index}")
+            except RtxError:
+                raw = None
+            if raw is None:
+                lines.append(f"fault {f.text!r}: not injected")
+            else:
+                rec = json.loads(raw)
+                lines.append(f"fault {f.text!r}: injected on rank {rec['rank']} at step {rec['step']}")
+        for e in self.events:
+            if e["event"] == "recovered":
+                det = "unknown" if e["detection_latency_s"] is None else f"{e['detection_latency_s'] * 1000:.0f} ms"
+                lines.append(
+                    f"failure at step {e['failed_step']} ({e['error']}, lost ranks {e['lost']}): detected "
+                    f"{det} after injection, training resumed {e['time_to_recover_s']:.2f} s after it with "
+                    f"{e['world_size']} ranks at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
+            elif e["event"] == "commit_stall":
+                lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s for the coordinator; "
+                             f"steps lost: 0")
+        if not any(e["event"] in ("recovered", "commit_stall") for e in self.events):
+            lines.append("no failure seen by this rank")
+        return lines
+
     @property
     def recoveries(self) -> list[dict[str, Any]]:
         """The completed recoveries: detection latency, time to recover, steps lost."""
@@ -184,11 +227,19 @@ class FaultTolerance:
         if epoch != self._step_epoch:
             await self._recover(PeerLostError(f"membership changed during step {step} (epoch {self._step_epoch} -> {epoch})"), step)
             return
+        t0 = time.monotonic()
         try:
             committed = await self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s)
         except RECOVERABLE as exc:
             await self._recover(exc, step)
             return
+        waited = time.monotonic() - t0
+        if waited > 0.2:
+            # The vote stalled, e.g. while the coordinator restarted: training waited, lost nothing.
+            injected = await self._injection_time(t0 + waited)
+            self._event({"event": "commit_stall", "step": step, "seconds": round(waited, 4),
+                         "committed": committed, "t_start": t0, "t_injected": injected,
+                         "time_to_recover_s": None if injected is None else round(t0 + waited - injected, 4)})
         if committed:
             self.committed_step = step
             self.step = step + 1
@@ -207,13 +258,20 @@ class FaultTolerance:
                 "lost": list(getattr(exc, "ranks", [])), "epoch": self._synced_epoch,
                 "t_detected": detected, "t_caught": now, "committed_step": self.committed_step,
             }
-            self.events.append(dict(self._open_failure))
+            self._event(dict(self._open_failure))
             log.warning("step_failed", step=step, error=type(exc).__name__, message=str(exc),
                         committed_step=self.committed_step)
         # Roll back to the last committed state.
         self.state.load_state_dict(unpack_state(self._snapshot))
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
+            key = (self._synced_epoch, step)
+            self._same_epoch_failures[key] = n = self._same_epoch_failures.get(key, 0) + 1
+            if n > self.max_step_retries:
+                raise RtxError(
+                    f"step {step} failed {n} times in epoch {self._synced_epoch} without a membership "
+                    f"change (max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
+                ) from exc
             # Nobody was lost (a timeout or a remote error): make every member fail this step too,
             # so all roll back to the same committed state and run the same operations next.
             try:
@@ -285,8 +343,19 @@ class FaultTolerance:
             "detection_latency_s": None if injected is None else round(f["t_detected"] - injected, 4),
             "time_to_recover_s": round(now - (injected if injected is not None else f["t_detected"]), 4),
         }
-        self.events.append(rec)
+        self._event(rec)
         log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
+
+    def _event(self, rec: dict[str, Any]) -> None:
+        """Keep ``rec`` and, when ``RTXNET_METRICS_DIR`` is set, append it to this process's
+        ``events-<pid>.jsonl`` there (for tools/faultrun.py)."""
+        rec = {**rec, "pid": os.getpid(), "launch_rank": self.launch_rank}
+        self.events.append(rec)
+        folder = os.environ.get("RTXNET_METRICS_DIR")
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"events-{os.getpid()}.jsonl"), "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
 
     async def _injection_time(self, detected: float) -> float | None:
         """When the fault that caused this failure was injected (its rank wrote it to the store

@@ -15,8 +15,10 @@
     |-- RendezvousError             duplicate rank, job full, wrong token, stale epoch
     |-- CollectiveError
     |   `-- CollectiveMismatchError shapes, dtypes or ops differ across ranks
-    `-- JournalError
-        `-- JournalCorruptError     carries the file and offset
+    |-- JournalError
+    |   `-- JournalCorruptError     carries the file and offset
+    `-- CheckpointError             a save failed on some rank, or no checkpoint is usable
+        `-- CheckpointCorruptError  a shard or manifest does not match (carries the path)
 
 Errors cross the wire by name (:func:`error_from_wire`); library errors (zmq, OS) are translated
 at the boundary with ``raise ... from exc``.
@@ -42,6 +44,8 @@ __all__ = [
     "CollectiveMismatchError",
     "JournalError",
     "JournalCorruptError",
+    "CheckpointError",
+    "CheckpointCorruptError",
     "error_from_wire",
 ]
 
@@ -144,6 +148,34 @@ class JournalCorruptError(JournalError):
         super().__init__(message)
         self.path = path
         self.offset = offset
+
+
+class CheckpointError(RtxError):
+    """A checkpoint could not be saved on every rank, or none is usable.
+
+    Attributes:
+        step: the step concerned, when known.
+        ranks: ranks whose save failed (sorted), when known.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, ranks: list[int] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.ranks = sorted(ranks or [])
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A shard or manifest does not match what the manifest recorded.
+
+    Attributes:
+        path: the offending file.
+    """
+
+    def __init__(self, message: str, *, path, step: int | None = None):
+        super().__init__(message, step=step)
+        from pathlib import Path
+
+        self.path = Path(path)
 
 
 _BY_NAME = {

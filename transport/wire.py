@@ -82,6 +82,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
         "host": (str, True),  # hostname, for same-host paths and topology
         "pid": (int, True),
         "info": (dict, False),  # free-form topology facts (GPU UUID, ...)
+        "rejoin": (bool, False),  # this agent was a member before: never create the job anew
     },
     "heartbeat": {"identity": (str, True)},
     "leave": {"identity": (str, True)},
