@@ -102,6 +102,9 @@ class State:
     jobs: dict[str, Job] = field(default_factory=dict)
     # identity -> job id, for disconnects and heartbeats (identities are unique per process)
     where: dict[str, str] = field(default_factory=dict)
+    # job id -> last committed step, for jobs whose every member left or was lost; a join is
+    # refused so a late or restarted rank cannot start a fresh job under the old id.
+    finished: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,7 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
     elif kind == "job_end":
         for m in list(job.members.values()) + list(job.pending.values()):
             state.where.pop(m.identity, None)
+        state.finished[rec["job"]] = job.committed_step
         del state.jobs[rec["job"]]
     else:
         raise ValueError(f"unknown journal record kind {kind!r}")
@@ -241,6 +245,7 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
 def snapshot(state: State) -> dict[str, Any]:
     """The journaled part of ``state`` as a msgpack-able dict (for compaction)."""
     return {
+        "finished": dict(state.finished),
         "jobs": [
             {
                 "job": j.job,
@@ -264,6 +269,7 @@ def snapshot(state: State) -> dict[str, Any]:
 def restore(snap: dict[str, Any], now: float) -> State:
     """Rebuild a :class:`State` from :func:`snapshot` output; every member counts as seen ``now``."""
     state = State()
+    state.finished = dict(snap.get("finished", {}))
     for j in snap["jobs"]:
         apply_record(state, {"k": "job", **{k: j[k] for k in _JOB_FIELDS}, "job": j["job"]}, now)
         if j["epoch"] >= 0:
@@ -545,8 +551,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
     job = state.jobs.get(job_id)
+    if job is None and job_id in state.finished:
+        return refuse("RendezvousError", f"job {job_id!r} has finished (last committed step "
+                      f"{state.finished[job_id]}); start a new job id")
     if job is None and msg.get("rejoin"):
-        return refuse("RendezvousError", f"job {job_id!r} is gone (it finished, or the coordinator never knew it): nothing to rejoin")
+        return refuse("RendezvousError", f"job {job_id!r} is gone (the coordinator does not know it): nothing to rejoin")
     if job is None:
         _record(state, actions, {"k": "job", "job": job_id, "token": msg["token"], "min_ranks": min_r, "max_ranks": max_r,
                                  "last_call_s": float(msg["last_call_s"]), "heartbeat_timeout_s": float(msg["heartbeat_timeout_s"])}, now)

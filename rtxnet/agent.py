@@ -154,7 +154,9 @@ class Agent:
             host=self.host,
             pid=os.getpid(),
             info=self.info,
-            rejoin=self.membership is not None or os.environ.get("RTXNET_REJOIN") == "1",
+            # Only a former member must not create the job anew; a restarted process may be the
+            # first to arrive (a kill during rendezvous), the coordinator refuses finished jobs.
+            rejoin=self.membership is not None,
         )
 
     async def wait_epoch(self, after: int, *, timeout_s: float) -> Membership:

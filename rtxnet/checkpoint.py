@@ -52,6 +52,7 @@ import numpy as np
 import structlog
 import torch
 
+from rtxnet import faults
 from transport.errors import CheckpointCorruptError, CheckpointError, ConfigError, RtxError
 
 __all__ = [
@@ -241,6 +242,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             torch.save(state, buf)
             data = buf.getvalue()
             digest, nbytes = hashlib.sha256(data).digest(), len(data)
+            faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during checkpoint write"
             _write_atomic(folder / name, data)
         except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
             err = exc

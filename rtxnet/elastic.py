@@ -45,6 +45,7 @@ from transport.errors import (
     RtxTimeoutError,
 )
 
+from . import faults as _faults
 from .faults import Injector
 from .process_group import BlockingProcessGroup, ProcessGroup
 from .statesync import pack_state, unpack_state
@@ -104,7 +105,7 @@ class FaultTolerance:
             raise ConfigError(f"rejoin_window_s({rejoin_window_s}) must be > 0")
         self.rejoin_window_s = rejoin_window_s
         self.commit_timeout_s = commit_timeout_s or self.pg.timeouts.op_s
-        self.injector = Injector.from_env() if faults == "env" else faults
+        self.injector = _faults.current() if faults == "env" else faults
         launch = os.environ.get("RTXNET_RANK")
         self.launch_rank = int(launch) if launch else self.pg.rank
         if start_step < 0:

@@ -268,3 +268,56 @@ class Injector:
 
 def dump(rec: dict[str, Any]) -> bytes:
     return json.dumps(rec).encode()
+
+
+# ------------------------------------------------------------------------------------------------
+# Named fault points outside the training loop (collective, checkpoint, rendezvous).
+
+_CURRENT: list[Injector | None] = []
+
+
+def current() -> Injector | None:
+    """This process's injector, made once from ``RTXNET_FAULTS`` (None when no plan is set)."""
+    if not _CURRENT:
+        _CURRENT.append(Injector.from_env())
+    return _CURRENT[0]
+
+
+def _launch_rank(pg: Any) -> int:
+    raw = os.environ.get("RTXNET_RANK")
+    if raw:
+        return int(raw)
+    return pg.rank if pg is not None else 0
+
+
+async def apoint(at: str, *, pg: Any = None, step: int | None = None) -> None:
+    """Fire the faults of point ``at`` due now, from the process group's event loop.
+
+    ``pg`` is the async :class:`rtxnet.ProcessGroup` (or None before a world exists, as during
+    rendezvous). Each fault is claimed in the job's store first (``faults/<i>``, once per job).
+    """
+    inj = current()
+    if inj is None:
+        return
+    world = pg.world_size if pg is not None else 1
+    for f in inj.due(at, rank=_launch_rank(pg), world_size=world, step=step):
+        rec = inj.record(f, rank=_launch_rank(pg), step=step)
+        if pg is not None:
+            swapped, _ = await pg.store.compare_set(f"faults/{f.index}", None, json.dumps(rec))
+            if not swapped:
+                continue
+        log.warning("fault_injected", fault=f.text, rank=rec["rank"], at=at, step=step)
+        inj.act(f, agent=pg.agent if pg is not None else None, engine=pg.engine if pg is not None else None)
+
+
+def point(at: str, *, pg: Any = None, step: int | None = None) -> None:
+    """Blocking form of :func:`apoint`; ``pg`` is a :class:`rtxnet.BlockingProcessGroup` or None."""
+    inj = current()
+    if inj is None:
+        return
+    if pg is None:
+        import asyncio
+
+        asyncio.run(apoint(at, pg=None, step=step))
+        return
+    pg._portal.call(apoint, at, pg=pg.async_pg, step=step)

@@ -41,6 +41,22 @@ _COLLECTIVES = frozenset({
 })
 
 
+_COUNTED = _COLLECTIVES - {"new_group", "split", "send", "recv"}
+
+
+def _with_fault_point(pg: ProcessGroup, fn: Any) -> Any:
+    """``fn`` preceded by the ``at=collective`` fault point (only when a fault plan is set)."""
+    from . import faults
+
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        await faults.apoint("collective", pg=pg)
+        return await fn(*args, **kwargs)
+
+    call.__name__ = getattr(fn, "__name__", "collective")
+    call.__doc__ = getattr(fn, "__doc__", None)
+    return call
+
+
 class Store:
     """The job's key-value store on the coordinator (journaled; survives coordinator restarts).
 
@@ -151,7 +167,10 @@ class ProcessGroup:
                                     f"{self._agent.epoch}); it must rejoin before any collective")
             if engine is None or engine.world is None:
                 raise ConfigError(f"{name}: the collective engine is not available in this process")
-            return getattr(self.__dict__.get("_pinned_world") or engine.world, name)
+            target = getattr(self.__dict__.get("_pinned_world") or engine.world, name)
+            if name in _COUNTED and os.environ.get("RTXNET_FAULTS"):
+                return _with_fault_point(self, target)
+            return target
         raise AttributeError(name)
 
     async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,
@@ -251,6 +270,9 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
     timeouts = timeouts or Timeouts.from_env()
     engine = await _make_engine(timeouts, bind_host)
     agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)
+    from . import faults
+
+    await faults.apoint("rendezvous")
     if engine is not None:
         _wire_engine(agent, engine)
     try:

@@ -95,3 +95,15 @@ def test_bad_plan_is_refused_before_anything_starts(tmp_path):
                            "tools/ft_workload.py", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=30, cwd=ROOT, env=env)
     assert proc.returncode == 2 and "unknown fault kind 'explode'" in proc.stderr
+
+
+def test_kill_before_a_numbered_collective(tmp_path):
+    results, _ = run_job(tmp_path, "kill:rank=1:at=collective:collective=20", "--min-ranks", "3", expect_rc=137)
+    assert len(results) == 3
+    assert all(e["lost"] == [1] for e in recoveries(results))
+
+
+def test_kill_during_rendezvous_then_restart(tmp_path):
+    results, proc = run_job(tmp_path, "kill:rank=3:at=rendezvous", "--max-restarts", "1")
+    assert len(results) == 4 and "rank 3 exited with code 137; restart 1/1" in proc.stderr
+    assert sorted(r["restart_count"] for r in results) == [0, 0, 0, 1]

@@ -156,6 +156,9 @@ def test_last_member_leaving_ends_the_job_without_touching_others():
     h.req("x", "kv_set", job="two", epoch=0, key="k", value=b"v")
     h.req("a", "leave", job="one", epoch=0, identity="a")
     assert "one" not in h.state.jobs and h.records[-1]["k"] == "job_end"
+    err = errors(h.join("late", job="one", min_ranks=1, max_ranks=1))
+    assert err and "has finished" in err[0]["message"]
+    assert restore(msgpack.unpackb(msgpack.packb(snapshot(h.state)), strict_map_key=False), 0.0).finished == {"one": -1}
     assert h.state.jobs["two"].kv == {"k": b"v"}
     assert h.req("x", "heartbeat", job="two", epoch=0, identity="x")[0].msg["body"]["state"] == "member"
 
