@@ -1,0 +1,91 @@
+"""The public surface: exports pinned, the error tree, configuration checks, import cost."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import rtxnet
+from rtxnet.config import Timeouts
+from transport import errors
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_all_is_pinned():
+    assert sorted(rtxnet.__all__) == sorted([
+        "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
+        "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "DistributedDataParallel",
+        "ElasticDistributedSampler", "FaultTolerance", "JournalCorruptError", "JournalError", "Membership",
+        "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
+        "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
+        "connect", "init", "parallel",
+    ])
+    for name in rtxnet.__all__:
+        assert getattr(rtxnet, name) is not None
+
+
+def test_error_tree_matches_the_style_guide():
+    e = errors
+    assert issubclass(e.ConfigError, ValueError) and issubclass(e.RtxTimeoutError, TimeoutError)
+    for child, parent in [
+        (e.ProtocolError, e.RtxError), (e.ConnectError, e.TransportError), (e.ClosedError, e.TransportError),
+        (e.PeerLostError, e.TransportError), (e.RendezvousTimeout, e.RtxTimeoutError),
+        (e.CollectiveTimeout, e.RtxTimeoutError), (e.CollectiveMismatchError, e.CollectiveError),
+        (e.JournalCorruptError, e.JournalError), (e.CheckpointCorruptError, e.CheckpointError),
+        (e.RendezvousError, e.RtxError),
+    ]:
+        assert issubclass(child, parent)
+    exc = e.PeerLostError("x", ranks=[3, 1], epoch=4)
+    assert exc.ranks == [1, 3] and exc.epoch == 4
+    assert isinstance(e.error_from_wire("RendezvousError", "m"), e.RendezvousError)
+    assert type(e.error_from_wire("NoSuchError", "m")) is e.RtxError
+
+
+@pytest.mark.parametrize("kw, names", [
+    ({"heartbeat_interval_s": 3.0}, "heartbeat_interval_s(3.0) heartbeat_timeout_s(2.0)"),
+    ({"op_s": 1.0}, "op_s(1.0)"),
+    ({"rendezvous_s": 10.0, "op_s": 60.0}, "rendezvous_s(10.0)"),
+    ({"request_s": 0}, "request_s(0)"),
+])
+def test_timeouts_order_is_checked_naming_the_values(kw, names):
+    with pytest.raises(rtxnet.ConfigError, match=r".*" + names.replace("(", r"\(").replace(")", r"\)")):
+        Timeouts(**kw)
+
+
+def test_timeouts_from_env(monkeypatch):
+    monkeypatch.setenv("RTXNET_HEARTBEAT_TIMEOUT", "3")
+    assert Timeouts.from_env().heartbeat_timeout_s == 3.0
+    monkeypatch.setenv("RTXNET_OP_TIMEOUT", "soon")
+    with pytest.raises(rtxnet.ConfigError, match="RTXNET_OP_TIMEOUT='soon'"):
+        Timeouts.from_env()
+
+
+def test_init_without_coordinator_names_the_missing_setting(monkeypatch):
+    monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)
+    with pytest.raises(rtxnet.ConfigError, match="RTXNET_COORDINATOR"):
+        rtxnet.init(world_size=1)
+
+
+def test_importing_rtxnet_needs_neither_torch_nor_cupy():
+    code = "import sys, rtxnet; print('torch' in sys.modules, 'cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_zmq_context_is_never_shared_with_a_forked_child():
+    from transport.channel import process_context
+
+    parent = process_context()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.write(w, b"1" if process_context() is not parent else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"
