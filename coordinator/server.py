@@ -19,7 +19,18 @@ from transport.channel import ControlServer, Disconnected, Inbound
 from transport.codec import Limits, decode, encode
 
 from .journal import Journal
-from .state import Disconnect, Record, Request, Send, State, Tick, apply_record, restore, snapshot, step
+from .state import (
+    Disconnect,
+    Record,
+    Request,
+    Send,
+    State,
+    Tick,
+    apply_record,
+    restore,
+    snapshot,
+    step,
+)
 
 __all__ = ["Coordinator"]
 

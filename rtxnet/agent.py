@@ -21,7 +21,13 @@ from typing import Any
 import structlog
 
 from transport.channel import ControlClient
-from transport.errors import ClosedError, RendezvousError, RendezvousTimeout, RtxError, RtxTimeoutError
+from transport.errors import (
+    ClosedError,
+    RendezvousError,
+    RendezvousTimeout,
+    RtxError,
+    RtxTimeoutError,
+)
 
 from .config import Timeouts
 

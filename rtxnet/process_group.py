@@ -392,7 +392,7 @@ def _blocking(portal: Portal, fn: Any) -> Any:
 
 def _wrap(portal: Portal, value: Any) -> Any:
     # Subgroups returned by new_group() are async objects too: give them the blocking face.
-    if value is not None and hasattr(value, "all_reduce") and asyncio.iscoroutinefunction(getattr(value, "all_reduce")):
+    if value is not None and hasattr(value, "all_reduce") and asyncio.iscoroutinefunction(value.all_reduce):
         return _BlockingProxy(portal, value)
     return value
 

@@ -23,7 +23,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import wire
 from .codec import DEFAULT_LIMITS, Limits, decode, encode, peek_fields
-from .errors import ClosedError, ConnectError, ProtocolError, RtxError, RtxTimeoutError, error_from_wire
+from .errors import (
+    ClosedError,
+    ConnectError,
+    ProtocolError,
+    RtxError,
+    RtxTimeoutError,
+    error_from_wire,
+)
 
 __all__ = ["ControlClient", "ControlServer", "Inbound", "Disconnected", "process_context"]
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from procs import Coordinator, Probe  # noqa: E402
+
 from tools.bench.journal_bench import bench_journal  # noqa: E402
 
 HB = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "op_s": 30.0, "rendezvous_s": 120.0}
