@@ -403,7 +403,10 @@ def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Ac
             actions.append(Send(ident, wire.make("fenced", job=job.job, epoch=job.epoch,
                                                  reason=f"declared lost; epoch {job.epoch} formed without it")))
     if not job.members:
-        _record(state, actions, {"k": "job_end", "job": job.job}, now)
+        if reason == "left":
+            _record(state, actions, {"k": "job_end", "job": job.job}, now)
+        # Every member crashed: the job stays, with its committed step, key-value entries and
+        # checkpoint record, for restarted ranks to rejoin.
         return
     for m in job.members.values():
         actions.append(_epoch_push(job, m.identity, ranks, [], reason))

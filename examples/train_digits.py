@@ -154,7 +154,15 @@ def main(argv: list[str] | None = None) -> int:
             resumed_from = state.step
             log.info("resumed", step=state.step, checkpoint=latest)
 
-    ft = rtxnet.FaultTolerance(pg, state, start_step=state.step)   # continue the step count
+    def load_checkpoint(step: int, root: str) -> None:
+        # Used only when no live rank holds the last committed state (every rank restarted).
+        loaded = checkpoint.load(root, step, rank=pg.rank)
+        if loaded["_checkpoint"]["resharded"]:
+            loaded.pop("rng")
+        state.load_state_dict(loaded)
+
+    ft = rtxnet.FaultTolerance(pg, state, start_step=state.step,   # continue the step count
+                               load_checkpoint=load_checkpoint)
     loss_fn = torch.nn.functional.cross_entropy
     loss_sum = torch.zeros(1)
 

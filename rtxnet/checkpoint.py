@@ -77,6 +77,9 @@ _STATUS_NBYTES = 256          # ok(1) pad(1) msg_len(2) pad(4) nbytes(8) sha256(
 _MSG_MAX = _STATUS_NBYTES - 48
 
 
+LATEST_KEY = "rtxnet/checkpoint/latest"
+
+
 # -- RNG ------------------------------------------------------------------------------------------
 
 def capture_rng() -> dict[str, Any]:
@@ -294,6 +297,12 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
              duration_ms=round(duration_ms, 1))
     if rank == 0 and keep is not None:
         _prune(Path(root), keep)
+    if rank == 0 and pg is not None:
+        # The coordinator journals the newest committed checkpoint with the job's other state, so a
+        # rank that rejoins (or a whole new set of ranks) can find it when no live peer holds the
+        # committed state (see rtxnet.FaultTolerance(load_checkpoint=...)).
+        pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(Path(root).resolve()),
+                                             "world_size": world}))
     return folder
 
 

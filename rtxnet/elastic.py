@@ -30,7 +30,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -78,6 +78,10 @@ class FaultTolerance:
         faults: an :class:`Injector`; default from ``RTXNET_FAULTS`` (set by ``rtxnet-run --faults``).
         start_step: the first step to run (e.g. one past a checkpoint's step when resuming); the
             state passed in counts as committed at ``start_step - 1``.
+        load_checkpoint: ``fn(step, root)`` that loads checkpoint ``step`` from folder ``root`` into
+            ``state``. Called on every rank when no member of a new epoch holds the job's last
+            committed state (all of them restarted) and :mod:`rtxnet.checkpoint` recorded a
+            checkpoint in the job's store; training then resumes after that checkpoint's step.
         max_step_retries: how often one step may fail within one epoch (no membership change)
             before the error is raised instead of retried: such a failure, e.g. a
             :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
@@ -89,7 +93,8 @@ class FaultTolerance:
     def __init__(self, pg: BlockingProcessGroup | ProcessGroup, state: Stateful, *,
                  min_world_size: int | None = None, rejoin_window_s: float = 60.0,
                  commit_timeout_s: float | None = None, faults: Injector | None | str = "env",
-                 start_step: int = 0, max_step_retries: int = 3):
+                 start_step: int = 0, max_step_retries: int = 3,
+                 load_checkpoint: Callable[[int, str], None] | None = None):
         if isinstance(pg, BlockingProcessGroup):
             self._portal = pg._portal
             self.pg = pg.async_pg
@@ -113,6 +118,7 @@ class FaultTolerance:
         self.step = start_step  # the next step to run
         self.committed_step = start_step - 1
         self.max_step_retries = max_step_retries
+        self.load_checkpoint = load_checkpoint
         self._same_epoch_failures: dict[tuple[int, int], int] = {}
         self._snapshot = pack_state(state.state_dict())
         self._synced_epoch = -1
@@ -303,6 +309,14 @@ class FaultTolerance:
         await pg.all_gather(steps, mine)
         best = int(steps.max())
         src = int(np.flatnonzero(steps == best)[0])
+        job_committed = pg.membership.committed_step
+        if best < job_committed:
+            # No live member holds the last committed state: fall back to the newest checkpoint.
+            restored = await self._restore_checkpoint(best, job_committed)
+            if restored is not None:
+                best = restored
+                steps[:] = best  # every rank loaded the same checkpoint: nothing to broadcast
+                self._snapshot = pack_state(self.state.state_dict())
         if not np.all(steps == best):
             if rank == src:
                 blob = np.frombuffer(self._snapshot, dtype=np.uint8).copy()
@@ -323,6 +337,23 @@ class FaultTolerance:
         if hasattr(self.state, "on_world"):
             self.state.on_world(rank, world)
         log.info("group_in_sync", epoch=epoch, world_size=world, step=self.step, source=src)
+
+    async def _restore_checkpoint(self, best: int, job_committed: int) -> int | None:
+        from .checkpoint import LATEST_KEY
+
+        raw = await self.pg.store.get(LATEST_KEY)
+        if raw is None or self.load_checkpoint is None:
+            log.warning("committed_state_lost", job_committed_step=job_committed, best_live_step=best,
+                        reason="no checkpoint recorded" if raw is None else "no load_checkpoint given")
+            return None
+        info = json.loads(raw)
+        if info["step"] <= best:
+            return None
+        # Runs on the loop thread; the loader is the user's (e.g. rtxnet.checkpoint.load).
+        self.load_checkpoint(info["step"], info["root"])
+        log.warning("restored_from_checkpoint", step=info["step"], root=info["root"],
+                    job_committed_step=job_committed)
+        return info["step"]
 
     async def _close_failure(self) -> None:
         f = self._open_failure
