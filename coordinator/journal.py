@@ -58,6 +58,7 @@ from pathlib import Path
 
 import structlog
 
+from transport.durable import fsync_dir
 from transport.errors import JournalCorruptError, JournalError
 
 __all__ = [
@@ -192,14 +193,6 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -389,7 +382,7 @@ class Journal:
                 )
                 changed_dir = True
             if changed_dir and self._fsync:
-                _fsync_dir(self._dir)
+                fsync_dir(self._dir)
         except OSError as exc:
             raise JournalError(f"journal {self._dir}: cannot open: {exc}") from exc
         self._state = "open"
@@ -602,7 +595,7 @@ class Journal:
                     new_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644
                 )
                 if self._fsync:
-                    _fsync_dir(self._dir)
+                    fsync_dir(self._dir)
                 old_fd, self._fd = self._fd, new_fd
                 self._generation = new_generation
                 if old_fd is not None:
@@ -611,7 +604,7 @@ class Journal:
                     if generation <= covered:
                         path.unlink()
                 if self._fsync:
-                    _fsync_dir(self._dir)
+                    fsync_dir(self._dir)
             except OSError as exc:
                 self._failure = JournalError(
                     f"journal {self._dir}: compaction failed after the snapshot was stored: "
@@ -652,7 +645,7 @@ class Journal:
             raise JournalError(f"journal {self._dir}: cannot write snapshot: {exc}") from exc
         try:
             if self._fsync:
-                _fsync_dir(self._dir)
+                fsync_dir(self._dir)
         except OSError as exc:
             # The rename may or may not be durable: either outcome replays the same, but the
             # journal cannot tell which, so it stops here.

@@ -53,7 +53,8 @@ import structlog
 import torch
 
 from rtxnet import faults
-from transport.errors import CheckpointCorruptError, CheckpointError, ConfigError, RtxError
+from transport.durable import fsync_dir
+from transport.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 __all__ = [
     "CheckpointCorruptError",
@@ -128,14 +129,6 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{_check_step(step)}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name, fsync, rename over ``path``, fsync the folder."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -148,7 +141,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _remove_stale_temps(folder: Path, name: str) -> None:
@@ -228,7 +221,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         folder.mkdir(parents=True, exist_ok=True)
         if rank == 0 and (folder / MANIFEST).exists():
             (folder / MANIFEST).unlink()
-            _fsync_dir(folder)
+            fsync_dir(folder)
             log.info("checkpoint_manifest_withdrawn", step=step)
     except OSError as exc:
         err = exc
