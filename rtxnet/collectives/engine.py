@@ -213,14 +213,25 @@ class Op:
         return got
 
     async def flush(self) -> None:
-        """Wait until zmq no longer reads any buffer this op sent without a copy."""
-        while self._trackers:
-            if all(t.done for t in self._trackers):
-                self._trackers.clear()
+        """Wait until zmq no longer reads any buffer this op sent without a copy.
+
+        zmq gives no event for this, so it polls: first every 0.2 ms, backing off to 2 ms (a
+        large send completes only as fast as the peer reads it; polling it every 0.2 ms cost a
+        wakeup and a syscall each, thousands per 64 MiB all-reduce).
+        """
+        trackers = self._trackers
+        delay_s = 0.0002
+        while trackers:
+            # sends complete about in order: dropping the finished front keeps each poll short
+            while trackers and trackers[0].done:
+                trackers.pop(0)
+            if all(t.done for t in trackers):
+                trackers.clear()
                 return
             if self.error is not None:
                 raise self.error
-            await asyncio.sleep(0.0002)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.002)
 
     def close(self) -> None:
         self._timer.cancel()

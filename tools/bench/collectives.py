@@ -16,6 +16,9 @@ broadcast, the gathered output for all_gather, the input for reduce_scatter. flo
 Output: a table, JSON rows ``{impl, op, ranks, nbytes, time_s, algbw_gbps, busbw_gbps,
 transport}`` (``--json``), and a PNG of busbw against size (``--plot``, default next to the JSON).
 ``--no-shm`` measures rtxnet over TCP only. gloo runs in the same invocation with a free port.
+``--repeat K`` alternates rtxnet and gloo K times per rank count (on a shared machine, load that
+comes and goes then hits both alike) and reports the median of the K medians; the JSON rows keep
+each run's median in ``runs_s``.
 """
 
 from __future__ import annotations
@@ -196,13 +199,16 @@ def run_gloo(n, ops, sizes):
 
 # -- report ---------------------------------------------------------------------------------------
 
-def to_rows(impl, n, transport, measured):
+def to_rows(impl, n, transport, runs):
+    """JSON rows from ``runs``: one ``[(op, nbytes, median_s)]`` list per repetition."""
     rows = []
-    for op, nbytes, t in measured:
+    for i, (op, nbytes, _) in enumerate(runs[0]):
+        per_run = [run[i][2] for run in runs]
+        t = float(statistics.median(per_run))
         algbw = nbytes / t / 1e9
         rows.append({"impl": impl, "op": op, "ranks": n, "nbytes": nbytes, "time_s": t,
                      "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n),
-                     "transport": transport})
+                     "transport": transport, "runs_s": per_run})
     return rows
 
 
@@ -275,20 +281,30 @@ def main(argv=None):
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     p.add_argument("--compare", choices=["gloo", "none"], default="gloo")
     p.add_argument("--no-shm", action="store_true", help="rtxnet over TCP only")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="alternate rtxnet and gloo this many times; report the median")
     p.add_argument("--json", help="write JSON rows here")
     p.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
     args = p.parse_args(argv)
     rows = []
     transport = "tcp" if args.no_shm else "shm"
+    if args.repeat < 1:
+        p.error(f"--repeat({args.repeat}) must be >= 1")
     for n in args.ranks:
-        t0 = time.perf_counter()
-        rows += to_rows("rtxnet", n, transport, run_rtxnet(n, args.ops, args.sizes,
-                                                           not args.no_shm))
-        print(f"rtxnet n={n} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        if args.compare == "gloo":
+        ours, theirs = [], []
+        for k in range(args.repeat):
             t0 = time.perf_counter()
-            rows += to_rows("gloo", n, "tcp", run_gloo(n, args.ops, args.sizes))
-            print(f"gloo n={n} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            ours.append(run_rtxnet(n, args.ops, args.sizes, not args.no_shm))
+            print(f"rtxnet n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr)
+            if args.compare == "gloo":
+                t0 = time.perf_counter()
+                theirs.append(run_gloo(n, args.ops, args.sizes))
+                print(f"gloo n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr)
+        rows += to_rows("rtxnet", n, transport, ours)
+        if theirs:
+            rows += to_rows("gloo", n, "tcp", theirs)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
