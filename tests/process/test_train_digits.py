@@ -69,3 +69,14 @@ def test_continuing_with_three_ranks_keeps_accuracy(fault_free, tmp_path):
     assert run["rc"] == 137, run["stderr"][-4000:]
     assert run["metrics"]["world_size_end"] == 3
     assert abs(run["metrics"]["test_accuracy"] - ref["metrics"]["test_accuracy"]) <= 0.005
+
+
+def test_every_rank_killed_restarts_from_the_journaled_checkpoint(tmp_path):
+    plan = "; ".join(f"kill:rank={r}:step=150" for r in range(4))
+    run = train(tmp_path, "--max-restarts", "1", "--faults", plan)
+    assert run["rc"] == 0, run["stderr"][-4000:]
+    # No live rank held step 149; the coordinator's store named checkpoint 100, which every
+    # restarted rank loaded before training went on.
+    assert run["stderr"].count("restored_from_checkpoint") == 4
+    assert "job_committed_step=149" in run["stderr"] and "step=100" in run["stderr"]
+    assert run["metrics"]["test_accuracy"] >= 0.95
