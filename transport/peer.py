@@ -22,6 +22,9 @@ The receive side is an edge-triggered reader on the ROUTER's file descriptor tha
 queued message into a handler, so no future is created per message. Sends never block: the
 high-water marks are unlimited, and a zero-copy send returns a tracker that says when zmq is done
 with the buffer.
+
+The ring all-reduce's large blocks bypass this mesh: they go over the plain TCP streams of
+:mod:`transport.bulk`, received in place (its wire format is documented there).
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ timer, and the first round every algorithm shares, ``hello``: each rank sends ev
 signature (op, algorithm, reduce op, root, dtype, element count, shape), so that ranks which
 disagree all raise the same ``CollectiveMismatchError`` instead of hanging. Small algorithms carry
 their payload in that round; shared-memory ones announce their segment in it.
+
+The ring all-reduce of large arrays sends its blocks over the bulk TCP streams of
+:mod:`transport.bulk` instead of the mesh (``Op.bulk_send`` / ``Op.bulk_recv_into``); the mesh
+still carries its hello and aborts, and the op's deadline and abort cancel a pending bulk read.
+The bulk port is advertised in ``endpoint`` as ``tcp://host:port?bulk=port2``; a view whose
+endpoint for some rank has no ``bulk=`` makes groups with that rank use the mesh only.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from transport import bulk as bulk_mod
 from transport import shm as shm_mod
 from transport.errors import (
     ClosedError,
@@ -102,6 +109,8 @@ class Op:
         self._pending: set[int] = set()   # group ranks whose message of _pending_ks is due
         self._pending_ks: tuple[int, int] = (-1, -1)
         self._trackers: list = []
+        self._bulk_links: dict[int, Any] = {}   # group rank -> SendLink used by this op
+        self._bulk_task: asyncio.Task | None = None
         self.error: BaseException | None = None
         self.failed_remotely = False
         self.timeout_s = timeout_s
@@ -133,6 +142,8 @@ class Op:
             self.error = exc
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(exc)
+            if self._bulk_task is not None and not self._bulk_task.done():
+                self._bulk_task.cancel()
 
     def _on_timeout(self) -> None:
         missing = sorted(self.group.ranks[g] for g in self._pending)
@@ -233,8 +244,60 @@ class Op:
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 0.002)
 
+    # -- bulk streams (see transport/bulk.py) ------------------------------------------------------
+
+    def bulk_send(self, g: int, step: int, arr: np.ndarray) -> None:
+        """Queue contiguous ``arr`` for group rank ``g`` on the bulk stream; keep it unchanged
+        until :meth:`bulk_flush`."""
+        if self.error is not None:
+            raise self.error
+        link = self._bulk_links.get(g)
+        if link is None:
+            link = self.engine._bulk_send_link(self.group, g)
+            link.on_error = self.fail
+            self._bulk_links[g] = link
+        link.send(self.seq, step, memoryview(arr.reshape(-1).view(np.uint8)))
+
+    async def _bulk_guarded(self, coro, granks: list[int], step: int) -> None:
+        if self.error is not None:
+            coro.close()
+            raise self.error
+        self._pending_ks = (int(Kind.DATA), step)
+        self._pending = set(granks)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bulk_task = task
+        try:
+            await task
+        except asyncio.CancelledError:
+            if self.error is not None and task.cancelled():
+                raise self.error from None
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            self._bulk_task = None
+            self._pending.clear()
+
+    async def bulk_recv_into(self, g: int, step: int, arr: np.ndarray) -> None:
+        """Receive the block group rank ``g`` sent at ``step`` into contiguous ``arr``."""
+        mv = memoryview(arr.reshape(-1).view(np.uint8))
+        await self._bulk_guarded(self.engine._bulk.recv_into(
+            self.group.gid, self.group.ranks[g], self.seq, step, mv), [g], step)
+
+    async def bulk_flush(self) -> None:
+        """Wait until every block this op queued is in the kernel (the arrays are free again)."""
+        for g, link in self._bulk_links.items():
+            await self._bulk_guarded(link.drain(), [g], -1)
+
     def close(self) -> None:
         self._timer.cancel()
+        for g, link in self._bulk_links.items():
+            link.on_error = None
+            if link.busy or link.error is not None:
+                # abandoned mid-stream: the receiver resynchronises on the sender's next stream
+                self.engine._bulk_drop(self.group, g)
+        self._bulk_links.clear()
 
 
 def check_signatures(name: str, sigs: dict[int, list]) -> None:
@@ -278,7 +341,7 @@ class _P2PWaiter:
 class Engine:
     """The collective engine of one process. Create it with :meth:`create`."""
 
-    def __init__(self, *, bind_host: str, default_timeout_s: float, shm: bool):
+    def __init__(self, *, bind_host: str, default_timeout_s: float, shm: bool, bulk: bool = True):
         if default_timeout_s <= 0:
             raise ConfigError(f"default_timeout_s({default_timeout_s}) must be > 0")
         self.default_timeout_s = float(default_timeout_s)
@@ -287,7 +350,17 @@ class Engine:
         self.world = None
         self.hostname = os.uname().nodename
         self._mesh = PeerMesh(bind_host, self._on_message)
+        self._bulk = None
+        if bulk and bulk_mod.AVAILABLE:
+            try:
+                self._bulk = bulk_mod.BulkLinks(bind_host)
+            except OSError as exc:   # e.g. a bind host the plain socket API cannot use
+                log.warning("bulk_links_unavailable", bind_host=bind_host, error=str(exc))
         self.endpoint = self._mesh.endpoint
+        if self._bulk is not None:
+            self.endpoint += f"?bulk={self._bulk.port}"
+        self._data_ep: dict[int, str] = {}
+        self._bulk_addr: dict[int, tuple[str, int] | None] = {}
         self._running: dict[tuple[str, int], Op] = {}
         self._early: dict[tuple[str, int], list] = {}
         self._watermark: dict[str, int] = {}
@@ -302,15 +375,19 @@ class Engine:
 
     @classmethod
     async def create(cls, *, bind_host: str = "127.0.0.1", default_timeout_s: float = 30.0,
-                     shm: bool = True) -> Engine:
+                     shm: bool = True, bulk: bool = True) -> Engine:
         """Bind the data socket on a free port and start receiving.
 
-        Also removes shared-memory segments left by dead processes on this host.
+        With ``bulk`` (Linux only) also listen on a second port for the ring's bulk streams and
+        advertise it in ``endpoint`` as ``tcp://host:port?bulk=port2``. Also removes
+        shared-memory segments left by dead processes on this host.
         """
         if shm:
             shm_mod.reap_dead_segments()
-        self = cls(bind_host=bind_host, default_timeout_s=default_timeout_s, shm=shm)
+        self = cls(bind_host=bind_host, default_timeout_s=default_timeout_s, shm=shm, bulk=bulk)
         self._mesh.start()
+        if self._bulk is not None:
+            self._bulk.start()
         return self
 
     # -- membership ------------------------------------------------------------------------------
@@ -356,9 +433,14 @@ class Engine:
         self._watermark.clear()
         self._p2p_msgs.clear()
         self._group_counter.clear()
+        self._data_ep.clear()
+        self._bulk_addr.clear()
         for r, ep in view.endpoints.items():
+            self._data_ep[r], self._bulk_addr[r] = bulk_mod.parse_endpoint(ep)
             if r != view.rank:
-                self._mesh.connect(ep)
+                self._mesh.connect(self._data_ep[r])
+        if self._bulk is not None:
+            self._bulk.set_epoch(view.job, view.epoch, view.rank)
         self.world = Group._create(self, "w", list(range(view.world_size)))
         log.debug("view_set", job=view.job, epoch=view.epoch, rank=view.rank,
                   world_size=view.world_size)
@@ -397,6 +479,8 @@ class Engine:
         # let failed operations unwind before the sockets go
         await asyncio.sleep(0)
         self._mesh.close()
+        if self._bulk is not None:
+            self._bulk.close()
 
     # -- data plane ------------------------------------------------------------------------------
 
@@ -408,7 +492,21 @@ class Engine:
         if payload is not None and isinstance(payload, np.ndarray):
             # as bytes: some dtypes (bfloat16) cannot export a buffer of their own
             payload = payload.reshape(-1).view(np.uint8)
-        return self._mesh.send(v.endpoints[world_rank], header, payload)
+        return self._mesh.send(self._data_ep[world_rank], header, payload)
+
+    def bulk_ok(self, group) -> bool:
+        """Whether every member of ``group`` has a bulk stream (same answer on every member)."""
+        return self._bulk is not None and all(self._bulk_addr.get(r) for r in group.ranks)
+
+    def _bulk_send_link(self, group, g: int):
+        if self._closed is not None:
+            raise self._closed
+        dst = group.ranks[g]
+        return self._bulk.send_link(group.gid, dst, self._bulk_addr[dst])
+
+    def _bulk_drop(self, group, g: int) -> None:
+        if self._bulk is not None and self.view is not None and group.epoch == self.view.epoch:
+            self._bulk.drop_send_link(group.gid, group.ranks[g])
 
     def _on_message(self, h: DataHeader, payload, frame) -> None:
         v = self.view

@@ -16,7 +16,9 @@ Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen 
 ``"direct"``         one round: every rank sends its payload inside the signature exchange; the
                      reduction is done locally in rank order. Latency-optimal for small messages.
 ``"recursive_doubling"`` all_reduce in log2(W) rounds (non powers of two folded in first).
-``"ring"``           all_reduce as ring reduce-scatter + all-gather, in pipelined 1 MiB blocks.
+``"ring"``           all_reduce as ring reduce-scatter + all-gather, in pipelined 1-4 MiB blocks;
+                     from ``BULK_MIN_NBYTES`` over dedicated TCP streams received in place
+                     (:mod:`transport.bulk`, Linux), else over ZeroMQ.
 ``"shm"``            same-host ranks: each copies its input once into its shared-memory segment,
                      reduces its 1/W chunk reading the peers' segments, then copies the others'
                      reduced chunks (see :mod:`rtxnet.collectives.shared_memory`).
@@ -45,7 +47,8 @@ from rtxnet.collectives.reduce_ops import (
     dtype_name,
     finish,
 )
-from rtxnet.collectives.ring import ring_all_reduce
+from rtxnet.collectives import ring as ring_mod
+from rtxnet.collectives.ring import ring_all_reduce, ring_all_reduce_bulk
 from rtxnet.collectives import shared_memory as shmops
 from transport.errors import (
     ClosedError,
@@ -256,6 +259,7 @@ class Group:
         sig = self._sig("all_reduce", algo, rop, None, buf.dtype, buf.size, buf.shape)
         flat, dtype, n, N = buf.flat, buf.dtype, self.size, buf.size
         accdt = acc_dtype(dtype)
+        engine = self.engine
 
         async def body(op: Op):
             if algo == "local":
@@ -275,7 +279,9 @@ class Group:
             else:
                 await op.hello(sig)
                 acc = flat if accdt == dtype else flat.astype(accdt)
-                if algo == "ring":
+                if algo == "ring" and acc.nbytes >= ring_mod.BULK_MIN_NBYTES and engine.bulk_ok(self):
+                    await ring_all_reduce_bulk(op, acc, rop)
+                elif algo == "ring":
                     await ring_all_reduce(op, acc, rop)
                 else:
                     acc = await recursive_doubling_all_reduce(op, acc, rop)
