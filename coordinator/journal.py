@@ -235,6 +235,7 @@ class Journal:
         self._state = "new"  # new -> open -> closed
         self._failure: JournalError | None = None
         self._fd: int | None = None
+        self._lock_fd: int | None = None
         self._generation = 0
         # Loop-thread side: records are framed into _pending, sealed into batches that the
         # writer (worker thread or a blocking call) drains in order under _io_lock.
@@ -317,6 +318,7 @@ class Journal:
         t0 = time.perf_counter()
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
+            self._lock_directory()
             snapshot, covered = self._read_snapshot()
             segments = self._list_segments()
             stale = [(g, p) for g, p in segments if g <= covered]
@@ -656,6 +658,27 @@ class Journal:
 
     # ------------------------------------------------------------------ close
 
+    def _lock_directory(self) -> None:
+        """Take an exclusive POSIX lock (``lockf``) on ``DIR/LOCK`` for as long as the journal is
+        open: two daemons appending to one journal would corrupt it. (A record lock is held per
+        process, so a process may reopen its own journal, as crash-recovery tests do.)
+
+        Raises:
+            JournalError: another process holds it (names its pid).
+        """
+        import fcntl
+
+        fd = os.open(self._dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise JournalError(f"journal {self._dir} is in use by another process (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
     def close(self) -> None:
         """Write and fsync any buffered records, then release the file and the worker thread.
 
@@ -681,6 +704,9 @@ class Journal:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the lock
+                self._lock_fd = None
             log.info("journal_closed", path=str(self._dir), generation=self._generation)
 
     def __enter__(self) -> Journal:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["main", "start_coordinator"]
 
+MAX_NPROC = 1024
+
 
 @dataclass
 class _Slot:
@@ -70,12 +72,24 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
 
 
 async def _pump(stream: asyncio.StreamReader, prefix: bytes, out) -> None:
+    """Copy ``stream`` to ``out`` line by line with ``prefix``; lines of any length (read in chunks,
+    so a huge line never stalls the child on a full pipe)."""
+    pending = b""
     while True:
-        line = await stream.readline()
-        if not line:
+        chunk = await stream.read(1 << 16)
+        if not chunk:
+            if pending:
+                out.buffer.write(prefix + pending + b"\n")
+                out.buffer.flush()
             return
-        out.buffer.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-        out.buffer.flush()
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > (1 << 20):  # a line over 1 MiB is written in pieces
+            lines.append(pending)
+            pending = b""
+        if lines:
+            out.buffer.write(b"".join(prefix + line + b"\n" for line in lines))
+            out.buffer.flush()
 
 
 class Launcher:
@@ -133,11 +147,24 @@ class Launcher:
         await self._exited.put((slot, proc, rc))
 
     def _signal(self, sig: int) -> None:
+        first = not self.stopping
         self.stopping = True
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 try:
                     slot.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+        if first:
+            # Ranks get a grace period to finish in order; then they are killed.
+            asyncio.get_running_loop().call_later(self.args.grace, self._kill_all)
+
+    def _kill_all(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                _say(f"rank {slot.rank} (pid {slot.proc.pid}) still running {self.args.grace:g} s after the signal: killing it")
+                try:
+                    slot.proc.kill()
                 except ProcessLookupError:
                     pass
 
@@ -156,8 +183,10 @@ class Launcher:
         _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
         try:
             for slot in self.slots:
+                if self.stopping:
+                    break
                 await self._spawn(slot)
-            running = len(self.slots)
+            running = sum(1 for slot in self.slots if slot.proc is not None)
             while running:
                 slot, proc, rc = await self._exited.get()
                 if proc is not slot.proc:
@@ -227,6 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-ranks", type=int, default=None, help="smallest world the job may shrink to (default nproc)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0)")
     p.add_argument("--faults", default=None, help="fault-injection plan (see README)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds ranks get after SIGINT/SIGTERM before they are killed (default 10)")
     p.add_argument("script", help="the Python script each rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -235,18 +266,33 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     errors = []
-    if args.nproc < 1:
-        errors.append(f"--nproc must be >= 1, got {args.nproc}")
+    if not 1 <= args.nproc <= MAX_NPROC:
+        errors.append(f"--nproc must be in 1..{MAX_NPROC}, got {args.nproc}")
+    if args.grace <= 0:
+        errors.append(f"--grace must be > 0, got {args.grace}")
+    if args.job is not None and not args.job.strip():
+        errors.append("--job must not be empty")
+    if args.coordinator is not None:
+        from transport.channel import check_address
+
+        try:
+            check_address(args.coordinator)
+        except ValueError as exc:
+            errors.append(f"--coordinator: {exc}")
     if args.max_restarts < 0:
         errors.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.min_ranks is not None and not (1 <= args.min_ranks <= args.nproc):
         errors.append(f"--min-ranks must be in 1..nproc({args.nproc}), got {args.min_ranks}")
-    if not os.path.isfile(args.script):
+    if not os.path.exists(args.script):
         errors.append(f"script {args.script!r} does not exist")
+    elif not os.path.isfile(args.script):
+        errors.append(f"script {args.script!r} is not a file")
     if args.faults:
         try:
             from .faults import parse_plan
-            parse_plan(args.faults)
+            for f in parse_plan(args.faults):
+                if f.rank is not None and f.rank >= args.nproc:
+                    errors.append(f"--faults: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
         except ImportError:
             pass
         except ValueError as exc:
@@ -257,9 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         import uvloop
-        return uvloop.run(Launcher(args).run())
+        runner = uvloop.run
     except ImportError:  # pragma: no cover
-        return asyncio.run(Launcher(args).run())
+        runner = asyncio.run
+    try:
+        return runner(Launcher(args).run())
+    except RuntimeError as exc:  # the coordinator could not start (bad --journal, ...)
+        print(f"rtxnet-run: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

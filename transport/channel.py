@@ -32,11 +32,32 @@ from .errors import (
     error_from_wire,
 )
 
-__all__ = ["ControlClient", "ControlServer", "Inbound", "Disconnected", "process_context"]
+__all__ = ["ControlClient", "ControlServer", "Inbound", "Disconnected", "process_context", "check_address"]
 
 log = structlog.get_logger(__name__)
 
 _contexts: dict[int, zmq.asyncio.Context] = {}
+
+
+def check_address(address: str) -> str:
+    """Check a ZeroMQ TCP or IPC address (``tcp://HOST:PORT``, ``ipc://PATH``); returns it.
+
+    Raises:
+        ValueError: not such an address, or a port outside 0..65535 (ZeroMQ would wrap it).
+    """
+    if not isinstance(address, str) or "://" not in address:
+        raise ValueError(f"{address!r} is not a ZeroMQ address like tcp://HOST:PORT")
+    scheme, rest = address.split("://", 1)
+    if scheme == "ipc":
+        return address
+    if scheme != "tcp":
+        raise ValueError(f"{address!r}: transport {scheme!r} is not supported (use tcp:// or ipc://)")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{address!r} has no HOST:PORT")
+    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+        raise ValueError(f"{address!r}: port {port!r} is not in 0..65535")
+    return address
 
 
 def process_context() -> zmq.asyncio.Context:
@@ -68,8 +89,10 @@ class ControlClient:
         *,
         limits: Limits = DEFAULT_LIMITS,
     ):
-        if not isinstance(address, str) or "://" not in address:
-            raise ConnectError(f"coordinator address {address!r} is not a ZeroMQ address like tcp://HOST:PORT")
+        try:
+            check_address(address)
+        except ValueError as exc:
+            raise ConnectError(f"coordinator address: {exc}") from None
         self.address = address
         self.identity = identity
         self._on_push = on_push
@@ -216,6 +239,11 @@ class ControlServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * limits.max_message_nbytes)
         self._sock.setsockopt(zmq.SNDHWM, 100000)
         self._sock.setsockopt(zmq.RCVHWM, 100000)
+        try:
+            check_address(bind)
+        except ValueError as exc:
+            self._sock.close(0)
+            raise ConnectError(f"cannot bind: {exc}") from None
         try:
             if bind.endswith(":0"):
                 port = self._sock.bind_to_random_port(bind[: -len(":0")])

@@ -422,7 +422,7 @@ async def test_snapshot_compacts_and_reopens(tmp_path: Path) -> None:
     j.write_snapshot(b"S1")
     assert j.records_since_snapshot == 0 and j.bytes_since_snapshot == 0
     assert j.generation == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [segment(tmp_path, 2).name, SNAPSHOT_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "LOCK") == [segment(tmp_path, 2).name, SNAPSHOT_NAME]
     for i in range(3):
         j.append(b"s%d" % i)
     await j.flush()
@@ -435,7 +435,7 @@ async def test_snapshot_compacts_and_reopens(tmp_path: Path) -> None:
     j.write_snapshot(b"S2")
     j.append(b"t")
     j.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [segment(tmp_path, 3).name, SNAPSHOT_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "LOCK") == [segment(tmp_path, 3).name, SNAPSHOT_NAME]
     assert reopen(tmp_path) == (b"S2", [b"t"])
 
 
@@ -745,3 +745,20 @@ def test_bench_journal_smoke(tmp_path: Path) -> None:
     assert rows[0]["fsyncs"] < 300 // 4  # group commit shares fsyncs
     assert rows[1]["fsyncs"] == 300
     assert list(tmp_path.iterdir()) == []  # run folders removed
+
+
+def test_a_second_process_cannot_open_a_journal_in_use(tmp_path):
+    import subprocess
+    import sys
+
+    j = Journal(tmp_path)
+    j.open()
+    code = ("import sys; from coordinator.journal import Journal\n"
+            "try:\n    Journal(sys.argv[1]).open()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.startswith("JournalError") and f"pid {os.getpid()}" in out.stdout, out.stdout + out.stderr
+    j.close()
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert "JournalError" not in out.stdout and out.returncode == 0, out.stdout + out.stderr
