@@ -22,6 +22,7 @@ cost more than it buys); it is otherwise pure.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,6 +234,10 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
     elif kind == "commit":
         job.committed_step = rec["step"]
         job.commit_metadata = rec.get("metadata") or {}
+    elif kind == "job_drop":
+        for m in list(job.pending.values()):
+            state.where.pop(m.identity, None)
+        del state.jobs[rec["job"]]
     elif kind == "job_end":
         for m in list(job.members.values()) + list(job.pending.values()):
             state.where.pop(m.identity, None)
@@ -285,6 +290,8 @@ def restore(snap: dict[str, Any], now: float) -> State:
     return state
 
 
+MAX_JOB_ID = 256
+
 _JOB_FIELDS = ("token", "min_ranks", "max_ranks", "last_call_s", "heartbeat_timeout_s")
 
 
@@ -335,6 +342,11 @@ def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None
             if now - m.last_seen > job.heartbeat_timeout_s:
                 del job.pending[ident]
                 state.where.pop(ident, None)
+        if not job.pending:
+            # Nobody is waiting any more (they left or vanished): forget the job, so a later
+            # launch under the same id starts afresh with its own min/max.
+            _record(state, actions, {"k": "job_drop", "job": job.job}, now)
+            return
         if len(job.pending) < job.min_ranks:
             job.ready_since = None
         elif job.ready_since is not None and now - job.ready_since >= job.last_call_s:
@@ -548,6 +560,12 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     min_r, max_r = msg["min_ranks"], msg["max_ranks"]
     if not (1 <= min_r <= max_r):
         return refuse("ConfigError", f"need 1 <= min_ranks({min_r}) <= max_ranks({max_r})")
+    if len(job_id) > MAX_JOB_ID or len(ident) > MAX_JOB_ID:
+        return refuse("ConfigError", f"job id and identity must be at most {MAX_JOB_ID} characters "
+                      f"(got {len(job_id)} and {len(ident)})")
+    if not (math.isfinite(msg["heartbeat_timeout_s"]) and math.isfinite(msg["last_call_s"])):
+        return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) and "
+                      f"last_call_s({msg['last_call_s']}) must be finite")
     if msg["heartbeat_timeout_s"] <= 0 or msg["last_call_s"] < 0:
         return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) must be > 0 and last_call_s({msg['last_call_s']}) >= 0")
     rank = msg["rank"]
@@ -590,7 +608,12 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     # The job is running: this is a rejoin or a replacement.
     existing = job.member_by_identity(ident)
     if existing is not None:
-        return refuse("RendezvousError", f"identity {ident!r} is already rank {existing.rank} of job {job_id!r}")
+        # A repeated join (a late "fenced" notice, a retry): it is a member; say so and resend the
+        # current epoch instead of refusing.
+        job.fenced.discard(ident)
+        actions.append(_reply(identity, msg, job, state="member"))
+        actions.append(_epoch_push(job, ident, [], [], "resync"))
+        return
     if rank is not None and rank in job.members:
         m = job.members[rank]
         return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already taken by {m.identity!r} (pid {m.pid} on {m.host})")

@@ -105,6 +105,7 @@ class Agent:
         self._hb_task: asyncio.Task | None = None
         self._joining = False
         self._closed = False
+        self._admissions = 0  # memberships accepted so far (a rejoin waits for the next one)
         self._muted_until = 0.0  # fault injection: no heartbeats until this time.monotonic()
 
     # ------------------------------------------------------------------------------------------
@@ -131,13 +132,12 @@ class Agent:
         """
         if self._client is None:
             self._client = ControlClient(self.coordinator, self.identity, self._on_push)
-        start_epoch = self.epoch
-        self.fenced = False
+        admissions = self._admissions
         await self._send_join()
         if self._hb_task is None:
             self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
         try:
-            return await self.wait_epoch(start_epoch, timeout_s=self.timeouts.rendezvous_s)
+            return await self._wait_admission(admissions, timeout_s=self.timeouts.rendezvous_s)
         except RtxTimeoutError:
             raise RendezvousTimeout(
                 f"job {self.job!r}: the world did not form within {self.timeouts.rendezvous_s:g} s "
@@ -164,6 +164,22 @@ class Agent:
             # first to arrive (a kill during rendezvous), the coordinator refuses finished jobs.
             rejoin=self.membership is not None,
         )
+
+    async def _wait_admission(self, before: int, *, timeout_s: float) -> Membership:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._admissions <= before:
+            if self._closed:
+                raise ClosedError("agent closed")
+            self._changed.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise RtxTimeoutError(f"not admitted within {timeout_s:g} s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                continue
+        return self.membership
 
     async def wait_epoch(self, after: int, *, timeout_s: float) -> Membership:
         """Wait until an epoch newer than ``after`` arrives; returns it.
@@ -200,10 +216,13 @@ class Agent:
         if msg["t"] == "epoch":
             self._apply_epoch(msg)
         elif msg["t"] == "fenced":
+            if msg["epoch"] < self.epoch:
+                return  # about an epoch we have since rejoined past
             self._fence(msg["reason"])
 
     def _apply_epoch(self, msg: dict[str, Any]) -> None:
-        if msg["epoch"] <= self.epoch:
+        readmit = self.fenced and msg["epoch"] == self.epoch
+        if msg["epoch"] <= self.epoch and not readmit:
             return  # stale or duplicate
         members = {int(r): m for r, m in msg["members"].items()}
         mine = [r for r, m in members.items() if m["identity"] == self.identity]
@@ -211,6 +230,8 @@ class Agent:
             self._fence(f"epoch {msg['epoch']} does not include this agent")
             return
         self._joining = False
+        self.fenced = False
+        self._admissions += 1
         self.membership = Membership(
             job=self.job,
             epoch=msg["epoch"],

@@ -45,7 +45,7 @@ def recoveries(results):
 
 
 def test_fault_free_reference(tmp_path):
-    results, _ = run_job(tmp_path, "delay:rank=9:ms=1")  # a plan that never fires
+    results, _ = run_job(tmp_path, "kill:rank=3:step=100000")  # a plan that never fires
     assert len(results) == 4 and not recoveries(results)
 
 

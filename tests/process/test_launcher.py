@@ -76,7 +76,7 @@ def test_exit_code_is_the_first_failing_ranks(tmp_path):
 
 def test_bad_arguments_are_named():
     out = run(["--nproc", "0", "nope.py"])
-    assert out.returncode == 2 and "--nproc must be >= 1, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
+    assert out.returncode == 2 and "--nproc must be in 1..1024, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
 
 
 def test_sigterm_is_forwarded_to_ranks(tmp_path):
@@ -106,3 +106,20 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
             p.wait()
     assert out.count("got sigterm") == 2, out + err
     assert p.returncode == 0
+
+
+def test_a_line_longer_than_a_pipe_buffer_does_not_stall_a_rank(tmp_path):
+    script = tmp_path / "long.py"
+    script.write_text("print('x' * 200_000)\nprint('after the long line')\n")
+    out = run(["--nproc", "1", str(script)], timeout=60)
+    assert out.returncode == 0 and "[rank0] after the long line" in out.stdout
+    assert ("x" * 200_000) in out.stdout.replace("\n[rank0] ", "")
+
+
+def test_more_arguments_are_checked(tmp_path):
+    out = run(["--nproc", "2", "--coordinator", "tcp://127.0.0.1:70000", "--faults", "kill:rank=4:step=1",
+               "--job", "", str(tmp_path)])
+    assert out.returncode == 2
+    for text in ("port '70000' is not in 0..65535", "names rank 4, but --nproc is 2", "--job must not be empty",
+                 "is not a file"):
+        assert text in out.stderr, out.stderr

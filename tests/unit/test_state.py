@@ -254,3 +254,37 @@ def test_status_lists_members_with_heartbeat_ages():
     jobs = h.req("x", "status", job="")[0].msg["body"]["jobs"]
     assert jobs[0]["job"] == "j" and jobs[0]["epoch"] == 0
     assert [m["heartbeat_age_s"] for m in jobs[0]["members"]] == [0.25, 0.25]
+
+
+def test_abandoned_rendezvous_is_forgotten_and_a_new_launch_starts_afresh():
+    h = Harness()
+    h.join("a", job="ghost", min_ranks=2, max_ranks=2)
+    h.req("a", "leave", job="ghost", identity="a")
+    h.tick(0.1)
+    assert "ghost" not in h.state.jobs and "ghost" not in h.state.finished
+    out = h.join("b", job="ghost", min_ranks=1, max_ranks=3)
+    assert not errors(out) and h.state.jobs["ghost"].max_ranks == 3
+
+
+def test_a_repeated_join_of_a_member_is_answered_not_refused():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    out = h.join("a")
+    assert not errors(out)
+    assert [s.msg["body"]["state"] for s in out if s.msg["t"] == "reply"] == ["member"]
+    assert pushes(out)["a"]["epoch"] == 0
+
+
+@pytest.mark.parametrize("field, value", [("heartbeat_timeout_s", float("nan")), ("last_call_s", float("inf"))])
+def test_non_finite_timeouts_are_refused(field, value):
+    h = Harness()
+    kw = {"hb": value} if field == "heartbeat_timeout_s" else {"last_call_s": value}
+    err = errors(h.join("a", **kw))
+    assert err and err[0]["error"] == "ConfigError" and "finite" in err[0]["message"]
+
+
+def test_overlong_job_id_is_refused():
+    h = Harness()
+    err = errors(h.join("a", job="j" * 300))
+    assert err and "at most 256" in err[0]["message"]
