@@ -573,7 +573,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
     job = state.jobs.get(job_id)
     if job is None and job_id in state.finished:
-        return refuse("RendezvousError", f"job {job_id!r} has finished (last committed step "
+        return refuse("JobFinishedError", f"job {job_id!r} has finished (last committed step "
                       f"{state.finished[job_id]}); start a new job id")
     if job is None and msg.get("rejoin"):
         return refuse("RendezvousError", f"job {job_id!r} is gone (the coordinator does not know it): nothing to rejoin")

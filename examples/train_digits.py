@@ -194,20 +194,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     samples = 0
     loss_value = float("nan")
-    while ft.step < args.steps:
-        with ft.guard() as step:
-            if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
-                checkpoint.save(ckpt_dir, step, state.state_dict(), pg=pg, keep=3,
-                                metadata={"world_size": pg.world_size})
-            loss_value, global_n = train_step(step)
-        if ft.step == step + 1:                   # committed
-            samples += global_n
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{samples / (time.perf_counter() - t0):.0f}",
-                                world=pg.world_size, refresh=False)
-                bar.update(ft.step - bar.n)    # tqdm redraws at most once per mininterval
-            if step % 50 == 0:
-                log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
+    try:
+        while ft.step < args.steps:
+            with ft.guard() as step:
+                if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
+                    checkpoint.save(ckpt_dir, step, state.state_dict(), pg=pg, keep=3,
+                                    metadata={"world_size": pg.world_size})
+                loss_value, global_n = train_step(step)
+            if ft.step == step + 1:                   # committed
+                samples += global_n
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{samples / (time.perf_counter() - t0):.0f}",
+                                    world=pg.world_size, refresh=False)
+                    bar.update(ft.step - bar.n)    # tqdm redraws at most once per mininterval
+                if step % 50 == 0:
+                    log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
+    except rtxnet.JobFinishedError as exc:
+        # This rank was frozen or cut off until the others finished: their result stands.
+        log.warning("job_finished_without_this_rank", error=str(exc))
+        pg.close()
+        return 0
     duration_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()

@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         except RtxError as exc:
             print(f"rtxnet status: {args.coordinator}: {exc}", file=sys.stderr)
             return 1
-        print(json.dumps(jobs, indent=2) if args.json else _render(jobs))
+        try:
+            print(json.dumps(jobs, indent=2) if args.json else _render(jobs), flush=True)
+        except BrokenPipeError:  # `rtxnet status | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 2  # pragma: no cover
 

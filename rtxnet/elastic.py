@@ -14,6 +14,9 @@ operations. On a clean exit the step is voted on (``pg.commit``): it counts only
 of the epoch voted success, and the coordinator journals it. Then an in-memory snapshot of the
 state is taken (:func:`rtxnet.statesync.pack_state`).
 
+A rank that was cut off for so long that the job finished meanwhile gets
+:class:`JobFinishedError` from the guard: the job's result is complete, this rank may just exit.
+
 When the step fails with :class:`PeerLostError`, :class:`CollectiveTimeout`, a membership change
 or a failed vote, the guard swallows the error, rolls the state back to the last committed
 snapshot, waits (up to ``rejoin_window_s``) until the world has at least ``min_world_size`` ranks,

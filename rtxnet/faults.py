@@ -129,6 +129,8 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
                     args[k] = int(v)
                 except ValueError:
                     raise ValueError(f"{part!r}: {k}={v!r} is not an integer") from None
+                if args[k] < 0:
+                    raise ValueError(f"{part!r}: {k}={v!r} must not be negative")
             elif k in _FLOAT_FIELDS:
                 args[k] = _number(k, v, part)
             else:

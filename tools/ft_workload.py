@@ -70,13 +70,18 @@ def main() -> int:
     state = State(args.dim)
     ft = rtxnet.FaultTolerance(pg, state, rejoin_window_s=args.rejoin_window)
     started = time.monotonic()
-    while ft.step < args.steps:
-        with ft.guard() as step:
-            shards = [s for s in range(SHARDS) if s % pg.world_size == pg.rank]
-            c = contribution(state.x, step, shards)
-            time.sleep(args.step_sleep)
-            pg.all_reduce(c)
-            state.x = (state.x + c) % P
+    try:
+        while ft.step < args.steps:
+            with ft.guard() as step:
+                shards = [s for s in range(SHARDS) if s % pg.world_size == pg.rank]
+                c = contribution(state.x, step, shards)
+                time.sleep(args.step_sleep)
+                pg.all_reduce(c)
+                state.x = (state.x + c) % P
+    except rtxnet.JobFinishedError as exc:
+        print(f"this rank was away until the job finished: {exc}", file=sys.stderr)
+        pg.close()
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {

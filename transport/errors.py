@@ -13,6 +13,7 @@
     |   |-- RendezvousTimeout
     |   `-- CollectiveTimeout       carries the ranks that did not contribute
     |-- RendezvousError             duplicate rank, job full, wrong token, stale epoch
+    |   `-- JobFinishedError        the job ended (every rank left) before this rank rejoined
     |-- CollectiveError
     |   `-- CollectiveMismatchError shapes, dtypes or ops differ across ranks
     |-- JournalError
@@ -40,6 +41,7 @@ __all__ = [
     "RendezvousTimeout",
     "CollectiveTimeout",
     "RendezvousError",
+    "JobFinishedError",
     "CollectiveError",
     "CollectiveMismatchError",
     "JournalError",
@@ -112,6 +114,13 @@ class CollectiveTimeout(RtxTimeoutError):
 
 class RendezvousError(RtxError):
     """Rendezvous refused: duplicate rank or identity, job full, wrong token, stale epoch."""
+
+
+class JobFinishedError(RendezvousError):
+    """The job this rank tries to (re)join has finished: every member left in order.
+
+    A rank that was frozen or cut off past the end of training meets this; nothing is lost.
+    """
 
 
 class CollectiveError(RtxError):
@@ -188,6 +197,7 @@ _BY_NAME = {
         ConnectError,
         ClosedError,
         RendezvousError,
+        JobFinishedError,
         RendezvousTimeout,
         RtxTimeoutError,
         CollectiveError,

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 import numpy as np
 import structlog
 
+from rtxnet.collectives import ring as ring_mod
+from rtxnet.collectives import shared_memory as shmops
 from rtxnet.collectives.arrays import Buffer
 from rtxnet.collectives.arrays import payload_view as _view
 from rtxnet.collectives.doubling import recursive_doubling_all_reduce
@@ -47,9 +49,7 @@ from rtxnet.collectives.reduce_ops import (
     dtype_name,
     finish,
 )
-from rtxnet.collectives import ring as ring_mod
 from rtxnet.collectives.ring import ring_all_reduce, ring_all_reduce_bulk
-from rtxnet.collectives import shared_memory as shmops
 from transport.errors import (
     ClosedError,
     CollectiveError,

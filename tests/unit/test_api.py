@@ -19,7 +19,7 @@ def test_all_is_pinned():
     assert sorted(rtxnet.__all__) == sorted([
         "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
         "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "DistributedDataParallel",
-        "ElasticDistributedSampler", "FaultTolerance", "JournalCorruptError", "JournalError", "Membership",
+        "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JournalCorruptError", "JournalError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
         "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
         "connect", "init", "parallel",
@@ -36,7 +36,7 @@ def test_error_tree_matches_the_style_guide():
         (e.PeerLostError, e.TransportError), (e.RendezvousTimeout, e.RtxTimeoutError),
         (e.CollectiveTimeout, e.RtxTimeoutError), (e.CollectiveMismatchError, e.CollectiveError),
         (e.JournalCorruptError, e.JournalError), (e.CheckpointCorruptError, e.CheckpointError),
-        (e.RendezvousError, e.RtxError),
+        (e.RendezvousError, e.RtxError), (e.JobFinishedError, e.RendezvousError),
     ]:
         assert issubclass(child, parent)
     exc = e.PeerLostError("x", ranks=[3, 1], epoch=4)
