@@ -47,14 +47,20 @@ def _blocks(lo: int, hi: int, blk: int) -> list[tuple[int, int]]:
     return [(s, min(s + blk, hi)) for s in range(lo, hi, blk)]
 
 
-async def ring_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
-    """All-reduce ``acc_N`` in place over ``op``'s group (AVG division included)."""
+def _ring_plan(op, acc_N: np.ndarray) -> tuple[int, int, int, int, list[list[tuple[int, int]]], int]:
+    """``(n, r, right, left, chunk_blocks, blk)``: chunk ``c`` of ``acc_N`` is cut in blocks of
+    ``blk`` elements, ``chunk_blocks[c]`` lists their ``(lo, hi)`` bounds."""
     n, r = op.n, op.r
     N = acc_N.size
-    right, left = (r + 1) % n, (r - 1) % n
     bounds = [c * N // n for c in range(n + 1)]
     blk = max(1, block_nbytes((N // n) * acc_N.itemsize) // acc_N.itemsize)
     chunk_blocks = [_blocks(bounds[c], bounds[c + 1], blk) for c in range(n)]
+    return n, r, (r + 1) % n, (r - 1) % n, chunk_blocks, blk
+
+
+async def ring_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
+    """All-reduce ``acc_N`` in place over ``op``'s group (AVG division included)."""
+    n, r, right, left, chunk_blocks, _ = _ring_plan(op, acc_N)
     last = 2 * (n - 1)
     for b, (lo, hi) in enumerate(chunk_blocks[r]):
         op.send(right, b, acc_N[lo:hi])
@@ -77,12 +83,7 @@ async def ring_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
 
 async def ring_all_reduce_bulk(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
     """``ring_all_reduce`` over the bulk streams; ``acc_N`` must be contiguous."""
-    n, r = op.n, op.r
-    N = acc_N.size
-    right, left = (r + 1) % n, (r - 1) % n
-    bounds = [c * N // n for c in range(n + 1)]
-    blk = max(1, block_nbytes((N // n) * acc_N.itemsize) // acc_N.itemsize)
-    chunk_blocks = [_blocks(bounds[c], bounds[c + 1], blk) for c in range(n)]
+    n, r, right, left, chunk_blocks, blk = _ring_plan(op, acc_N)
     scratch_B = np.empty(blk, acc_N.dtype)
     last = 2 * (n - 1)
     for b, (lo, hi) in enumerate(chunk_blocks[r]):
