@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tick <= 0:
         print(f"rtxnet-coordinator: --tick must be > 0, got {args.tick}", file=sys.stderr)
         return 2
+    from transport.channel import check_address
+
+    try:
+        check_address(args.bind)
+    except ValueError as exc:
+        print(f"rtxnet-coordinator: --bind: {exc}", file=sys.stderr)
+        return 2
     configure_logging(level=args.log_level, json=args.log_json or None)
     try:
         import uvloop

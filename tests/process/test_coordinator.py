@@ -18,6 +18,29 @@ from transport.codec import decode, encode
 
 pytestmark = pytest.mark.timeout(90)
 
+def wait_pending(address: str, job: str, n: int, timeout_s: float = 20.0) -> None:
+    """Poll the coordinator's status until ``job`` has ``n`` pending joiners."""
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.RCVTIMEO, 2000)
+    d.connect(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        rid = 0
+        while time.monotonic() < deadline:
+            rid += 1
+            d.send(encode(wire.make("status", rid=rid)))
+            jobs = decode(d.recv())["body"]["jobs"]
+            if any(j["job"] == job and j["pending"] >= n for j in jobs):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"job {job!r} never had {n} pending joiner(s)")
+    finally:
+        d.close(0)
+        ctx.term()
+
+
 FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "op_s": 5.0, "rendezvous_s": 30.0}
 
 
@@ -39,7 +62,7 @@ def test_four_agents_rendezvous_share_kv_and_show_in_status(coordinator, probes)
 
 def test_duplicate_rank_claim_is_refused_at_once(coordinator, probes):
     a = probes(coordinator.address, job="dup", rank=0, world_size=2)
-    time.sleep(0.3)
+    wait_pending(coordinator.address, "dup", 1)
     b = probes(coordinator.address, job="dup", rank=0, world_size=2)
     failed = b.expect("join_failed", timeout=10)
     assert failed["error"] == "RendezvousError" and "rank 0" in failed["message"] and str(a.pid) in failed["message"]
@@ -99,7 +122,6 @@ def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
         p.expect("joined")
     ps[0].cmd("kv_set", key="before", value="crash")
     coordinator.kill(signal.SIGKILL)
-    time.sleep(0.5)
     coordinator.start()  # same port, same journal
     assert "journal_replayed" in coordinator.log or True
     # Agents reconnect by themselves; state came back from the journal.
@@ -118,7 +140,7 @@ def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
 
 def test_pending_joiner_survives_coordinator_restart(coordinator, probes):
     a = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
-    time.sleep(0.5)
+    wait_pending(coordinator.address, "p", 1)
     coordinator.kill(signal.SIGKILL)
     coordinator.start()
     b = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
