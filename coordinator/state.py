@@ -507,6 +507,20 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         actions.append(_reply(identity, msg, job, deleted=existed))
     elif t == "commit":
         _commit(state, job, identity, msg, now, actions)
+    elif t == "reform":
+        member = job.member_by_identity(msg["identity"])
+        if member is None:
+            actions.append(_error(identity, msg, "RendezvousError",
+                                  f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))
+        elif msg["epoch"] == job.epoch:
+            members = {r: m.public() for r, m in job.members.items()}
+            _fail_commit_waiters(job, actions, f"epoch reformed: {msg['reason']}")
+            _record(state, actions, {"k": "epoch", "job": job.job, "epoch": job.epoch + 1, "members": members}, now)
+            actions.append(_reply(identity, msg, job, epoch=job.epoch))
+            for m in job.members.values():
+                actions.append(_epoch_push(job, m.identity, [], [], "reform"))
+        else:
+            actions.append(_reply(identity, msg, job, epoch=job.epoch))  # someone already did
     else:  # pragma: no cover - wire.validate admits only known types
         actions.append(_error(identity, msg, "ProtocolError", f"{t!r} is not a request"))
 

@@ -360,6 +360,11 @@ class Agent:
                 self._fence(str(exc))
                 return {"committed": False, "step": step, "reason": str(exc)}
 
+    async def reform(self, reason: str) -> int:
+        """Ask for a new epoch with the same members (see ``reform`` in :mod:`transport.wire`);
+        returns the job's epoch after the request."""
+        return (await self._request("reform", identity=self.identity, reason=reason[:500]))["epoch"]
+
     async def status(self) -> list[dict[str, Any]]:
         return (await self._request("status"))["jobs"]
 

@@ -18,7 +18,8 @@ A rank that was cut off for so long that the job finished meanwhile gets
 :class:`JobFinishedError` from the guard: the job's result is complete, this rank may just exit.
 
 When the step fails with :class:`PeerLostError`, :class:`CollectiveTimeout`, a membership change
-or a failed vote, the guard swallows the error, rolls the state back to the last committed
+or a failed vote, the guard swallows the error (after a failure that lost nobody it first asks the
+coordinator for a fresh epoch with the same members, which realigns every rank's sequence numbers), rolls the state back to the last committed
 snapshot, waits (up to ``rejoin_window_s``) until the world has at least ``min_world_size`` ranks,
 and the loop simply runs the step again. Other exceptions propagate unchanged.
 
@@ -85,8 +86,8 @@ class FaultTolerance:
             ``state``. Called on every rank when no member of a new epoch holds the job's last
             committed state (all of them restarted) and :mod:`rtxnet.checkpoint` recorded a
             checkpoint in the job's store; training then resumes after that checkpoint's step.
-        max_step_retries: how often one step may fail within one epoch (no membership change)
-            before the error is raised instead of retried: such a failure, e.g. a
+        max_step_retries: how often one step may fail without a membership change before the
+            error is raised instead of retried: such a failure, e.g. a
             :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
 
     Raises:
@@ -122,7 +123,7 @@ class FaultTolerance:
         self.committed_step = start_step - 1
         self.max_step_retries = max_step_retries
         self.load_checkpoint = load_checkpoint
-        self._same_epoch_failures: dict[tuple[int, int], int] = {}
+        self._same_step_failures: dict[int, int] = {}
         self._snapshot = pack_state(state.state_dict())
         self._synced_epoch = -1
         self._step_epoch = -1
@@ -251,6 +252,7 @@ class FaultTolerance:
                          "committed": committed, "t_start": t0, "t_injected": injected,
                          "time_to_recover_s": None if injected is None else round(t0 + waited - injected, 4)})
         if committed:
+            self._same_step_failures.pop(step, None)
             self.committed_step = step
             self.step = step + 1
             self._snapshot = pack_state(self.state.state_dict())
@@ -275,19 +277,20 @@ class FaultTolerance:
         self.state.load_state_dict(unpack_state(self._snapshot))
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
-            key = (self._synced_epoch, step)
-            self._same_epoch_failures[key] = n = self._same_epoch_failures.get(key, 0) + 1
+            # Nobody was lost (a timeout, a mismatch, a message lost on the way): some ranks may
+            # have completed an operation that others did not, so their sequence numbers no longer
+            # agree. Ask for a fresh epoch with the same members: every rank's in-flight work fails,
+            # all roll back to the committed state and re-sync, in step again.
+            self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
             if n > self.max_step_retries:
                 raise RtxError(
-                    f"step {step} failed {n} times in epoch {self._synced_epoch} without a membership "
-                    f"change (max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
+                    f"step {step} failed {n} times without a membership change "
+                    f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
                 ) from exc
-            # Nobody was lost (a timeout or a remote error): make every member fail this step too,
-            # so all roll back to the same committed state and run the same operations next.
             try:
-                await self.pg.commit(step, ok=False, timeout=self.commit_timeout_s)
+                await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}")
             except RtxError as exc2:
-                log.warning("failure_vote_failed", error=str(exc2))
+                log.warning("reform_failed", error=str(exc2))
 
     async def _wait_world(self) -> None:
         loop_deadline = time.monotonic() + self.rejoin_window_s

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  epoch {r['epoch']}: {r['error']} lost={r['lost']}  detected after {det}, "
               f"recovered after {r['time_to_recover_s'] * 1000:.0f} ms, steps lost {r['steps_lost']}")
     for s in res["summary"]["stalls"]:
-        print(f"  commit stalled {s['seconds']:.2f} s at step {s['step']} (coordinator away); no step lost")
+        print(f"  a step's vote waited {s['seconds']:.2f} s at step {s['step']} (the coordinator away, or a peer late); no step lost")
     if not res["summary"]["recoveries"] and not res["summary"]["stalls"]:
         print("  no failure was observed by the ranks")
     if args.json:

@@ -28,6 +28,10 @@ Message types and their meaning:
   ``kv_wait`` reply comes when the key exists or the request's ``timeout_s`` runs out.
 - ``commit``: a rank's vote that ``step`` succeeded (or failed) in ``epoch``; the reply comes once
   every member voted (``committed`` true only if all voted success) or the epoch changed.
+- ``reform``: a member's request to open a new epoch with the same members, after an operation
+  failed without anyone being lost (a timeout, a mismatch, a message lost to a partition): the
+  ranks' sequence numbers may no longer agree, and only a fresh epoch realigns them. Only a request
+  that names the current epoch acts, so many ranks asking at once open one epoch.
 - ``status``: a snapshot of every job for ``rtxnet status``.
 - ``epoch`` (push): a new epoch was formed; carries the members and the ranks lost or added.
 - ``fenced`` (push): this agent belongs to an epoch that is gone; it must rejoin.
@@ -102,6 +106,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
         "metadata": (dict, False),
         "timeout_s": (_Num, True),
     },
+    "reform": {"identity": (str, True), "reason": (str, True)},
     "status": {},
     # --- answers ---------------------------------------------------------------------------------
     "reply": {"ok": (bool, True), "body": (dict, True)},
@@ -120,7 +125,8 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
 }
 
 REQUESTS = frozenset(
-    {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "status"}
+    {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
+     "status"}
 )
 PUSHES = frozenset({"epoch", "fenced"})
 

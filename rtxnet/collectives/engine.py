@@ -342,6 +342,7 @@ class Engine:
     """The collective engine of one process. Create it with :meth:`create`."""
 
     def __init__(self, *, bind_host: str, default_timeout_s: float, shm: bool, bulk: bool = True):
+        self._partitioned_until = 0.0  # fault injection, see partition()
         if default_timeout_s <= 0:
             raise ConfigError(f"default_timeout_s({default_timeout_s}) must be > 0")
         self.default_timeout_s = float(default_timeout_s)
@@ -508,7 +509,16 @@ class Engine:
         if self._bulk is not None and self.view is not None and group.epoch == self.view.epoch:
             self._bulk.drop_send_link(group.gid, group.ranks[g])
 
+    def partition(self, seconds: float | None) -> None:
+        """Fault injection: drop every incoming data message for ``seconds`` (None: for good),
+        as if the network to this rank were cut; operations then stall until their deadline or
+        until the coordinator declares the rank lost."""
+        self._partitioned_until = float("inf") if seconds is None else time.monotonic() + seconds
+        log.warning("data_plane_partitioned", seconds=seconds)
+
     def _on_message(self, h: DataHeader, payload, frame) -> None:
+        if self._partitioned_until and time.monotonic() < self._partitioned_until:
+            return
         v = self.view
         if v is None or h.epoch > v.epoch:
             if len(self._future_msgs) < _MAX_FUTURE_MSGS:

@@ -107,3 +107,10 @@ def test_kill_during_rendezvous_then_restart(tmp_path):
     results, proc = run_job(tmp_path, "kill:rank=3:at=rendezvous", "--max-restarts", "1")
     assert len(results) == 4 and "rank 3 exited with code 137; restart 1/1" in proc.stderr
     assert sorted(r["restart_count"] for r in results) == [0, 0, 0, 1]
+
+
+def test_partitioned_rank_is_fenced_and_the_group_realigns(tmp_path):
+    # Heartbeats and incoming peer data are dropped for 2 s: the rank is declared lost, rejoins
+    # while still deaf, and the ranks' sequence numbers drift apart; a reform realigns them.
+    results, _ = run_job(tmp_path, "partition:rank=2:step=10:seconds=2", "--min-ranks", "3", steps=150)
+    assert len(results) == 4 and recoveries(results)

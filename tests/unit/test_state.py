@@ -288,3 +288,18 @@ def test_overlong_job_id_is_refused():
     h = Harness()
     err = errors(h.join("a", job="j" * 300))
     assert err and "at most 256" in err[0]["message"]
+
+
+def test_reform_opens_one_new_epoch_with_the_same_members():
+    h = Harness()
+    for i in "abc":
+        h.join(i, min_ranks=3, max_ranks=3)
+    h.req("a", "commit", epoch=0, identity="a", step=1, ok=True, timeout_s=5.0)
+    out = h.req("b", "reform", epoch=0, identity="b", reason="mismatch")
+    ep = pushes(out)
+    assert set(ep) == {"a", "b", "c"} and ep["a"]["epoch"] == 1 and ep["a"]["reason"] == "reform"
+    assert [ep["a"]["members"][r]["identity"] for r in range(3)] == ["a", "b", "c"]
+    assert any(s.msg["t"] == "reply" and s.msg["body"].get("committed") is False for s in out)
+    # A second rank asking about the same (now old) epoch changes nothing.
+    assert not pushes(h.req("c", "reform", epoch=0, identity="c", reason="timeout"))
+    assert h.state.jobs["j"].epoch == 1
