@@ -227,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         acc = float((state.model.module(xte).argmax(1) == yte).float().mean())
     if rank == 0:
         events = _events(ft.events)
+        if resumed_from is not None and (out / "metrics.json").exists():
+            # Keep the failure history of the run this one resumes (events up to the checkpoint).
+            try:
+                before = json.loads((out / "metrics.json").read_text()).get("events", [])
+            except (OSError, ValueError):
+                before = []
+            events = [e for e in before if e.get("step", e.get("failed_step", 0)) < resumed_from] + events
         metrics = {
             "test_accuracy": acc, "steps": state.step, "world_size_end": pg.world_size,
             "global_batch": args.global_batch, "duration_s": round(duration_s, 3),
