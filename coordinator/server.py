@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from transport import wire
 from transport.channel import ControlServer, Disconnected, Inbound
 from transport.codec import Limits, decode, encode
 
@@ -130,7 +131,6 @@ class Coordinator:
                 # One bad request must not take the daemon down for every other job.
                 log.exception("step_failed", event=type(ev).__name__)
                 if isinstance(ev, Request):
-                    from transport import wire
                     sends.append(Send(ev.identity, wire.make("error", rid=ev.msg["rid"], job=ev.msg["job"],
                                                              error="RtxError", message="internal error in the coordinator")))
                 continue

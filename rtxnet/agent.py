@@ -165,21 +165,26 @@ class Agent:
             rejoin=self.membership is not None,
         )
 
-    async def _wait_admission(self, before: int, *, timeout_s: float) -> Membership:
+    async def _wait_until(self, done: Callable[[], bool], *, timeout_s: float, what: str) -> Membership:
+        """Wait, woken by every membership change, until ``done()``; returns the membership."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self._admissions <= before:
+        while not done():
             if self._closed:
                 raise ClosedError("agent closed")
             self._changed.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:
-                raise RtxTimeoutError(f"not admitted within {timeout_s:g} s")
+                raise RtxTimeoutError(f"{what} within {timeout_s:g} s")
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 continue
         return self.membership
+
+    async def _wait_admission(self, before: int, *, timeout_s: float) -> Membership:
+        return await self._wait_until(lambda: self._admissions > before, timeout_s=timeout_s,
+                                      what="not admitted")
 
     async def wait_epoch(self, after: int, *, timeout_s: float) -> Membership:
         """Wait until an epoch newer than ``after`` arrives; returns it.
@@ -188,20 +193,9 @@ class Agent:
             RtxTimeoutError: none within ``timeout_s``.
             ClosedError: the agent was closed.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.membership is None or self.membership.epoch <= after:
-            if self._closed:
-                raise ClosedError("agent closed")
-            self._changed.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise RtxTimeoutError(f"no epoch after {after} within {timeout_s:g} s")
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                continue
-        return self.membership
+        return await self._wait_until(
+            lambda: self.membership is not None and self.membership.epoch > after,
+            timeout_s=timeout_s, what=f"no epoch after {after}")
 
     # ------------------------------------------------------------------------------------------
     async def _request(self, mtype: str, *, deadline_s: float | None = None, **fields: Any) -> dict[str, Any]:
@@ -395,5 +389,3 @@ class Agent:
         if self._client is not None:
             await self._client.aclose()
 
-
-_ = RendezvousError  # re-exported for users catching join refusals

@@ -73,6 +73,26 @@ ALGORITHMS = {
 }
 
 
+def _parts(name: str, other: str, arg, n: int, N: int, dtype, *, readonly: bool) -> tuple[list, list]:
+    """``(buffers, parts)``: the :class:`Buffer` objects ``arg`` makes (to ``commit()`` after an
+    in-place write) and the ``n`` flat parts of ``N`` elements of ``dtype`` they hold; ``arg`` is a
+    list of ``n`` arrays, or one array of ``n * N`` elements cut in ``n``.
+
+    Raises:
+        ValueError: a part of another size or dtype (names which, and what ``other`` is).
+    """
+    parts = _as_list(name, arg, n)
+    if parts is not None:
+        for k, b in enumerate(parts):
+            if b.dtype != dtype or b.size != N:
+                raise ValueError(f"{name}[{k}] is {b.dtype}[{b.size}], {other} is {dtype}[{N}]")
+        return parts, [b.flat for b in parts]
+    buf = Buffer(arg, readonly=readonly)
+    if buf.dtype != dtype or buf.size != n * N:
+        raise ValueError(f"{name} is {buf.dtype}[{buf.size}], needs {dtype}[{n} * {N}]")
+    return [buf], [buf.flat[k * N:(k + 1) * N] for k in range(n)]
+
+
 def _as_list(name: str, x, n: int) -> list[Buffer] | None:
     if isinstance(x, (list, tuple)):
         if len(x) != n:
@@ -383,19 +403,7 @@ class Group:
         n = self.size
         ib = Buffer(input, readonly=True)
         N, dtype = ib.size, ib.dtype
-        outs = _as_list("all_gather output", output, n)
-        if outs is not None:
-            for k, o in enumerate(outs):
-                if o.dtype != dtype or o.size != N:
-                    raise ValueError(f"all_gather output[{k}] is {o.dtype}[{o.size}], input is "
-                                     f"{dtype}[{N}]")
-            slots = [o.flat for o in outs]
-        else:
-            ob = Buffer(output)
-            if ob.dtype != dtype or ob.size != n * N:
-                raise ValueError(f"all_gather output is {ob.dtype}[{ob.size}], needs "
-                                 f"{dtype}[{n} * {N}]")
-            slots = [ob.flat[k * N:(k + 1) * N] for k in range(n)]
+        out_bufs, slots = _parts("all_gather output", "input", output, n, N, dtype, readonly=False)
         algo = self._choose("all_gather", n * N * dtype.itemsize, algorithm)
         sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape)
 
@@ -409,7 +417,7 @@ class Group:
                     if slots[k] is not src:
                         np.copyto(slots[k], src)
                 await op.flush()
-            for b in outs if outs is not None else [ob]:
+            for b in out_bufs:
                 b.commit()
             return output
 
@@ -436,19 +444,7 @@ class Group:
         ob = Buffer(output)
         N, dtype = ob.size, ob.dtype
         rop = check_op_dtype(op, dtype)
-        ins = _as_list("reduce_scatter input", input, n)
-        if ins is not None:
-            for k, b in enumerate(ins):
-                if b.dtype != dtype or b.size != N:
-                    raise ValueError(f"reduce_scatter input[{k}] is {b.dtype}[{b.size}], output "
-                                     f"is {dtype}[{N}]")
-            chunks = [b.flat for b in ins]
-        else:
-            ibuf = Buffer(input, readonly=True)
-            if ibuf.dtype != dtype or ibuf.size != n * N:
-                raise ValueError(f"reduce_scatter input is {ibuf.dtype}[{ibuf.size}], needs "
-                                 f"{dtype}[{n} * {N}]")
-            chunks = [ibuf.flat[k * N:(k + 1) * N] for k in range(n)]
+        _, chunks = _parts("reduce_scatter input", "output", input, n, N, dtype, readonly=True)
         algo = self._choose("reduce_scatter", n * N * dtype.itemsize, algorithm)
         sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape)
 
