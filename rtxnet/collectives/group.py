@@ -40,6 +40,7 @@ from rtxnet.collectives.arrays import Buffer
 from rtxnet.collectives.arrays import payload_view as _view
 from rtxnet.collectives.doubling import recursive_doubling_all_reduce
 from rtxnet.collectives.engine import Engine, Op
+from rtxnet.collectives.gpu import is_gpu_array
 from rtxnet.collectives.reduce_ops import (
     ReduceOp,
     acc_dtype,
@@ -136,6 +137,8 @@ class Group:
         me = hosts.get(engine.view.rank)
         self.same_host = me is not None and all(hosts.get(r) == me for r in self.ranks)
         self._shm = shmops.ShmState(engine) if engine.shm_enabled and self.same_host else None
+        self._gpu_state = None
+        self._host_groups_cache = None
         engine._groups.append(self)
         return self
 
@@ -159,6 +162,17 @@ class Group:
         self._dead = exc
         if self._shm is not None:
             self._shm.close()
+        if self._gpu_state is not None:
+            self._gpu_state.close()
+
+    def _gpu(self):
+        """The group's :class:`rtxnet.collectives.gpu.backend.GpuGroup` (made on first GPU use)."""
+        self._check_usable()
+        if self._gpu_state is None:
+            from rtxnet.collectives.gpu.backend import GpuGroup
+
+            self._gpu_state = GpuGroup(self)
+        return self._gpu_state
 
     def _fail_queued(self, exc: BaseException) -> None:
         self._aborts += 1
@@ -233,6 +247,8 @@ class Group:
             except BaseException as exc:
                 if self._shm is not None:
                     self._shm.taint()
+                if self._gpu_state is not None:
+                    self._gpu_state.taint()
                 if not (op.failed_remotely or isinstance(
                         exc, (CollectiveMismatchError, PeerLostError, ClosedError))):
                     err = exc if not isinstance(exc, asyncio.CancelledError) else \
@@ -256,11 +272,16 @@ class Group:
         """Reduce ``tensor`` over the group; every rank ends with the result, in place.
 
         Args:
-            tensor: NumPy array or CPU DLPack tensor, any shape (0-d, empty and non-contiguous
-                views included); same shape and dtype on every rank; written in place.
+            tensor: NumPy array or CPU DLPack tensor, or a GPU array (CuPy array, torch CUDA
+                tensor: see :mod:`rtxnet.collectives.gpu`), any shape (0-d, empty and
+                non-contiguous views included); same shape and dtype on every rank; written in
+                place.
             op: ``ReduceOp``; float16/bfloat16 accumulate in float32, AVG divides at the end.
             timeout: seconds; ``None`` uses the engine's default.
-            algorithm: force ``"direct"``, ``"recursive_doubling"``, ``"ring"`` or ``"shm"``.
+            algorithm: CPU arrays: force ``"direct"``, ``"recursive_doubling"``, ``"ring"``,
+                ``"shm"`` or ``"hierarchical"`` (reduce within each host, all_reduce among the
+                hosts' first ranks, broadcast within each host); GPU arrays: ``"ipc"``,
+                ``"nccl"`` or ``"hierarchical"``.
 
         Returns:
             ``tensor``.
@@ -272,8 +293,12 @@ class Group:
             CollectiveTimeout: a rank did not contribute in time; ``exc.ranks`` names them.
             PeerLostError: a peer was lost meanwhile; ``tensor`` is undefined.
         """
+        if is_gpu_array(tensor):
+            return await self._gpu().all_reduce(tensor, op, timeout, algorithm)
         buf = Buffer(tensor)
         rop = check_op_dtype(op, buf.dtype)
+        if (algorithm or self.algorithm) == "hierarchical":
+            return await self._hierarchical_all_reduce(tensor, rop, timeout)
         nbytes = buf.size * buf.dtype.itemsize
         algo = self._choose("all_reduce", nbytes, algorithm)
         sig = self._sig("all_reduce", algo, rop, None, buf.dtype, buf.size, buf.shape)
@@ -328,6 +353,8 @@ class Group:
             ValueError, CollectiveMismatchError, CollectiveTimeout, PeerLostError: as
             :meth:`all_reduce`.
         """
+        if is_gpu_array(tensor):
+            return await self._gpu().broadcast(tensor, src, timeout, algorithm)
         src = self._check_root("broadcast", src)
         buf = Buffer(tensor, readonly=(self.rank == src))
         nbytes = buf.size * buf.dtype.itemsize
@@ -353,11 +380,14 @@ class Group:
         return await self._collective("broadcast", timeout, body)
 
     async def reduce(self, tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
-                     timeout: float | None = None):
+                     timeout: float | None = None, algorithm: str | None = None):
         """Reduce ``tensor`` over the group into ``tensor`` of group rank ``dst``.
 
-        Other ranks' ``tensor`` is left unchanged. Arguments and errors as :meth:`all_reduce`.
+        Other ranks' ``tensor`` is left unchanged. Arguments and errors as :meth:`all_reduce`
+        (``algorithm`` applies to GPU arrays only).
         """
+        if is_gpu_array(tensor):
+            return await self._gpu().reduce(tensor, dst, op, timeout, algorithm)
         dst = self._check_root("reduce", dst)
         buf = Buffer(tensor)
         rop = check_op_dtype(op, buf.dtype)
@@ -400,6 +430,8 @@ class Group:
             ValueError: output of the wrong size or dtype (before anything is sent); others as
             :meth:`all_reduce`.
         """
+        if is_gpu_array(input):
+            return await self._gpu().all_gather(output, input, timeout, algorithm)
         n = self.size
         ib = Buffer(input, readonly=True)
         N, dtype = ib.size, ib.dtype
@@ -440,6 +472,8 @@ class Group:
             As :meth:`all_reduce`. Bus bandwidth is reported with the factor (W-1)/W, as
             nccl-tests define it.
         """
+        if is_gpu_array(output):
+            return await self._gpu().reduce_scatter(output, input, op, timeout, algorithm)
         n = self.size
         ob = Buffer(output)
         N, dtype = ob.size, ob.dtype
@@ -476,6 +510,8 @@ class Group:
         ``gather_list`` is required on ``dst`` and ignored elsewhere. Returns ``gather_list``.
         Errors as :meth:`all_gather`.
         """
+        if is_gpu_array(tensor):
+            return await self._gpu().gather(tensor, gather_list, dst, timeout)
         dst = self._check_root("gather", dst)
         n = self.size
         ib = Buffer(tensor, readonly=True)
@@ -515,6 +551,8 @@ class Group:
         ``scatter_list`` (W arrays shaped like ``tensor``) is required on ``src`` only.
         Returns ``tensor``. Errors as :meth:`all_gather`.
         """
+        if is_gpu_array(tensor):
+            return await self._gpu().scatter(tensor, scatter_list, src, timeout)
         src = self._check_root("scatter", src)
         n = self.size
         ob = Buffer(tensor)
@@ -561,6 +599,8 @@ class Group:
             CollectiveMismatchError: ``field == "splits"`` when a rank's output size for a peer
             differs from what that peer sends; others as :meth:`all_reduce`.
         """
+        if is_gpu_array(input):
+            return await self._gpu().all_to_all(output, input, timeout)
         n = self.size
         ins = _as_list("all_to_all input", input, n)
         outs = _as_list("all_to_all output", output, n)
@@ -627,6 +667,12 @@ class Group:
             ValueError: bad ``dst``/``tag`` or dtype. ClosedError/PeerLostError: the group's
             epoch ended.
         """
+        if is_gpu_array(tensor):
+            self._check_root("send", dst)
+            return await self._gpu().send(tensor, dst, tag, timeout)
+        await self._send_host(tensor, dst, tag, timeout)
+
+    async def _send_host(self, tensor, dst: int, tag: int, timeout: float | None) -> None:
         dst = self._check_root("send", dst)
         if dst == self.rank:
             raise ValueError("send to self")
@@ -660,6 +706,12 @@ class Group:
             CollectiveMismatchError: the message's dtype or shape differs from ``tensor``'s.
             CollectiveTimeout: nothing arrived in time (``exc.ranks == [src's world rank]``).
         """
+        if is_gpu_array(tensor):
+            self._check_root("recv", src)
+            return await self._gpu().recv(tensor, src, tag, timeout)
+        return await self._recv_host(tensor, src, tag, timeout)
+
+    async def _recv_host(self, tensor, src: int, tag: int, timeout: float | None) -> int:
         src = self._check_root("recv", src)
         if src == self.rank:
             raise ValueError("recv from self")
@@ -679,6 +731,42 @@ class Group:
         np.copyto(buf.flat, _view(payload, buf.dtype, buf.size))
         buf.commit()
         return src
+
+    # -- hierarchical all_reduce (CPU and GPU arrays) ------------------------------------------
+
+    def _host_groups(self) -> tuple[Group, Group | None]:
+        """``(this host's ranks, the hosts' first ranks or None here)``, made once per group.
+        Hosts are those in ``WorldView.hosts`` (the agents' ``RTXNET_HOST`` or hostname)."""
+        if self._host_groups_cache is None:
+            hosts = self.engine.view.hosts
+            by_host: dict = {}
+            for r in self.ranks:
+                by_host.setdefault(hosts.get(r), []).append(r)
+            mine = by_host[hosts.get(self.ranks[self.rank])]
+            intra = self.new_group(mine)
+            leaders = self.new_group(sorted(v[0] for v in by_host.values()))
+            self._host_groups_cache = (intra, leaders)
+        return self._host_groups_cache
+
+    async def _hierarchical_all_reduce(self, tensor, rop: ReduceOp, timeout: float | None):
+        """all_reduce as reduce to each host's first rank, all_reduce among those, broadcast
+        within each host: the bytes crossing hosts are one array per host instead of one per rank.
+        AVG runs as SUM and divides once at the end (float16/bfloat16 round at each stage)."""
+        gpu = is_gpu_array(tensor)
+        intra, leaders = self._host_groups()
+        sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+
+        async def body(op: Op):
+            await intra.reduce(tensor, 0, sub, timeout=timeout)
+            if leaders is not None:
+                await leaders.all_reduce(tensor, sub, timeout=timeout,
+                                         algorithm="nccl" if gpu else None)
+            await intra.broadcast(tensor, 0, timeout=timeout)
+            if rop is ReduceOp.AVG:
+                _divide_in_place(tensor, self.size)
+            return tensor
+
+        return await self._collective("all_reduce", timeout, body)
 
     # -- subgroups -----------------------------------------------------------------------------
 
@@ -734,6 +822,20 @@ class Group:
         members = sorted((c[1], g) for g, c in colors.items() if c[0] == mine[0])
         ranks = [self.ranks[g] for _, g in members]
         return Group._create(self.engine, f"{self.gid}/{seq_box['seq']}:{mine[0]}", ranks)
+
+
+def _divide_in_place(tensor, n: int) -> None:
+    """``tensor /= n`` in place: torch tensors on their current stream, CuPy arrays on CuPy's,
+    NumPy arrays (and bfloat16) on the host."""
+    if type(tensor).__module__.startswith("torch"):
+        tensor.div_(n)
+    elif isinstance(tensor, np.ndarray):
+        np.divide(tensor, n, out=tensor, casting="unsafe")
+    elif is_gpu_array(tensor):
+        tensor /= n
+    else:
+        a = Buffer(tensor).array
+        np.divide(a, n, out=a, casting="unsafe")
 
 
 def _check_splits(group: Group, splits: dict[int, list]) -> None:

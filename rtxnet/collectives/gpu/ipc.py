@@ -1,0 +1,333 @@
+"""Same-host GPU collectives over CUDA IPC: peers map each other's buffers and run CuPy kernels.
+
+Every rank of a group on one host (several may share one GPU, which NCCL refuses) exports the
+allocations that hold its buffers (``cudaIpcGetMemHandle`` of the allocation's base, found with
+``cuMemGetAddressRange``, plus the offset) in the operation's signature exchange (``Op.hello``);
+a peer opens each handle once (``cudaIpcOpenMemHandle``) and caches it by the handle's bytes, so a
+training loop that reuses its buckets opens nothing after the first step. Handles are closed when
+the group's epoch ends and at exit.
+
+Ordering uses two inter-process CUDA events per rank and group, ``ready`` and ``done``:
+
+1. rtxnet's stream waits for the user's stream, then records ``ready``; the hello carries the
+   buffer handles and the event handles.
+2. On receiving every peer's hello, the stream waits on each peer's ``ready`` (already recorded,
+   since the hello is sent after the record), then runs this rank's share of the work, reading
+   and writing peers' memory directly.
+3. It records ``done`` and sends a small "done" message; on receiving every peer's, the stream
+   waits on each peer's ``done``, and the user's stream waits on rtxnet's. The coroutine returns
+   once that point has completed on the GPU (polled, see :mod:`.stream`).
+
+Why this is race-free with one event of each kind: a rank records ``ready`` of operation k+1 only
+after operation k finished on its host side, which needs every peer's "done" message of k, which
+each peer sends after enqueuing its waits of k. The same argument holds for ``done``.
+
+Work per rank, with ``W`` ranks and ``S`` bytes per rank (every rank's input read once and every
+output written once, the physical limit when ranks share one GPU's memory):
+
+============== =================================================================================
+all_reduce     reduce chunk ``r`` of every rank's buffer, write it to chunk ``r`` of every buffer
+               (one fused kernel: reads S, writes S)
+reduce_scatter reduce part ``r`` of every rank's input into this rank's output
+all_gather     one kernel reads this rank's input once and writes it to slot ``r`` of every output
+reduce         chunk ``r`` of every rank's buffer reduced into the root's buffer
+broadcast      every other rank copies the root's buffer (copy engine)
+gather/scatter each rank copies its part to/from the root; all_to_all: each rank pulls its parts
+============== =================================================================================
+
+A rank killed during an operation is reported by the control plane (``PeerLostError`` from the
+engine); this rank's memory stays valid (peers only ever write the chunks they own, and only
+after this rank's ``ready``), its mapping of the dead peer is dropped with the group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import OrderedDict
+
+import structlog
+
+from rtxnet.collectives.gpu import kernels
+from rtxnet.collectives.gpu.stream import DeviceStream, await_event
+from rtxnet.collectives.reduce_ops import ReduceOp
+from transport.errors import CollectiveError
+
+__all__ = ["IpcState", "MAX_RANKS", "chunk_bounds"]
+
+log = structlog.get_logger(__name__)
+
+MAX_RANKS = kernels.MAX_POINTERS  # a fused kernel takes at most this many peer pointers
+_DONE_STEP = 1
+_OPEN_CACHE = 256                 # opened peer allocations kept per group
+_libcuda = None
+
+
+def _address_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation containing ``ptr`` (``cuMemGetAddressRange``).
+
+    Raises:
+        CollectiveError: the driver refuses (not device memory).
+    """
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuMemGetAddressRange_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                       ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        _libcuda = fn
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = _libcuda(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise CollectiveError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}: "
+                              f"not CUDA device memory of this process")
+    return int(base.value), int(size.value)
+
+
+def chunk_bounds(count: int, n: int, itemsize: int) -> list[int]:
+    """``n + 1`` element boundaries cutting ``count`` elements in ``n`` near-equal chunks whose
+    starts are 16-byte multiples (so every chunk can take the kernels' vector path)."""
+    v = max(1, 16 // itemsize)
+    b = [(c * count // n) // v * v for c in range(n)]
+    b.append(count)
+    return b
+
+
+class IpcState:
+    """CUDA IPC state of one group on one device: stream, events, opened peer allocations.
+
+    Args:
+        group: the :class:`rtxnet.collectives.group.Group`.
+        device: CUDA device ordinal the group's arrays live on.
+        stream: the group's :class:`DeviceStream` on ``device`` (a new one if None).
+
+    Raises:
+        ValueError: the group has more than ``MAX_RANKS`` ranks.
+    """
+
+    def __init__(self, group, device: int, stream: DeviceStream | None = None):
+        import cupy
+
+        if group.size > MAX_RANKS:
+            raise ValueError(f"CUDA IPC collectives take at most {MAX_RANKS} ranks per group, "
+                             f"group {group.gid!r} has {group.size}")
+        self._cupy = cupy
+        self._rt = cupy.cuda.runtime
+        self.group = group
+        self.device = device
+        self.stream = stream if stream is not None else DeviceStream(device)
+        with self.stream.use():
+            self._ready = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            self._done = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            self._ready_h = bytes(self._rt.ipcGetEventHandle(self._ready.ptr))
+            self._done_h = bytes(self._rt.ipcGetEventHandle(self._done.ptr))
+        self._opened: OrderedDict[bytes, int] = OrderedDict()   # mem handle -> mapped base
+        self._peer_events: dict[bytes, int] = {}                 # event handle -> event
+        self._peer_done: dict[int, int] = {}                     # group rank -> done event
+        self._tainted = False
+        self._closed = False
+
+    # -- export and map ----------------------------------------------------------------------
+
+    def _export(self, ptr: int) -> list | None:
+        if not ptr:
+            return None
+        with self.stream.use():
+            base, _ = _address_range(ptr)
+            handle = bytes(self._rt.ipcGetMemHandle(base))
+        return [handle, ptr - base]
+
+    def _map(self, g: int, item) -> int:
+        if item is None:
+            return 0
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)
+                and isinstance(item[1], int) and item[1] >= 0):
+            raise CollectiveError(f"malformed IPC buffer offer from rank {self.group.ranks[g]}")
+        handle, offset = item
+        base = self._opened.get(handle)
+        if base is None:
+            with self.stream.use():
+                base = int(self._rt.ipcOpenMemHandle(handle))
+            self._opened[handle] = base
+            if len(self._opened) > _OPEN_CACHE:
+                self._evict()
+        else:
+            self._opened.move_to_end(handle)
+        return base + offset
+
+    def _evict(self) -> None:
+        # rare: the stream must be idle before an old mapping goes (a kernel may still read it)
+        self.stream.stream.synchronize()
+        while len(self._opened) > _OPEN_CACHE // 2:
+            _, base = self._opened.popitem(last=False)
+            with self.stream.use():
+                self._rt.ipcCloseMemHandle(base)
+
+    def _event(self, handle) -> int:
+        if not isinstance(handle, bytes):
+            raise CollectiveError("malformed IPC event handle")
+        ev = self._peer_events.get(handle)
+        if ev is None:
+            with self.stream.use():
+                ev = int(self._rt.ipcOpenEventHandle(handle))
+            self._peer_events[handle] = ev
+        return ev
+
+    # -- the three phases of every operation ---------------------------------------------------
+
+    async def exchange(self, op, sig: list, user_stream: int, exports: list[int],
+                       extra=None) -> tuple[dict[int, list[int]], dict]:
+        """Phase 1-2: order after the user's stream, offer ``exports`` (device addresses) and the
+        events in the hello, map every peer's offers and wait (on the GPU) for their ``ready``.
+
+        Returns:
+            ``(ptrs, extras)``: group rank -> the addresses it offered, as mapped here (this
+            rank's own included, 0 for an empty buffer); group rank -> its ``extra``.
+
+        Raises:
+            CollectiveMismatchError, CollectiveTimeout, PeerLostError: from the hello.
+        """
+        if self._closed:
+            raise CollectiveError(f"IPC state of group {self.group.gid!r} is closed")
+        if self._tainted:
+            # an earlier operation failed half way: let whatever it enqueued drain first
+            self.stream.stream.synchronize()
+            self._tainted = False
+        self.stream.after(user_stream)
+        with self.stream.use():
+            self._rt.eventRecord(self._ready.ptr, self.stream.ptr)
+        offer = [os.getpid(), [self._export(p) for p in exports], self._ready_h, self._done_h,
+                 extra]
+        got = await op.hello(sig, offer)
+        ptrs: dict[int, list[int]] = {op.r: list(exports)}
+        extras = {op.r: extra}
+        for g in op.peers:
+            d = got[g][0]
+            if not (isinstance(d, list) and len(d) == 5 and isinstance(d[1], list)):
+                raise CollectiveError(f"malformed IPC offer from rank {self.group.ranks[g]}")
+            if d[0] == os.getpid():
+                raise CollectiveError(f"rank {self.group.ranks[g]} is this process; CUDA IPC "
+                                      f"needs one process per rank")
+            ptrs[g] = [self._map(g, item) for item in d[1]]
+            self._peer_done[g] = self._event(d[3])
+            self._rt.streamWaitEvent(self.stream.ptr, self._event(d[2]), 0)
+            extras[g] = d[4]
+        return ptrs, extras
+
+    async def finish(self, op, user_stream: int) -> None:
+        """Phase 3: signal ``done``, wait for every peer's, order the user's stream after, and
+        return once that point has completed on the GPU."""
+        with self.stream.use():
+            self._rt.eventRecord(self._done.ptr, self.stream.ptr)
+        for g in op.peers:
+            op.send(g, _DONE_STEP)
+        await op.recv_all(op.peers, _DONE_STEP)
+        for g in op.peers:
+            self._rt.streamWaitEvent(self.stream.ptr, self._peer_done[g], 0)
+        ev = self.stream.before(user_stream)
+        await await_event(ev, op)
+
+    def taint(self) -> None:
+        self._tainted = True
+
+    # -- operations (inside Group._collective; ``op`` is the running Op) -------------------------
+
+    def _reduce(self, srcs, dsts, count, dtype, rop, n) -> None:
+        if count > 0:
+            kernels.launch_reduce(srcs, dsts, count, dtype, rop, avg_n=n, stream=self.stream.ptr,
+                                  device=self.device)
+
+    async def all_reduce(self, op, sig, buf, rop: ReduceOp) -> None:
+        n, r, isz = op.n, op.r, buf.dtype.itemsize
+        ptrs, _ = await self.exchange(op, sig, buf.stream, [buf.ptr])
+        b = chunk_bounds(buf.size, n, isz)
+        at = [ptrs[g][0] + b[r] * isz for g in range(n)]
+        self._reduce(at, at, b[r + 1] - b[r], buf.dtype, rop, n)
+        await self.finish(op, buf.stream)
+
+    async def reduce(self, op, sig, buf, root: int, rop: ReduceOp) -> None:
+        n, r, isz = op.n, op.r, buf.dtype.itemsize
+        ptrs, _ = await self.exchange(op, sig, buf.stream, [buf.ptr])
+        b = chunk_bounds(buf.size, n, isz)
+        srcs = [ptrs[g][0] + b[r] * isz for g in range(n)]
+        self._reduce(srcs, [ptrs[root][0] + b[r] * isz], b[r + 1] - b[r], buf.dtype, rop, n)
+        await self.finish(op, buf.stream)
+
+    async def reduce_scatter(self, op, sig, parts: list[int], out, rop: ReduceOp) -> None:
+        n, r = op.n, op.r
+        ptrs, _ = await self.exchange(op, sig, out.stream, parts)
+        self._reduce([ptrs[g][r] for g in range(n)], [out.ptr], out.size, out.dtype, rop, n)
+        await self.finish(op, out.stream)
+
+    async def all_gather(self, op, sig, inp, slots: list[int]) -> None:
+        n, r = op.n, op.r
+        ptrs, _ = await self.exchange(op, sig, inp.stream, slots)
+        self._reduce([inp.ptr], [ptrs[g][r] for g in range(n)], inp.size, inp.dtype,
+                     ReduceOp.SUM, 1)
+        await self.finish(op, inp.stream)
+
+    async def broadcast(self, op, sig, buf, root: int) -> None:
+        me = op.r == root
+        ptrs, _ = await self.exchange(op, sig, buf.stream, [buf.ptr] if me else [])
+        if not me and buf.nbytes:
+            kernels.copy(buf.ptr, ptrs[root][0], buf.nbytes, stream=self.stream.ptr)
+        await self.finish(op, buf.stream)
+
+    async def gather(self, op, sig, inp, slots: list[int] | None, root: int) -> None:
+        me = op.r == root
+        ptrs, _ = await self.exchange(op, sig, inp.stream, slots if me else [])
+        if inp.nbytes:
+            kernels.copy(ptrs[root][op.r], inp.ptr, inp.nbytes, stream=self.stream.ptr)
+        await self.finish(op, inp.stream)
+
+    async def scatter(self, op, sig, parts: list[int] | None, out, root: int) -> None:
+        me = op.r == root
+        ptrs, _ = await self.exchange(op, sig, out.stream, parts if me else [])
+        if out.nbytes:
+            kernels.copy(out.ptr, ptrs[root][op.r], out.nbytes, stream=self.stream.ptr)
+        await self.finish(op, out.stream)
+
+    async def all_to_all(self, op, sig, user_stream: int, parts: list[int], splits: list,
+                         outs: list[int], itemsize: int, check_splits) -> None:
+        """Each rank pulls peer g's part for it into its own output part g.
+
+        ``splits`` = ``[sent counts, received counts]``; ``check_splits(dict g -> splits)`` raises
+        the mismatch error on every rank when a sender and receiver disagree.
+        """
+        ptrs, extras = await self.exchange(op, sig, user_stream, parts, splits)
+        check_splits(extras)
+        r = op.r
+        for g in range(op.n):
+            nbytes = splits[1][g] * itemsize
+            if nbytes:
+                kernels.copy(outs[g], ptrs[g][r], nbytes, stream=self.stream.ptr)
+        await self.finish(op, user_stream)
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap every peer allocation and drop the events (epoch end, group retired, exit).
+        Idempotent; waits up to the stream's drain only if nothing failed on it."""
+        if self._closed:
+            return
+        self._closed = True
+        rt = self._rt
+        try:
+            with self.stream.use():
+                if not self._tainted:
+                    self.stream.stream.synchronize()
+                for base in self._opened.values():
+                    try:
+                        rt.ipcCloseMemHandle(base)
+                    except Exception as exc:  # noqa: BLE001 - best effort at teardown
+                        log.debug("ipc_close_failed", error=str(exc))
+                for ev in self._peer_events.values():
+                    try:
+                        rt.eventDestroy(ev)
+                    except Exception as exc:  # noqa: BLE001
+                        log.debug("ipc_event_destroy_failed", error=str(exc))
+        finally:
+            self._opened.clear()
+            self._peer_events.clear()
+            self._peer_done.clear()

@@ -1,0 +1,72 @@
+"""Hierarchical all_reduce on CPU arrays: ranks on simulated hosts (``WorldView.hosts``), reduce
+within each host, all_reduce among the hosts' first ranks, broadcast back; results equal the flat
+all_reduce's for every op, with uneven ranks per host, and a rank killed mid-way is reported."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rtxnet.collectives import ReduceOp
+from transport.errors import CollectiveTimeout, PeerLostError
+
+from .harness import RankError, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+HOSTS = {0: "a", 1: "a", 2: "b", 3: "b", 4: "b"}   # uneven: 2 ranks on a, 3 on b
+
+
+async def hier(engine, cases):
+    w = engine.world
+    out = []
+    for dtype, op, n in cases:
+        rng = np.random.default_rng(w.rank * 7 + n)
+        x = (rng.integers(1, 5, n) if op is not ReduceOp.AVG else rng.random(n)).astype(dtype)
+        ref = x.copy()
+        await w.all_reduce(ref, op, algorithm="direct" if n <= 1000 else "ring")
+        await w.all_reduce(x, op, algorithm="hierarchical")
+        out.append((x.astype(np.float64).tolist(), ref.astype(np.float64).tolist()))
+    intra, leaders = w._host_groups()
+    return out, (intra.ranks, None if leaders is None else leaders.ranks)
+
+
+def test_hierarchical_equals_flat():
+    cases = [(np.float32, ReduceOp.SUM, 1000), (np.int64, ReduceOp.MAX, 17),
+             (np.float64, ReduceOp.AVG, 5), (np.int32, ReduceOp.PROD, 3),
+             (np.float32, ReduceOp.SUM, 0), (np.float32, ReduceOp.MIN, 300_000),
+             (ml_dtypes.bfloat16, ReduceOp.SUM, 64)]
+    res = run_world(5, hier, cases, hosts=HOSTS)
+    for r in range(5):
+        res[r], groups = res[r]
+        assert groups == (([0, 1] if r < 2 else [2, 3, 4]), ([0, 2] if r in (0, 2) else None))
+        for (got, ref), (dtype, op, n) in zip(res[r], cases):
+            np.testing.assert_allclose(got, ref, rtol=1e-2 if n == 64 else 1e-6,
+                                       err_msg=f"rank {r} {dtype} {op} {n}")
+        assert [c[0] for c in res[r]] == [c[0] for c in res[0]]
+
+
+async def hier_kill(engine):
+    w = engine.world
+    x = np.ones(10, np.float32)
+    await w.all_reduce(x, algorithm="hierarchical")
+    if w.rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        await w.all_reduce(x, algorithm="hierarchical", timeout=3)
+    except (CollectiveTimeout, PeerLostError) as exc:
+        return type(exc).__name__
+    return "completed"
+
+
+def test_hierarchical_reports_a_killed_rank():
+    """Without a coordinator nobody declares rank 3 lost, so every survivor must get a timeout
+    (or an abort naming it) instead of hanging; the host-mates of rank 3 wait on it directly."""
+    res = run_world(5, hier_kill, hosts=HOSTS, timeout_s=60, return_exceptions=True)
+    assert isinstance(res[3], RankError)
+    for r in (0, 1, 2, 4):
+        assert res[r] in ("CollectiveTimeout", "PeerLostError"), (r, res[r])
