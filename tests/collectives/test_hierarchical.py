@@ -44,7 +44,7 @@ def test_hierarchical_equals_flat():
     for r in range(5):
         res[r], groups = res[r]
         assert groups == (([0, 1] if r < 2 else [2, 3, 4]), ([0, 2] if r in (0, 2) else None))
-        for (got, ref), (dtype, op, n) in zip(res[r], cases):
+        for (got, ref), (dtype, op, n) in zip(res[r], cases, strict=True):
             np.testing.assert_allclose(got, ref, rtol=1e-2 if n == 64 else 1e-6,
                                        err_msg=f"rank {r} {dtype} {op} {n}")
         assert [c[0] for c in res[r]] == [c[0] for c in res[0]]

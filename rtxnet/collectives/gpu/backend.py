@@ -440,15 +440,13 @@ class GpuGroup:
         return got
 
     async def _to_host(self, buf: GpuBuffer) -> np.ndarray:
-        import cupy
-
         self._bind(buf)
         host = np.empty(buf.size, buf.dtype)
         if buf.size:
             self.stream.after(buf.stream)
             view = _cupy_view(buf.ptr, buf.size, buf.dtype, buf.device)
             with self.stream.use():
-                view.get(stream=self.stream.stream, out=host.view(view.dtype))
+                view.get(stream=self.stream.stream, out=host.view(view.dtype), blocking=False)
             await await_event(self.stream.record())
         return host.reshape(buf.shape)
 

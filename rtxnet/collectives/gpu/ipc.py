@@ -7,20 +7,25 @@ a peer opens each handle once (``cudaIpcOpenMemHandle``) and caches it by the ha
 training loop that reuses its buckets opens nothing after the first step. Handles are closed when
 the group's epoch ends and at exit.
 
-Ordering uses two inter-process CUDA events per rank and group, ``ready`` and ``done``:
+Ordering uses one inter-process CUDA event per rank and group, ``ready``:
 
-1. rtxnet's stream waits for the user's stream, then records ``ready``; the hello carries the
-   buffer handles and the event handles.
-2. On receiving every peer's hello, the stream waits on each peer's ``ready`` (already recorded,
-   since the hello is sent after the record), then runs this rank's share of the work, reading
-   and writing peers' memory directly.
-3. It records ``done`` and sends a small "done" message; on receiving every peer's, the stream
-   waits on each peer's ``done``, and the user's stream waits on rtxnet's. The coroutine returns
-   once that point has completed on the GPU (polled, see :mod:`.stream`).
+1. rtxnet's stream waits for the user's stream, then records ``ready``; the hello, sent at once
+   (so the message overlaps the GPU work still pending before ``ready``), carries the buffer
+   handles and the event's handle.
+2. On receiving every peer's hello, the host polls each peer's ``ready`` (``cudaEventQuery`` on
+   the opened handle) until it has completed, then enqueues this rank's share of the work,
+   reading and writing peers' memory directly.
+3. Once that work has completed (polled), the rank sends a small "done" message; on receiving
+   every peer's, every write into this rank's memory is complete, and the operation returns.
 
-Why this is race-free with one event of each kind: a rank records ``ready`` of operation k+1 only
-after operation k finished on its host side, which needs every peer's "done" message of k, which
-each peer sends after enqueuing its waits of k. The same argument holds for ``done``.
+The stream never waits on the GPU for another process: a peer that dies before its ``ready``
+completes would otherwise leave this rank's stream blocked forever, with a kernel queued behind
+the wait that could write into memory already reused after recovery. Host-side polling instead
+ends with the op's ``PeerLostError`` or ``CollectiveTimeout``, and nothing is left queued.
+
+Why one event suffices: a rank records ``ready`` of operation k+1 only after operation k finished
+on its host side, which needs every peer's "done" message of k, which each peer sends after it
+stopped polling ``ready`` of k.
 
 Work per rank, with ``W`` ranks and ``S`` bytes per rank (every rank's input read once and every
 output written once, the physical limit when ranks share one GPU's memory):
@@ -42,6 +47,7 @@ after this rank's ``ready``), its mapping of the dead peer is dropped with the g
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 from collections import OrderedDict
@@ -119,12 +125,9 @@ class IpcState:
         self.stream = stream if stream is not None else DeviceStream(device)
         with self.stream.use():
             self._ready = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
-            self._done = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
             self._ready_h = bytes(self._rt.ipcGetEventHandle(self._ready.ptr))
-            self._done_h = bytes(self._rt.ipcGetEventHandle(self._done.ptr))
         self._opened: OrderedDict[bytes, int] = OrderedDict()   # mem handle -> mapped base
         self._peer_events: dict[bytes, int] = {}                 # event handle -> event
-        self._peer_done: dict[int, int] = {}                     # group rank -> done event
         self._tainted = False
         self._closed = False
 
@@ -179,7 +182,8 @@ class IpcState:
     async def exchange(self, op, sig: list, user_stream: int, exports: list[int],
                        extra=None) -> tuple[dict[int, list[int]], dict]:
         """Phase 1-2: order after the user's stream, offer ``exports`` (device addresses) and the
-        events in the hello, map every peer's offers and wait (on the GPU) for their ``ready``.
+        ``ready`` event in the hello, map every peer's offers and wait (polling on the host) until
+        every peer's ``ready`` has completed.
 
         Returns:
             ``(ptrs, extras)``: group rank -> the addresses it offered, as mapped here (this
@@ -197,36 +201,61 @@ class IpcState:
         self.stream.after(user_stream)
         with self.stream.use():
             self._rt.eventRecord(self._ready.ptr, self.stream.ptr)
-        offer = [os.getpid(), [self._export(p) for p in exports], self._ready_h, self._done_h,
-                 extra]
+        offer = [os.getpid(), [self._export(p) for p in exports], self._ready_h, extra]
         got = await op.hello(sig, offer)
         ptrs: dict[int, list[int]] = {op.r: list(exports)}
         extras = {op.r: extra}
+        waits = {}
         for g in op.peers:
             d = got[g][0]
-            if not (isinstance(d, list) and len(d) == 5 and isinstance(d[1], list)):
+            if not (isinstance(d, list) and len(d) == 4 and isinstance(d[1], list)):
                 raise CollectiveError(f"malformed IPC offer from rank {self.group.ranks[g]}")
             if d[0] == os.getpid():
                 raise CollectiveError(f"rank {self.group.ranks[g]} is this process; CUDA IPC "
                                       f"needs one process per rank")
             ptrs[g] = [self._map(g, item) for item in d[1]]
-            self._peer_done[g] = self._event(d[3])
-            self._rt.streamWaitEvent(self.stream.ptr, self._event(d[2]), 0)
-            extras[g] = d[4]
+            waits[g] = self._event(d[2])
+            extras[g] = d[3]
+        await self._await_peer_events(op, waits)
         return ptrs, extras
 
+    async def _await_peer_events(self, op, waits: dict[int, int]) -> None:
+        """Poll ``cudaEventQuery`` on peers' events (group rank -> event) until all completed.
+
+        Raises:
+            op.error once the op failed; CollectiveError if the driver reports an error other
+            than "not ready" for a peer's event.
+        """
+        delay = 20e-6
+        not_ready = getattr(self._rt, "errorNotReady", 600)
+        while waits:
+            for g, ev in list(waits.items()):
+                try:
+                    rc = self._rt.eventQuery(ev)
+                except Exception as exc:  # noqa: BLE001 - CUDARuntimeError for a failed event
+                    raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed: "
+                                          f"{exc}") from exc
+                if rc == 0:
+                    del waits[g]
+                elif rc != not_ready:
+                    raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed with "
+                                          f"cudaError {rc}")
+            if not waits:
+                return
+            if op.error is not None:
+                raise op.error
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
     async def finish(self, op, user_stream: int) -> None:
-        """Phase 3: signal ``done``, wait for every peer's, order the user's stream after, and
-        return once that point has completed on the GPU."""
-        with self.stream.use():
-            self._rt.eventRecord(self._done.ptr, self.stream.ptr)
+        """Phase 3: wait (polling) until this rank's work has completed, tell every peer, wait
+        for every peer's word (their writes into this rank's memory are then complete), and
+        order the user's stream after rtxnet's."""
+        await await_event(self.stream.record(), op)
         for g in op.peers:
             op.send(g, _DONE_STEP)
         await op.recv_all(op.peers, _DONE_STEP)
-        for g in op.peers:
-            self._rt.streamWaitEvent(self.stream.ptr, self._peer_done[g], 0)
-        ev = self.stream.before(user_stream)
-        await await_event(ev, op)
+        self.stream.before(user_stream)
 
     def taint(self) -> None:
         self._tainted = True
@@ -330,4 +359,3 @@ class IpcState:
         finally:
             self._opened.clear()
             self._peer_events.clear()
-            self._peer_done.clear()
