@@ -123,6 +123,8 @@ class ProcessGroup:
         self._engine = engine
         self.timeouts = timeouts
         self.store = Store(agent)
+        if engine is not None:
+            engine.kv = self.store   # NCCL unique ids travel through the journaled store
         # While a FaultTolerance step runs, collectives go to the world group of the epoch the step
         # began in; after a membership change that group is retired and raises, so a step never
         # mixes two worlds.

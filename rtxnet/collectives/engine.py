@@ -350,6 +350,9 @@ class Engine:
         self.view: WorldView | None = None
         self.world = None
         self.hostname = os.uname().nodename
+        # the job's key-value store (rtxnet.process_group.Store), set by the process group; None
+        # for a bare engine, where NCCL unique ids go through the group's own messages instead
+        self.kv = None
         self._mesh = PeerMesh(bind_host, self._on_message)
         self._bulk = None
         if bulk and bulk_mod.AVAILABLE:
