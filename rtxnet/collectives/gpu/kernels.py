@@ -197,13 +197,35 @@ _kernels: dict[tuple[np.dtype, ReduceOp, int], Any] = {}  # cupy.RawKernel
 _sm_counts: dict[int, int] = {}
 
 
-class _StreamPtr:
-    """A raw ``cudaStream_t`` in the one attribute CuPy's kernel launch reads (``.ptr``)."""
+class _StreamProto:
+    """A raw ``cudaStream_t`` speaking the CUDA stream protocol (``__cuda_stream__``)."""
 
     __slots__ = ("ptr",)
 
     def __init__(self, ptr: int):
         self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_wrapped_streams: dict[tuple[int, int], object] = {}
+
+
+def _cupy_stream(ptr: int, device: int):
+    """A CuPy stream object for raw stream ``ptr`` of ``device``, to make current with ``with``
+    while launching: the one way every CuPy version (13: ``ExternalStream``; 14:
+    ``Stream.from_external``) takes a foreign stream for a ``RawKernel`` launch."""
+    import cupy
+
+    s = _wrapped_streams.get((ptr, device))
+    if s is None:
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            s = cupy.cuda.Stream.from_external(_StreamProto(ptr))
+        else:  # pragma: no cover - CuPy 13
+            s = cupy.cuda.ExternalStream(ptr, device)
+        _wrapped_streams[(ptr, device)] = s
+    return s
 
 
 def launch_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: np.dtype,
@@ -260,7 +282,8 @@ def launch_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: n
         if sms is None:
             sms = _sm_counts[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
         blocks = max(1, min(sms * BLOCKS_PER_SM, -(-work // BLOCK)))
-        kernel((blocks,), (BLOCK,), tuple(args), stream=_StreamPtr(int(stream)))
+        with _cupy_stream(int(stream), device):
+            kernel((blocks,), (BLOCK,), tuple(args))
 
 
 def copy(dst: int, src: int, nbytes: int, *, stream: int) -> None:
