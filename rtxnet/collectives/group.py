@@ -249,13 +249,16 @@ class Group:
                     self._shm.taint()
                 if self._gpu_state is not None:
                     self._gpu_state.taint()
-                if not (op.failed_remotely or isinstance(
+                # errors every rank raises by itself from the same exchanged data (e.g. NCCL
+                # refusing ranks that share a GPU) need no abort and win over a peer's abort
+                everywhere = getattr(exc, "raised_on_every_rank", False)
+                if not (op.failed_remotely or everywhere or isinstance(
                         exc, (CollectiveMismatchError, PeerLostError, ClosedError))):
                     err = exc if not isinstance(exc, asyncio.CancelledError) else \
                         CollectiveError("cancelled on that rank")
                     engine._abort_peers(op, err)
-                if op.error is not None and exc is not op.error and not isinstance(
-                        exc, asyncio.CancelledError):
+                if op.error is not None and exc is not op.error and not everywhere and not \
+                        isinstance(exc, asyncio.CancelledError):
                     raise op.error from exc
                 raise
             finally:

@@ -23,6 +23,8 @@ stream is ordered after it. send/recv of GPU arrays go through host memory.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from rtxnet.collectives.gpu.arrays import GpuBuffer, gpu_buffers
@@ -117,7 +119,10 @@ class GpuGroup:
         from rtxnet.topology import gpu_identity, host_id
 
         ident = gpu_identity(self.device)
-        return {"host": host_id(), "uuid": ident.get("uuid", ""), "device": self.device}
+        # without a UUID (no NVML) the PCI bus id names the GPU; without both, nothing can be
+        # compared, and NCCL's own refusal of a shared GPU is what the user sees
+        uuid = ident.get("uuid") or ident.get("pci_bus_id") or f"unknown:{os.getpid()}"
+        return {"host": host_id(), "uuid": uuid, "device": self.device}
 
     async def _hello(self, op, sig) -> None:
         """NCCL's signature exchange; the first one also carries every rank's GPU identity."""

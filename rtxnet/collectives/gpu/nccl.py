@@ -58,11 +58,14 @@ class NcclUnavailableError(CollectiveError):
 
     Attributes:
         ranks: world ranks concerned (those sharing a GPU), sorted; empty when not rank-specific.
+        raised_on_every_rank: True when every rank decided it from the same exchanged topology
+            (so no abort is sent and this error, not a peer's abort, reaches every caller).
     """
 
-    def __init__(self, message: str, *, ranks=()):
+    def __init__(self, message: str, *, ranks=(), everywhere: bool = False):
         super().__init__(message)
         self.ranks = sorted(ranks)
+        self.raised_on_every_rank = everywhere
 
 
 def nccl_version() -> int | None:
@@ -186,7 +189,8 @@ def check_distinct_gpus(topo: dict[int, dict]) -> None:
         raise NcclUnavailableError(
             f"{what}: NCCL refuses several ranks on one GPU (\"Duplicate GPU detected\" at "
             f"ncclCommInitRank); use algorithm/backend \"ipc\" for ranks on one host, or give "
-            f"every rank its own GPU", ranks=[r for rs in dups.values() for r in rs])
+            f"every rank its own GPU", ranks=[r for rs in dups.values() for r in rs],
+            everywhere=True)
 
 
 def _cupy_nccl():
