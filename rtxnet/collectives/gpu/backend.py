@@ -435,11 +435,14 @@ class GpuGroup:
         host = np.empty(buf.shape, buf.dtype)
         got = await self.group._recv_host(host, src, tag, timeout)
         if buf.size:
+            from rtxnet.collectives.gpu.kernels import _cupy_stream
+
             view = _cupy_view(buf.ptr, buf.size, buf.dtype, buf.device)
-            with cupy.cuda.ExternalStream(buf.stream):
-                view.set(host.reshape(-1).view(view.dtype))
-            ev = cupy.cuda.Event(block=False, disable_timing=True)
-            ev.record(cupy.cuda.ExternalStream(buf.stream))
+            user = _cupy_stream(buf.stream, buf.device)
+            with cupy.cuda.Device(buf.device), user:
+                view.set(host.reshape(-1).view(view.dtype), stream=user)
+                ev = cupy.cuda.Event(block=False, disable_timing=True)
+                ev.record(user)
             await await_event(ev)
         buf.commit()
         return got
