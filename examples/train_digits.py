@@ -1,7 +1,7 @@
 """Train an MLP on scikit-learn's handwritten digits with rtxnet DDP, committed steps and checkpoints.
 
     rtxnet-run --nproc 4 examples/train_digits.py --out OUTDIR [--steps N] [--checkpoint-every N]
-                                                  [--resume] [--device cpu]
+                                                  [--resume] [--device {cpu,cuda}]
 
 The data set ships inside scikit-learn (``sklearn.datasets.load_digits``: 1797 images of 8x8
 pixels, 10 classes; no download). A fixed stratified split keeps 25 % for testing. Every step
@@ -18,6 +18,10 @@ data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller 
 ``--max-restarts`` to let a replacement rejoin). Every ``--checkpoint-every`` steps a sharded
 checkpoint is committed under ``OUTDIR/checkpoints``; ``--resume`` starts from the newest intact
 one.
+
+``--device cuda`` puts each rank's model and batches on GPU ``LOCAL_RANK % torch.cuda.device_count()``
+(several ranks may share one GPU: rtxnet's GPU collectives then move gradients over CUDA IPC).
+The data set (1797 x 64 floats) is copied to the GPU once; a rank without CUDA exits with an error.
 
 Rank 0 shows a progress bar (steps, loss, samples/s), logs through structlog, prints
 ``test_accuracy=<value>`` at the end and writes ``OUTDIR/metrics.json`` and
@@ -52,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in OUT")
-    p.add_argument("--device", default="cpu", choices=["cpu"], help="rtxnet's CPU collectives: cpu")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu (default), or cuda: GPU LOCAL_RANK %% device count, GPU collectives")
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--hidden", type=int, default=128)
@@ -62,6 +67,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     return a
+
+
+def pick_device(name: str) -> torch.device:
+    """The device this rank trains on: the CPU, or GPU ``LOCAL_RANK % torch.cuda.device_count()``.
+
+    Raises:
+        SystemExit: ``cuda`` was asked for and torch sees no CUDA device (says why).
+    """
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = torch.version.cuda
+        why = (f"torch {torch.__version__} is a CPU-only build" if build is None
+               else f"torch {torch.__version__} (CUDA {build}) finds no usable CUDA device")
+        raise SystemExit(f"train_digits: --device cuda, but {why}; use --device cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def load_data(seed: int = 0):
@@ -90,13 +114,13 @@ class TrainState:
     snapshot it in memory and :mod:`rtxnet.checkpoint` can save it with ``weights_only`` loading.
     """
 
-    def __init__(self, pg, args: argparse.Namespace, n_train: int):
+    def __init__(self, pg, args: argparse.Namespace, n_train: int, device: torch.device):
         torch.manual_seed(args.seed)            # same init everywhere (DDP broadcasts rank 0's anyway)
         self.pg = pg
         # init_sync=False: replicas start equal (same seed) and FaultTolerance syncs the state at
         # its first step, which is also where a replacement rank joining mid-run meets the others.
-        self.model = DistributedDataParallel(make_model(args.hidden), pg, reduce_op=rtxnet.ReduceOp.SUM,
-                                             init_sync=False)
+        self.model = DistributedDataParallel(make_model(args.hidden).to(device), pg,
+                                             reduce_op=rtxnet.ReduceOp.SUM, init_sync=False)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.sampler = ElasticDistributedSampler(n_train, args.global_batch, rank=pg.rank,
                                                  world_size=pg.world_size, seed=args.seed)
@@ -131,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL", "info" if os.environ.get("RANK", "0") == "0" else "warning"))
     torch.set_num_threads(1)                     # ranks share the cores
+    device = pick_device(args.device)            # before joining: a rank that cannot run says so
     pg = rtxnet.init()
     rank = pg.rank
     structlog.contextvars.bind_contextvars(rank=rank)
@@ -139,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
 
-    xtr, ytr, xte, yte = load_data()
-    state = TrainState(pg, args, len(xtr))
+    xtr, ytr, xte, yte = (t.to(device) for t in load_data())
+    if device.type == "cuda":
+        log.info("device", device=str(device), name=torch.cuda.get_device_name(device))
+    state = TrainState(pg, args, len(xtr), device)
     resumed_from = None
     if args.resume:
         latest = checkpoint.latest(ckpt_dir)
@@ -164,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     ft = rtxnet.FaultTolerance(pg, state, start_step=state.step,   # continue the step count
                                load_checkpoint=load_checkpoint)
     loss_fn = torch.nn.functional.cross_entropy
-    loss_sum = torch.zeros(1)
+    loss_sum = torch.zeros(1, device=device)
 
     def train_step(step: int) -> tuple[float, int]:
         """One synchronous data-parallel step; returns the global mean loss and the global
         number of samples."""
         b = state.sampler.next_batch()
-        idx = torch.from_numpy(b.indices)
+        idx = torch.from_numpy(b.indices).to(device)
         state.optimizer.zero_grad(set_to_none=True)
         # Sum over this rank's samples / the step's global count: summed over ranks, this is the
         # mean loss of the global batch. A rank with no samples (the last, short batch of an
@@ -178,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = loss_fn(state.model(xtr[idx]), ytr[idx], reduction="sum") / b.global_n
         loss.backward()
         state.optimizer.step()
-        loss_sum[0] = float(loss.detach())
+        loss_sum.copy_(loss.detach().reshape(1))
         pg.all_reduce(loss_sum, op=rtxnet.ReduceOp.SUM)
         state.step = step + 1
         value = float(loss_sum[0])

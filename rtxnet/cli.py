@@ -1,10 +1,16 @@
 """``rtxnet``: command-line tools.
 
     rtxnet status [--coordinator ADDR] [--json] [--timeout S]
+    rtxnet topology [--json]
 
 ``status`` prints every job on the coordinator: state, epoch, world size, last committed step and,
 per member, rank, host, pid and heartbeat age. ADDR defaults to ``RTXNET_COORDINATOR`` or
 ``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time.
+
+``topology`` prints this machine as rtxnet sees it (:func:`rtxnet.topology.local_topology`): the
+host identity the agents publish (``RTXNET_HOST`` overrides the hostname), CPUs, and every GPU NVML
+reports with its UUID, PCI bus id, name and memory; or why no GPU is listed. Exit code 0 either
+way.
 """
 
 from __future__ import annotations
@@ -55,7 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"))
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    tp = sub.add_parser("topology", help="show this machine's host identity, CPUs and GPUs (NVML)")
+    tp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
+    if args.cmd == "topology":
+        from .topology import local_topology, render_topology
+
+        topo = local_topology()
+        return _print(json.dumps(topo, indent=2) if args.json else render_topology(topo))
     if args.cmd == "status":
         if args.timeout <= 0:
             print(f"rtxnet status: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
@@ -68,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         except RtxError as exc:
             print(f"rtxnet status: {args.coordinator}: {exc}", file=sys.stderr)
             return 1
-        try:
-            print(json.dumps(jobs, indent=2) if args.json else _render(jobs), flush=True)
-        except BrokenPipeError:  # `rtxnet status | head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return _print(json.dumps(jobs, indent=2) if args.json else _render(jobs))
     return 2  # pragma: no cover
+
+
+def _print(text: str) -> int:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `rtxnet status | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 if __name__ == "__main__":

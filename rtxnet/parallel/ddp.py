@@ -17,6 +17,16 @@ At the end of backward (an autograd final callback) the remaining buckets are la
 bucket is waited for and the reduced values are copied back into ``param.grad``. So after
 ``loss.backward()`` returns, gradients are synchronised and ``optimizer.step()`` may run.
 
+**Devices.** The module's parameters and buffers must all be on one device: the CPU (rtxnet's
+CPU collectives) or one CUDA device. On CUDA the buckets are torch tensors on that device and go
+through the same process-group calls; the group sends GPU tensors down its GPU path (CUDA IPC
+between ranks of one host, several ranks sharing one GPU included; NCCL across hosts), which
+orders its work after the stream current on rtxnet's loop thread, the default stream. When
+backward runs on another stream, the default stream is made to wait for it before each launch
+(an event, no host synchronisation), and it for the default stream before the write-back. A
+module spread over several devices (model parallel inside one rank, or CPU and CUDA mixed) is
+refused with a ``ConfigError`` naming the devices.
+
 **Parameters without a gradient.** Every bucket is reduced every step, on every rank, whether or
 not its parameters got a gradient on this rank (a missing gradient counts as zeros), so ranks never
 disagree on the sequence of collectives and nothing hangs. Each bucket carries one extra element
@@ -67,13 +77,14 @@ class _Bucket:
     """Parameters of one dtype whose gradients are reduced together.
 
     ``flat`` holds the gradients (``grads_N``) followed by one "has a gradient" flag per parameter
-    (``[N + P]``).
+    (``[N + P]``), on the module's device. ``seen`` mirrors the flags on the host, so deciding
+    what to fill never reads device memory.
     """
 
     __slots__ = ("index", "params", "offsets", "numel", "dtype", "flat", "ready", "work",
-                 "launched")
+                 "launched", "seen")
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter]):
+    def __init__(self, index: int, params: list[torch.nn.Parameter], device: torch.device):
         self.index = index
         self.params = params
         self.dtype = params[0].dtype
@@ -83,7 +94,8 @@ class _Bucket:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        self.flat = torch.zeros(n + len(params), dtype=self.dtype)
+        self.flat = torch.zeros(n + len(params), dtype=self.dtype, device=device)
+        self.seen = [False] * len(params)
         self.ready = 0
         self.work: Any = None
         self.launched = False
@@ -104,6 +116,7 @@ class _Bucket:
         self.ready = 0
         self.work = None
         self.launched = False
+        self.seen = [False] * len(self.params)
         self.flags().zero_()
 
 
@@ -118,8 +131,9 @@ class DistributedDataParallel(torch.nn.Module):
         optimizer.step()
 
     Args:
-        module: a ``torch.nn.Module`` whose parameters and buffers are on the CPU (rtxnet's CPU
-            collectives take CPU tensors). Parameters with ``requires_grad=False`` are not reduced.
+        module: a ``torch.nn.Module`` whose parameters and buffers are all on the CPU or all on
+            one CUDA device (see "Devices" in the module notes). Parameters with
+            ``requires_grad=False`` are not reduced.
         pg: a :class:`rtxnet.BlockingProcessGroup` (``rtxnet.init()``).
         bucket_cap_mb: bucket size in MiB (default 25, as torch). Larger buckets mean fewer
             collectives, smaller ones earlier overlap.
@@ -136,12 +150,14 @@ class DistributedDataParallel(torch.nn.Module):
         timeout_s: deadline in seconds of each bucket's all-reduce; ``None`` uses the group's.
 
     Raises:
-        ConfigError: a bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``, or a
-            parameter that is not on the CPU; names the value.
+        ConfigError: a bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``; parameters
+            and buffers on several devices, or on a device that is neither the CPU nor CUDA;
+            names the value or the devices.
         PeerLostError, CollectiveTimeout: the initial broadcast failed.
 
     Attributes:
         module: the wrapped module.
+        device: the device of its parameters and of the gradient buckets.
         buckets: bucket layout as lists of parameter names, in launch order.
     """
 
@@ -168,9 +184,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.first_bucket_mb = float(first_bucket_mb)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-            if p.device.type != "cpu":
-                raise ConfigError(f"{name} is on {p.device}; rtxnet DDP takes CPU modules")
+        self.device = _module_device(module)
         self._names = {id(p): n for n, p in named}
         self._buckets = self._build_buckets([p for _, p in named])
         self._where: dict[int, tuple[_Bucket, int]] = {}
@@ -187,7 +201,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.last_comm_wait_s = 0.0
         if init_sync:
             self.broadcast_parameters(src=0)
-        log.info("ddp_ready", params=len(named), buckets=len(self._buckets),
+        log.info("ddp_ready", params=len(named), buckets=len(self._buckets), device=str(self.device),
                  nbytes=sum(b.numel * b.flat.element_size() for b in self._buckets),
                  reduce_op=reduce_op.name)
 
@@ -209,7 +223,7 @@ class DistributedDataParallel(torch.nn.Module):
                 open_[p.dtype] = []
                 sizes[p.dtype] = 0
         done.extend(lst for lst in open_.values() if lst)
-        return [_Bucket(i, ps) for i, ps in enumerate(done)]
+        return [_Bucket(i, ps, self.device) for i, ps in enumerate(done)]
 
     @property
     def buckets(self) -> list[list[str]]:
@@ -302,6 +316,8 @@ class DistributedDataParallel(torch.nn.Module):
             for b in self._buckets:
                 b.work.wait()
             self.last_comm_wait_s = time.perf_counter() - t0
+            if self.device.type == "cuda":
+                _order_current_stream(self.device)
             for b in self._buckets:
                 self._write_back(b)
         except BaseException as exc:
@@ -344,6 +360,7 @@ class DistributedDataParallel(torch.nn.Module):
             return  # defensive: a bucket is reduced at most once per round
         b.view(i).copy_(p.grad)
         b.flags()[i] = 1
+        b.seen[i] = True
         b.ready += 1
         if b.ready == len(b.params):
             self._launch_ready()
@@ -351,16 +368,17 @@ class DistributedDataParallel(torch.nn.Module):
     def _fill_missing(self, b: _Bucket) -> None:
         # Parameters whose hook did not fire this step: their accumulated gradient (no_sync
         # steps) or zeros, so every rank still contributes the whole bucket.
-        seen = b.flags()
+        flags = b.flags()
         for i, p in enumerate(b.params):
-            if seen[i] == 1:
+            if b.seen[i]:
                 continue
             if p.grad is not None:
                 b.view(i).copy_(p.grad)
-                seen[i] = 1
+                flags[i] = 1
+                b.seen[i] = True
             else:
                 b.view(i).zero_()
-                seen[i] = 0
+                flags[i] = 0
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets):
@@ -370,14 +388,16 @@ class DistributedDataParallel(torch.nn.Module):
             if self._next_launch == 0:
                 self._note_world()
             kw = {} if self.timeout_s is None else {"timeout": self.timeout_s}
+            if self.device.type == "cuda":
+                _order_default_stream(self.device)
             b.work = self._pg.all_reduce(b.flat, op=self.reduce_op, async_op=True, **kw)
             b.launched = True
             self._next_launch += 1
 
     def _write_back(self, b: _Bucket) -> None:
-        flags = b.flags()
+        flags = b.flags().tolist()   # one device-to-host read per bucket, not one per parameter
         for i, p in enumerate(b.params):
-            if float(flags[i]) <= 0:
+            if flags[i] <= 0:
                 continue  # no rank had a gradient for it: leave grad None, as one process would
             v = b.view(i)
             if p.grad is None:
@@ -399,6 +419,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._broadcast_coalesced(bufs, 0)
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int) -> None:
+        if self.device.type == "cuda":
+            _order_default_stream(self.device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             if t.numel():
@@ -409,9 +431,57 @@ class DistributedDataParallel(torch.nn.Module):
             if flat.dtype == torch.bool:
                 flat = flat.to(torch.uint8)
             self._pg.broadcast(flat, src=src)
+            if self.device.type == "cuda":
+                _order_current_stream(self.device)
             off = 0
             with torch.no_grad():
                 for t in ts:
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape).to(t.dtype))
                     off += n
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    """The one device of ``module``'s parameters and buffers (the CPU for an empty module).
+
+    Raises:
+        ConfigError: several devices (names each with a parameter or buffer on it), or a device
+            type other than ``cpu`` and ``cuda``.
+    """
+    where: dict[torch.device, str] = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        where.setdefault(t.device, name)
+    if len(where) > 1:
+        listed = ", ".join(f"{d} ({n})" for d, n in sorted(where.items(), key=lambda kv: str(kv[0])))
+        raise ConfigError(f"the module is on {len(where)} devices: {listed}; rtxnet DDP takes a "
+                          "module whose parameters and buffers are all on the CPU or all on one "
+                          "CUDA device (move it with module.to(device))")
+    device = next(iter(where), torch.device("cpu"))
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{where[device]} is on {device}; rtxnet DDP takes CPU or CUDA modules")
+    return device
+
+
+def _order_default_stream(device: torch.device) -> None:
+    """Make ``device``'s default stream wait for the work queued so far on this thread's current
+    stream.
+
+    Autograd runs the gradient hooks, and so the copies into the buckets, on the stream that ran
+    the forward (the current stream of the thread that called ``backward``), while the collective
+    is built on rtxnet's event-loop thread, whose current stream is the default stream. The event
+    makes that stream see the copies without blocking the host. Nothing to do when the two are the
+    same stream (the usual case).
+    """
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        default.wait_stream(current)
+
+
+def _order_current_stream(device: torch.device) -> None:
+    """The converse of :func:`_order_default_stream`, after a collective completed: this thread's
+    current stream waits for the default stream, which rtxnet ordered after its writes."""
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        current.wait_stream(default)

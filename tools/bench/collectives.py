@@ -1,9 +1,11 @@
-"""Collective benchmark in the style of nccl-tests: rtxnet's CPU collectives against torch gloo.
+"""Collective benchmark in the style of nccl-tests: rtxnet's CPU collectives against torch gloo,
+and its GPU collectives against the device's copy rate.
 
 Usage::
 
     python tools/bench/collectives.py --ranks 2 4 --sizes 8B 1KiB 64KiB 1MiB 16MiB 64MiB \\
         --ops all_reduce all_gather reduce_scatter broadcast --compare gloo --json out.json
+    python tools/bench/collectives.py --device cuda [--max-bytes 256MiB] --out gpu_bench.json
 
 For every (implementation, ranks, op, size): warm-up iterations, then timed iterations, each
 started right after a barrier; an iteration's time is the slowest rank's, the reported time the
@@ -19,11 +21,30 @@ transport}`` (``--json``), and a PNG of busbw against size (``--plot``, default 
 ``--repeat K`` alternates rtxnet and gloo K times per rank count (on a shared machine, load that
 comes and goes then hits both alike) and reports the median of the K medians; the JSON rows keep
 each run's median in ``runs_s``.
+
+``--device cuda``: the ranks are spawned processes (forkserver, never a fork after CUDA
+initialised) that all use GPU ``--gpu`` (default 0) with CuPy float32 arrays, so the group's GPU
+path runs CUDA IPC between ranks sharing one GPU. Default ops all_reduce, all_gather and
+reduce_scatter; default sizes 8 B and 4 KiB (latency) and 1 MiB to 1 GiB (``--max-bytes`` drops
+the larger ones). An iteration ends when the rank's current stream has finished
+(``stream.synchronize()`` after the awaited collective). Each (op, size) first checks one result
+(``ok`` in the JSON), then times with zeros. The anchor is measured in the same run, in a
+separate spawned process: the device-to-device copy rate, ``copy_rate = 2 * 1 GiB / time`` of a
+1 GiB ``cudaMemcpyAsync`` (bytes read plus written). Ranks sharing one GPU share its memory
+bandwidth, and each must at least read its input once and write its output once, so
+
+    all_reduce:                 n ranks read S and write S each     algbw_max = copy_rate / (2n)
+    all_gather, reduce_scatter: inputs S in all, outputs n*S or S   algbw_max = copy_rate / (n+1)
+                                (S the nccl-tests size: the gathered output, the scattered input)
+
+and every GPU row carries ``copy_rate_gbps``, ``algbw_max_gbps``, ``frac_of_limit`` (algbw /
+algbw_max) and ``limit`` (the rule used), besides the CPU rows' fields. gloo is not run there.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -40,6 +61,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+GPU_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+GPU_SIZES = ("8B", "4KiB", "1MiB", "4MiB", "16MiB", "64MiB", "256MiB", "1GiB")
+COPY_NBYTES = 1 << 30
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1000, "MB": 10**6}
 
 
@@ -65,6 +89,11 @@ def bus_factor(op: str, n: int) -> float:
 def iterations(nbytes: int) -> tuple[int, int]:
     iters = int(min(200, max(5, 3e9 / max(nbytes, 1) / 40)))
     return max(2, iters // 10), iters
+
+
+def gpu_iterations(nbytes: int) -> tuple[int, int]:
+    """(warm-up, timed) iterations on the GPU: at least 10 timed, at most 100, about 2 GiB moved."""
+    return 3, int(min(100, max(10, (2 << 30) // max(nbytes, 1))))
 
 
 def elems(op: str, nbytes: int, n: int) -> tuple[int, int]:
@@ -123,10 +152,136 @@ def run_rtxnet(n, ops, sizes, shm):
 def _merge(results):
     """Per (op, size): iteration time = slowest rank's; returns [(op, nbytes, median_s)]."""
     out = []
-    for i, (op, nbytes, _) in enumerate(results[0]):
+    for i, (op, nbytes, *_) in enumerate(results[0]):
         per_iter = np.max(np.array([r[i][2] for r in results]), axis=0)
         out.append((op, nbytes, float(statistics.median(per_iter))))
     return out
+
+
+# -- rtxnet on one GPU (CUDA IPC) ----------------------------------------------------------------
+
+async def rtxnet_rank_cuda(engine, ops, sizes, device):
+    """One rank of ``--device cuda``: every (op, size) checked once, then timed; returns
+    ``[(op, nbytes, times_s, ok)]``."""
+    import cupy
+
+    cupy.cuda.Device(device).use()
+    g = engine.world
+    n, me = g.size, g.rank
+    stream = cupy.cuda.get_current_stream()
+    f32 = cupy.float32
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            per, actual = elems(op, nbytes, n)
+            if op == "all_reduce":
+                x = cupy.full(per, me + 1, f32)
+                out = x
+                call = functools.partial(g.all_reduce, x)
+            elif op == "all_gather":
+                x = cupy.full(per, me + 1, f32)
+                out = cupy.empty(per * n, f32)
+                call = functools.partial(g.all_gather, out, x)
+            else:
+                x = cupy.full(per * n, me + 1, f32)
+                out = cupy.empty(per, f32)
+                call = functools.partial(g.reduce_scatter, out, x)
+            await call()
+            stream.synchronize()
+            if op == "all_gather":
+                want = cupy.arange(1, n + 1, dtype=f32)[:, None]
+                ok = bool((out.reshape(n, per) == want).all())
+            else:
+                ok = bool((out == n * (n + 1) / 2).all())
+            x.fill(0)                  # timed iterations on zeros: no overflow, same work
+            warm, iters = gpu_iterations(actual)
+            for _ in range(warm):
+                await call()
+            stream.synchronize()
+            times = []
+            for _ in range(iters):
+                await g.barrier()
+                t0 = time.perf_counter()
+                await call()
+                stream.synchronize()
+                times.append(time.perf_counter() - t0)
+            rows.append((op, actual, times, ok))
+            x = out = call = None      # free before the next, possibly larger, allocation
+    return rows
+
+
+def run_rtxnet_cuda(n, ops, sizes, device):
+    from tests.collectives.harness import run_world
+
+    results = run_world(n, rtxnet_rank_cuda, ops, sizes, device, timeout_s=600,
+                        default_timeout_s=120)
+    merged = _merge(results)
+    oks = [all(r[i][3] for r in results) for i in range(len(results[0]))]
+    return merged, oks
+
+
+def _copy_rate_child(q, device: int, nbytes: int) -> None:
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        with cupy.cuda.Device(device):
+            src = cupy.ones(nbytes, dtype=cupy.uint8)
+            dst = cupy.empty_like(src)
+            s = cupy.cuda.Stream(non_blocking=True)
+
+            def copy():
+                rt.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, rt.memcpyDeviceToDevice, s.ptr)
+
+            for _ in range(3):
+                copy()
+            s.synchronize()
+            per_copy = []
+            for _ in range(5):
+                e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+                e0.record(s)
+                for _ in range(10):
+                    copy()
+                e1.record(s)
+                e1.synchronize()
+                per_copy.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3 / 10)
+            name = rt.getDeviceProperties(device)["name"]
+        t = float(statistics.median(per_copy))
+        q.put(("ok", {"time_s": t, "copy_rate_gbps": 2 * nbytes / t / 1e9, "nbytes": nbytes,
+                      "gpu": name.decode() if isinstance(name, bytes) else str(name),
+                      "cupy": cupy.__version__, "runtime": rt.runtimeGetVersion()}))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops
+        q.put(("err", f"{type(exc).__name__}: {exc}"))
+
+
+def measure_copy_rate(device: int, nbytes: int = COPY_NBYTES) -> dict:
+    """The device-to-device copy rate of GPU ``device``, measured in a spawned process (this one
+    never initialises CUDA).
+
+    Raises:
+        SystemExit: no usable CUDA device or CuPy (says why).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_copy_rate_child, args=(q, device, nbytes))
+    p.start()
+    try:
+        status, info = q.get(timeout=180)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if status != "ok":
+        raise SystemExit(f"collectives.py --device cuda: cannot measure GPU {device}: {info}")
+    return info
+
+
+def gpu_limit(op: str, n: int, copy_rate_gbps: float) -> tuple[float, str]:
+    """(algbw_max in GB/s, the rule) for ``n`` ranks sharing one GPU; see the module notes."""
+    if op == "all_reduce":
+        return copy_rate_gbps / (2 * n), "copy_rate/(2n)"
+    return copy_rate_gbps / (n + 1), "copy_rate/(n+1)"
 
 
 # -- gloo -----------------------------------------------------------------------------------------
@@ -215,11 +370,14 @@ def to_rows(impl, n, transport, runs):
 def print_table(rows):
     by = {(r["op"], r["ranks"], r["nbytes"], r["impl"]): r for r in rows}
     impls = sorted({r["impl"] for r in rows})
+    limits = any("frac_of_limit" in r for r in rows)
     head = f"{'op':<15}{'ranks':>5}{'size':>9}"
     for impl in impls:
         head += f" | {impl + ' time':>14}{'algbw':>8}{'busbw':>8}"
     if len(impls) == 2:
         head += f" | {'busbw ratio':>11}"
+    if limits:
+        head += f" | {'algbw_max':>9}{'of max':>8}{'check':>6}"
     print(head)
     print("-" * len(head))
     for op, n, nb in sorted({(r["op"], r["ranks"], r["nbytes"]) for r in rows},
@@ -240,6 +398,11 @@ def print_table(rows):
                 rt = a if a["impl"].startswith("rtxnet") else b
                 gl = b if rt is a else a
                 line += f" | {rt['busbw_gbps'] / gl['busbw_gbps']:>10.2f}x"
+        if limits:
+            r = by.get((op, n, nb, impls[0]))
+            if r is not None and "frac_of_limit" in r:
+                line += (f" | {r['algbw_max_gbps']:>9.1f}{r['frac_of_limit'] * 100:>7.1f}%"
+                         f"{'ok' if r.get('ok', True) else 'WRONG':>6}")
         print(line)
 
 
@@ -275,21 +438,91 @@ def plot(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--sizes", type=parse_size, nargs="+",
-                   default=[parse_size(s) for s in ("8B", "1KiB", "64KiB", "1MiB", "16MiB",
-                                                    "64MiB")])
-    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    p.add_argument("--compare", choices=["gloo", "none"], default="gloo")
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=None,
+                   help="default: 8B 1KiB 64KiB 1MiB 16MiB 64MiB (cpu), "
+                        f"{' '.join(GPU_SIZES)} (cuda)")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=None,
+                   help=f"default: {' '.join(OPS)} (cpu), {' '.join(GPU_OPS)} (cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: NumPy arrays, against gloo; cuda: CuPy arrays on one GPU shared by "
+                        "the ranks (CUDA IPC), against the copy rate")
+    p.add_argument("--gpu", type=int, default=0, help="--device cuda: the GPU every rank uses")
+    p.add_argument("--max-bytes", type=parse_size, default=None,
+                   help="drop sizes above this one (e.g. 256MiB)")
+    p.add_argument("--compare", choices=["gloo", "none"], default=None,
+                   help="gloo (default on cpu) or none (the only choice on cuda)")
     p.add_argument("--no-shm", action="store_true", help="rtxnet over TCP only")
     p.add_argument("--repeat", type=int, default=1,
                    help="alternate rtxnet and gloo this many times; report the median")
-    p.add_argument("--json", help="write JSON rows here")
+    p.add_argument("--json", "--out", dest="json", help="write JSON rows here")
     p.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
     args = p.parse_args(argv)
-    rows = []
-    transport = "tcp" if args.no_shm else "shm"
+    cuda = args.device == "cuda"
+    if args.sizes is None:
+        names = GPU_SIZES if cuda else ("8B", "1KiB", "64KiB", "1MiB", "16MiB", "64MiB")
+        args.sizes = [parse_size(s) for s in names]
+    if args.max_bytes is not None:
+        args.sizes = [s for s in args.sizes if s <= args.max_bytes]
+        if not args.sizes:
+            p.error(f"--max-bytes({fmt_size(args.max_bytes)}) leaves no size")
+    if args.ops is None:
+        args.ops = list(GPU_OPS if cuda else OPS)
+    if args.compare is None:
+        args.compare = "none" if cuda else "gloo"
+    if cuda and args.compare == "gloo":
+        p.error("--compare gloo is for --device cpu; on cuda the anchor is the copy rate")
     if args.repeat < 1:
         p.error(f"--repeat({args.repeat}) must be >= 1")
+    if cuda:
+        rows = run_cuda(args)
+    else:
+        rows = run_cpu(args)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"json: {args.json}")
+    path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if path:
+        plot(rows, path)
+
+
+def run_cuda(args) -> list[dict]:
+    bad = [n for n in args.ranks if n < 1]
+    if bad:
+        raise SystemExit(f"--ranks must be >= 1, got {bad}")
+    t0 = time.perf_counter()
+    copy = measure_copy_rate(args.gpu)
+    print(f"GPU {args.gpu} ({copy['gpu']}): device-to-device copy of "
+          f"{fmt_size(copy['nbytes'])} in {copy['time_s'] * 1e3:.3f} ms = "
+          f"{copy['copy_rate_gbps']:.0f} GB/s (read + written), measured in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    rate = copy["copy_rate_gbps"]
+    rows = []
+    for n in args.ranks:
+        runs, oks = [], None
+        for k in range(args.repeat):
+            t0 = time.perf_counter()
+            merged, ok = run_rtxnet_cuda(n, args.ops, args.sizes, args.gpu)
+            runs.append(merged)
+            oks = ok if oks is None else [a and b for a, b in zip(oks, ok, strict=True)]
+            print(f"rtxnet cuda n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr)
+        for row, ok in zip(to_rows("rtxnet", n, "cuda-ipc", runs), oks, strict=True):
+            limit, rule = gpu_limit(row["op"], n, rate)
+            row.update(device=f"cuda:{args.gpu}", gpu=copy["gpu"], ok=ok, copy_rate_gbps=rate,
+                       algbw_max_gbps=limit, limit=rule,
+                       frac_of_limit=row["algbw_gbps"] / limit if limit > 0 else None)
+            rows.append(row)
+    wrong = [f"{r['op']} n={r['ranks']} {fmt_size(r['nbytes'])}" for r in rows if not r["ok"]]
+    if wrong:
+        print(f"WRONG RESULTS: {', '.join(wrong)}", file=sys.stderr)
+    return rows
+
+
+def run_cpu(args) -> list[dict]:
+    rows = []
+    transport = "tcp" if args.no_shm else "shm"
     for n in args.ranks:
         ours, theirs = [], []
         for k in range(args.repeat):
@@ -305,14 +538,7 @@ def main(argv=None):
         rows += to_rows("rtxnet", n, transport, ours)
         if theirs:
             rows += to_rows("gloo", n, "tcp", theirs)
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"json: {args.json}")
-    path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
-    if path:
-        plot(rows, path)
+    return rows
 
 
 if __name__ == "__main__":

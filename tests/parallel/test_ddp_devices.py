@@ -1,0 +1,65 @@
+"""Which modules DDP takes: one device, CPU or CUDA; several devices are refused naming them.
+
+No GPU here: a ``meta`` tensor stands in for "not the CPU" (building the wrapper performs no
+collective with ``init_sync=False``, so a stand-in process group suffices). The CUDA cases are in
+``tests/gpu/test_ddp_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rtxnet.parallel import DistributedDataParallel
+from transport.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Pg:
+    world_size = 1
+    rank = 0
+    epoch = 0
+
+
+def test_a_cpu_module_gets_cpu_buckets():
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 3), _Pg(), init_sync=False)
+    assert ddp.device == torch.device("cpu")
+    assert all(b.flat.device.type == "cpu" for b in ddp._buckets)
+
+
+def test_a_module_on_two_devices_is_refused_naming_them():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    net[1].to("meta")
+    with pytest.raises(ConfigError, match=r"on 2 devices: cpu \(0\.weight\), meta \(1\.weight\)"):
+        DistributedDataParallel(net, _Pg(), init_sync=False)
+
+
+def test_a_buffer_on_another_device_counts_too():
+    net = torch.nn.BatchNorm1d(3)
+    net.running_mean = net.running_mean.to("meta")
+    with pytest.raises(ConfigError, match=r"cpu \(weight\), meta \(running_mean\)"):
+        DistributedDataParallel(net, _Pg(), init_sync=False)
+
+
+def test_a_device_that_is_neither_cpu_nor_cuda_is_refused():
+    with pytest.raises(ConfigError, match=r"weight is on meta; rtxnet DDP takes CPU or CUDA"):
+        DistributedDataParallel(torch.nn.Linear(4, 3, device="meta"), _Pg(), init_sync=False)
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_train_digits_asked_for_cuda_without_cuda_says_so(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), RTXNET_COORDINATOR="tcp://127.0.0.1:9")
+    r = subprocess.run([sys.executable, str(root / "examples" / "train_digits.py"), "--out",
+                        str(tmp_path), "--device", "cuda"], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=root)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "train_digits: --device cuda, but torch" in r.stderr
+    assert "use --device cpu" in r.stderr

@@ -1,0 +1,282 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh OUTDIR: the one script to run on the GPU host (one H200, Python 3.12, CuPy,
+# torch; see ../shared/gpu/GPU_HOST.md). It finishes within 5 minutes (every step has a timeout,
+# all of them drawn from one budget) and writes, in OUTDIR:
+#   gpu_check.log          everything this script printed
+#   gpu_tests.log          pytest tests/gpu (the gpu-marked tests and the others there)
+#   topology.json          `rtxnet topology --json`
+#   digits.log             examples/train_digits.py --device cuda, 4 ranks on the GPU, rank 2 killed
+#   digits_metrics.json    its metrics.json
+#   gpu_bench.json/.png    tools/bench/collectives.py --device cuda (IPC, 2 and 4 ranks, 8 B..1 GiB)
+# and ends with a summary (test counts, training result, bench fractions of the copy-rate limit).
+# Exit code: 0 all passed; 1 a step failed (the summary names it); 3 no usable CUDA device (the
+# GPU steps were skipped); 2 usage.
+#
+# How to run it from a session (the working tree travels; .whl/ is git-ignored, so carry it):
+#   1. here, once, from the repository root (fills .whl/ with what the host lacks):
+#        /work/shared/gpu/fetch-wheels.sh ml_dtypes==0.6.0 psutil==7.2.2 typing_extensions==4.15.0
+#   2. the device tool's run, with carry [".whl"] and timeout_s 420:
+#        bash tools/gpu_check.sh "$OUT"
+#      then read the summary at the end of output_tail; the files above come back from $OUT.
+#   A rerun of a part: GPU_CHECK_STEPS="tests bench" (any of: tests digits bench), and
+#   GPU_CHECK_BENCH_ARGS="--max-bytes 256MiB" (extra bench arguments), GPU_CHECK_PYTEST_ARGS
+#   (e.g. "-k ipc"), GPU_CHECK_BUDGET_S (default 290).
+# Off the GPU host (a dry run): PYTHON=.venv/bin/python bash tools/gpu_check.sh /tmp/x  gets
+# through installation and pytest (GPU tests skip), skips the GPU steps and exits 3.
+set -uo pipefail
+
+if [[ $# -ne 1 || -z "$1" ]]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+mkdir -p "$1" || exit 2
+OUTDIR=$(cd "$1" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$PWD
+PY=${PYTHON:-python3}
+WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
+STEPS=${GPU_CHECK_STEPS:-tests digits bench}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-290}
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
+TEE_PID=$!
+
+say() { printf '\n=== [%3ds] %s\n' "$SECONDS" "$*"; }
+# Seconds a step may take: at most $1, and never so much that the later steps lose their
+# minimum ($2 seconds in all).
+allot() {
+  local cap=$1 reserve=$2 left
+  left=$((BUDGET_S - SECONDS - reserve))
+  ((left < 10)) && left=10
+  ((left < cap)) && cap=$left
+  echo "$cap"
+}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+declare -A RESULT=()
+
+say "rtxnet GPU check in $ROOT, output in $OUTDIR ($(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+
+# -- 1. Python packages the host lacks, from the carried wheels --------------------------------
+say "python packages"
+SITE=$(mktemp -d /tmp/rtxnet-site.XXXXXX)
+trap 'rm -rf "$SITE"' EXIT
+missing=()
+# module:wheel name; typing_extensions is what pytest-asyncio needs below Python 3.13.
+for pair in zmq:pyzmq structlog:structlog pytest_asyncio:pytest_asyncio ml_dtypes:ml_dtypes \
+            psutil:psutil typing_extensions:typing_extensions; do
+  mod=${pair%%:*} dist=${pair#*:}
+  if ! "$PY" -c "import $mod" 2>/dev/null; then
+    missing+=("$dist")
+  fi
+done
+if ((${#missing[@]})); then
+  files=()
+  for dist in "${missing[@]}"; do
+    found=("$WHEELS/$dist"-*.whl)
+    if [[ -e "${found[0]}" ]]; then
+      files+=("${found[0]}")
+    else
+      echo "no wheel for $dist in $WHEELS (run /work/shared/gpu/fetch-wheels.sh and carry .whl)"
+    fi
+  done
+  if ((${#files[@]})); then
+    echo "installing into $SITE: ${files[*]##*/}"
+    timeout -k 5 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target "$SITE" "${files[@]}" || echo "pip install failed (exit $?)"
+  fi
+else
+  echo "nothing to install: pyzmq, structlog, pytest-asyncio, ml_dtypes, psutil and typing_extensions import"
+fi
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+timeout -k 5 60 "$PY" - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0], sys.executable)
+bad = []
+for name in ("numpy", "msgpack", "uvloop", "zmq", "structlog", "ml_dtypes", "psutil", "pytest",
+             "pytest_asyncio", "pytest_timeout", "cupy", "torch", "pynvml", "sklearn", "tqdm",
+             "matplotlib"):
+    try:
+        m = importlib.import_module(name)
+        print(f"  {name:<15} {getattr(m, '__version__', getattr(m, 'VERSION', '?'))}  {m.__file__}")
+    except Exception as exc:
+        print(f"  {name:<15} MISSING ({type(exc).__name__}: {exc})")
+        bad.append(name)
+try:
+    import rtxnet  # noqa: F401
+    print("rtxnet imports")
+except Exception as exc:
+    print(f"rtxnet does NOT import: {type(exc).__name__}: {exc}")
+EOF
+
+# -- 2. What the machine is ---------------------------------------------------------------------
+say "GPU, driver, CUDA, NCCL"
+if command -v nvidia-smi >/dev/null; then
+  timeout -k 2 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total,pci.bus_id,uuid \
+    --format=csv || echo "nvidia-smi failed"
+else
+  echo "nvidia-smi: not found"
+fi
+timeout -k 5 60 "$PY" - <<'EOF'
+from rtxnet.collectives.gpu import cupy_available
+ok, why = cupy_available()
+print("cupy_available:", ok, why)
+try:
+    import cupy
+    rt = cupy.cuda.runtime
+    print(f"cupy {cupy.__version__}, CUDA runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}")
+    try:
+        from cupy.cuda import nccl
+        print("NCCL", nccl.get_version())
+    except Exception as exc:
+        print(f"NCCL unavailable: {type(exc).__name__}: {exc}")
+    if ok:
+        from rtxnet.topology import gpu_identity
+        print("gpu_identity(0):", gpu_identity(0))
+except Exception as exc:
+    print(f"cupy: {type(exc).__name__}: {exc}")
+try:
+    import torch
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available {torch.cuda.is_available()}, "
+          f"devices {torch.cuda.device_count()}")
+except Exception as exc:
+    print(f"torch: {type(exc).__name__}: {exc}")
+EOF
+say "rtxnet topology"
+timeout -k 2 30 "$PY" -m rtxnet.cli topology || echo "rtxnet topology failed (exit $?)"
+timeout -k 2 30 "$PY" -m rtxnet.cli topology --json >"$OUTDIR/topology.json" 2>/dev/null
+CUDA_OK=0
+if timeout -k 5 60 "$PY" -c "import sys; from rtxnet.collectives.gpu import cupy_available as c; sys.exit(0 if c()[0] else 1)"; then
+  CUDA_OK=1
+fi
+
+# -- 3. Tests -------------------------------------------------------------------------------------
+if want tests; then
+  t=$(allot 130 110)
+  say "pytest tests/gpu (timeout ${t}s)"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$t" "$PY" -m pytest tests/gpu -q --maxfail=3 --timeout 120 -p no:cacheprovider \
+    -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 | tee "$OUTDIR/gpu_tests.log"
+  rc=${PIPESTATUS[0]}
+  RESULT[tests]=$rc
+  ((rc == 124)) && echo "pytest ran past its ${t}s and was stopped"
+fi
+
+# -- 4. The digits example on the GPU, with a rank killed ---------------------------------------
+if want digits; then
+  if ((CUDA_OK)); then
+    t=$(allot 70 70)
+    say "train_digits --device cuda, 4 ranks on one GPU, kill:rank=2:step=30 (timeout ${t}s)"
+    DIGITS_OUT=$(mktemp -d /tmp/rtxnet-digits.XXXXXX)
+    timeout -k 10 "$t" "$PY" -m rtxnet.launcher --nproc 4 --max-restarts 1 \
+      --faults "kill:rank=2:step=30" examples/train_digits.py --out "$DIGITS_OUT" --device cuda \
+      --steps 80 --checkpoint-every 40 2>&1 | tee "$OUTDIR/digits.log" \
+      | grep -E '^\[rank0\] (recovery|test_accuracy)|^\[rtxnet-run\]|Traceback|Error:|error:'
+    rc=${PIPESTATUS[0]}
+    RESULT[digits]=$rc
+    cp "$DIGITS_OUT/metrics.json" "$OUTDIR/digits_metrics.json" 2>/dev/null
+    rm -rf "$DIGITS_OUT"
+  else
+    say "train_digits --device cuda: skipped, no usable CUDA device"
+  fi
+fi
+
+# -- 5. Benchmark ---------------------------------------------------------------------------------
+if want bench; then
+  if ((CUDA_OK)); then
+    t=$(allot 100 5)
+    say "bench: tools/bench/collectives.py --device cuda (timeout ${t}s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$t" "$PY" tools/bench/collectives.py --device cuda --ranks 2 4 \
+      --out "$OUTDIR/gpu_bench.json" ${GPU_CHECK_BENCH_ARGS:-}
+    RESULT[bench]=$?
+  else
+    say "bench --device cuda: skipped, no usable CUDA device"
+  fi
+fi
+
+# -- 6. Summary -------------------------------------------------------------------------------------
+say "summary"
+export GPU_CHECK_OUTDIR=$OUTDIR GPU_CHECK_CUDA_OK=$CUDA_OK
+for k in tests digits bench; do
+  export "GPU_CHECK_RC_${k}=${RESULT[$k]:-not run}"
+done
+"$PY" - <<'EOF'
+import json, os, re
+out = os.environ["GPU_CHECK_OUTDIR"]
+rc = {k: os.environ.get(f"GPU_CHECK_RC_{k}", "not run") for k in ("tests", "digits", "bench")}
+
+
+def read(name):
+    try:
+        with open(os.path.join(out, name), errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+log = read("gpu_tests.log")
+if log is not None:
+    ends = [line for line in log.splitlines()
+            if re.search(r"\b\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line)]
+    counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)",
+                        ends[-1] if ends else "")
+    print(f"tests: {', '.join(f'{n} {w}' for n, w in counts) or 'no pytest summary line'} (exit {rc['tests']})")
+    for line in log.splitlines():
+        if line.startswith(("FAILED", "ERROR")):
+            print("  " + line[:200])
+else:
+    print(f"tests: {rc['tests']}")
+
+d = read("digits.log")
+if d is not None:
+    keep = [line for line in d.splitlines() if line.startswith(("[rank0] recovery", "[rank0] test_accuracy"))]
+    print(f"digits --device cuda (4 ranks, kill rank 2 at step 30): exit {rc['digits']}")
+    for line in keep:
+        print("  " + line[:240])
+else:
+    print(f"digits: {rc['digits']}")
+
+b = read("gpu_bench.json")
+if b:
+    rows = json.loads(b)
+    if rows:
+        r0 = rows[0]
+        print(f"bench: exit {rc['bench']}; GPU {r0.get('gpu')}, copy rate {r0['copy_rate_gbps']:.0f} GB/s "
+              f"(read + written); fraction of algbw_max ({r0['limit']} for all_reduce):")
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for n in sorted({r["ranks"] for r in rows}):
+            sel = sorted((r for r in rows if r["op"] == op and r["ranks"] == n), key=lambda r: r["nbytes"])
+            if not sel:
+                continue
+            big = " ".join(f"{r['nbytes'] >> 20}MiB:{r['frac_of_limit'] * 100:.0f}%" for r in sel if r["nbytes"] >= 1 << 20)
+            small = " ".join(f"{r['nbytes']}B:{r['time_s'] * 1e6:.0f}us" for r in sel if r["nbytes"] < 1 << 20)
+            print(f"  {op:<15} n={n}  {big}  | latency {small}")
+    target = [r for r in rows if r["op"] == "all_reduce" and r["nbytes"] >= 256 << 20]
+    if target:
+        worst = min(r["frac_of_limit"] for r in target)
+        print(f"  all_reduce >= 256MiB: worst {worst * 100:.0f}% of the limit (target 50%): "
+              f"{'MET' if worst >= 0.5 else 'NOT MET'}")
+    wrong = [f"{r['op']} n={r['ranks']} {r['nbytes']}B" for r in rows if not r.get("ok", True)]
+    print(f"  wrong results: {', '.join(wrong) if wrong else 'none'}")
+else:
+    print(f"bench: {rc['bench']}")
+if os.environ["GPU_CHECK_CUDA_OK"] != "1":
+    print("NO USABLE CUDA DEVICE: the GPU steps were skipped")
+EOF
+
+status=0
+for k in tests digits bench; do
+  v=${RESULT[$k]:-}
+  if [[ -n "$v" && "$v" != 0 ]]; then
+    echo "FAILED step: $k (exit $v)"
+    status=1
+  fi
+done
+if ((status == 0 && CUDA_OK == 0)); then
+  status=3
+fi
+echo "gpu_check: exit $status after ${SECONDS}s"
+exec >&- 2>&-      # let tee write the last lines into gpu_check.log before the script ends
+wait "$TEE_PID" 2>/dev/null
+exit "$status"
