@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from transport.errors import (
 )
 
 from .config import Timeouts
+from .topology import host_id
 
 __all__ = ["Agent", "Membership"]
 
@@ -93,7 +93,7 @@ class Agent:
         self.last_call_s = last_call_s
         self.timeouts = timeouts
         self.endpoint = endpoint
-        self.host = socket.gethostname()
+        self.host = host_id()  # RTXNET_HOST overrides the hostname
         self.info = dict(info or {})
         self.identity = f"{self.host}/{os.getpid()}/{uuid.uuid4().hex[:10]}"
         self.membership: Membership | None = None
