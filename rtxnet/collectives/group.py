@@ -18,7 +18,9 @@ Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen 
 ``"recursive_doubling"`` all_reduce in log2(W) rounds (non powers of two folded in first).
 ``"ring"``           all_reduce as ring reduce-scatter + all-gather, in pipelined 1-4 MiB blocks;
                      from ``BULK_MIN_NBYTES`` over dedicated TCP streams received in place
-                     (:mod:`transport.bulk`, Linux), else over ZeroMQ.
+                     (:mod:`transport.bulk`, Linux), else over ZeroMQ. broadcast (from
+                     ``BULK_MIN_NBYTES``, when "shm" does not apply) as a pipelined chain from
+                     the root around the ring, on the same streams.
 ``"shm"``            same-host ranks: each copies its input once into its shared-memory segment,
                      reduces its 1/W chunk reading the peers' segments, then copies the others'
                      reduced chunks (see :mod:`rtxnet.collectives.shared_memory`).
@@ -50,7 +52,7 @@ from rtxnet.collectives.reduce_ops import (
     dtype_name,
     finish,
 )
-from rtxnet.collectives.ring import ring_all_reduce, ring_all_reduce_bulk
+from rtxnet.collectives.ring import chain_broadcast, ring_all_reduce, ring_all_reduce_bulk
 from transport.errors import (
     ClosedError,
     CollectiveError,
@@ -68,7 +70,7 @@ SHM_MIN_NBYTES = 64 * 1024        # same-host operations from this size: "shm"
 _DIRECT_MAX_RANKS = 8
 ALGORITHMS = {
     "all_reduce": ("direct", "recursive_doubling", "ring", "shm"),
-    "broadcast": ("direct", "shm"),
+    "broadcast": ("direct", "ring", "shm"),
     "all_gather": ("direct", "shm"),
     "reduce_scatter": ("direct", "shm"),
 }
@@ -206,6 +208,8 @@ class Group:
         if shm_ok and nbytes >= SHM_MIN_NBYTES and "shm" in allowed:
             return "shm"
         if opname == "all_reduce" and nbytes > SMALL_MAX_NBYTES:
+            return "ring"
+        if opname == "broadcast" and nbytes >= ring_mod.BULK_MIN_NBYTES and self.size > 1:
             return "ring"
         if opname == "all_reduce" and self.size > _DIRECT_MAX_RANKS:
             return "recursive_doubling"
@@ -369,6 +373,9 @@ class Group:
                 return tensor
             if algo == "shm":
                 await shmops.broadcast(op, self._shm, sig, buf.flat, src)
+            elif algo == "ring":
+                await op.hello(sig)
+                await chain_broadcast(op, buf.flat, src, bulk=self.engine.bulk_ok(self))
             else:
                 me = self.rank == src
                 got = await op.hello(sig, None, (lambda g: buf.flat) if me else None)

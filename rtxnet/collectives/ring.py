@@ -28,8 +28,8 @@ import numpy as np
 from rtxnet.collectives.arrays import payload_view
 from rtxnet.collectives.reduce_ops import ReduceOp, combine, finish
 
-__all__ = ["ring_all_reduce", "ring_all_reduce_bulk", "block_nbytes", "MIN_BLOCK_NBYTES",
-           "MAX_BLOCK_NBYTES", "BULK_MIN_NBYTES"]
+__all__ = ["ring_all_reduce", "ring_all_reduce_bulk", "chain_broadcast", "block_nbytes",
+           "MIN_BLOCK_NBYTES", "MAX_BLOCK_NBYTES", "BULK_MIN_NBYTES"]
 
 MIN_BLOCK_NBYTES = 1 << 20
 MAX_BLOCK_NBYTES = 4 << 20
@@ -103,3 +103,36 @@ async def ring_all_reduce_bulk(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
             if t + 1 < last:
                 op.bulk_send(right, (t + 1) * _STEP_STRIDE + b, seg)
     await op.bulk_flush()
+
+
+async def chain_broadcast(op, flat: np.ndarray, src: int, *, bulk: bool) -> None:
+    """Broadcast contiguous ``flat`` from group rank ``src`` along the ring ``src -> src+1 ->
+    ...``, in pipelined blocks (1-4 MiB): every link carries the array once, and a rank forwards
+    block b while it receives block b+1, so the time is about one array's transfer plus one block
+    per hop, whatever the group size (the root of a one-round broadcast sends W-1 copies).
+
+    Args:
+        flat: 1-d contiguous array; read on ``src``, written in place elsewhere.
+        bulk: over the bulk TCP streams (received in place), else over ZeroMQ messages.
+    """
+    n, r = op.n, op.r
+    pos = (r - src) % n
+    right, left = (r + 1) % n, (r - 1) % n
+    blk = max(1, block_nbytes(flat.nbytes) // max(1, flat.itemsize))
+    for b, (lo, hi) in enumerate(_blocks(0, flat.size, blk)):
+        seg = flat[lo:hi]
+        if pos:
+            if bulk:
+                await op.bulk_recv_into(left, b, seg)
+            else:
+                _, payload = await op.recv(left, b)
+                seg[...] = payload_view(payload, flat.dtype, hi - lo)
+        if pos != n - 1:
+            if bulk:
+                op.bulk_send(right, b, seg)
+            else:
+                op.send(right, b, seg)
+    if bulk:
+        await op.bulk_flush()
+    else:
+        await op.flush()
