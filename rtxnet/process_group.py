@@ -382,6 +382,7 @@ def _blocking(portal: Portal, fn: Any) -> Any:
         result = fn(*args, **kwargs)
         if not asyncio.iscoroutine(result):
             return _wrap(portal, result)
+        result = _on_caller_stream(result, args, kwargs)
         fut = portal.submit(lambda: result)
         if async_op:
             return Work(fut)
@@ -390,6 +391,23 @@ def _blocking(portal: Portal, fn: Any) -> Any:
     call.__name__ = getattr(fn, "__name__", "call")
     call.__doc__ = getattr(fn, "__doc__", None)
     return call
+
+
+def _on_caller_stream(coro: Any, args: tuple, kwargs: dict) -> Any:
+    """``coro``, run with the caller thread's current CUDA stream as the producer stream of its
+    GPU arrays (the loop thread's own current stream would be the default one), so that
+    ``pg.all_reduce(x)`` under ``with torch.cuda.stream(s):`` waits for ``s``'s work on ``x``."""
+    from .collectives.gpu.arrays import CALLER_STREAM, caller_stream
+
+    stream = caller_stream(args, kwargs)
+    if stream is None:
+        return coro
+
+    async def run() -> Any:
+        CALLER_STREAM.set(stream)   # in the task's own context
+        return await coro
+
+    return run()
 
 
 def _wrap(portal: Portal, value: Any) -> Any:

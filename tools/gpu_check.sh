@@ -153,13 +153,29 @@ fi
 # -- 3. Tests -------------------------------------------------------------------------------------
 if want tests; then
   t=$(allot 130 110)
-  say "pytest tests/gpu (timeout ${t}s)"
+  # the collectives, fault, NCCL, DDP and topology tests first, verbose (a stopped run still
+  # shows what passed); the large kernel matrix after, in what time is left
+  t1=$((t * 65 / 100))
+  t2=$((t - t1))
+  : >"$OUTDIR/gpu_tests.log"
+  say "pytest tests/gpu, integration (timeout ${t1}s)"
   # shellcheck disable=SC2086
-  timeout -k 10 "$t" "$PY" -m pytest tests/gpu -q --maxfail=3 --timeout 120 -p no:cacheprovider \
-    -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 | tee "$OUTDIR/gpu_tests.log"
-  rc=${PIPESTATUS[0]}
+  timeout -k 10 "$t1" "$PY" -m pytest tests/gpu/test_ipc.py tests/gpu/test_ipc_fault.py \
+    tests/gpu/test_nccl_unit.py tests/gpu/test_ddp_gpu.py tests/gpu/test_topology_gpu.py \
+    -v --maxfail=5 --timeout 120 -p no:cacheprovider -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
+    | tee -a "$OUTDIR/gpu_tests.log"
+  rc1=${PIPESTATUS[0]}
+  ((rc1 == 124)) && echo "pytest (integration) ran past its ${t1}s and was stopped"
+  say "pytest tests/gpu, kernels (timeout ${t2}s)"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$t2" "$PY" -m pytest tests/gpu/test_kernels.py tests/gpu/test_kernels_compile.py \
+    -q --maxfail=5 --timeout 120 -p no:cacheprovider -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
+    | tee -a "$OUTDIR/gpu_tests.log"
+  rc2=${PIPESTATUS[0]}
+  ((rc2 == 124)) && echo "pytest (kernels) ran past its ${t2}s and was stopped"
+  rc=$rc1
+  ((rc == 0)) && rc=$rc2
   RESULT[tests]=$rc
-  ((rc == 124)) && echo "pytest ran past its ${t}s and was stopped"
 fi
 
 # -- 4. The digits example on the GPU, with a rank killed ---------------------------------------
@@ -219,9 +235,10 @@ log = read("gpu_tests.log")
 if log is not None:
     ends = [line for line in log.splitlines()
             if re.search(r"\b\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line)]
-    counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)",
-                        ends[-1] if ends else "")
-    print(f"tests: {', '.join(f'{n} {w}' for n, w in counts) or 'no pytest summary line'} (exit {rc['tests']})")
+    for end in ends or [""]:
+        counts = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", end)
+        print(f"tests: {', '.join(f'{n} {w}' for n, w in counts) or 'no pytest summary line'}")
+    print(f"tests exit {rc['tests']}")
     for line in log.splitlines():
         if line.startswith(("FAILED", "ERROR")):
             print("  " + line[:200])

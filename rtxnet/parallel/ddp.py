@@ -419,8 +419,6 @@ class DistributedDataParallel(torch.nn.Module):
             self._broadcast_coalesced(bufs, 0)
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int) -> None:
-        if self.device.type == "cuda":
-            _order_default_stream(self.device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             if t.numel():
@@ -430,6 +428,8 @@ class DistributedDataParallel(torch.nn.Module):
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
             if flat.dtype == torch.bool:
                 flat = flat.to(torch.uint8)
+            if self.device.type == "cuda":
+                _order_default_stream(self.device)   # after the cat that fills flat
             self._pg.broadcast(flat, src=src)
             if self.device.type == "cuda":
                 _order_current_stream(self.device)

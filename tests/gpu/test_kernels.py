@@ -92,6 +92,7 @@ def _run(cp, dtype, op, count, nsrc, ndst, *, offsets=None, in_place=False, seed
         dsts = srcs[:ndst]
     else:
         dsts = [DevBuf(cp, np.zeros(count, dtype), offsets[nsrc + j]) for j in range(ndst)]
+    cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
     stream = cp.cuda.Stream(non_blocking=True)
     kernels.launch_reduce([b.ptr for b in srcs], [b.ptr for b in dsts], count, dtype, op,
                           avg_n=nsrc, stream=stream.ptr, device=cp.cuda.Device().id)
@@ -163,6 +164,7 @@ def test_copy(cp, nbytes):
     rng = np.random.default_rng(2)
     src = DevBuf(cp, rng.integers(0, 256, nbytes, dtype=np.uint8), offset=3)
     dst = DevBuf(cp, np.zeros(nbytes, np.uint8))
+    cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
     stream = cp.cuda.Stream(non_blocking=True)
     kernels.copy(dst.ptr, src.ptr, nbytes, stream=stream.ptr)
     stream.synchronize()

@@ -9,11 +9,40 @@ the CPU path's dtype and reduce-op rules (:mod:`rtxnet.collectives.reduce_ops`) 
 
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 
 from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
 
-__all__ = ["GpuBuffer", "gpu_buffers"]
+__all__ = ["GpuBuffer", "gpu_buffers", "CALLER_STREAM", "caller_stream"]
+
+# The producer's stream as seen by the thread that called the blocking API: its collectives run
+# on the portal's loop thread, whose "current stream" is not the caller's (see caller_stream).
+CALLER_STREAM: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "rtxnet_caller_stream", default=None)
+
+
+def caller_stream(args, kwargs) -> int | None:
+    """The current stream, in the calling thread, of the first GPU array among ``args`` and
+    ``kwargs`` (lists searched too): torch's current stream on the tensor's device, or CuPy's
+    on the array's device; None when no argument is a GPU array. Never imports CuPy or torch
+    for CPU arguments."""
+    from rtxnet.collectives.gpu import is_gpu_array
+
+    for a in list(args) + list(kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if not is_gpu_array(t):
+                continue
+            if type(t).__module__.startswith("torch"):
+                import torch
+
+                return int(torch.cuda.current_stream(t.device).cuda_stream)
+            import cupy
+
+            dev = t.device.id if isinstance(t, cupy.ndarray) else -1
+            return int(cupy.cuda.get_current_stream(dev).ptr)
+    return None
 
 _TORCH_DTYPES = {
     "torch.float16": np.dtype(np.float16), "torch.bfloat16": BFLOAT16,
@@ -73,7 +102,9 @@ class GpuBuffer:
         self.size = int(src.numel())
         self.shape = tuple(t.shape)
         self.device = int(t.device.index if t.device.index is not None else torch.cuda.current_device())
-        self.stream = int(torch.cuda.current_stream(t.device).cuda_stream)
+        caller = CALLER_STREAM.get()
+        self.stream = caller if caller is not None else \
+            int(torch.cuda.current_stream(t.device).cuda_stream)
 
     def _from_cupy(self, t, readonly: bool) -> None:
         import cupy
@@ -94,7 +125,9 @@ class GpuBuffer:
         self.size = int(a.size)
         self.shape = tuple(a.shape)
         self.device = int(a.device.id)
-        self.stream = int(cupy.cuda.get_current_stream().ptr)
+        caller = CALLER_STREAM.get()
+        self.stream = caller if caller is not None else \
+            int(cupy.cuda.get_current_stream(self.device).ptr)
 
     @property
     def nbytes(self) -> int:

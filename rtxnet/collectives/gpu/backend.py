@@ -76,7 +76,8 @@ class GpuGroup:
             ValueError: an unknown algorithm, or ``"ipc"`` for a group spanning hosts.
         """
         g = self.group
-        if forced is None and g.algorithm in GPU_ALGORITHMS:
+        if forced is None and g.algorithm in GPU_ALGORITHMS and (
+                g.algorithm != "hierarchical" or opname == "all_reduce"):
             forced = g.algorithm
         if forced is not None and forced not in GPU_ALGORITHMS:
             raise ValueError(f"{opname} on GPU arrays: algorithm {forced!r} not in "
@@ -146,8 +147,20 @@ class GpuGroup:
         if self._nccl is not None:
             self._nccl.close()
 
-    def _run(self, name: str, timeout, body):
-        return self.group._collective(name, timeout, body)
+    async def _run(self, name: str, timeout, body, user_stream: int):
+        """``body`` as the group's next collective. On failure the user's stream is still
+        ordered after rtxnet's (bounded: that stream never waits on another process), so memory
+        freed after the error is not reused by the user's later work while an abandoned kernel
+        or copy may still write it."""
+        try:
+            return await self.group._collective(name, timeout, body)
+        except BaseException:
+            if self.stream is not None:
+                try:
+                    self.stream.before(user_stream)
+                except Exception:  # noqa: BLE001 - a broken context: the original error matters
+                    pass
+            raise
 
     # -- collectives (arguments and errors as the same-named Group methods) ----------------------
 
@@ -173,7 +186,7 @@ class GpuGroup:
             buf.commit()
             return tensor
 
-        return await self._run("all_reduce", timeout, body)
+        return await self._run("all_reduce", timeout, body, buf.stream)
 
     async def broadcast(self, tensor, src: int, timeout, algorithm):
         g = self.group
@@ -196,7 +209,7 @@ class GpuGroup:
                 buf.commit()
             return tensor
 
-        return await self._run("broadcast", timeout, body)
+        return await self._run("broadcast", timeout, body, buf.stream)
 
     async def reduce(self, tensor, dst: int, op: ReduceOp, timeout, algorithm=None):
         g = self.group
@@ -220,7 +233,7 @@ class GpuGroup:
                 buf.commit()
             return tensor
 
-        return await self._run("reduce", timeout, body)
+        return await self._run("reduce", timeout, body, buf.stream)
 
     async def all_gather(self, output, input, timeout, algorithm):
         g = self.group
@@ -257,7 +270,7 @@ class GpuGroup:
                 b.commit()
             return output
 
-        return await self._run("all_gather", timeout, body)
+        return await self._run("all_gather", timeout, body, ib.stream)
 
     async def reduce_scatter(self, output, input, op: ReduceOp, timeout, algorithm):
         g = self.group
@@ -294,7 +307,7 @@ class GpuGroup:
             ob.commit()
             return output
 
-        return await self._run("reduce_scatter", timeout, body)
+        return await self._run("reduce_scatter", timeout, body, ob.stream)
 
     async def gather(self, tensor, gather_list, dst: int, timeout, algorithm=None):
         g = self.group
@@ -328,7 +341,7 @@ class GpuGroup:
                 b.commit()
             return gather_list
 
-        return await self._run("gather", timeout, body)
+        return await self._run("gather", timeout, body, ib.stream)
 
     async def scatter(self, tensor, scatter_list, src: int, timeout, algorithm=None):
         g = self.group
@@ -361,7 +374,7 @@ class GpuGroup:
             ob.commit()
             return tensor
 
-        return await self._run("scatter", timeout, body)
+        return await self._run("scatter", timeout, body, ob.stream)
 
     async def all_to_all(self, output, input, timeout, algorithm=None):
         from rtxnet.collectives.group import _check_splits
@@ -406,7 +419,7 @@ class GpuGroup:
                 b.commit()
             return output
 
-        return await self._run("all_to_all", timeout, body)
+        return await self._run("all_to_all", timeout, body, user_stream)
 
     def _split(self, name: str, arg, n: int, *, readonly: bool):
         if isinstance(arg, (list, tuple)):
@@ -424,7 +437,7 @@ class GpuGroup:
 
     async def send(self, tensor, dst: int, tag: int, timeout) -> None:
         buf = GpuBuffer(tensor, readonly=True)
-        host = await self._to_host(buf)
+        host = await self._to_host(buf, self.group._timeout_s(timeout))
         await self.group._send_host(host, dst, tag, timeout)
 
     async def recv(self, tensor, src: int, tag: int, timeout) -> int:
@@ -443,19 +456,22 @@ class GpuGroup:
                 view.set(host.reshape(-1).view(view.dtype), stream=user)
                 ev = cupy.cuda.Event(block=False, disable_timing=True)
                 ev.record(user)
-            await await_event(ev)
+            await await_event(ev, timeout_s=self.group._timeout_s(timeout))
         buf.commit()
         return got
 
-    async def _to_host(self, buf: GpuBuffer) -> np.ndarray:
+    async def _to_host(self, buf: GpuBuffer, timeout_s: float) -> np.ndarray:
         self._bind(buf)
         host = np.empty(buf.size, buf.dtype)
         if buf.size:
+            # wait (polling) for the producer's pending work first: a device-to-pageable copy
+            # returns only when done, and must not hold the loop while that work runs
             self.stream.after(buf.stream)
+            await await_event(self.stream.record(), timeout_s=timeout_s)
             view = _cupy_view(buf.ptr, buf.size, buf.dtype, buf.device)
             with self.stream.use():
                 view.get(stream=self.stream.stream, out=host.view(view.dtype), blocking=False)
-            await await_event(self.stream.record())
+            await await_event(self.stream.record(), timeout_s=timeout_s)
         return host.reshape(buf.shape)
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import ctypes
 import os
 from collections import OrderedDict
 
+import numpy as np
 import structlog
 
 from rtxnet.collectives.gpu import kernels
@@ -65,6 +66,7 @@ log = structlog.get_logger(__name__)
 
 MAX_RANKS = kernels.MAX_POINTERS  # a fused kernel takes at most this many peer pointers
 _DONE_STEP = 1
+_RAW = {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 _OPEN_CACHE = 256                 # opened peer allocations kept per group
 _libcuda = None
 
@@ -153,8 +155,6 @@ class IpcState:
             with self.stream.use():
                 base = int(self._rt.ipcOpenMemHandle(handle))
             self._opened[handle] = base
-            if len(self._opened) > _OPEN_CACHE:
-                self._evict()
         else:
             self._opened.move_to_end(handle)
         return base + offset
@@ -198,6 +198,8 @@ class IpcState:
             # an earlier operation failed half way: let whatever it enqueued drain first
             self.stream.stream.synchronize()
             self._tainted = False
+        if len(self._opened) > _OPEN_CACHE:
+            self._evict()   # before this op maps anything, so nothing it uses goes
         self.stream.after(user_stream)
         with self.stream.use():
             self._rt.eventRecord(self._ready.ptr, self.stream.ptr)
@@ -229,6 +231,10 @@ class IpcState:
         delay = 20e-6
         not_ready = getattr(self._rt, "errorNotReady", 600)
         while waits:
+            # a failed op may already have closed this state (epoch end): never touch its
+            # handles again, and never hand unmapped addresses to a kernel
+            if op.error is not None:
+                raise op.error
             for g, ev in list(waits.items()):
                 try:
                     rc = self._rt.eventQuery(ev)
@@ -241,11 +247,11 @@ class IpcState:
                     raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed with "
                                           f"cudaError {rc}")
             if not waits:
-                return
-            if op.error is not None:
-                raise op.error
+                break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1e-3)
+        if op.error is not None or self._closed:
+            raise op.error or CollectiveError(f"IPC state of group {self.group.gid!r} closed")
 
     async def finish(self, op, user_stream: int) -> None:
         """Phase 3: wait (polling) until this rank's work has completed, tell every peer, wait
@@ -263,9 +269,16 @@ class IpcState:
     # -- operations (inside Group._collective; ``op`` is the running Op) -------------------------
 
     def _reduce(self, srcs, dsts, count, dtype, rop, n) -> None:
+        if self._closed:
+            raise CollectiveError(f"IPC state of group {self.group.gid!r} is closed")
         if count > 0:
             kernels.launch_reduce(srcs, dsts, count, dtype, rop, avg_n=n, stream=self.stream.ptr,
                                   device=self.device)
+
+    def _copy(self, dst: int, src: int, nbytes: int, *, stream: int) -> None:
+        if self._closed:
+            raise CollectiveError(f"IPC state of group {self.group.gid!r} is closed")
+        kernels.copy(dst, src, nbytes, stream=stream)
 
     async def all_reduce(self, op, sig, buf, rop: ReduceOp) -> None:
         n, r, isz = op.n, op.r, buf.dtype.itemsize
@@ -292,29 +305,31 @@ class IpcState:
     async def all_gather(self, op, sig, inp, slots: list[int]) -> None:
         n, r = op.n, op.r
         ptrs, _ = await self.exchange(op, sig, inp.stream, slots)
-        self._reduce([inp.ptr], [ptrs[g][r] for g in range(n)], inp.size, inp.dtype,
-                     ReduceOp.SUM, 1)
+        # as integers of the same width: one source summed is then a bit-exact copy (a float
+        # path would canonicalise NaN payloads and bools)
+        self._reduce([inp.ptr], [ptrs[g][r] for g in range(n)], inp.size,
+                     _RAW[inp.dtype.itemsize], ReduceOp.SUM, 1)
         await self.finish(op, inp.stream)
 
     async def broadcast(self, op, sig, buf, root: int) -> None:
         me = op.r == root
         ptrs, _ = await self.exchange(op, sig, buf.stream, [buf.ptr] if me else [])
         if not me and buf.nbytes:
-            kernels.copy(buf.ptr, ptrs[root][0], buf.nbytes, stream=self.stream.ptr)
+            self._copy(buf.ptr, ptrs[root][0], buf.nbytes, stream=self.stream.ptr)
         await self.finish(op, buf.stream)
 
     async def gather(self, op, sig, inp, slots: list[int] | None, root: int) -> None:
         me = op.r == root
         ptrs, _ = await self.exchange(op, sig, inp.stream, slots if me else [])
         if inp.nbytes:
-            kernels.copy(ptrs[root][op.r], inp.ptr, inp.nbytes, stream=self.stream.ptr)
+            self._copy(ptrs[root][op.r], inp.ptr, inp.nbytes, stream=self.stream.ptr)
         await self.finish(op, inp.stream)
 
     async def scatter(self, op, sig, parts: list[int] | None, out, root: int) -> None:
         me = op.r == root
         ptrs, _ = await self.exchange(op, sig, out.stream, parts if me else [])
         if out.nbytes:
-            kernels.copy(out.ptr, ptrs[root][op.r], out.nbytes, stream=self.stream.ptr)
+            self._copy(out.ptr, ptrs[root][op.r], out.nbytes, stream=self.stream.ptr)
         await self.finish(op, out.stream)
 
     async def all_to_all(self, op, sig, user_stream: int, parts: list[int], splits: list,
@@ -330,22 +345,23 @@ class IpcState:
         for g in range(op.n):
             nbytes = splits[1][g] * itemsize
             if nbytes:
-                kernels.copy(outs[g], ptrs[g][r], nbytes, stream=self.stream.ptr)
+                self._copy(outs[g], ptrs[g][r], nbytes, stream=self.stream.ptr)
         await self.finish(op, user_stream)
 
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Unmap every peer allocation and drop the events (epoch end, group retired, exit).
-        Idempotent; waits up to the stream's drain only if nothing failed on it."""
+        Idempotent; drains this rank's stream first."""
         if self._closed:
             return
         self._closed = True
         rt = self._rt
         try:
             with self.stream.use():
-                if not self._tainted:
-                    self.stream.stream.synchronize()
+                # bounded: rtxnet's stream never waits on another process, so this only drains
+                # this rank's own kernels, which may still touch the peer memory unmapped below
+                self.stream.stream.synchronize()
                 for base in self._opened.values():
                     try:
                         rt.ipcCloseMemHandle(base)

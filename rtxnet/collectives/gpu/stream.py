@@ -76,20 +76,53 @@ def device_stream(device: int) -> DeviceStream:
     return s
 
 
-async def await_event(event, op=None) -> None:
+async def await_event(event, op=None, *, timeout_s: float | None = None) -> None:
     """Return once ``event`` has completed on the GPU, polling without blocking the loop.
 
     Args:
         event: ``cupy.cuda.Event``.
         op: the running :class:`rtxnet.collectives.engine.Op`, or None; its failure (deadline,
             lost peer, remote abort) is raised as soon as it is set.
+        timeout_s: without ``op``, give up after this many seconds (None: wait as long as it
+            takes).
 
     Raises:
         whatever ``op.error`` holds once the op has failed.
+        CollectiveError: the device reported an error for the work before the event (a sticky
+            CUDA error such as an illegal address), or ``timeout_s`` passed.
     """
+    from transport.errors import CollectiveError
+
+    query = _status_of(event)
     delay = 20e-6
-    while not event.done:
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        rc = query()
+        if rc == 0:
+            return
+        if rc != _NOT_READY:
+            raise CollectiveError(f"the GPU reported cudaError {rc} for work rtxnet waited on")
         if op is not None and op.error is not None:
             raise op.error
+        if deadline is not None and loop.time() > deadline:
+            raise CollectiveError(f"GPU work not complete after {timeout_s:g} s")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1e-3)
+
+
+_NOT_READY = 600   # cudaErrorNotReady (driver_types.h); eventQuery returns it without raising
+
+
+def _status_of(event):
+    """A function returning the event's ``cudaError_t``: ``cudaEventQuery`` for a CuPy event
+    (so a device error is seen, not read as "not done yet"); any other object with ``done``
+    (a unit test's stand-in) says only 0 or not ready."""
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None and isinstance(event, cupy.cuda.Event):
+        query, ptr = cupy.cuda.runtime.eventQuery, event.ptr
+        return lambda: query(ptr)
+    return lambda: 0 if event.done else _NOT_READY
