@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "topology":
         from .topology import local_topology, render_topology
 
-        topo = local_topology()
+        try:
+            topo = local_topology()
+        except RtxError as exc:   # e.g. an RTXNET_HOST too long to be an identity
+            print(f"rtxnet topology: {exc}", file=sys.stderr)
+            return 2
         return _print(json.dumps(topo, indent=2) if args.json else render_topology(topo))
     if args.cmd == "status":
         if args.timeout <= 0:
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rtxnet status: {exc}", file=sys.stderr)
             return 2
         except RtxError as exc:
-            print(f"rtxnet status: {args.coordinator}: {exc}", file=sys.stderr)
+            print(f"rtxnet status: {exc}", file=sys.stderr)
             return 1
         return _print(json.dumps(jobs, indent=2) if args.json else _render(jobs))
     return 2  # pragma: no cover

@@ -45,6 +45,7 @@ from transport.errors import (
     CollectiveError,
     ConfigError,
     PeerLostError,
+    RendezvousError,
     RtxError,
     RtxTimeoutError,
 )
@@ -92,6 +93,8 @@ class FaultTolerance:
 
     Raises:
         ConfigError: ``min_world_size`` < 1 or ``rejoin_window_s`` <= 0 (names the value).
+        RendezvousError (from ``guard``/``aguard``): the world stayed below ``min_world_size``
+            for ``rejoin_window_s`` after a loss (no replacement came).
     """
 
     def __init__(self, pg: BlockingProcessGroup | ProcessGroup, state: Stateful, *,
@@ -297,9 +300,11 @@ class FaultTolerance:
         while self.pg.world_size < self.min_world_size:
             remaining = loop_deadline - time.monotonic()
             if remaining <= 0:
-                raise ConfigError(
+                raise RendezvousError(
                     f"world_size({self.pg.world_size}) < min_world_size({self.min_world_size}) after "
-                    f"waiting rejoin_window_s({self.rejoin_window_s}) for replacements")
+                    f"waiting rejoin_window_s({self.rejoin_window_s}) for replacements; let the job "
+                    f"go on with fewer ranks (rtxnet-run --min-ranks) or restart lost ones "
+                    f"(--max-restarts)")
             log.info("waiting_for_ranks", world_size=self.pg.world_size, min_world_size=self.min_world_size)
             try:
                 await self.pg.agent.wait_epoch(self.pg.epoch, timeout_s=remaining)
@@ -435,4 +440,6 @@ class FaultTolerance:
             return False
         if swapped:
             log.warning("fault_injected", fault=rec["fault"], rank=rec["rank"], step=rec["step"])
+        if rec["kind"] == "delay":
+            return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped

@@ -246,7 +246,8 @@ class Injector:
         elif f.kind == "pause":
             # A separate process wakes us: a stopped process cannot.
             subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
-                             start_new_session=True)
+                             start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.kind == "delay":
             time.sleep((f.ms or 0) / 1000)

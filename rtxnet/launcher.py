@@ -47,6 +47,21 @@ def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+_DRAIN_S = 2.0   # after a rank exits, how long its output is still read
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: get SIGTERM when rtxnet-run dies, even by SIGKILL (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so no rank or coordinator outlives its launcher. Elsewhere a
+    no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
                             extra: list[str] | None = None) -> tuple[asyncio.subprocess.Process, str]:
     """Start ``python -m coordinator`` and return ``(process, address)`` once it listens.
@@ -57,6 +72,7 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_die_with_parent,
     )
     asyncio.ensure_future(_pump(proc.stderr, b"[coordinator] ", sys.stderr))
     try:
@@ -133,6 +149,7 @@ class Launcher:
         cmd = [sys.executable, "-u", self.args.script, *self.args.script_args]
         slot.proc = await asyncio.create_subprocess_exec(
             *cmd, env=self._env(slot), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_die_with_parent,
         )
         prefix = f"[rank{slot.rank}] ".encode()
         slot.pumps = [
@@ -143,7 +160,10 @@ class Launcher:
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
-        await asyncio.gather(*slot.pumps, return_exceptions=True)
+        # the rank's last lines, but not forever: a child it left behind may hold its pipes open
+        _, pending = await asyncio.wait(slot.pumps, timeout=_DRAIN_S)
+        for t in pending:
+            t.cancel()
         await self._exited.put((slot, proc, rc))
 
     def _signal(self, sig: int) -> None:

@@ -34,15 +34,25 @@ __all__ = ["host_id", "local_topology", "gpu_identity", "normalize_pci_bus_id", 
 _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 
+MAX_HOST_BYTES = 128
+
+
 def host_id() -> str:
     """The identity of this host as ranks compare it.
 
     ``RTXNET_HOST`` when set and not empty (for containers on different machines that share a
     hostname, and for tests that simulate several hosts on one machine), else
     ``socket.gethostname()``.
+
+    Raises:
+        ConfigError: the name is longer than ``MAX_HOST_BYTES`` bytes (UTF-8).
     """
     override = os.environ.get("RTXNET_HOST", "").strip()
-    return override or socket.gethostname()
+    host = override or socket.gethostname()
+    if len(host.encode()) > MAX_HOST_BYTES:
+        raise ConfigError(f"RTXNET_HOST/hostname {host[:40]!r}... is {len(host.encode())} bytes; "
+                          f"at most {MAX_HOST_BYTES} (it is part of the rank's ZeroMQ identity)")
+    return host
 
 
 def normalize_pci_bus_id(bus_id: str | bytes) -> str:

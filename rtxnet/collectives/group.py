@@ -194,7 +194,9 @@ class Group:
     def _choose(self, opname: str, nbytes: int, forced: str | None) -> str:
         allowed = ALGORITHMS.get(opname, ("direct",))
         if forced is not None and forced not in allowed:
-            raise ValueError(f"{opname}: algorithm {forced!r} not in {allowed}")
+            also = ("hierarchical",) if opname == "all_reduce" else ()
+            raise ValueError(f"{opname}: algorithm {forced!r} not in {allowed + also} (GPU "
+                             f"arrays: 'ipc', 'nccl'{', hierarchical' if also else ''})")
         if forced is None and self.algorithm in allowed:
             forced = self.algorithm
         if self.size == 1:

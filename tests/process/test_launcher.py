@@ -123,3 +123,74 @@ def test_more_arguments_are_checked(tmp_path):
     for text in ("port '70000' is not in 0..65535", "names rank 4, but --nproc is 2", "--job must not be empty",
                  "is not a file"):
         assert text in out.stderr, out.stderr
+
+
+LEAVES_A_CHILD = textwrap.dedent("""
+    import os, subprocess, sys
+    child = subprocess.Popen(["sleep", "300"])          # inherits this rank's stdout and stderr
+    open(sys.argv[1], "w").write(str(child.pid))
+    print("rank done", flush=True)
+""")
+
+
+def test_a_rank_whose_child_holds_its_pipes_does_not_hang_the_launcher(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVES_A_CHILD)
+    pidfile = tmp_path / "child.pid"
+    try:
+        out = run(["--nproc", "1", str(script), str(pidfile)], timeout=60)
+        assert out.returncode == 0 and "[rank0] rank done" in out.stdout, out.stderr[-2000:]
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    open(sys.argv[1] + f"/{os.environ['RANK']}.pid", "w").write(
+        f"{os.getpid()} {os.environ.get('RTXNET_COORDINATOR_PID', '')}")
+    time.sleep(300)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script),
+                                 str(tmp_path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for f in tmp_path.glob("*.pid"):
+            pids += [int(x) for x in f.read_text().split()]
+        pids = sorted(set(pids))
+        assert len(pids) == 3, pids            # two ranks and the coordinator
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
