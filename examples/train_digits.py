@@ -346,4 +346,8 @@ def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C of rtxnet-run reaches every rank: one line, not a traceback
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
