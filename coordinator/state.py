@@ -660,7 +660,7 @@ def _status(state: State, now: float) -> list[dict[str, Any]]:
             "kv_keys": len(job.kv),
             "members": [
                 {"rank": r, "identity": m.identity, "host": m.host, "pid": m.pid,
-                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3)}
+                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3), "info": m.info}
                 for r, m in sorted(job.members.items())
             ],
         })

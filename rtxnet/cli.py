@@ -48,8 +48,10 @@ def _render(jobs: list[dict]) -> str:
             f"last committed step {j['committed_step']}, {j['kv_keys']} key(s)"
         )
         for m in j["members"]:
+            topo = (m.get("info") or {}).get("topology") or {}
+            gpus = f"  {len(topo['gpus'])} GPU(s)" if topo.get("gpus") else ""
             lines.append(
-                f"  rank {m['rank']:>3}  {m['host']}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago  {m['identity']}"
+                f"  rank {m['rank']:>3}  {m['host']}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago  {m['identity']}{gpus}"
             )
     return "\n".join(lines)
 

@@ -270,6 +270,10 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
 
         configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL", "warning"))
     timeouts = timeouts or Timeouts.from_env()
+    if info is None:
+        from .topology import agent_info
+
+        info = {"topology": agent_info()}
     engine = await _make_engine(timeouts, bind_host)
     agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)
     from . import faults

@@ -168,6 +168,16 @@ def local_topology() -> dict[str, Any]:
     }
 
 
+def agent_info() -> dict[str, Any]:
+    """What an agent publishes at join (``rtxnet status --json`` shows it per member): CPUs,
+    the GPUs visible on this host (UUID and PCI bus id, from NVML; empty without it) and
+    ``CUDA_VISIBLE_DEVICES``. Never raises for a missing NVML or GPU."""
+    t = local_topology()
+    return {"cpus": t["cpus"],
+            "gpus": [{"uuid": g.get("uuid"), "pci_bus_id": g.get("pci_bus_id")} for g in t["gpus"]],
+            "cuda_visible_devices": t["cuda_visible_devices"]}
+
+
 def _uuid_by_pci(pci_bus_id: str) -> str | None:
     gpus, _, _ = _nvml_gpus()
     for g in gpus:
