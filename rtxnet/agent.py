@@ -22,6 +22,7 @@ import structlog
 from transport.channel import ControlClient
 from transport.errors import (
     ClosedError,
+    CoordinatorLostError,
     RendezvousError,
     RendezvousTimeout,
     RtxError,
@@ -99,6 +100,8 @@ class Agent:
         self.membership: Membership | None = None
         self.fenced = False
         self.last_heartbeat_ok: float | None = None
+        # loop time of the first unanswered heartbeat of the current silence (None: answered)
+        self._unreachable_since: float | None = None
         self._listeners: list[Listener] = []
         self._changed = asyncio.Event()
         self._client: ControlClient | None = None
@@ -268,6 +271,7 @@ class Agent:
             except RtxTimeoutError:
                 if not unreachable:
                     log.warning("coordinator_unreachable", coordinator=self.coordinator)
+                    self._unreachable_since = sent_at
                 unreachable = True
                 continue
             except ClosedError:
@@ -278,6 +282,7 @@ class Agent:
             if unreachable:
                 log.info("coordinator_reachable", coordinator=self.coordinator)
                 unreachable = False
+            self._unreachable_since = None
             self.last_heartbeat_ok = loop.time()
             state = body.get("state")
             if state == "member" and "view" in body:
@@ -328,6 +333,8 @@ class Agent:
 
         Raises:
             RtxTimeoutError: no decision within ``timeout_s``.
+            CoordinatorLostError: the coordinator answered no heartbeat for
+                ``Timeouts.coordinator_s`` (checked before every attempt).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -337,6 +344,14 @@ class Agent:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise RtxTimeoutError(f"commit of step {step}: no decision within {timeout_s:g} s")
+            since = self._unreachable_since
+            silent = 0.0 if since is None else loop.time() - since
+            if silent > self.timeouts.coordinator_s:
+                raise CoordinatorLostError(
+                    f"commit of step {step}: the coordinator at {self.coordinator} has answered no "
+                    f"heartbeat for {silent:.0f} s (coordinator_s={self.timeouts.coordinator_s:g}); "
+                    f"restart it on the same journal and the ranks reconnect",
+                    address=self.coordinator, silent_s=silent)
             if self.epoch != epoch:
                 return {"committed": False, "step": step, "reason": f"epoch changed {epoch} -> {self.epoch}"}
             wait_s = min(attempt_s, remaining)

@@ -47,6 +47,10 @@ class Timeouts:
         op_s: default deadline of a collective.
         rendezvous_s: how long to wait for the world to form.
         request_s: deadline of one control request (key-value, join, leave).
+        coordinator_s: how long the coordinator may stay unreachable (no heartbeat answered)
+            before a step's commit gives up with ``CoordinatorLostError`` instead of waiting on;
+            above ``heartbeat_timeout_s``, and long enough for a restart (``rtxnet-run``
+            restarts its coordinator within about a second).
 
     Raises:
         ConfigError: a value is not positive or the order above is broken; names the values.
@@ -57,6 +61,7 @@ class Timeouts:
     op_s: float = 60.0
     rendezvous_s: float = 300.0
     request_s: float = 10.0
+    coordinator_s: float = 30.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -69,11 +74,15 @@ class Timeouts:
                 "timeouts must satisfy heartbeat_interval_s < heartbeat_timeout_s < op_s < rendezvous_s, "
                 f"got heartbeat_interval_s({hi}) heartbeat_timeout_s({ht}) op_s({op}) rendezvous_s({rv})"
             )
+        if not self.coordinator_s > ht:
+            raise ConfigError(f"coordinator_s({self.coordinator_s}) must exceed "
+                              f"heartbeat_timeout_s({ht})")
 
     @classmethod
     def from_env(cls, **overrides: float | None) -> Timeouts:
         """Defaults, overridden by ``RTXNET_HEARTBEAT_INTERVAL``, ``RTXNET_HEARTBEAT_TIMEOUT``,
-        ``RTXNET_OP_TIMEOUT``, ``RTXNET_RENDEZVOUS_TIMEOUT``, ``RTXNET_REQUEST_TIMEOUT``, then by
+        ``RTXNET_OP_TIMEOUT``, ``RTXNET_RENDEZVOUS_TIMEOUT``, ``RTXNET_REQUEST_TIMEOUT``,
+        ``RTXNET_COORDINATOR_TIMEOUT``, then by
         non-None keyword arguments."""
         d = cls()
         vals = {
@@ -82,6 +91,7 @@ class Timeouts:
             "op_s": env_float("RTXNET_OP_TIMEOUT", d.op_s),
             "rendezvous_s": env_float("RTXNET_RENDEZVOUS_TIMEOUT", d.rendezvous_s),
             "request_s": env_float("RTXNET_REQUEST_TIMEOUT", d.request_s),
+            "coordinator_s": env_float("RTXNET_COORDINATOR_TIMEOUT", d.coordinator_s),
         }
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**vals)

@@ -8,7 +8,8 @@
     |-- TransportError
     |   |-- ConnectError
     |   |-- ClosedError             we closed it
-    |   `-- PeerLostError           a peer died or was declared lost (carries the ranks)
+    |   |-- PeerLostError           a peer died or was declared lost (carries the ranks)
+    |   `-- CoordinatorLostError    the coordinator stayed unreachable past its timeout
     |-- RtxTimeoutError (also TimeoutError)
     |   |-- RendezvousTimeout
     |   `-- CollectiveTimeout       carries the ranks that did not contribute
@@ -37,6 +38,7 @@ __all__ = [
     "ConnectError",
     "ClosedError",
     "PeerLostError",
+    "CoordinatorLostError",
     "RtxTimeoutError",
     "RendezvousTimeout",
     "CollectiveTimeout",
@@ -88,6 +90,20 @@ class PeerLostError(TransportError):
         super().__init__(message)
         self.ranks = sorted(ranks)
         self.epoch = epoch
+
+
+class CoordinatorLostError(TransportError):
+    """The coordinator answered no heartbeat for ``Timeouts.coordinator_s``: steps cannot be
+    committed until it is back (restart it on the same journal; agents reconnect by themselves).
+
+    Attributes:
+        address: the coordinator's address. silent_s: seconds without an answer.
+    """
+
+    def __init__(self, message: str, *, address: str = "", silent_s: float = 0.0):
+        super().__init__(message)
+        self.address = address
+        self.silent_s = silent_s
 
 
 class RtxTimeoutError(RtxError, TimeoutError):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,27 @@ def test_partitioned_rank_is_fenced_and_the_group_realigns(tmp_path):
     # while still deaf, and the ranks' sequence numbers drift apart; a reform realigns them.
     results, _ = run_job(tmp_path, "partition:rank=2:step=10:seconds=2", "--min-ranks", "3", steps=150)
     assert len(results) == 4 and recoveries(results)
+
+
+def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coordinator):
+    """An external coordinator SIGKILLed and never restarted: every rank stops with
+    CoordinatorLostError soon after RTXNET_COORDINATOR_TIMEOUT, not minutes of vote retries."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST, RTXNET_COORDINATOR_TIMEOUT="3")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--coordinator", coordinator.address,
+         "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        time.sleep(4)                      # training is under way
+        assert proc.poll() is None
+        coordinator.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "CoordinatorLostError" in err, err[-3000:]
+    assert took < 30, took

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 def test_all_is_pinned():
     assert sorted(rtxnet.__all__) == sorted([
         "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
-        "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "DistributedDataParallel",
+        "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "CoordinatorLostError",
+        "DistributedDataParallel",
         "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JournalCorruptError", "JournalError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
         "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
@@ -34,6 +35,7 @@ def test_error_tree_matches_the_style_guide():
     for child, parent in [
         (e.ProtocolError, e.RtxError), (e.ConnectError, e.TransportError), (e.ClosedError, e.TransportError),
         (e.PeerLostError, e.TransportError), (e.RendezvousTimeout, e.RtxTimeoutError),
+        (e.CoordinatorLostError, e.TransportError),
         (e.CollectiveTimeout, e.RtxTimeoutError), (e.CollectiveMismatchError, e.CollectiveError),
         (e.JournalCorruptError, e.JournalError), (e.CheckpointCorruptError, e.CheckpointError),
         (e.RendezvousError, e.RtxError), (e.JobFinishedError, e.RendezvousError),
