@@ -88,15 +88,28 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def load_data(seed: int = 0):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+_DIGITS_NPZ = Path(__file__).resolve().parent / "data" / "digits_seed0.npz"
 
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+
+def load_data(seed: int = 0):
+    """The UCI handwritten digits (scikit-learn's ``load_digits``, 1797 8x8 images, pixel values
+    0..16 scaled to [0, 1]), split 75/25 stratified with ``random_state=seed``. Without
+    scikit-learn, seed 0 reads the same split from ``data/digits_seed0.npz`` (written from
+    scikit-learn's output, identical arrays)."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        if seed != 0:
+            raise SystemExit("train_digits: seeds other than 0 need scikit-learn") from None
+        d = np.load(_DIGITS_NPZ)
+        xtr, xte, ytr, yte = d["xtr"], d["xte"], d["ytr"], d["yte"]
+    else:
+        x, y = load_digits(return_X_y=True)
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
     t = torch.from_numpy
-    return t(xtr), t(ytr.astype(np.int64)), t(xte), t(yte.astype(np.int64))
+    return (t((xtr / 16.0).astype(np.float32)), t(ytr.astype(np.int64)),
+            t((xte / 16.0).astype(np.float32)), t(yte.astype(np.int64)))
 
 
 def make_model(hidden: int) -> torch.nn.Module:
@@ -213,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         return value, b.global_n
 
     bar = None
-    if rank == 0:
+    try:
         from tqdm import tqdm
-
+    except ImportError:   # no progress bar then; the log lines still come
+        tqdm = None
+    if rank == 0 and tqdm is not None:
         bar = tqdm(total=args.steps, initial=min(state.step, args.steps), desc="train", unit="step",
                    file=_LineStream(sys.stderr), mininterval=1.0, ascii=True, dynamic_ncols=False, ncols=100)
     t0 = time.perf_counter()
@@ -306,7 +321,11 @@ def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], resumed_from: int | None) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"train_digits: matplotlib is not installed, {path.name} skipped", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -20,8 +20,8 @@ FAST = {"RTXNET_HEARTBEAT_INTERVAL": "0.1", "RTXNET_HEARTBEAT_TIMEOUT": "1.0",
         "RTXNET_OP_TIMEOUT": "20"}
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_rank_killed_during_ipc_all_reduce(tmp_path, nproc):
+def test_rank_killed_during_ipc_all_reduce(tmp_path):
+    nproc = 4
     env = dict(os.environ, **FAST)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(

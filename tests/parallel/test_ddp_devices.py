@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,3 +64,19 @@ def test_train_digits_asked_for_cuda_without_cuda_says_so(tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert "train_digits: --device cuda, but torch" in r.stderr
     assert "use --device cpu" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_digits_npz_is_scikit_learns_split():
+    """examples/data/digits_seed0.npz (used where scikit-learn is absent, e.g. the GPU host) holds
+    exactly the arrays scikit-learn's load_digits + train_test_split(seed 0) give."""
+    sk = pytest.importorskip("sklearn")
+    del sk
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
+    d = np.load(Path(__file__).resolve().parents[2] / "examples" / "data" / "digits_seed0.npz")
+    for name, want in (("xtr", xtr), ("xte", xte), ("ytr", ytr), ("yte", yte)):
+        assert d[name].shape == want.shape and (d[name].astype(np.float64) == want).all(), name
