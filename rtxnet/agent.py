@@ -149,6 +149,13 @@ class Agent:
 
     async def _send_join(self) -> None:
         self._joining = True
+        mute_left = self._muted_until - time.monotonic()
+        if 0 < mute_left < float("inf"):
+            # A rank cut off by fault injection (muted heartbeats, simulated partition) could not
+            # reach the coordinator either: it (re)joins once that is over, not into a new epoch
+            # whose peers' data it would still drop.
+            log.info("join_waits_for_fault", seconds=round(mute_left, 3))
+            await asyncio.sleep(mute_left)
         await self._request(
             "join",
             identity=self.identity,
@@ -349,12 +356,15 @@ class Agent:
             if silent > self.timeouts.coordinator_s:
                 raise CoordinatorLostError(
                     f"commit of step {step}: the coordinator at {self.coordinator} has answered no "
-                    f"heartbeat for {silent:.0f} s (coordinator_s={self.timeouts.coordinator_s:g}); "
-                    f"restart it on the same journal and the ranks reconnect",
-                    address=self.coordinator, silent_s=silent)
+                    f"heartbeat for {silent:.0f} s (coordinator_s={self.timeouts.coordinator_s:g}), "
+                    f"so no step can be committed; a coordinator restarted on the same journal "
+                    f"within coordinator_s is reconnected to without loss (rtxnet-run restarts its "
+                    f"own)", address=self.coordinator, silent_s=silent)
             if self.epoch != epoch:
                 return {"committed": False, "step": step, "reason": f"epoch changed {epoch} -> {self.epoch}"}
             wait_s = min(attempt_s, remaining)
+            if since is not None:   # look again when the silence would pass coordinator_s
+                wait_s = min(wait_s, max(0.5, self.timeouts.coordinator_s - silent + 0.1))
             try:
                 if self._closed or self._client is None:
                     raise ClosedError("agent is closed")
