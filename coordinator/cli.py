@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 import sys
 
@@ -34,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-every", type=int, default=10000, help="journal records between snapshots (default 10000)")
     p.add_argument("--log-level", default=None)
     p.add_argument("--log-json", action="store_true")
+    p.add_argument("--remove-journal-on-stop", action="store_true",
+                   help="delete the journal folder after a clean stop (SIGTERM/SIGINT), not after a "
+                        "crash; rtxnet-run uses it for the temporary journal it creates")
     return p
 
 
@@ -58,7 +62,12 @@ async def _amain(args: argparse.Namespace) -> int:
     try:
         await coord.serve()
     finally:
-        await coord.aclose()
+        try:
+            await coord.aclose()
+        finally:
+            # before logging: with rtxnet-run gone, writing to its pipe raises BrokenPipeError
+            if args.remove_journal_on_stop:
+                shutil.rmtree(args.journal, ignore_errors=True)
         log.info("coordinator_stopped")
     return 0
 

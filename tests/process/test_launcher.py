@@ -168,9 +168,10 @@ def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(tmp_path / "launcher.log", "w")
     launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script),
                                  str(tmp_path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+                                stderr=log)
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 30
@@ -186,7 +187,15 @@ def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+        # the temporary journal goes with the coordinator's clean stop
+        text = (tmp_path / "launcher.log").read_text()
+        journal = Path(text.split("(journal ", 1)[1].split(",", 1)[0])
+        deadline = time.monotonic() + 5
+        while journal.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not journal.exists(), journal
     finally:
+        log.close()
         if launcher.poll() is None:
             launcher.kill()
         for p in pids:
