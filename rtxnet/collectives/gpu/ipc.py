@@ -140,7 +140,15 @@ class IpcState:
             return None
         with self.stream.use():
             base, _ = _address_range(ptr)
-            handle = bytes(self._rt.ipcGetMemHandle(base))
+            try:
+                handle = bytes(self._rt.ipcGetMemHandle(base))
+            except Exception as exc:  # noqa: BLE001 - CUDARuntimeError
+                raise CollectiveError(
+                    f"CUDA IPC cannot export the allocation at {base:#x} ({exc}): memory from "
+                    f"cudaMallocAsync pools or virtual-memory allocators (e.g. torch with "
+                    f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) cannot be shared this "
+                    f"way; allocate with cudaMalloc (CuPy's and torch's default allocators)"
+                ) from exc
         return [handle, ptr - base]
 
     def _map(self, g: int, item) -> int:
