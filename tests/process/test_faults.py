@@ -144,3 +144,20 @@ def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coord
     assert proc.returncode != 0
     assert "CoordinatorLostError" in err, err[-3000:]
     assert took < 30, took
+
+
+def test_no_replacement_within_the_rejoin_window_stops_with_rendezvous_error(tmp_path):
+    """2 ranks, minimum 2, rank 1 killed and not restarted: the survivor waits the rejoin window
+    (3 s here), then stops with RendezvousError naming the sizes and what to do."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "kill:rank=1:step=5",
+         "tools/ft_workload.py", "--steps", "1000", "--step-sleep", "0.01", "--rejoin-window", "3",
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, env=env)
+    took = time.monotonic() - t0
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    assert "RendezvousError" in proc.stderr and "min_world_size(2)" in proc.stderr, proc.stderr[-3000:]
+    assert "--max-restarts" in proc.stderr
+    assert took < 60, took
