@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-every", type=int, default=10000, help="journal records between snapshots (default 10000)")
     p.add_argument("--log-level", default=None)
     p.add_argument("--log-json", action="store_true")
+    p.add_argument("--dead-job-ttl", type=float, default=3600.0,
+                   help="seconds a job whose every rank crashed is kept for restarted ranks to "
+                        "rejoin (committed step, store, checkpoint record), then forgotten "
+                        "(default 3600)")
     p.add_argument("--remove-journal-on-stop", action="store_true",
                    help="delete the journal folder after a clean stop (SIGTERM/SIGINT), not after a "
                         "crash; rtxnet-run uses it for the temporary journal it creates")
@@ -42,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _amain(args: argparse.Namespace) -> int:
-    coord = Coordinator(args.bind, args.journal, tick_s=args.tick, snapshot_every=args.snapshot_every)
+    coord = Coordinator(args.bind, args.journal, tick_s=args.tick, snapshot_every=args.snapshot_every,
+                        dead_job_ttl_s=args.dead_job_ttl)
     try:
         address = await coord.start()
     except JournalCorruptError as exc:
@@ -76,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.tick <= 0:
         print(f"rtxnet-coordinator: --tick must be > 0, got {args.tick}", file=sys.stderr)
+        return 2
+    if not 0 < args.dead_job_ttl < float("inf"):
+        print(f"rtxnet-coordinator: --dead-job-ttl must be a positive number of seconds, got "
+              f"{args.dead_job_ttl}", file=sys.stderr)
         return 2
     from transport.channel import check_address
 

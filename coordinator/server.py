@@ -50,6 +50,7 @@ class Coordinator:
         tick_s: how often heartbeats and deadlines are checked, seconds.
         snapshot_every: records after which the journal is compacted into a snapshot.
         fsync: make journal appends durable (off only for throwaway tests).
+        dead_job_ttl_s: how long a job whose every rank crashed is kept for restarted ranks.
 
     Raises:
         JournalCorruptError: (from :meth:`start`) the journal is corrupt before its tail.
@@ -57,11 +58,12 @@ class Coordinator:
     """
 
     def __init__(self, bind: str, journal_dir: str | Path, *, tick_s: float = 0.05,
-                 snapshot_every: int = 10000, fsync: bool = True):
+                 snapshot_every: int = 10000, fsync: bool = True, dead_job_ttl_s: float = 3600.0):
         self.bind = bind
         self.journal = Journal(journal_dir, fsync=fsync)
         self.tick_s = tick_s
         self.snapshot_every = snapshot_every
+        self.dead_job_ttl_s = dead_job_ttl_s
         self.state = State()
         self.server: ControlServer | None = None
         self.address: str | None = None
@@ -74,6 +76,10 @@ class Coordinator:
         self.state = restore(decode(snap, limits=_JOURNAL_LIMITS), now) if snap else State()
         for raw in records:
             apply_record(self.state, decode(raw, limits=_JOURNAL_LIMITS), now)
+        self.state.dead_job_ttl_s = self.dead_job_ttl_s
+        for job in self.state.jobs.values():
+            if job.formed and not job.members:
+                job.empty_since = now   # the TTL of a dead job restarts with the daemon
         log.info(
             "journal_replayed",
             snapshot=snap is not None,

@@ -81,6 +81,9 @@ class Job:
     committed_step: int = -1
     commit_metadata: dict = field(default_factory=dict)
     fenced: set[str] = field(default_factory=set)  # identities declared lost
+    # Not journaled: since when a formed job has had neither members nor joiners (every rank
+    # crashed); after a restart the wait starts again from the replay.
+    empty_since: float | None = None
     # Not journaled: waiters are agents' open requests, which they repeat after a restart.
     kv_waiters: list[tuple[str, int, list[str], float]] = field(default_factory=list)
     votes: dict[int, dict[int, bool]] = field(default_factory=dict)  # step -> rank -> ok
@@ -106,6 +109,10 @@ class State:
     # job id -> last committed step, for jobs whose every member left or was lost; a join is
     # refused so a late or restarted rank cannot start a fresh job under the old id.
     finished: dict[str, int] = field(default_factory=dict)
+    # Configuration, not journaled: a job whose every rank crashed is kept this long for
+    # restarted ranks to rejoin (with its committed step, store and checkpoint record), then
+    # dropped. Set by the daemon (--dead-job-ttl).
+    dead_job_ttl_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -336,6 +343,15 @@ def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None
         late = [r for r, m in job.members.items() if now - m.last_seen > job.heartbeat_timeout_s]
         if late:
             _lose(state, job, late, now, actions, reason="lost")
+        if job.members or job.pending:
+            job.empty_since = None
+        elif job.empty_since is None:
+            job.empty_since = now
+        elif now - job.empty_since >= state.dead_job_ttl_s:
+            # Every rank crashed and none came back within the TTL: forget the job (a later
+            # launch under the same id starts afresh).
+            _record(state, actions, {"k": "job_drop", "job": job.job}, now)
+            return
     else:
         # Pending joiners that stopped heartbeating are dropped before the world forms.
         for ident, m in list(job.pending.items()):
@@ -418,7 +434,8 @@ def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Ac
         if reason == "left":
             _record(state, actions, {"k": "job_end", "job": job.job}, now)
         # Every member crashed: the job stays, with its committed step, key-value entries and
-        # checkpoint record, for restarted ranks to rejoin.
+        # checkpoint record, for restarted ranks to rejoin (for state.dead_job_ttl_s).
+        job.empty_since = now
         return
     for m in job.members.values():
         actions.append(_epoch_push(job, m.identity, ranks, [], reason))

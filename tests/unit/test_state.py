@@ -303,3 +303,37 @@ def test_reform_opens_one_new_epoch_with_the_same_members():
     # A second rank asking about the same (now old) epoch changes nothing.
     assert not pushes(h.req("c", "reform", epoch=0, identity="c", reason="timeout"))
     assert h.state.jobs["j"].epoch == 1
+
+
+def test_a_job_whose_every_rank_crashed_is_kept_for_the_ttl_then_forgotten():
+    h = Harness()
+    h.state.dead_job_ttl_s = 100.0
+    h.join("a")
+    h.join("b")
+    h.req("a", "kv_set", epoch=0, key="k", value=b"v")
+    h.run(Disconnect("a"))
+    h.run(Disconnect("b"))
+    assert "j" in h.state.jobs and not h.state.jobs["j"].members
+    h.tick(99.0)
+    assert "j" in h.state.jobs                      # still there for restarted ranks
+    h.tick(2.0)
+    assert "j" not in h.state.jobs
+    assert h.records[-1]["k"] == "job_drop" and h.records[-1]["job"] == "j"   # journaled
+    # a later launch under the same id starts a fresh rendezvous
+    h.join("c")
+    h.join("d")
+    assert h.state.jobs["j"].epoch == 0 and "k" not in h.state.jobs["j"].kv
+
+
+def test_a_restarted_rank_within_the_ttl_keeps_the_dead_job():
+    h = Harness()
+    h.state.dead_job_ttl_s = 100.0
+    h.join("a", min_ranks=1, max_ranks=2)
+    h.join("b", min_ranks=1, max_ranks=2)
+    h.run(Disconnect("a"))
+    h.run(Disconnect("b"))
+    h.tick(50.0)
+    h.join("c", min_ranks=1, max_ranks=2)            # a restarted rank rejoins the running job
+    h.tick(1.0)
+    job = h.state.jobs["j"]
+    assert job.members and job.empty_since is None   # the TTL no longer runs
