@@ -56,7 +56,7 @@ import numpy as np
 import structlog
 
 from rtxnet.collectives.gpu import kernels
-from rtxnet.collectives.gpu.stream import DeviceStream, await_event
+from rtxnet.collectives.gpu.stream import DeviceStream, await_event, poll_delay
 from rtxnet.collectives.reduce_ops import ReduceOp
 from transport.errors import CollectiveError
 
@@ -236,7 +236,8 @@ class IpcState:
             op.error once the op failed; CollectiveError if the driver reports an error other
             than "not ready" for a peer's event.
         """
-        delay = 20e-6
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         not_ready = getattr(self._rt, "errorNotReady", 600)
         while waits:
             # a failed op may already have closed this state (epoch end): never touch its
@@ -256,8 +257,7 @@ class IpcState:
                                           f"cudaError {rc}")
             if not waits:
                 break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            await asyncio.sleep(poll_delay(loop.time() - start))
         if op.error is not None or self._closed:
             raise op.error or CollectiveError(f"IPC state of group {self.group.gid!r} closed")
 
