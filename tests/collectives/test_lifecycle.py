@@ -43,7 +43,7 @@ async def epoch_change(engine):
             out["inflight"] = (exc.ranks, exc.epoch)
         try:
             await g0.barrier()
-        except PeerLostError as exc:
+        except PeerLostError:
             out["old_group"] = "PeerLostError"
         # first op of epoch 1 starts before rank 1 reaches epoch 1: buffered there
         y = np.full(4, 1.0)

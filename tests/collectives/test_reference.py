@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtxnet.collectives import ReduceOp
-
 from .harness import run_world
 from .reference import DTYPES, close, make, np_dtype, ops_for, reduce_ref
 

@@ -12,7 +12,7 @@ import pytest
 from rtxnet.collectives import ReduceOp
 from transport.errors import CollectiveMismatchError, CollectiveTimeout
 
-from .harness import RankError, run_world
+from .harness import run_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,7 +228,7 @@ async def slow_rank(engine, algo):
 @pytest.mark.parametrize("algo", ["direct", "ring", "shm"])
 def test_timeout_names_missing_rank_and_group_stays_usable(algo):
     res = run_world(3, slow_rank, algo)
-    for r, out in enumerate(res):
+    for out in res:
         assert out["first"][0] == "timeout", out
         assert out["first"][1] == [2], out
         assert out["first"][2] == "all_reduce"

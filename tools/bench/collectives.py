@@ -118,15 +118,16 @@ async def rtxnet_rank(engine, ops, sizes):
             per, actual = elems(op, nbytes, n)
             if op == "all_reduce" or op == "broadcast":
                 x = np.zeros(per, np.float32)
-                call = (lambda: g.all_reduce(x)) if op == "all_reduce" else (lambda: g.broadcast(x, 0))
+                call = (lambda x=x: g.all_reduce(x)) if op == "all_reduce" else \
+                    (lambda x=x: g.broadcast(x, 0))
             elif op == "all_gather":
                 x = np.zeros(per, np.float32)
                 out = np.empty(per * n, np.float32)
-                call = lambda: g.all_gather(out, x)  # noqa: E731
+                call = lambda out=out, x=x: g.all_gather(out, x)  # noqa: E731
             else:
                 x = np.zeros(per * n, np.float32)
                 out = np.empty(per, np.float32)
-                call = lambda: g.reduce_scatter(out, x)  # noqa: E731
+                call = lambda out=out, x=x: g.reduce_scatter(out, x)  # noqa: E731
             warm, iters = iterations(actual)
             for _ in range(warm):
                 await call()
@@ -300,14 +301,14 @@ def _gloo_rank(rank, n, port, ops, sizes, q):
                 per, actual = elems(op, nbytes, n)
                 if op in ("all_reduce", "broadcast"):
                     x = torch.zeros(per)
-                    call = (lambda: dist.all_reduce(x)) if op == "all_reduce" else \
-                        (lambda: dist.broadcast(x, 0))
+                    call = (lambda x=x: dist.all_reduce(x)) if op == "all_reduce" else \
+                        (lambda x=x: dist.broadcast(x, 0))
                 elif op == "all_gather":
                     x, out = torch.zeros(per), torch.empty(per * n)
-                    call = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
+                    call = lambda out=out, x=x: dist.all_gather_into_tensor(out, x)  # noqa: E731
                 else:
                     x, out = torch.zeros(per * n), torch.empty(per)
-                    call = lambda: dist.reduce_scatter_tensor(out, x)  # noqa: E731
+                    call = lambda out=out, x=x: dist.reduce_scatter_tensor(out, x)  # noqa: E731
                 warm, iters = iterations(actual)
                 try:
                     for _ in range(warm):
@@ -417,7 +418,7 @@ def plot(rows, path):
         return
     ops = [o for o in OPS if any(r["op"] == o for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    for ax, op in zip(axes[0], ops, strict=True):
         for key in sorted({(r["impl"], r["ranks"]) for r in rows if r["op"] == op}):
             pts = sorted((r["nbytes"], r["busbw_gbps"]) for r in rows
                          if r["op"] == op and (r["impl"], r["ranks"]) == key)
