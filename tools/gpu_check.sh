@@ -3,6 +3,7 @@
 # torch; see ../shared/gpu/GPU_HOST.md). It finishes within 5 minutes (every step has a timeout,
 # all of them drawn from one budget) and writes, in OUTDIR:
 #   gpu_check.log          everything this script printed
+#   gpu_smoke.log          tools/gpu_smoke.py: one ok/FAIL line per CUDA/CuPy/NCCL call rtxnet makes
 #   gpu_tests.log          pytest tests/gpu (the gpu-marked tests and the others there)
 #   topology.json          `rtxnet topology --json`
 #   digits.log             examples/train_digits.py --device cuda, 4 ranks on the GPU, rank 2 killed
@@ -152,6 +153,12 @@ if timeout -k 5 60 "$PY" -c "import sys; from rtxnet.collectives.gpu import cupy
   CUDA_OK=1
 fi
 
+# -- 2b. One line per CUDA/CuPy/NCCL call the GPU path makes (pinpoints an API failure) ----------
+if ((CUDA_OK)); then
+  say "gpu_smoke (timeout 60s)"
+  timeout -s INT -k 5 60 "$PY" tools/gpu_smoke.py 2>&1 | tee "$OUTDIR/gpu_smoke.log"
+fi
+
 # -- 3. Tests -------------------------------------------------------------------------------------
 if want tests; then
   t=$(allot 160 105)
@@ -232,6 +239,12 @@ def read(name):
     except OSError:
         return None
 
+
+smoke = read("gpu_smoke.log")
+if smoke is not None:
+    for line in smoke.splitlines():
+        if line.startswith(("FAIL", "gpu_smoke:")):
+            print(line[:200])
 
 log = read("gpu_tests.log")
 if log is not None:
