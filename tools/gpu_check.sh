@@ -170,7 +170,7 @@ if want tests; then
   say "pytest tests/gpu, integration (timeout ${t1}s)"
   # shellcheck disable=SC2086
   timeout -s INT -k 10 "$t1" "$PY" -m pytest tests/gpu/test_ipc.py tests/gpu/test_ipc_fault.py \
-    tests/gpu/test_nccl_unit.py tests/gpu/test_ddp_gpu.py tests/gpu/test_topology_gpu.py \
+    tests/gpu/test_group_nccl.py tests/gpu/test_nccl_unit.py tests/gpu/test_ddp_gpu.py tests/gpu/test_topology_gpu.py \
     -v --maxfail=5 --timeout 120 -p no:cacheprovider -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
     | tee -a "$OUTDIR/gpu_tests.log"
   rc1=${PIPESTATUS[0]}
