@@ -839,12 +839,26 @@ class Group:
 def _divide_in_place(tensor, n: int) -> None:
     """``tensor /= n`` in place: torch tensors on their current stream, CuPy arrays on CuPy's,
     NumPy arrays (and bfloat16) on the host."""
-    if type(tensor).__module__.startswith("torch"):
+    if is_gpu_array(tensor):
+        # on the producer's stream (the caller's, under the blocking API), which rtxnet's
+        # writes are already ordered before
+        from rtxnet.collectives.gpu.arrays import GpuBuffer
+
+        buf = GpuBuffer(tensor)
+        if type(tensor).__module__.startswith("torch"):
+            import torch
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(buf.stream, device=tensor.device)):
+                tensor.div_(n)
+        else:
+            from rtxnet.collectives.gpu.kernels import _cupy_stream
+
+            with _cupy_stream(buf.stream, buf.device):
+                tensor /= n
+    elif type(tensor).__module__.startswith("torch"):
         tensor.div_(n)
     elif isinstance(tensor, np.ndarray):
         np.divide(tensor, n, out=tensor, casting="unsafe")
-    elif is_gpu_array(tensor):
-        tensor /= n
     else:
         a = Buffer(tensor).array
         np.divide(a, n, out=a, casting="unsafe")
