@@ -265,7 +265,6 @@ class Agent:
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.timeouts.heartbeat_interval_s
-        unreachable = False
         while not self._closed:
             sent_at = loop.time()
             mute_left = self._muted_until - time.monotonic()
@@ -276,20 +275,18 @@ class Agent:
                 body = await self._request("heartbeat", identity=self.identity,
                                            deadline_s=max(interval, self.timeouts.heartbeat_timeout_s))
             except RtxTimeoutError:
-                if not unreachable:
+                if self._unreachable_since is None:
                     log.warning("coordinator_unreachable", coordinator=self.coordinator)
                     self._unreachable_since = sent_at
-                unreachable = True
                 continue
             except ClosedError:
                 return
             except RtxError as exc:
                 log.warning("heartbeat_refused", error=str(exc))
                 body = {"state": "unknown"}
-            if unreachable:
+            if self._unreachable_since is not None:
                 log.info("coordinator_reachable", coordinator=self.coordinator)
-                unreachable = False
-            self._unreachable_since = None
+                self._unreachable_since = None
             self.last_heartbeat_ok = loop.time()
             state = body.get("state")
             if state == "member" and "view" in body:

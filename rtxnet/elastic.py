@@ -125,6 +125,7 @@ class FaultTolerance:
         self.step = start_step  # the next step to run
         self.committed_step = start_step - 1
         self.max_step_retries = max_step_retries
+        self._delays_recorded: set[int] = set()   # delay faults already claimed in the store
         self.load_checkpoint = load_checkpoint
         self._same_step_failures: dict[int, int] = {}
         self._snapshot = pack_state(state.state_dict())
@@ -432,7 +433,10 @@ class FaultTolerance:
         return [(f, inj.record(f, rank=rank, step=step)) for f in due]
 
     async def _record_fault(self, rec: dict[str, Any]) -> bool:
-        """Claim the fault in the store (once per job, even across restarts); True: act on it."""
+        """Claim the fault in the store (once per job, even across restarts); True: act on it.
+        A delay acts at every step but is recorded once: later steps skip the store."""
+        if rec["kind"] == "delay" and rec["index"] in self._delays_recorded:
+            return True
         try:
             swapped, _ = await self.pg.store.compare_set(f"faults/{rec['index']}", None, json.dumps(rec))
         except RtxError as exc:
@@ -441,5 +445,6 @@ class FaultTolerance:
         if swapped:
             log.warning("fault_injected", fault=rec["fault"], rank=rec["rank"], step=rec["step"])
         if rec["kind"] == "delay":
+            self._delays_recorded.add(rec["index"])
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped

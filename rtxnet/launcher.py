@@ -117,10 +117,13 @@ class Launcher:
         self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
         self.stopping = False
         self.tmp_journal: str | None = None
-        self._coord_extra: list[str] = []
         self.first_failure: tuple[float, int] | None = None
         self.done = False
         self._exited: asyncio.Queue = asyncio.Queue()
+
+    def _coordinator_args(self) -> list[str]:
+        # a journal this command made up is removed with the daemon's clean stop
+        return ["--remove-journal-on-stop"] if self.tmp_journal else []
 
     def _env(self, slot: _Slot) -> dict[str, str]:
         a = self.args
@@ -198,9 +201,8 @@ class Launcher:
             journal = a.journal
             if journal is None:
                 self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
-            self._coord_extra = ["--remove-journal-on-stop"] if self.tmp_journal else []
-            self.coordinator_proc, self.address = await start_coordinator(journal,
-                                                                          extra=self._coord_extra)
+            self.coordinator_proc, self.address = await start_coordinator(
+                journal, extra=self._coordinator_args())
             _say(f"coordinator {self.address} (journal {journal}, pid {self.coordinator_proc.pid})")
             self._supervisor = asyncio.ensure_future(self._supervise_coordinator(journal))
         _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
@@ -239,8 +241,8 @@ class Launcher:
             _say(f"coordinator exited with code {_code(rc)}; restarting it on {self.address} with journal {journal}")
             for attempt in range(50):
                 try:
-                    self.coordinator_proc, _ = await start_coordinator(journal, bind=self.address,
-                                                                       extra=self._coord_extra)
+                    self.coordinator_proc, _ = await start_coordinator(
+                        journal, bind=self.address, extra=self._coordinator_args())
                     break
                 except RuntimeError as exc:
                     # The port may linger for a moment after a kill.

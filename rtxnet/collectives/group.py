@@ -842,18 +842,16 @@ def _divide_in_place(tensor, n: int) -> None:
     if is_gpu_array(tensor):
         # on the producer's stream (the caller's, under the blocking API), which rtxnet's
         # writes are already ordered before
-        from rtxnet.collectives.gpu.arrays import GpuBuffer
+        from rtxnet.collectives.gpu.stream import foreign_stream, producer_stream
 
-        buf = GpuBuffer(tensor)
+        stream = producer_stream(tensor)
         if type(tensor).__module__.startswith("torch"):
             import torch
 
-            with torch.cuda.stream(torch.cuda.ExternalStream(buf.stream, device=tensor.device)):
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=tensor.device)):
                 tensor.div_(n)
         else:
-            from rtxnet.collectives.gpu.kernels import _cupy_stream
-
-            with _cupy_stream(buf.stream, buf.device):
+            with foreign_stream(stream, tensor.device.id):
                 tensor /= n
     elif type(tensor).__module__.startswith("torch"):
         tensor.div_(n)

@@ -524,9 +524,9 @@ async def _one_rank_step(st, op, stream, name, s, r, n, dt):
 async def _world_of_one(engine):
     import cupy
 
-    from rtxnet.collectives.gpu.stream import device_stream
+    from rtxnet.collectives.gpu.stream import DeviceStream
 
-    st, stream, n, guard = NcclState(engine.world, 0), device_stream(0), 1000, 16
+    st, stream, n, guard = NcclState(engine.world, 0), DeviceStream(0), 1000, 16
     topo = {0: {"host": engine.hostname, "uuid": "GPU-0"}}
     bad = []
     rng = np.random.default_rng(0)

@@ -13,6 +13,7 @@ import contextvars
 
 import numpy as np
 
+from rtxnet.collectives.gpu.stream import producer_stream
 from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
 
 __all__ = ["GpuBuffer", "gpu_buffers", "CALLER_STREAM", "caller_stream"]
@@ -32,16 +33,8 @@ def caller_stream(args, kwargs) -> int | None:
 
     for a in list(args) + list(kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if not is_gpu_array(t):
-                continue
-            if type(t).__module__.startswith("torch"):
-                import torch
-
-                return int(torch.cuda.current_stream(t.device).cuda_stream)
-            import cupy
-
-            dev = t.device.id if isinstance(t, cupy.ndarray) else -1
-            return int(cupy.cuda.get_current_stream(dev).ptr)
+            if is_gpu_array(t):
+                return producer_stream(t)
     return None
 
 _TORCH_DTYPES = {
@@ -62,9 +55,8 @@ class GpuBuffer:
         dtype: NumPy dtype (bfloat16 as ``ml_dtypes.bfloat16``).
         size: number of elements. shape: the array's shape. nbytes: ``size * itemsize``.
         device: CUDA device ordinal in this process.
-        stream: ``cudaStream_t`` (int) of the producer's current stream on ``device``: torch's
-            ``torch.cuda.current_stream`` for tensors, ``cupy.cuda.get_current_stream`` otherwise.
-            rtxnet orders its work after that stream and that stream after rtxnet's work.
+        stream: ``cudaStream_t`` (int) of the producer (:func:`.stream.producer_stream`): rtxnet
+            orders its work after that stream and that stream after rtxnet's work.
 
     Raises (constructor):
         ValueError: not a CUDA array, unsupported dtype, or a read-only output.
@@ -102,9 +94,7 @@ class GpuBuffer:
         self.size = int(src.numel())
         self.shape = tuple(t.shape)
         self.device = int(t.device.index if t.device.index is not None else torch.cuda.current_device())
-        caller = CALLER_STREAM.get()
-        self.stream = caller if caller is not None else \
-            int(torch.cuda.current_stream(t.device).cuda_stream)
+        self.stream = producer_stream(t)
 
     def _from_cupy(self, t, readonly: bool) -> None:
         import cupy
@@ -125,9 +115,7 @@ class GpuBuffer:
         self.size = int(a.size)
         self.shape = tuple(a.shape)
         self.device = int(a.device.id)
-        caller = CALLER_STREAM.get()
-        self.stream = caller if caller is not None else \
-            int(cupy.cuda.get_current_stream(self.device).ptr)
+        self.stream = producer_stream(a)
 
     @property
     def nbytes(self) -> int:

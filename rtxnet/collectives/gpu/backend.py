@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from rtxnet.collectives.gpu.arrays import GpuBuffer, gpu_buffers
-from rtxnet.collectives.gpu.stream import DeviceStream, await_event
+from rtxnet.collectives.gpu.stream import DeviceStream, await_event, foreign_stream
 from rtxnet.collectives.reduce_ops import BFLOAT16, ReduceOp, check_op_dtype
 
 __all__ = ["GpuGroup", "GPU_ALGORITHMS"]
@@ -132,9 +132,21 @@ class GpuGroup:
         if self._topo is None:
             self._topo = {self.group.ranks[g]: (got[g][0] or {}) for g in range(op.n)}
 
-    async def _done(self, op, buf_stream: int) -> None:
-        ev = self.stream.before(buf_stream)
-        await await_event(ev, op)
+    async def _not_ipc(self, op, algo: str, sig, user_stream: int, local, remote) -> None:
+        """The body of an operation not over IPC: NCCL's signature exchange (:meth:`_hello`;
+        skipped when ``sig`` is None, the caller exchanged its own), rtxnet's stream after the
+        user's, then ``local()`` for a group of one (None: nothing to do) or
+        ``await remote(communicator)``, and the user's stream after rtxnet's once complete."""
+        if algo == "local" and local is None:
+            return
+        if algo == "nccl" and sig is not None:
+            await self._hello(op, sig)
+        self.stream.after(user_stream)
+        if algo == "local":
+            local()
+        else:
+            await remote(await self.nccl(op))
+        await await_event(self.stream.before(user_stream), op)
 
     def taint(self) -> None:
         if self._ipc is not None:
@@ -177,12 +189,9 @@ class GpuGroup:
         async def body(op):
             if algo == "ipc":
                 await self.ipc().all_reduce(op, sig, buf, rop)
-            elif algo == "nccl":
-                await self._hello(op, sig)
-                comm = await self.nccl(op)
-                self.stream.after(buf.stream)
-                await comm.all_reduce(op, buf.ptr, buf.ptr, buf.size, buf.dtype, rop, self.stream)
-                await self._done(op, buf.stream)
+            else:
+                await self._not_ipc(op, algo, sig, buf.stream, None, lambda comm: comm.all_reduce(
+                    op, buf.ptr, buf.ptr, buf.size, buf.dtype, rop, self.stream))
             buf.commit()
             return tensor
 
@@ -199,12 +208,9 @@ class GpuGroup:
         async def body(op):
             if algo == "ipc":
                 await self.ipc().broadcast(op, sig, buf, src)
-            elif algo == "nccl":
-                await self._hello(op, sig)
-                comm = await self.nccl(op)
-                self.stream.after(buf.stream)
-                await comm.broadcast(op, buf.ptr, buf.size, buf.dtype, src, self.stream)
-                await self._done(op, buf.stream)
+            else:
+                await self._not_ipc(op, algo, sig, buf.stream, None, lambda comm: comm.broadcast(
+                    op, buf.ptr, buf.size, buf.dtype, src, self.stream))
             if g.rank != src:
                 buf.commit()
             return tensor
@@ -223,12 +229,9 @@ class GpuGroup:
         async def body(op):
             if algo == "ipc":
                 await self.ipc().reduce(op, sig, buf, dst, rop)
-            elif algo == "nccl":
-                await self._hello(op, sig)
-                comm = await self.nccl(op)
-                self.stream.after(buf.stream)
-                await comm.reduce(op, buf.ptr, buf.ptr, buf.size, buf.dtype, rop, dst, self.stream)
-                await self._done(op, buf.stream)
+            else:
+                await self._not_ipc(op, algo, sig, buf.stream, None, lambda comm: comm.reduce(
+                    op, buf.ptr, buf.ptr, buf.size, buf.dtype, rop, dst, self.stream))
             if g.rank == dst:
                 buf.commit()
             return tensor
@@ -247,25 +250,21 @@ class GpuGroup:
         nbytes = ib.nbytes
 
         async def body(op):
+            async def remote(comm):
+                if len(outs) == 1:
+                    await comm.all_gather(op, ib.ptr, slots[0], ib.size, ib.dtype, self.stream)
+                    return
+                # a list of outputs: NCCL needs one contiguous receive buffer
+                tmp = self._scratch(n * ib.size, ib.dtype)
+                await comm.all_gather(op, ib.ptr, tmp.data.ptr, ib.size, ib.dtype, self.stream)
+                for k in range(n):
+                    self._copy(slots[k], tmp.data.ptr + k * nbytes, nbytes)
+
             if algo == "ipc":
                 await self.ipc().all_gather(op, sig, ib, slots)
             else:
-                if algo == "nccl":
-                    await self._hello(op, sig)
-                self.stream.after(ib.stream)
-                if algo == "local":
-                    self._copy(slots[0], ib.ptr, nbytes)
-                elif len(outs) == 1:
-                    comm = await self.nccl(op)
-                    await comm.all_gather(op, ib.ptr, slots[0], ib.size, ib.dtype, self.stream)
-                else:   # a list of outputs: NCCL needs one contiguous receive buffer
-                    comm = await self.nccl(op)
-                    tmp = self._scratch(n * ib.size, ib.dtype)
-                    await comm.all_gather(op, ib.ptr, tmp.data.ptr, ib.size, ib.dtype,
-                                          self.stream)
-                    for k in range(n):
-                        self._copy(slots[k], tmp.data.ptr + k * nbytes, nbytes)
-                await self._done(op, ib.stream)
+                await self._not_ipc(op, algo, sig, ib.stream,
+                                    lambda: self._copy(slots[0], ib.ptr, nbytes), remote)
             for b in outs:
                 b.commit()
             return output
@@ -285,25 +284,20 @@ class GpuGroup:
         nbytes = ob.nbytes
 
         async def body(op):
+            async def remote(comm):
+                send = parts[0]
+                if len(ins) > 1:  # a list of inputs: NCCL needs one contiguous send buffer
+                    tmp = self._scratch(n * ob.size, ob.dtype)
+                    for k in range(n):
+                        self._copy(tmp.data.ptr + k * nbytes, parts[k], nbytes)
+                    send = tmp.data.ptr
+                await comm.reduce_scatter(op, send, ob.ptr, ob.size, ob.dtype, rop, self.stream)
+
             if algo == "ipc":
                 await self.ipc().reduce_scatter(op, sig, parts, ob, rop)
             else:
-                if algo == "nccl":
-                    await self._hello(op, sig)
-                self.stream.after(ob.stream)
-                if algo == "local":
-                    self._copy(ob.ptr, parts[0], nbytes)
-                else:
-                    comm = await self.nccl(op)
-                    send = parts[0]
-                    if len(ins) > 1:  # a list of inputs: NCCL needs one contiguous send buffer
-                        tmp = self._scratch(n * ob.size, ob.dtype)
-                        for k in range(n):
-                            self._copy(tmp.data.ptr + k * nbytes, parts[k], nbytes)
-                        send = tmp.data.ptr
-                    await comm.reduce_scatter(op, send, ob.ptr, ob.size, ob.dtype, rop,
-                                              self.stream)
-                await self._done(op, ob.stream)
+                await self._not_ipc(op, algo, sig, ob.stream,
+                                    lambda: self._copy(ob.ptr, parts[0], nbytes), remote)
             ob.commit()
             return output
 
@@ -328,15 +322,9 @@ class GpuGroup:
             if algo == "ipc":
                 await self.ipc().gather(op, sig, ib, slots, dst)
             else:
-                if algo == "nccl":
-                    await self._hello(op, sig)
-                self.stream.after(ib.stream)
-                if algo == "local":
-                    self._copy(slots[0], ib.ptr, ib.nbytes)
-                else:
-                    comm = await self.nccl(op)
-                    await comm.gather(op, ib.ptr, slots, ib.size, ib.dtype, dst, self.stream)
-                await self._done(op, ib.stream)
+                await self._not_ipc(
+                    op, algo, sig, ib.stream, lambda: self._copy(slots[0], ib.ptr, ib.nbytes),
+                    lambda comm: comm.gather(op, ib.ptr, slots, ib.size, ib.dtype, dst, self.stream))
             for b in outs or ():
                 b.commit()
             return gather_list
@@ -362,15 +350,9 @@ class GpuGroup:
             if algo == "ipc":
                 await self.ipc().scatter(op, sig, parts, ob, src)
             else:
-                if algo == "nccl":
-                    await self._hello(op, sig)
-                self.stream.after(ob.stream)
-                if algo == "local":
-                    self._copy(ob.ptr, parts[0], ob.nbytes)
-                else:
-                    comm = await self.nccl(op)
-                    await comm.scatter(op, parts, ob.ptr, ob.size, ob.dtype, src, self.stream)
-                await self._done(op, ob.stream)
+                await self._not_ipc(
+                    op, algo, sig, ob.stream, lambda: self._copy(ob.ptr, parts[0], ob.nbytes),
+                    lambda comm: comm.scatter(op, parts, ob.ptr, ob.size, ob.dtype, src, self.stream))
             ob.commit()
             return tensor
 
@@ -402,19 +384,16 @@ class GpuGroup:
                 await self.ipc().all_to_all(op, sig, user_stream, in_parts, splits, out_parts,
                                             isz, check)
             else:
-                if algo == "nccl":
+                if algo == "nccl":   # its own hello: the splits travel with the topology
                     got = await op.hello(sig, [splits, self._topo_entry()])
                     if self._topo is None:
                         self._topo = {g.ranks[k]: (got[k][0][1] or {}) for k in range(n)}
                     check({k: got[k][0][0] for k in range(n)})
-                self.stream.after(user_stream)
-                if algo == "local":
-                    self._copy(out_parts[0], in_parts[0], in_counts[0] * isz)
-                else:
-                    comm = await self.nccl(op)
-                    await comm.all_to_all(op, in_parts, in_counts, out_parts, out_counts, dtype,
-                                          self.stream)
-                await self._done(op, user_stream)
+                await self._not_ipc(
+                    op, algo, None, user_stream,
+                    lambda: self._copy(out_parts[0], in_parts[0], in_counts[0] * isz),
+                    lambda comm: comm.all_to_all(op, in_parts, in_counts, out_parts, out_counts,
+                                                 dtype, self.stream))
             for b in outs:
                 b.commit()
             return output
@@ -448,10 +427,8 @@ class GpuGroup:
         host = np.empty(buf.shape, buf.dtype)
         got = await self.group._recv_host(host, src, tag, timeout)
         if buf.size:
-            from rtxnet.collectives.gpu.kernels import _cupy_stream
-
             view = _cupy_view(buf.ptr, buf.size, buf.dtype, buf.device)
-            user = _cupy_stream(buf.stream, buf.device)
+            user = foreign_stream(buf.stream, buf.device)
             with cupy.cuda.Device(buf.device), user:
                 view.set(host.reshape(-1).view(view.dtype), stream=user)
                 ev = cupy.cuda.Event(block=False, disable_timing=True)

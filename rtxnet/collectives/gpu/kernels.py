@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from rtxnet.collectives.gpu.stream import foreign_stream
 from rtxnet.collectives.reduce_ops import ReduceOp, check_op_dtype, dtype_name
 
 __all__ = ["MAX_POINTERS", "SRC_BUCKETS", "launch_reduce", "copy", "kernel_source", "kernel_name",
@@ -197,37 +198,6 @@ _kernels: dict[tuple[np.dtype, ReduceOp, int], Any] = {}  # cupy.RawKernel
 _sm_counts: dict[int, int] = {}
 
 
-class _StreamProto:
-    """A raw ``cudaStream_t`` speaking the CUDA stream protocol (``__cuda_stream__``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-_wrapped_streams: dict[tuple[int, int], object] = {}
-
-
-def _cupy_stream(ptr: int, device: int):
-    """A CuPy stream object for raw stream ``ptr`` of ``device``, to make current with ``with``
-    while launching: the one way every CuPy version (13: ``ExternalStream``; 14:
-    ``Stream.from_external``) takes a foreign stream for a ``RawKernel`` launch."""
-    import cupy
-
-    s = _wrapped_streams.get((ptr, device))
-    if s is None:
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            s = cupy.cuda.Stream.from_external(_StreamProto(ptr))
-        else:  # pragma: no cover - CuPy 13
-            s = cupy.cuda.ExternalStream(ptr, device)
-        _wrapped_streams[(ptr, device)] = s
-    return s
-
-
 def launch_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: np.dtype,
                   rop: ReduceOp, *, avg_n: int = 1, stream: int, device: int) -> None:
     """Enqueue ``dsts[j][i] = srcs[0][i] (op) srcs[1][i] (op) ...`` for every j and i < count.
@@ -282,7 +252,7 @@ def launch_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: n
         if sms is None:
             sms = _sm_counts[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
         blocks = max(1, min(sms * BLOCKS_PER_SM, -(-work // BLOCK)))
-        with _cupy_stream(int(stream), device):
+        with foreign_stream(int(stream), device):
             kernel((blocks,), (BLOCK,), tuple(args))
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-__all__ = ["DeviceStream", "device_stream", "await_event", "poll_delay"]
-
-_streams: dict[int, DeviceStream] = {}
+__all__ = ["DeviceStream", "await_event", "poll_delay", "foreign_stream", "producer_stream"]
 
 
 class DeviceStream:
@@ -68,12 +66,55 @@ class DeviceStream:
         return ev
 
 
-def device_stream(device: int) -> DeviceStream:
-    """The process-wide rtxnet stream of ``device`` (created on first use)."""
-    s = _streams.get(device)
+class _StreamProto:
+    """A raw ``cudaStream_t`` speaking the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_foreign: dict[tuple[int, int], object] = {}
+
+
+def foreign_stream(ptr: int, device: int):
+    """A CuPy stream object for raw stream ``ptr`` of ``device``, to make current with ``with``
+    (kernel launches, copies, CuPy operations): the one way every CuPy version (13:
+    ``ExternalStream``; 14: ``Stream.from_external``) takes a stream it did not create."""
+    import cupy
+
+    s = _foreign.get((ptr, device))
     if s is None:
-        s = _streams[device] = DeviceStream(device)
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            s = cupy.cuda.Stream.from_external(_StreamProto(ptr))
+        else:  # pragma: no cover - CuPy 13
+            s = cupy.cuda.ExternalStream(ptr, device)
+        _foreign[(ptr, device)] = s
     return s
+
+
+def producer_stream(t) -> int:
+    """``cudaStream_t`` (int) rtxnet orders GPU array ``t``'s collectives after: the caller's
+    stream captured by the blocking API (:data:`rtxnet.collectives.gpu.arrays.CALLER_STREAM`)
+    when set, else torch's current stream on the tensor's device, or CuPy's current stream on
+    the array's device."""
+    from rtxnet.collectives.gpu.arrays import CALLER_STREAM
+
+    caller = CALLER_STREAM.get()
+    if caller is not None:
+        return caller
+    if type(t).__module__.startswith("torch"):
+        import torch
+
+        return int(torch.cuda.current_stream(t.device).cuda_stream)
+    import cupy
+
+    dev = t.device.id if isinstance(t, cupy.ndarray) else -1
+    return int(cupy.cuda.get_current_stream(dev).ptr)
 
 
 async def await_event(event, op=None, *, timeout_s: float | None = None) -> None:
