@@ -19,6 +19,51 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tools" / "probe_agent.py"
 
 
+def wait_until(cond, timeout_s: float, what: str):
+    """Poll ``cond()`` every 20 ms until it returns something truthy, and return that.
+
+    Raises:
+        AssertionError: naming ``what``, when ``timeout_s`` passed first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.02)
+
+
+def coordinator_jobs(address: str, timeout_s: float = 5.0) -> list[dict]:
+    """The coordinator's ``status`` answer (its jobs), over a throwaway DEALER socket."""
+    import zmq
+
+    from transport import wire
+    from transport.codec import decode, encode
+
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    d.connect(address)
+    try:
+        d.send(encode(wire.make("status", rid=1)))
+        return decode(d.recv())["body"]["jobs"]
+    finally:
+        d.close(0)
+        ctx.term()
+
+
+def leave_together(pg, prefix: str, rank: int, timeout_s: float = 30.0) -> None:
+    """Every rank marks itself (``rank``) done in the store and waits for ranks
+    ``0..world_size-1``, then closes: an early leave would open a new epoch under ranks still
+    running collectives (used by the test workers)."""
+    pg.store.set(f"{prefix}/done/{rank}", b"1")
+    pg.store.wait([f"{prefix}/done/{q}" for q in range(pg.world_size)], timeout=timeout_s)
+    pg.close()
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -19,6 +19,7 @@ import torch
 import rtxnet
 from rtxnet.parallel import DistributedDataParallel
 from tests.parallel.ddp_worker import BUCKETS, LOSS, data, flat_params, make_net, rel
+from tests.procs import leave_together
 
 
 def run(pg, device: torch.device, steps: int = 5, per_rank: int = 4) -> dict:
@@ -54,9 +55,7 @@ def main() -> int:
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120))
     res = run(pg, device)
     (out / f"rank{pg.rank}.json").write_text(json.dumps(res))
-    pg.store.set(f"ddp_gpu/done/{pg.rank}", b"1")
-    pg.store.wait([f"ddp_gpu/done/{q}" for q in range(pg.world_size)], timeout=30)
-    pg.close()
+    leave_together(pg, "ddp_gpu", pg.rank)
     return 0
 
 

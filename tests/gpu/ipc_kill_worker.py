@@ -23,6 +23,7 @@ def main() -> int:
     import cupy
 
     import rtxnet
+    from tests.procs import wait_until
 
     cupy.cuda.Device(0).use()
     pg = rtxnet.init()
@@ -46,9 +47,7 @@ def main() -> int:
     x[...] = 2.0
     mem_ok = float(x.sum()) == 2.0 * x.size
     cupy.cuda.Device(0).synchronize()
-    deadline = time.monotonic() + 20
-    while (pg.epoch == epoch0 or pg.world_size != n - 1) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: pg.epoch != epoch0 and pg.world_size == n - 1, 20, "the re-formed world")
     y = cupy.full(1 << 20, pg.rank + 1, cupy.float32)
     pg.all_reduce(y)
     m = pg.world_size

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from collectives.harness import run_world
+from procs import wait_until
 
 from rtxnet.collectives.gpu import nccl as nccl_mod
 from rtxnet.collectives.gpu.nccl import (
@@ -450,10 +451,7 @@ def test_setup_deadline_abandons_init_and_aborts_its_communicator(monkeypatch):
         return time.monotonic() - t0
     assert asyncio.run(main()) < 2.0
     gate.set()                                        # ncclCommInitRank returns late ...
-    for _ in range(200):
-        if fake.calls:
-            break
-        time.sleep(0.01)
+    wait_until(lambda: fake.calls, 2.0, "the late communicator's abort")
     assert fake.calls == [("abort",)]                 # ... and is aborted by its own thread
 
 

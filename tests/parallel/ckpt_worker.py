@@ -23,6 +23,7 @@ import rtxnet
 from rtxnet import checkpoint
 from rtxnet.parallel import DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
+from tests.procs import leave_together
 
 
 def main() -> int:
@@ -85,9 +86,7 @@ def main() -> int:
     checkpoint.save(root, 1, state(1), pg=pg, keep=2)
     res["steps_after_keep"] = sorted(p.name for p in root.iterdir())
     (out / f"ckpt-rank{r}.json").write_text(json.dumps(res))
-    pg.store.set(f"done/{r}", b"1")
-    pg.store.wait([f"done/{q}" for q in range(pg.world_size)], timeout=30)
-    pg.close()
+    leave_together(pg, "ckpt", r)
     return 0
 
 

@@ -26,6 +26,7 @@ import torch
 import rtxnet
 from rtxnet.parallel import DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
+from tests.procs import leave_together
 
 D_IN, D_H, D_OUT = 12, 24, 5
 
@@ -220,10 +221,7 @@ def main() -> int:
     elif scenario == "fault":
         res.update(fault(pg))
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))
-    # Leave together: an early leave would open a new epoch under ranks still reducing.
-    pg.store.set(f"{scenario}/done/{rank}", b"1")
-    pg.store.wait([f"{scenario}/done/{q}" for q in range(pg.world_size)], timeout=30)
-    pg.close()
+    leave_together(pg, scenario, rank)
     return 0
 
 

@@ -12,6 +12,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from procs import coordinator_jobs, wait_until
 
 from transport import wire
 from transport.codec import decode, encode
@@ -20,25 +21,8 @@ pytestmark = pytest.mark.timeout(90)
 
 def wait_pending(address: str, job: str, n: int, timeout_s: float = 20.0) -> None:
     """Poll the coordinator's status until ``job`` has ``n`` pending joiners."""
-    ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    d.setsockopt(zmq.RCVTIMEO, 2000)
-    d.connect(address)
-    try:
-        deadline = time.monotonic() + timeout_s
-        rid = 0
-        while time.monotonic() < deadline:
-            rid += 1
-            d.send(encode(wire.make("status", rid=rid)))
-            jobs = decode(d.recv())["body"]["jobs"]
-            if any(j["job"] == job and j["pending"] >= n for j in jobs):
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"job {job!r} never had {n} pending joiner(s)")
-    finally:
-        d.close(0)
-        ctx.term()
+    wait_until(lambda: any(j["job"] == job and j["pending"] >= n for j in coordinator_jobs(address)),
+               timeout_s, f"job {job!r} with {n} pending joiner(s)")
 
 
 FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "op_s": 5.0, "rendezvous_s": 30.0}

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import coordinator_jobs, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -131,7 +132,8 @@ def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coord
          "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
-        time.sleep(4)                      # training is under way
+        wait_until(lambda: any(j["committed_step"] >= 10 for j in coordinator_jobs(coordinator.address)),
+                   30, "10 committed steps")      # training is under way
         assert proc.poll() is None
         coordinator.kill(signal.SIGKILL)
         t0 = time.monotonic()

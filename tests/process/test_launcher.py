@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -174,26 +175,20 @@ def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
                                 stderr=log)
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len([f for f in tmp_path.glob("*.pid") if f.read_text()]) == 2, 30,
+                   "both ranks wrote their pid files")
         for f in tmp_path.glob("*.pid"):
             pids += [int(x) for x in f.read_text().split()]
         pids = sorted(set(pids))
         assert len(pids) == 3, pids            # two ranks and the coordinator
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+        wait_until(lambda: not any(_alive(p) for p in pids), 10,
+                   f"ranks and coordinator {pids} ended after rtxnet-run was killed")
         # the temporary journal goes with the coordinator's clean stop
         text = (tmp_path / "launcher.log").read_text()
         journal = Path(text.split("(journal ", 1)[1].split(",", 1)[0])
-        deadline = time.monotonic() + 5
-        while journal.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not journal.exists(), journal
+        wait_until(lambda: not journal.exists(), 5, f"temporary journal {journal} removed")
     finally:
         log.close()
         if launcher.poll() is None:
