@@ -12,8 +12,8 @@ import enum
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "acc_dtype", "check_op_dtype", "combine", "combine2", "finish",
-           "dtype_name", "dtype_from_name"]
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "accepted_pairs", "acc_dtype", "check_op_dtype",
+           "combine", "combine2", "finish", "dtype_name", "dtype_from_name"]
 
 
 class ReduceOp(enum.Enum):
@@ -87,6 +87,19 @@ def check_op_dtype(op, dtype: np.dtype) -> ReduceOp:
     if op is ReduceOp.AVG and dtype.kind in "iu":
         raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}")
     return op
+
+
+def accepted_pairs() -> list[tuple[str, ReduceOp]]:
+    """Every ``(dtype name, ReduceOp)`` that :func:`check_op_dtype` accepts, in table order."""
+    out = []
+    for name, dtype in SUPPORTED_DTYPES.items():
+        for op in ReduceOp:
+            try:
+                check_op_dtype(op, dtype)
+            except ValueError:
+                continue
+            out.append((name, op))
+    return out
 
 
 def combine(op: ReduceOp, out: np.ndarray, x: np.ndarray) -> None:

@@ -17,35 +17,16 @@ from pathlib import Path
 import torch
 
 import rtxnet
-from rtxnet.parallel import DistributedDataParallel
-from tests.parallel.ddp_worker import BUCKETS, LOSS, data, flat_params, make_net, rel
+from tests.parallel.ddp_worker import equivalence_avg
 from tests.procs import leave_together
 
 
-def run(pg, device: torch.device, steps: int = 5, per_rank: int = 4) -> dict:
-    W, r = pg.world_size, pg.rank
-    B = per_rank * W
-    x, y = (t.to(device) for t in data(B * steps))
-    ref = make_net(1).to(device)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    net = make_net(1 if r == 0 else 100 + r).to(device)   # differs off rank 0: broadcast fixes it
-    ddp = DistributedDataParallel(net, pg, **BUCKETS)
-    init_rel = rel(flat_params(net), flat_params(make_net(1).to(device)))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
-    for s in range(steps):
-        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-        ref_opt.zero_grad()
-        LOSS(ref(xb), yb).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        mine = slice(r * per_rank, (r + 1) * per_rank)
-        LOSS(ddp(xb[mine]), yb[mine]).backward()
-        opt.step()
-    return {"rank": r, "world_size": W, "device": str(device), "buckets": len(ddp.buckets),
-            "bucket_devices": sorted({str(b.flat.device) for b in ddp._buckets}),
-            "init_rel": init_rel, "rel": rel(flat_params(net), flat_params(ref)),
-            "never_grad_is_none": net.never.weight.grad is None,   # used by no rank
-            "sum": float(flat_params(net).double().sum())}
+def run(pg, device: torch.device) -> dict:
+    a = equivalence_avg(pg, device=device)
+    return {"rank": pg.rank, "world_size": pg.world_size, "device": str(device),
+            "buckets": a["avg_buckets"], "bucket_devices": a["avg_bucket_devices"],
+            "init_rel": a["init_broadcast_rel"], "rel": a["avg_rel"],
+            "never_grad_is_none": a["avg_never_grad_is_none"], "sum": a["avg_sum"]}
 
 
 def main() -> int:

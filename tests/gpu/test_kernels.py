@@ -16,20 +16,13 @@ from rtxnet.collectives.reduce_ops import (
     SUPPORTED_DTYPES,
     ReduceOp,
     acc_dtype,
-    check_op_dtype,
+    accepted_pairs,
     combine,
     finish,
 )
 
 GUARD = 0xAB
-PAIRS = []
-for _name, _dtype in SUPPORTED_DTYPES.items():
-    for _op in ReduceOp:
-        try:
-            check_op_dtype(_op, _dtype)
-        except ValueError:
-            continue
-        PAIRS.append((_name, _op))
+PAIRS = accepted_pairs()
 PAIR_IDS = [f"{n}-{o.value}" for n, o in PAIRS]
 
 

@@ -14,22 +14,9 @@ import numpy as np
 import pytest
 
 from rtxnet.collectives.gpu import kernels
-from rtxnet.collectives.reduce_ops import SUPPORTED_DTYPES, ReduceOp, check_op_dtype
+from rtxnet.collectives.reduce_ops import SUPPORTED_DTYPES, ReduceOp, accepted_pairs
 
-
-def _valid_pairs() -> list[tuple[str, ReduceOp]]:
-    pairs = []
-    for name, dtype in SUPPORTED_DTYPES.items():
-        for op in ReduceOp:
-            try:
-                check_op_dtype(op, dtype)
-            except ValueError:
-                continue
-            pairs.append((name, op))
-    return pairs
-
-
-PAIRS = _valid_pairs()
+PAIRS = accepted_pairs()
 _VEC_LOAD = re.compile(r"ld\.global\.v[24]\.[a-z]+(32|64)")  # 16 bytes: v4 x 32 bit or v2 x 64
 
 

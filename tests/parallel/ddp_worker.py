@@ -75,15 +75,17 @@ LOSS = torch.nn.functional.cross_entropy
 BUCKETS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)   # several buckets on a tiny model
 
 
-def equivalence_avg(pg, steps=5, per_rank=4):
+def equivalence_avg(pg, steps=5, per_rank=4, device="cpu"):
+    """DDP (AVG) against one process on the whole global batch, on ``device`` (the GPU test
+    runs it on CUDA)."""
     W, r = pg.world_size, pg.rank
     B = per_rank * W
-    x, y = data(B * steps)
-    ref = make_net(1)
+    x, y = (t.to(device) for t in data(B * steps))
+    ref = make_net(1).to(device)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    net = make_net(1 if r == 0 else 100 + r)   # other ranks differ: the broadcast must fix it
+    net = make_net(1 if r == 0 else 100 + r).to(device)   # others differ: the broadcast fixes it
     ddp = DistributedDataParallel(net, pg, **BUCKETS)
-    init_same = rel(flat_params(net), flat_params(make_net(1)))
+    init_same = rel(flat_params(net), flat_params(make_net(1).to(device)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
     for s in range(steps):
         xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
@@ -94,7 +96,9 @@ def equivalence_avg(pg, steps=5, per_rank=4):
         LOSS(ddp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
         opt.step()
     return {"avg_rel": rel(flat_params(net), flat_params(ref)), "avg_buckets": len(ddp.buckets),
-            "avg_sum": float(flat_params(net).double().sum()), "init_broadcast_rel": init_same}
+            "avg_sum": float(flat_params(net).double().sum()), "init_broadcast_rel": init_same,
+            "avg_bucket_devices": sorted({str(b.flat.device) for b in ddp._buckets}),
+            "avg_never_grad_is_none": net.never.weight.grad is None}   # used by no rank
 
 
 def equivalence_sum_uneven(pg, steps=4, B=10):
