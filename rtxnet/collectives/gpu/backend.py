@@ -306,15 +306,10 @@ class GpuGroup:
     async def gather(self, tensor, gather_list, dst: int, timeout, algorithm=None):
         g = self.group
         dst = g._check_root("gather", dst)
-        n = g.size
         ib = GpuBuffer(tensor, readonly=True)
         self._bind(ib)
-        outs, slots = None, None
-        if g.rank == dst:
-            if gather_list is None:
-                raise ValueError("gather: gather_list is required on the destination rank")
-            outs, slots = gpu_buffers("gather_list", list(gather_list), n, ib.size, ib.dtype,
-                                      readonly=False)
+        outs, slots = self._root_list("gather", "gather_list", "destination", gather_list, dst,
+                                      ib, readonly=False)
         algo = self.choose("gather", algorithm)
         sig = g._sig("gather", algo, None, dst, ib.dtype, ib.size, ib.shape)
 
@@ -334,14 +329,9 @@ class GpuGroup:
     async def scatter(self, tensor, scatter_list, src: int, timeout, algorithm=None):
         g = self.group
         src = g._check_root("scatter", src)
-        n = g.size
         ob = GpuBuffer(tensor)
         self._bind(ob)
-        parts = None
-        if g.rank == src:
-            if scatter_list is None:
-                raise ValueError("scatter: scatter_list is required on the source rank")
-            _, parts = gpu_buffers("scatter_list", list(scatter_list), n, ob.size, ob.dtype,
+        _, parts = self._root_list("scatter", "scatter_list", "source", scatter_list, src, ob,
                                    readonly=True)
         algo = self.choose("scatter", algorithm)
         sig = g._sig("scatter", algo, None, src, ob.dtype, ob.size, ob.shape)
@@ -399,6 +389,21 @@ class GpuGroup:
             return output
 
         return await self._run("all_to_all", timeout, body, user_stream)
+
+    def _root_list(self, opname: str, name: str, role: str, lst, root: int, like: GpuBuffer, *,
+                   readonly: bool) -> tuple[list[GpuBuffer] | None, list[int] | None]:
+        """On the root: the buffers and addresses of ``lst`` (one array per rank, each like
+        ``like``); elsewhere ``(None, None)``.
+
+        Raises:
+            ValueError: ``lst`` missing on the root, or of the wrong length, size or dtype.
+        """
+        if self.group.rank != root:
+            return None, None
+        if lst is None:
+            raise ValueError(f"{opname}: {name} is required on the {role} rank")
+        return gpu_buffers(name, list(lst), self.group.size, like.size, like.dtype,
+                           readonly=readonly)
 
     def _split(self, name: str, arg, n: int, *, readonly: bool):
         if isinstance(arg, (list, tuple)):
