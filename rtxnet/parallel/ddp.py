@@ -47,8 +47,10 @@ explicitly). Buckets whose all-reduce may still be in flight are replaced by fre
 write of an aborted collective cannot touch the next step. ``param.grad`` holds unreduced or
 partially reduced values after a failure: zero the gradients before retrying the step (parameters
 are untouched, because ``optimizer.step()`` was never reached). The world size is never cached: a
-step uses whatever world the process group has when its buckets are launched, so the world may
-shrink or grow between steps.
+step uses whatever world the process group has when its first bucket is launched, so the world
+may shrink or grow between steps; if it changes while a backward is launching buckets, the rest
+are not launched in the new world (every rank would then run a different number of collectives
+there) and ``loss.backward()`` raises ``PeerLostError``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import structlog
 import torch
 
 from rtxnet.collectives import ReduceOp
-from transport.errors import ConfigError
+from transport.errors import ConfigError, PeerLostError
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
@@ -196,6 +198,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._require_sync = True       # toggled by no_sync()
         self._sync_armed = False        # set by forward: the next backward synchronises
         self._round_open = False        # a backward of a synchronising step is under way
+        self._round_epoch: int | None = None      # epoch of this round's first bucket
+        self._round_broken: PeerLostError | None = None   # the world changed mid-round
         self._next_launch = 0
         self._last_world_size: int | None = None
         self.last_comm_wait_s = 0.0
@@ -279,6 +283,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = 0
         self._round_open = False
         self._sync_armed = False
+        self._round_broken = None
         log.info("ddp_reset", buckets_replaced=replaced)
 
     def broadcast_parameters(self, src: int = 0) -> None:
@@ -312,6 +317,8 @@ class DistributedDataParallel(torch.nn.Module):
                     self._fill_missing(b)
                     b.ready = len(b.params)
             self._launch_ready()
+            if self._round_broken is not None:
+                raise self._round_broken
             t0 = time.perf_counter()
             for b in self._buckets:
                 b.work.wait()
@@ -354,6 +361,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if not self._round_open:
             self._round_open = True
+            self._round_broken = None
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
         b, i = self._where[id(p)]
         if b.launched:
@@ -387,6 +395,18 @@ class DistributedDataParallel(torch.nn.Module):
                 return
             if self._next_launch == 0:
                 self._note_world()
+                self._round_epoch = self._pg.epoch
+            elif self._pg.epoch != self._round_epoch:
+                # The world changed during this backward: the earlier buckets went to the old
+                # world, and launching the rest in the new one would leave this rank with more
+                # collectives there than ranks that failed sooner. Launch nothing more.
+                if self._round_broken is None:
+                    m = self._pg.membership
+                    self._round_broken = PeerLostError(
+                        f"membership changed during the gradient synchronisation (epoch "
+                        f"{self._round_epoch} -> {self._pg.epoch})",
+                        ranks=getattr(m, "lost", ()), epoch=self._pg.epoch)
+                return
             kw = {} if self.timeout_s is None else {"timeout": self.timeout_s}
             if self.device.type == "cuda":
                 _order_default_stream(self.device)
