@@ -1,8 +1,10 @@
-"""``launch_reduce`` and ``copy`` on a real device against the CPU path's arithmetic
-(``reduce_ops.combine`` and ``finish``), plus the argument checks, which need no device.
+"""``launch_reduce`` against the CPU path's arithmetic (``reduce_ops.combine`` and ``finish``),
+on two executors: a real device ("cuda", marked ``gpu``) and the host ("host": the same generated
+CUDA C compiled by g++ and run thread by thread, :mod:`hostexec`, so the kernels' arithmetic and
+indexing are checked on machines without a GPU too); plus the argument checks, which need neither.
 
-Device buffers are raw bytes with guard bytes around the data, so every dtype (bfloat16 included)
-goes through without CuPy knowing it, and a write past either end is caught.
+Buffers are raw bytes with guard bytes around the data, so every dtype (bfloat16 included) goes
+through without CuPy knowing it, and a write past either end is caught.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from rtxnet.collectives.reduce_ops import (
     combine,
     finish,
 )
+
+from . import hostexec
 
 GUARD = 0xAB
 PAIRS = accepted_pairs()
@@ -42,10 +46,71 @@ class DevBuf:
         self.ptr = self.raw.data.ptr + self.lo
 
     def get(self) -> np.ndarray:
-        raw = self.cp.asnumpy(self.raw)
-        hi = self.lo + self.n * self.dtype.itemsize
-        assert (raw[:self.lo] == GUARD).all() and (raw[hi:] == GUARD).all(), "write out of bounds"
-        return raw[self.lo:hi].view(self.dtype)
+        return _unguard(self.cp.asnumpy(self.raw), self.lo, self.n, self.dtype)
+
+
+class HostBuf:
+    """``host`` copied into a guarded host byte buffer at ``offset`` elements past a 64-byte
+    boundary, so pointer alignments mod 16 are those a :class:`DevBuf` has."""
+
+    def __init__(self, host: np.ndarray, offset: int = 0):
+        self.dtype, self.n = host.dtype, host.size
+        self.lo = offset * host.dtype.itemsize + 64
+        self._mem = np.full(host.nbytes + self.lo + 64 + 64, GUARD, dtype=np.uint8)
+        skip = -self._mem.ctypes.data % 64
+        self.raw = self._mem[skip:skip + host.nbytes + self.lo + 64]
+        self.raw[self.lo:self.lo + host.nbytes] = host.view(np.uint8)
+        self.ptr = self.raw.ctypes.data + self.lo
+
+    def get(self) -> np.ndarray:
+        return _unguard(self.raw.copy(), self.lo, self.n, self.dtype)
+
+
+def _unguard(raw: np.ndarray, lo: int, n: int, dtype: np.dtype) -> np.ndarray:
+    hi = lo + n * dtype.itemsize
+    assert (raw[:lo] == GUARD).all() and (raw[hi:] == GUARD).all(), "write out of bounds"
+    return raw[lo:hi].view(dtype)
+
+
+class CudaExec:
+    def __init__(self, cp):
+        self.cp = cp
+
+    def buf(self, host: np.ndarray, offset: int = 0) -> DevBuf:
+        return DevBuf(self.cp, host, offset)
+
+    def reduce(self, srcs, dsts, count, dtype, op, avg_n) -> None:
+        self.cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
+        stream = self.cp.cuda.Stream(non_blocking=True)
+        kernels.launch_reduce(srcs, dsts, count, dtype, op, avg_n=avg_n, stream=stream.ptr,
+                              device=self.cp.cuda.Device().id)
+        stream.synchronize()
+
+
+class HostExec:
+    def __init__(self, lib: hostexec.HostKernels):
+        self.lib = lib
+
+    def buf(self, host: np.ndarray, offset: int = 0) -> HostBuf:
+        return HostBuf(host, offset)
+
+    def reduce(self, srcs, dsts, count, dtype, op, avg_n) -> None:
+        self.lib.launch(srcs, dsts, count, dtype, op, avg_n=avg_n)
+
+
+@pytest.fixture(scope="session")
+def host_kernels(tmp_path_factory):
+    if hostexec.cxx() is None:
+        pytest.skip("no host C++ compiler (g++) to run the kernels on the CPU")
+    keys = [(SUPPORTED_DTYPES[n], op, b) for n, op in PAIRS for b in kernels.SRC_BUCKETS]
+    return hostexec.HostKernels(keys, tmp_path_factory.mktemp("host_kernels"))
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "host"])
+def ex(request):
+    if request.param == "cuda":
+        return CudaExec(pytest.importorskip("cupy"))
+    return HostExec(request.getfixturevalue("host_kernels"))
 
 
 def _random(dtype: np.dtype, n: int, rng) -> np.ndarray:
@@ -74,22 +139,19 @@ def _assert_equal(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_array_equal(got, want)
 
 
-def _run(cp, dtype, op, count, nsrc, ndst, *, offsets=None, in_place=False, seed=0):
-    """Reduce ``nsrc`` random arrays into ``ndst`` and compare every destination."""
+def _run(ex, dtype, op, count, nsrc, ndst, *, offsets=None, in_place=False, seed=0):
+    """Reduce ``nsrc`` random arrays into ``ndst`` on executor ``ex`` and compare every
+    destination (and that the sources are untouched)."""
     dtype = np.dtype(dtype)
     rng = np.random.default_rng(seed)
     hosts = [_random(dtype, count, rng) for _ in range(nsrc)]
     offsets = offsets or [0] * (nsrc + ndst)
-    srcs = [DevBuf(cp, h, offsets[k]) for k, h in enumerate(hosts)]
+    srcs = [ex.buf(h, offsets[k]) for k, h in enumerate(hosts)]
     if in_place:
         dsts = srcs[:ndst]
     else:
-        dsts = [DevBuf(cp, np.zeros(count, dtype), offsets[nsrc + j]) for j in range(ndst)]
-    cp.cuda.Device().synchronize()  # inputs were written on the legacy stream
-    stream = cp.cuda.Stream(non_blocking=True)
-    kernels.launch_reduce([b.ptr for b in srcs], [b.ptr for b in dsts], count, dtype, op,
-                          avg_n=nsrc, stream=stream.ptr, device=cp.cuda.Device().id)
-    stream.synchronize()
+        dsts = [ex.buf(np.zeros(count, dtype), offsets[nsrc + j]) for j in range(ndst)]
+    ex.reduce([b.ptr for b in srcs], [b.ptr for b in dsts], count, dtype, op, nsrc)
     want = _reference(hosts, dtype, op, nsrc)
     for b in dsts:
         _assert_equal(b.get(), want)
@@ -98,56 +160,52 @@ def _run(cp, dtype, op, count, nsrc, ndst, *, offsets=None, in_place=False, seed
             np.testing.assert_array_equal(b.get().view(np.uint8), h.view(np.uint8))
 
 
-@pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("count", [0, 1, 7, 1000003])
 @pytest.mark.parametrize(("name", "op"), PAIRS, ids=PAIR_IDS)
-def test_every_dtype_and_op(cp, name, op, count):
-    _run(cp, SUPPORTED_DTYPES[name], op, count, nsrc=3, ndst=2)
+def test_every_dtype_and_op(ex, name, op, count):
+    _run(ex, SUPPORTED_DTYPES[name], op, count, nsrc=3, ndst=2)
 
 
-@pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ndst", [1, 2, 3, 4])
 @pytest.mark.parametrize("nsrc", [1, 2, 3, 4])
 @pytest.mark.parametrize(("name", "op"), [("float32", ReduceOp.SUM), ("bfloat16", ReduceOp.AVG),
                                           ("int8", ReduceOp.MAX)])
-def test_source_and_destination_counts(cp, name, op, nsrc, ndst):
-    _run(cp, SUPPORTED_DTYPES[name], op, 4099, nsrc, ndst)
+def test_source_and_destination_counts(ex, name, op, nsrc, ndst):
+    _run(ex, SUPPORTED_DTYPES[name], op, 4099, nsrc, ndst)
 
 
-@pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nsrc", [5, 8, 9, 16])
-def test_many_pointers(cp, nsrc):
-    _run(cp, np.float16, ReduceOp.SUM, 40_009, nsrc, kernels.MAX_POINTERS)
+@pytest.mark.parametrize(("name", "op"), [("float16", ReduceOp.SUM), ("bool", ReduceOp.MIN),
+                                          ("float64", ReduceOp.AVG)])
+def test_many_pointers(ex, name, op, nsrc):
+    _run(ex, SUPPORTED_DTYPES[name], op, 40_009, nsrc, kernels.MAX_POINTERS)
 
 
-@pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("count", [1, 5, 17, 1000003])
 @pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64", "int8", "bool"])
-def test_pointers_offset_by_one_element(cp, name, count):
+def test_pointers_offset_by_one_element(ex, name, count):
     """All pointers share one misalignment: head elements peeled, then the vector path."""
-    _run(cp, SUPPORTED_DTYPES[name], ReduceOp.SUM, count, 3, 2, offsets=[1] * 5)
+    _run(ex, SUPPORTED_DTYPES[name], ReduceOp.SUM, count, 3, 2, offsets=[1] * 5)
 
 
-@pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["float16", "float32", "int64", "uint8"])
-def test_pointers_misaligned_differently(cp, name):
+def test_pointers_misaligned_differently(ex, name):
     """One source off by one element: every element one per thread."""
-    _run(cp, SUPPORTED_DTYPES[name], ReduceOp.MAX, 100_003, 3, 2, offsets=[1, 0, 0, 0, 0])
+    _run(ex, SUPPORTED_DTYPES[name], ReduceOp.MAX, 100_003, 3, 2, offsets=[1, 0, 0, 0, 0])
 
 
-@pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize(("name", "op"), [("float32", ReduceOp.SUM), ("bfloat16", ReduceOp.AVG),
                                           ("float16", ReduceOp.MIN), ("int32", ReduceOp.PROD)])
-def test_in_place(cp, name, op, offset):
+def test_in_place(ex, name, op, offset):
     """dsts[k] is srcs[k], as an in-place all-reduce passes them."""
-    _run(cp, SUPPORTED_DTYPES[name], op, 1000003, 4, 4, offsets=[offset] * 8, in_place=True)
+    _run(ex, SUPPORTED_DTYPES[name], op, 1000003, 4, 4, offsets=[offset] * 8, in_place=True)
 
 
 @pytest.mark.gpu

@@ -32,15 +32,15 @@ bucket of :data:`SRC_BUCKETS` (2 sources: about 40 registers a thread, 16: about
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from rtxnet.collectives.gpu.stream import foreign_stream
 from rtxnet.collectives.reduce_ops import ReduceOp, check_op_dtype, dtype_name
 
-__all__ = ["MAX_POINTERS", "SRC_BUCKETS", "launch_reduce", "copy", "kernel_source", "kernel_name",
-           "vector_split"]
+__all__ = ["MAX_POINTERS", "SRC_BUCKETS", "LaunchPlan", "launch_reduce", "plan_reduce", "grid_blocks",
+           "copy", "kernel_source", "kernel_name", "vector_split"]
 
 MAX_POINTERS = 16       # per side: srcs and dsts are kernel parameters, 8 bytes each
 BLOCK = 512             # threads per block
@@ -69,7 +69,9 @@ _TYPES: dict[str, tuple[str, str, str, str, str]] = {
     "int32": ("int", "int", "unsigned int", _IDENT_LD, _IDENT_ST),
     "int64": ("long long", "long long", "unsigned long long", _IDENT_LD, _IDENT_ST),
     "uint8": ("unsigned char", "unsigned char", "unsigned int", _IDENT_LD, _IDENT_ST),
-    "bool": ("unsigned char", "unsigned char", "unsigned int", "return (ACC)(x != 0);", _IDENT_ST),
+    # bool: raw bytes combined as unsigned MIN/MAX (nonzero iff all/any is), made 0/1 once on
+    # store; normalising every load instead costs registers (spills at 8 and 16 sources)
+    "bool": ("unsigned char", "unsigned char", "unsigned int", _IDENT_LD, "return (T)(a != 0);"),
 }
 _ADD = "return (ACC)((WT)a + (WT)b);"
 _MIN = "return (a < b || a != a) ? a : b;"
@@ -198,6 +200,60 @@ _kernels: dict[tuple[np.dtype, ReduceOp, int], Any] = {}  # cupy.RawKernel
 _sm_counts: dict[int, int] = {}
 
 
+class LaunchPlan(NamedTuple):
+    """What :func:`launch_reduce` hands the kernel, computed without a device.
+
+    Attributes:
+        max_srcs: the source bucket (:data:`SRC_BUCKETS`) whose kernel runs.
+        args: the kernel's arguments in order: ``MAX_POINTERS`` source and ``MAX_POINTERS``
+            destination addresses (``uint64``, unused ones 0, each advanced by ``head``
+            elements), then ``nsrc``, ``ndst`` (``int32``), ``head``, ``nvec``, ``count``
+            (``int64``) and ``avg_n`` (``float64``).
+        work: loop iterations the widest of the kernel's two loops has (grid sizing).
+    """
+
+    max_srcs: int
+    args: tuple
+    work: int
+
+
+def plan_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: np.dtype,
+                rop: ReduceOp, *, avg_n: int = 1) -> LaunchPlan | None:
+    """Check :func:`launch_reduce`'s arguments and compute its launch; None when ``count`` is 0
+    (nothing to enqueue). Needs no CuPy and no device.
+
+    Raises:
+        ValueError: as :func:`launch_reduce`.
+    """
+    dtype = np.dtype(dtype)
+    rop = check_op_dtype(rop, dtype)
+    srcs, dsts = _check_pointers("srcs", srcs), _check_pointers("dsts", dsts)
+    if count < 0 or avg_n < 1:
+        raise ValueError(f"count({count}) must be >= 0 and avg_n({avg_n}) >= 1")
+    if count == 0:  # empty arrays may have null pointers
+        return None
+    _check_aligned("srcs", srcs, dtype.itemsize)
+    _check_aligned("dsts", dsts, dtype.itemsize)
+    head, nvec = vector_split(srcs + dsts, count, dtype.itemsize)
+    work = max(nvec, count - nvec * (VEC_NBYTES // dtype.itemsize))
+    max_srcs = next(b for b in SRC_BUCKETS if b >= len(srcs))
+    # The kernel addresses elements from element ``head`` (16-byte aligned on the vector path),
+    # so its vector loop indexes the pointers directly; head elements are at negative indices.
+    hb, pad = head * dtype.itemsize, [0] * MAX_POINTERS
+    args: list[np.generic] = [np.uint64(p + hb if p else 0)
+                              for p in (srcs + pad)[:MAX_POINTERS] + (dsts + pad)[:MAX_POINTERS]]
+    args += [np.int32(len(srcs)), np.int32(len(dsts)), np.int64(head), np.int64(nvec),
+             np.int64(count), np.float64(avg_n)]
+    return LaunchPlan(max_srcs, tuple(args), work)
+
+
+def grid_blocks(work: int, sms: int) -> int:
+    """Blocks of :data:`BLOCK` threads for ``work`` loop iterations on a device with ``sms``
+    multiprocessors: one iteration a thread where that fits in ``BLOCKS_PER_SM`` blocks per SM,
+    else that many blocks, whose threads then loop (grid-stride)."""
+    return max(1, min(sms * BLOCKS_PER_SM, -(-work // BLOCK)))
+
+
 def launch_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: np.dtype,
                   rop: ReduceOp, *, avg_n: int = 1, stream: int, device: int) -> None:
     """Enqueue ``dsts[j][i] = srcs[0][i] (op) srcs[1][i] (op) ...`` for every j and i < count.
@@ -221,39 +277,24 @@ def launch_reduce(srcs: Sequence[int], dsts: Sequence[int], count: int, dtype: n
             pointers on a side, a null or not itemsize-aligned pointer, ``count < 0`` or
             ``avg_n < 1``. Validation needs no CuPy; the launch does.
     """
-    dtype = np.dtype(dtype)
-    rop = check_op_dtype(rop, dtype)
-    srcs, dsts = _check_pointers("srcs", srcs), _check_pointers("dsts", dsts)
-    if count < 0 or avg_n < 1:
-        raise ValueError(f"count({count}) must be >= 0 and avg_n({avg_n}) >= 1")
-    if count == 0:  # empty arrays may have null pointers
+    plan = plan_reduce(srcs, dsts, count, dtype, rop, avg_n=avg_n)
+    if plan is None:
         return
-    _check_aligned("srcs", srcs, dtype.itemsize)
-    _check_aligned("dsts", dsts, dtype.itemsize)
     import cupy
 
-    head, nvec = vector_split(srcs + dsts, count, dtype.itemsize)
-    work = max(nvec, count - nvec * (VEC_NBYTES // dtype.itemsize))
-    max_srcs = next(b for b in SRC_BUCKETS if b >= len(srcs))
-    # The kernel addresses elements from element ``head`` (16-byte aligned on the vector path),
-    # so its vector loop indexes the pointers directly; head elements are at negative indices.
-    hb, pad = head * dtype.itemsize, [0] * MAX_POINTERS
-    args: list[np.generic] = [np.uint64(p + hb if p else 0)
-                              for p in (srcs + pad)[:MAX_POINTERS] + (dsts + pad)[:MAX_POINTERS]]
-    args += [np.int32(len(srcs)), np.int32(len(dsts)), np.int64(head), np.int64(nvec),
-             np.int64(count), np.float64(avg_n)]
+    dtype, rop = np.dtype(dtype), ReduceOp(rop)
+    key = (dtype, rop, plan.max_srcs)
     with cupy.cuda.Device(device):
-        kernel = _kernels.get((dtype, rop, max_srcs))
+        kernel = _kernels.get(key)
         if kernel is None:  # cupy.RawKernel compiles on first launch, per device
-            kernel = _kernels[(dtype, rop, max_srcs)] = cupy.RawKernel(
-                kernel_source(dtype, rop, max_srcs), kernel_name(dtype, rop, max_srcs),
+            kernel = _kernels[key] = cupy.RawKernel(
+                kernel_source(dtype, rop, plan.max_srcs), kernel_name(dtype, rop, plan.max_srcs),
                 options=_COMPILE_OPTIONS)
         sms = _sm_counts.get(device)
         if sms is None:
             sms = _sm_counts[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
-        blocks = max(1, min(sms * BLOCKS_PER_SM, -(-work // BLOCK)))
         with foreign_stream(int(stream), device):
-            kernel((blocks,), (BLOCK,), tuple(args))
+            kernel((grid_blocks(plan.work, sms),), (BLOCK,), plan.args)
 
 
 def copy(dst: int, src: int, nbytes: int, *, stream: int) -> None:
