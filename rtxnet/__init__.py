@@ -56,7 +56,14 @@ def __getattr__(name: str):
         import importlib
 
         module, attr = _LAZY[name]
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch":
+                raise
+            raise ModuleNotFoundError(
+                f"rtxnet.{name} needs PyTorch, which is not installed: pip install 'rtxnet[torch]' "
+                f"(or torch itself)", name="torch") from exc
         return mod if attr is None else getattr(mod, attr)
     raise AttributeError(f"module 'rtxnet' has no attribute {name!r}")
 

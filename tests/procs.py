@@ -64,10 +64,12 @@ def leave_together(pg, prefix: str, rank: int, timeout_s: float = 30.0) -> None:
     pg.close()
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+def env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child: the repository first on ``PYTHONPATH``, whatever
+    was there kept (the GPU host brings packages that way), plus ``extra``."""
+    e = dict(os.environ, **extra)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return e
 
 
 class Coordinator:
@@ -85,7 +87,7 @@ class Coordinator:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "--bind", f"tcp://127.0.0.1:{self.port}", "--journal",
              str(self.journal), *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
         )
         line = self.proc.stdout.readline().decode().strip()
         if not line.startswith("RTXNET_COORDINATOR="):
@@ -132,7 +134,7 @@ class Probe:
         cfg["coordinator"] = coordinator
         self.proc = subprocess.Popen(
             [sys.executable, str(PROBE), json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
         )
         self.pid = self.proc.pid
         self.events: queue.Queue = queue.Queue()

@@ -4,11 +4,11 @@ process on the global batch; skipped where CUDA (CuPy, torch.cuda) is absent."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +27,7 @@ def _torch_cuda():
 
 @pytest.mark.parametrize("nproc", [2])
 def test_ddp_on_one_shared_gpu_matches_one_process(tmp_path, nproc):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = procs.env()
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), str(WORKER), str(tmp_path)],
         capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)

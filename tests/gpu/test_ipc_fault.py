@@ -6,11 +6,11 @@ real signal."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
@@ -22,8 +22,7 @@ FAST = {"RTXNET_HEARTBEAT_INTERVAL": "0.1", "RTXNET_HEARTBEAT_TIMEOUT": "1.0",
 
 def test_rank_killed_during_ipc_all_reduce(tmp_path):
     nproc = 4
-    env = dict(os.environ, **FAST)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = procs.env(**FAST)
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), "--min-ranks",
          str(nproc - 1), "tests/gpu/ipc_kill_worker.py", str(tmp_path)],

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 
@@ -27,7 +27,7 @@ def two_ranks(tmp_path_factory):
     root, out = base / "root", base / "out"
     root.mkdir()
     out.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(WORKER), str(root), str(out)],
                           capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

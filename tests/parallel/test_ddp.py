@@ -7,11 +7,11 @@ rank 3 in the middle of a step.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ TOL = 1e-5   # relative, float32, as the issue asks
 
 
 def launch(out: Path, scenario: str, *extra: str) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", *extra, str(WORKER), str(out), scenario],
         capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)

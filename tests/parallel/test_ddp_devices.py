@@ -7,12 +7,12 @@ collective with ``init_sync=False``, so a stand-in process group suffices). The 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import procs
 import pytest
 import torch
 
@@ -57,7 +57,7 @@ def test_a_device_that_is_neither_cpu_nor_cuda_is_refused():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
 def test_train_digits_asked_for_cuda_without_cuda_says_so(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root), RTXNET_COORDINATOR="tcp://127.0.0.1:9")
+    env = procs.env(RTXNET_COORDINATOR="tcp://127.0.0.1:9")
     r = subprocess.run([sys.executable, str(root / "examples" / "train_digits.py"), "--out",
                         str(tmp_path), "--device", "cuda"], capture_output=True, text=True,
                        timeout=60, env=env, cwd=root)

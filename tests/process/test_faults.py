@@ -6,13 +6,13 @@ Each run must finish with every rank holding exactly the state of the fault-free
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import procs
 import pytest
 from procs import coordinator_jobs, wait_until
 
@@ -28,7 +28,7 @@ FAST = {"RTXNET_HEARTBEAT_INTERVAL": "0.1", "RTXNET_HEARTBEAT_TIMEOUT": "1.0", "
 
 def run_job(tmp_path, plan, *launcher_args, steps=40, step_sleep=0.02, expect_rc=0):
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST)
+    env = procs.env(**FAST)
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", *launcher_args, "--faults", plan,
          "tools/ft_workload.py", "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", str(out)],
@@ -97,7 +97,7 @@ def test_dropped_heartbeats_and_delay(tmp_path):
 
 
 def test_bad_plan_is_refused_before_anything_starts(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "explode:rank=1",
                            "tools/ft_workload.py", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=30, cwd=ROOT, env=env)
@@ -126,7 +126,7 @@ def test_partitioned_rank_is_fenced_and_the_group_realigns(tmp_path):
 def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coordinator):
     """An external coordinator SIGKILLed and never restarted: every rank stops with
     CoordinatorLostError soon after RTXNET_COORDINATOR_TIMEOUT, not minutes of vote retries."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST, RTXNET_COORDINATOR_TIMEOUT="3")
+    env = procs.env(**FAST, RTXNET_COORDINATOR_TIMEOUT="3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--coordinator", coordinator.address,
          "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
@@ -151,7 +151,7 @@ def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coord
 def test_no_replacement_within_the_rejoin_window_stops_with_rendezvous_error(tmp_path):
     """2 ranks, minimum 2, rank 1 killed and not restarted: the survivor waits the rejoin window
     (3 s here), then stops with RendezvousError naming the sizes and what to do."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST)
+    env = procs.env(**FAST)
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "kill:rank=1:step=5",

@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import procs
 import pytest
 from procs import wait_until
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def run(args, *, timeout=90, **kw):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     return subprocess.run([sys.executable, "-m", "rtxnet.launcher", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT, **kw)
 
@@ -90,7 +91,7 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
         print("ready", flush=True)
         time.sleep(60)
     """))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
@@ -168,7 +169,7 @@ def _alive(pid: int) -> bool:
 def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     log = open(tmp_path / "launcher.log", "w")
     launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script),
                                  str(tmp_path)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def train(out: Path, *launcher_args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = procs.env()
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", *launcher_args, "examples/train_digits.py",
          "--out", str(out)],

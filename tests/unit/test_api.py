@@ -25,8 +25,18 @@ def test_all_is_pinned():
         "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
         "connect", "init", "parallel",
     ])
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        torch_names = {"parallel", "checkpoint", "DistributedDataParallel"}
+    else:
+        torch_names = set()
     for name in rtxnet.__all__:
-        assert getattr(rtxnet, name) is not None
+        if name in torch_names:   # without torch these name what to install
+            with pytest.raises(ModuleNotFoundError, match=r"needs PyTorch.*rtxnet\[torch\]"):
+                getattr(rtxnet, name)
+        else:
+            assert getattr(rtxnet, name) is not None
 
 
 def test_error_tree_matches_the_style_guide():

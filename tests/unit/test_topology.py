@@ -9,6 +9,7 @@ import subprocess
 import sys
 import types
 
+import procs
 import pytest
 
 from rtxnet import cli, topology
@@ -197,7 +198,7 @@ def test_cli_topology_prints_json_and_a_table(monkeypatch, capsys):
 def test_local_topology_never_imports_cupy():
     code = ("import sys, rtxnet.topology as t; t.local_topology(); "
             "assert 'cupy' not in sys.modules, 'cupy imported'; print('ok')")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = procs.env()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                        env=env, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

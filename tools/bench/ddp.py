@@ -123,7 +123,8 @@ def run_config(impl: str, n: int, args: argparse.Namespace, tmp: Path) -> dict:
     result = tmp / f"{impl}-{n}.json"
     common = ["--steps", str(args.steps), "--batch", str(args.batch), "--width", str(args.width),
               "--depth", str(args.depth), "--result", str(result)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RTXNET_LOG_LEVEL="warning")
+    env = dict(os.environ, RTXNET_LOG_LEVEL="warning",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     me = str(Path(__file__).resolve())
     if impl == "rtxnet":
         procs = [subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", str(n), me,
