@@ -291,6 +291,11 @@ if b:
         worst = min(r["frac_of_limit"] for r in target)
         print(f"  all_reduce >= 256MiB: worst {worst * 100:.0f}% of the limit (target 50%): "
               f"{'MET' if worst >= 0.5 else 'NOT MET'}")
+    for r in (r for r in rows if r["op"] == "all_reduce" and r.get("phases_us")
+              and r["nbytes"] in (8, 256 << 20)):
+        ph = " ".join(f"{k}:{v:.0f}" for k, v in r["phases_us"].items())
+        print(f"  all_reduce n={r['ranks']} {r['nbytes']}B: {r['time_s'] * 1e6:.0f}us in all; "
+              f"IPC phases (us from the exchange's start) {ph}")
     wrong = [f"{r['op']} n={r['ranks']} {r['nbytes']}B" for r in rows if not r.get("ok", True)]
     print(f"  wrong results: {', '.join(wrong) if wrong else 'none'}")
 else:

@@ -38,7 +38,11 @@ bandwidth, and each must at least read its input once and write its output once,
                                 (S the nccl-tests size: the gathered output, the scattered input)
 
 and every GPU row carries ``copy_rate_gbps``, ``algbw_max_gbps``, ``frac_of_limit`` (algbw /
-algbw_max) and ``limit`` (the rule used), besides the CPU rows' fields. gloo is not run there.
+algbw_max) and ``limit`` (the rule used), besides the CPU rows' fields, and ``phases_us``: where
+the time went, as the median over ranks and iterations of each phase of the IPC protocol
+(``IpcState.phases``: offers received, peers' inputs ready, work enqueued, completed, peers done),
+in microseconds from the start of the exchange; also printed after the table. gloo is not run
+there.
 """
 
 from __future__ import annotations
@@ -163,7 +167,8 @@ def _merge(results):
 
 async def rtxnet_rank_cuda(engine, ops, sizes, device):
     """One rank of ``--device cuda``: every (op, size) checked once, then timed; returns
-    ``[(op, nbytes, times_s, ok)]``."""
+    ``[(op, nbytes, times_s, ok, phases)]``, ``phases`` the IPC state's phase times of every
+    timed iteration (``IpcState.phases``; empty for a group of one)."""
     import cupy
 
     cupy.cuda.Device(device).use()
@@ -199,14 +204,16 @@ async def rtxnet_rank_cuda(engine, ops, sizes, device):
             for _ in range(warm):
                 await call()
             stream.synchronize()
-            times = []
+            times, phases = [], []
             for _ in range(iters):
                 await g.barrier()
                 t0 = time.perf_counter()
                 await call()
                 stream.synchronize()
                 times.append(time.perf_counter() - t0)
-            rows.append((op, actual, times, ok))
+                ipc = getattr(g._gpu_state, "_ipc", None)
+                phases.append(dict(ipc.phases) if ipc is not None else {})
+            rows.append((op, actual, times, ok, phases))
             x = out = call = None      # free before the next, possibly larger, allocation
     return rows
 
@@ -218,7 +225,21 @@ def run_rtxnet_cuda(n, ops, sizes, device):
                         default_timeout_s=120)
     merged = _merge(results)
     oks = [all(r[i][3] for r in results) for i in range(len(results[0]))]
-    return merged, oks
+    return merged, oks, [_phase_medians([r[i][4] for r in results]) for i in range(len(oks))]
+
+
+PHASES = ("hello", "peers_ready", "launched", "local_done", "peers_done")
+
+
+def _phase_medians(per_rank: list[list[dict]]) -> dict[str, float]:
+    """Median over ranks and iterations of each IPC phase time, in microseconds from the
+    operation's start (``{}`` when no phases were recorded)."""
+    out = {}
+    for name in PHASES:
+        vals = [ph[name] for iters in per_rank for ph in iters if name in ph]
+        if vals:
+            out[name] = float(statistics.median(vals)) * 1e6
+    return out
 
 
 def _copy_rate_child(q, device: int, nbytes: int) -> None:
@@ -407,6 +428,22 @@ def print_table(rows):
         print(line)
 
 
+def print_phases(rows) -> None:
+    """Where a GPU operation's time goes (stderr): the IPC phases' median times, in microseconds
+    from the start of the operation's IPC part, next to the whole iteration."""
+    rows = [r for r in rows if r.get("phases_us")]
+    if not rows:
+        return
+    head = f"{'op':<15}{'ranks':>5}{'size':>9}{'total':>10}" + "".join(f"{p:>12}" for p in PHASES)
+    print("\nIPC phases (median us from the start of the exchange):", file=sys.stderr)
+    print(head, file=sys.stderr)
+    for r in rows:
+        ph = r["phases_us"]
+        print(f"{r['op']:<15}{r['ranks']:>5}{fmt_size(r['nbytes']):>9}{r['time_s'] * 1e6:>10.0f}"
+              + "".join(f"{ph[p]:>12.0f}" if p in ph else f"{'-':>12}" for p in PHASES),
+              file=sys.stderr)
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -501,20 +538,22 @@ def run_cuda(args) -> list[dict]:
     rate = copy["copy_rate_gbps"]
     rows = []
     for n in args.ranks:
-        runs, oks = [], None
+        runs, oks, phases = [], None, None
         for k in range(args.repeat):
             t0 = time.perf_counter()
-            merged, ok = run_rtxnet_cuda(n, args.ops, args.sizes, args.gpu)
+            merged, ok, phases = run_rtxnet_cuda(n, args.ops, args.sizes, args.gpu)
             runs.append(merged)
             oks = ok if oks is None else [a and b for a, b in zip(oks, ok, strict=True)]
             print(f"rtxnet cuda n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr)
-        for row, ok in zip(to_rows("rtxnet", n, "cuda-ipc", runs), oks, strict=True):
+        for row, ok, ph in zip(to_rows("rtxnet", n, "cuda-ipc", runs), oks, phases, strict=True):
             limit, rule = gpu_limit(row["op"], n, rate)
             row.update(device=f"cuda:{args.gpu}", gpu=copy["gpu"], ok=ok, copy_rate_gbps=rate,
+                       phases_us=ph,
                        algbw_max_gbps=limit, limit=rule,
                        frac_of_limit=row["algbw_gbps"] / limit if limit > 0 else None)
             rows.append(row)
+    print_phases(rows)
     wrong = [f"{r['op']} n={r['ranks']} {fmt_size(r['nbytes'])}" for r in rows if not r["ok"]]
     if wrong:
         print(f"WRONG RESULTS: {', '.join(wrong)}", file=sys.stderr)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -132,6 +133,15 @@ class IpcState:
         self._peer_events: dict[bytes, int] = {}                 # event handle -> event
         self._tainted = False
         self._closed = False
+        self._t0 = 0.0
+        #: the last operation's phases, in seconds from its start (``time.perf_counter``), for
+        #: benchmarks: ``hello`` (every peer's offer received), ``peers_ready`` (their ``ready``
+        #: events completed), ``launched`` (this rank's work enqueued), ``local_done`` (completed
+        #: on the GPU), ``peers_done`` (every peer's "done" received).
+        self.phases: dict[str, float] = {}
+
+    def _phase(self, name: str) -> None:
+        self.phases[name] = time.perf_counter() - self._t0
 
     # -- export and map ----------------------------------------------------------------------
 
@@ -202,6 +212,7 @@ class IpcState:
         """
         if self._closed:
             raise CollectiveError(f"IPC state of group {self.group.gid!r} is closed")
+        self._t0, self.phases = time.perf_counter(), {}
         if self._tainted:
             # an earlier operation failed half way: let whatever it enqueued drain first
             self.stream.stream.synchronize()
@@ -213,6 +224,7 @@ class IpcState:
             self._rt.eventRecord(self._ready.ptr, self.stream.ptr)
         offer = [os.getpid(), [self._export(p) for p in exports], self._ready_h, extra]
         got = await op.hello(sig, offer)
+        self._phase("hello")
         ptrs: dict[int, list[int]] = {op.r: list(exports)}
         extras = {op.r: extra}
         waits = {}
@@ -227,6 +239,7 @@ class IpcState:
             waits[g] = self._event(d[2])
             extras[g] = d[3]
         await self._await_peer_events(op, waits)
+        self._phase("peers_ready")
         return ptrs, extras
 
     async def _await_peer_events(self, op, waits: dict[int, int]) -> None:
@@ -265,10 +278,13 @@ class IpcState:
         """Phase 3: wait (polling) until this rank's work has completed, tell every peer, wait
         for every peer's word (their writes into this rank's memory are then complete), and
         order the user's stream after rtxnet's."""
+        self._phase("launched")
         await await_event(self.stream.record(), op)
+        self._phase("local_done")
         for g in op.peers:
             op.send(g, _DONE_STEP)
         await op.recv_all(op.peers, _DONE_STEP)
+        self._phase("peers_done")
         self.stream.before(user_stream)
 
     def taint(self) -> None:
