@@ -230,6 +230,8 @@ class Launcher:
                         self.first_failure = (time.monotonic(), code)
         finally:
             await self._shutdown()
+        if self.first_failure is not None:
+            _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
 
     async def _supervise_coordinator(self, journal: str) -> None:
@@ -267,6 +269,31 @@ class Launcher:
                 await self.coordinator_proc.wait()
         if self.tmp_journal:
             shutil.rmtree(self.tmp_journal, ignore_errors=True)
+
+
+def _outcome(slots, max_restarts: int, code: int) -> str:
+    """The last line of a run with a failure: which ranks ended well, which failed, and why the
+    launcher's code is what it is (the documented rule, spelt out: the job may well have finished
+    on the survivors)."""
+    ok = [s.rank for s in slots if s.returncode == 0]
+    bad = [f"{s.rank} (exit {s.returncode}{_signame(s.returncode)}, restarted {s.restarts} of "
+           f"{max_restarts} times)" for s in slots if s.returncode not in (0, None)]
+    return (f"ranks {_ranks(ok) or 'none'} exited 0; rank{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(bad)} failed. Exit code {code}: the first failing rank's (0 only when "
+            f"every rank's last process exited 0)")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _signame(code: int | None) -> str:
+    if code is None or code <= 128:
+        return ""
+    try:
+        return f", {signal.Signals(code - 128).name}"
+    except ValueError:
+        return ""
 
 
 def _say(text: str) -> None:

@@ -74,6 +74,9 @@ def test_exit_code_is_the_first_failing_ranks(tmp_path):
     script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\ntime.sleep(0.3 * r)\nsys.exit(5 if r == 1 else (6 if r == 2 else 0))\n")
     out = run(["--nproc", "3", str(script)])
     assert out.returncode == 5, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert ("ranks 0 exited 0; ranks 1 (exit 5, restarted 0 of 0 times), 2 (exit 6, restarted 0 of "
+            "0 times) failed. Exit code 5: the first failing rank's") in last, last
 
 
 def test_bad_arguments_are_named():
