@@ -196,15 +196,18 @@ class Agent:
         return await self._wait_until(lambda: self._admissions > before, timeout_s=timeout_s,
                                       what="not admitted")
 
-    async def wait_epoch(self, after: int, *, timeout_s: float) -> Membership:
-        """Wait until an epoch newer than ``after`` arrives; returns it.
+    async def wait_epoch(self, after: int, *, timeout_s: float,
+                         or_fenced: bool = False) -> Membership:
+        """Wait until an epoch newer than ``after`` arrives (or, with ``or_fenced``, this agent is
+        fenced out: no epoch will come until it joins again); returns the membership.
 
         Raises:
             RtxTimeoutError: none within ``timeout_s``.
             ClosedError: the agent was closed.
         """
         return await self._wait_until(
-            lambda: self.membership is not None and self.membership.epoch > after,
+            lambda: (or_fenced and self.fenced)
+            or (self.membership is not None and self.membership.epoch > after),
             timeout_s=timeout_s, what=f"no epoch after {after}")
 
     # ------------------------------------------------------------------------------------------

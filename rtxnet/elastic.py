@@ -297,8 +297,15 @@ class FaultTolerance:
                 log.warning("reform_failed", error=str(exc2))
 
     async def _wait_world(self) -> None:
+        agent = self.pg.agent
         loop_deadline = time.monotonic() + self.rejoin_window_s
-        while self.pg.world_size < self.min_world_size:
+        while agent.fenced or self.pg.world_size < self.min_world_size:
+            if agent.fenced:
+                # declared lost while waiting (frozen, cut off): no epoch comes to a fenced rank,
+                # so join again now rather than wait out the window in a world that left it
+                log.warning("rejoining", reason="fenced while waiting for ranks")
+                await agent.join()
+                continue
             remaining = loop_deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousError(
@@ -308,7 +315,7 @@ class FaultTolerance:
                     f"(--max-restarts)")
             log.info("waiting_for_ranks", world_size=self.pg.world_size, min_world_size=self.min_world_size)
             try:
-                await self.pg.agent.wait_epoch(self.pg.epoch, timeout_s=remaining)
+                await agent.wait_epoch(self.pg.epoch, timeout_s=remaining, or_fenced=True)
             except RtxTimeoutError:
                 continue
 

@@ -6,6 +6,7 @@ Each run must finish with every rank holding exactly the state of the fault-free
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -163,3 +164,52 @@ def test_no_replacement_within_the_rejoin_window_stops_with_rendezvous_error(tmp
     assert "RendezvousError" in proc.stderr and "min_world_size(2)" in proc.stderr, proc.stderr[-3000:]
     assert "--max-restarts" in proc.stderr
     assert took < 60, took
+
+
+def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinator):
+    """3 ranks, minimum 3, no restarts. Rank 2 is SIGKILLed and the survivors wait for a
+    replacement; meanwhile rank 0 is frozen (SIGSTOP) past the heartbeat timeout, declared lost,
+    and woken (SIGCONT). It must join again (world 2, not 1 for the rest of the window); when a
+    replacement process arrives, the job finishes on 3 ranks with the exact result."""
+    env = procs.env(**FAST)
+    job, steps, out = "fenced-while-waiting", 150, tmp_path / "out"
+    args = ["tools/ft_workload.py", "--steps", str(steps), "--step-sleep", "0.02",
+            "--rejoin-window", "60", "--out", str(out)]
+
+    def job_status():
+        return next((j for j in coordinator_jobs(coordinator.address) if j["job"] == job), None)
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--coordinator",
+         coordinator.address, "--job", job, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    replacement = None
+    try:
+        wait_until(lambda: (j := job_status()) and j["committed_step"] >= 10, 40, "10 committed steps")
+        pids = {m["rank"]: m["pid"] for m in job_status()["members"]}
+        os.kill(pids[2], signal.SIGKILL)
+        wait_until(lambda: job_status()["world_size"] == 2, 20, "the world re-formed without rank 2")
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            wait_until(lambda: job_status()["world_size"] == 1, 20, "the frozen rank 0 declared lost")
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        wait_until(lambda: job_status()["world_size"] == 2, 20, "the woken rank joined again")
+        replacement = subprocess.Popen(
+            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT, env=dict(env, RTXNET_COORDINATOR=coordinator.address, RTXNET_JOB=job,
+                               RTXNET_MIN_RANKS="3", RTXNET_MAX_RANKS="3", RTXNET_REJOIN="1"))
+        _, rerr = replacement.communicate(timeout=90)
+        _, lerr = launcher.communicate(timeout=60)
+    finally:
+        for p in (launcher, replacement):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert replacement.returncode == 0, rerr[-3000:]
+    assert launcher.returncode == 137, lerr[-3000:]      # rank 2's SIGKILL, as documented
+    results = [json.loads(f.read_text()) for f in out.glob("final-*.json")]
+    assert len(results) == 3, lerr[-3000:]
+    assert {r["sha256"] for r in results} == {reference(steps, 1024)}
+    assert all(r["steps"] == steps and r["world_size"] == 3 for r in results)
+    assert "fenced while waiting for ranks" in lerr, lerr[-3000:]
