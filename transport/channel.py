@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -221,6 +222,32 @@ def _log_send_failure(fut: asyncio.Future) -> None:
         log.warning("send_failed", error=str(fut.exception()))
 
 
+class LogBudget:
+    """At most ``per_window`` log lines every ``window_s`` seconds for one kind of event (a client
+    flooding the daemon with garbage must not fill its disk: 26 MB in 15 s was seen); the first
+    line after a quiet spell carries how many were suppressed."""
+
+    def __init__(self, per_window: int = 20, window_s: float = 1.0):
+        self.per_window, self.window_s = per_window, window_s
+        self._start, self._used, self.suppressed = 0.0, 0, 0
+
+    def allow(self) -> tuple[bool, int]:
+        """``(log this one?, lines suppressed since the last one logged)``."""
+        now = time.monotonic()
+        if now - self._start >= self.window_s:
+            self._start, self._used = now, 0
+        if self._used >= self.per_window:
+            self.suppressed += 1
+            return False, 0
+        self._used += 1
+        dropped, self.suppressed = self.suppressed, 0
+        return True, dropped
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"...({len(text)} chars)"
+
+
 class ControlServer:
     """The coordinator's ROUTER socket plus a disconnect monitor.
 
@@ -257,6 +284,7 @@ class ControlServer:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_owner: dict[int, bytes] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._bad_log = LogBudget()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._read_loop(), name="control-server-reader"),
@@ -302,7 +330,10 @@ class ControlServer:
         except ProtocolError as exc:
             head = raw if isinstance(raw, dict) else (peek_fields(frames[0].buffer, _HEAD) if frames else {})
             rid = head.get("rid")
-            log.warning("protocol_error", identity=identity, error=str(exc), answered=isinstance(rid, int))
+            ok, dropped = self._bad_log.allow()
+            if ok:
+                log.warning("protocol_error", identity=_short(repr(identity)), error=_short(str(exc)),
+                            answered=isinstance(rid, int), suppressed_before=dropped)
             if isinstance(rid, int) and not isinstance(rid, bool) and -(2**63) <= rid < 2**64:
                 job = head.get("job") if isinstance(head.get("job"), str) else ""
                 self.send_raw(ident_b, wire.make("error", rid=rid, job=job, error="ProtocolError", message=str(exc)))

@@ -1,0 +1,61 @@
+"""A client flooding the coordinator with malformed messages: the daemon keeps serving and its log
+stays bounded (at most ``LogBudget.per_window`` protocol_error lines a second, then one line that
+counts what was suppressed)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import zmq
+
+from transport import wire
+from transport.channel import LogBudget
+from transport.codec import decode, encode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_log_budget_counts_what_it_suppresses():
+    b = LogBudget(per_window=3, window_s=0.2)
+    assert [b.allow() for _ in range(5)] == [(True, 0)] * 3 + [(False, 0)] * 2
+    time.sleep(0.25)
+    assert b.allow() == (True, 2)
+    assert b.allow() == (True, 0)
+
+
+def test_a_flood_of_garbage_leaves_the_daemon_serving_with_a_bounded_log(coordinator):
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVTIMEO, 10_000)
+        d.connect(coordinator.address)
+        t0 = time.monotonic()
+        for _ in range(3000):
+            d.send(b"\xc1\xc1\xc1")          # not msgpack: logged (within budget), dropped
+        d.send(encode(wire.make("status", rid=1)))
+        assert decode(d.recv())["rid"] == 1   # served after the whole flood
+        time.sleep(LogBudget().window_s + 0.1)
+        d.send(b"\xc1")                       # the first line after the flood says how many
+        d.send(encode(wire.make("status", rid=2)))
+        assert decode(d.recv())["rid"] == 2
+        elapsed = time.monotonic() - t0
+        d.close(0)
+    finally:
+        ctx.term()
+
+    def counted():
+        return [line for line in coordinator.log.splitlines() if "protocol_error" in line]
+
+    deadline = time.monotonic() + 5
+    while not any("suppressed_before" in ln and "suppressed_before=0" not in ln for ln in counted()):
+        assert time.monotonic() < deadline, coordinator.log[-3000:]
+        time.sleep(0.05)
+    lines = counted()
+    budget = LogBudget().per_window
+    assert len(lines) <= budget * (int(elapsed / LogBudget().window_s) + 2), len(lines)
+    suppressed = sum(int(m) for ln in lines for m in re.findall(r"suppressed_before=(\d+)", ln))
+    assert len(lines) + suppressed == 3001, (len(lines), suppressed)
+    assert coordinator.proc.poll() is None
