@@ -4,13 +4,16 @@
 
 On start it replays the journal in ``DIR`` and prints one line ``RTXNET_COORDINATOR=<address>`` on
 stdout (useful with port 0); logs go to stderr. SIGINT/SIGTERM stop it after the current batch.
-Exit codes: 0 after a signal, 2 for bad arguments, 3 for a corrupt journal, 4 if it cannot bind.
+Exit codes: 0 after a signal, 2 for bad arguments (usage and one line naming the bad value, from
+argparse, before anything starts), 3 for a corrupt journal, 4 if it cannot bind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import os
 import shutil
 import signal
 import sys
@@ -25,17 +28,79 @@ from .server import Coordinator
 log = structlog.get_logger("coordinator")
 
 DEFAULT_BIND = "tcp://0.0.0.0:29600"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# The tick is how often heartbeat silences, kv_wait and commit deadlines and last-call windows are
+# checked, so it adds up to one tick to every such decision. Above 1 s it would swamp the default
+# heartbeat_timeout (2 s, ../shared/DESIGN.md) in loss detection; below 1 ms the serve loop spins.
+TICK_RANGE_S = (0.001, 1.0)
+
+
+def _address(text: str) -> str:
+    from transport.channel import check_address
+
+    try:
+        return check_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tick(text: str) -> float:
+    lo, hi = TICK_RANGE_S
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not lo <= v <= hi:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in {lo:g}..{hi:g}")
+    return v
+
+
+def _ttl(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite, positive number of seconds")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return v
+
+
+def _folder(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder name (empty)")
+    return text
+
+
+def _level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text.lower()
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rtxnet-coordinator", description="rtxnet coordinator daemon")
-    p.add_argument("--bind", default=DEFAULT_BIND, help=f"ZeroMQ address to bind (default {DEFAULT_BIND}; port 0 = any free port)")
-    p.add_argument("--journal", required=True, help="write-ahead journal folder (replayed at start)")
-    p.add_argument("--tick", type=float, default=0.05, help="seconds between heartbeat/deadline checks (default 0.05)")
-    p.add_argument("--snapshot-every", type=int, default=10000, help="journal records between snapshots (default 10000)")
-    p.add_argument("--log-level", default=None)
+    p.add_argument("--bind", type=_address, default=DEFAULT_BIND,
+                   help=f"ZeroMQ address to bind (default {DEFAULT_BIND}; port 0 = any free port)")
+    p.add_argument("--journal", type=_folder, required=True, help="write-ahead journal folder (replayed at start)")
+    p.add_argument("--tick", type=_tick, default=0.05,
+                   help=f"seconds between heartbeat/deadline checks, {TICK_RANGE_S[0]:g}..{TICK_RANGE_S[1]:g} "
+                        "(default 0.05)")
+    p.add_argument("--snapshot-every", type=_count, default=10000,
+                   help="journal records between snapshots, >= 1 (default 10000)")
+    p.add_argument("--log-level", type=_level, default=None,
+                   help=f"one of {', '.join(LOG_LEVELS)} (default RTXNET_LOG_LEVEL or info)")
     p.add_argument("--log-json", action="store_true")
-    p.add_argument("--dead-job-ttl", type=float, default=3600.0,
+    p.add_argument("--dead-job-ttl", type=_ttl, default=3600.0,
                    help="seconds a job whose every rank crashed is kept for restarted ranks to "
                         "rejoin (committed step, store, checkpoint record), then forgotten "
                         "(default 3600)")
@@ -78,22 +143,17 @@ async def _amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.tick <= 0:
-        print(f"rtxnet-coordinator: --tick must be > 0, got {args.tick}", file=sys.stderr)
-        return 2
-    if not 0 < args.dead_job_ttl < float("inf"):
-        print(f"rtxnet-coordinator: --dead-job-ttl must be a positive number of seconds, got "
-              f"{args.dead_job_ttl}", file=sys.stderr)
-        return 2
-    from transport.channel import check_address
+    """Run the daemon until a signal; returns the exit code (module docstring).
 
+    Raises:
+        SystemExit: code 2, from argparse, for a bad argument or ``RTXNET_LOG_LEVEL``.
+    """
+    p = _parser()
+    args = p.parse_args(argv)
     try:
-        check_address(args.bind)
-    except ValueError as exc:
-        print(f"rtxnet-coordinator: --bind: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(level=args.log_level, json=args.log_json or None)
+        configure_logging(level=args.log_level, json=args.log_json or None)
+    except ValueError as exc:   # only RTXNET_LOG_LEVEL can get here: --log-level is a choice
+        p.error(f"RTXNET_LOG_LEVEL={os.environ.get('RTXNET_LOG_LEVEL')!r}: {exc}")
     try:
         import uvloop
         return uvloop.run(_amain(args))

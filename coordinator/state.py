@@ -297,7 +297,7 @@ def restore(snap: dict[str, Any], now: float) -> State:
     return state
 
 
-MAX_JOB_ID = 256
+MAX_JOB_ID = wire.MAX_JOB_ID
 
 _JOB_FIELDS = ("token", "min_ranks", "max_ranks", "last_call_s", "heartbeat_timeout_s")
 
@@ -503,8 +503,11 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         actions.append(_reply(identity, msg, job, value=job.kv.get(msg["key"])))
     elif t == "kv_wait":
         keys = msg["keys"]
+        bad = _bad_duration(msg, "timeout_s")
         if not all(isinstance(k, str) for k in keys):
             actions.append(_error(identity, msg, "ProtocolError", "kv_wait.keys must be a list of str"))
+        elif bad:
+            actions.append(_error(identity, msg, "ConfigError", bad))
         elif all(k in job.kv for k in keys):
             actions.append(_reply(identity, msg, job, values={k: job.kv[k] for k in keys}))
         else:
@@ -550,7 +553,20 @@ def _wake_kv(job: Job, actions: list[Action]) -> None:
             actions.append(_reply_raw(job, ident, rid, values={k: job.kv[k] for k in keys}))
 
 
+def _bad_duration(msg: dict, name: str) -> str | None:
+    """Why ``msg[name]`` is not a deadline the coordinator can keep (NaN or infinity would park a
+    waiter that never times out; a negative one is a caller's bug), or None when it is fine."""
+    v = msg[name]
+    if not 0 <= v < math.inf:   # NaN fails too
+        return f"{msg['t']}.{name}({v!r}) must be a finite number of seconds >= 0"
+    return None
+
+
 def _commit(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    bad = _bad_duration(msg, "timeout_s")
+    if bad:
+        actions.append(_error(identity, msg, "ConfigError", bad))
+        return
     member = job.member_by_identity(msg["identity"])
     if member is None:
         actions.append(_error(identity, msg, "RendezvousError", f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))

@@ -5,7 +5,8 @@
 
 ``status`` prints every job on the coordinator: state, epoch, world size, last committed step and,
 per member, rank, host, pid and heartbeat age. ADDR defaults to ``RTXNET_COORDINATOR`` or
-``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time.
+``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time; 2 for a bad
+argument (``S`` must be a finite number of seconds > 0) or address.
 
 ``topology`` prints this machine as rtxnet sees it (:func:`rtxnet.topology.local_topology`): the
 host identity the agents publish (``RTXNET_HOST`` overrides the hostname), CPUs, and every GPU NVML
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import uuid
@@ -56,13 +58,24 @@ def _render(jobs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < math.inf:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds > 0")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rtxnet", description="rtxnet command-line tools")
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="show the coordinator's jobs, members, epochs and heartbeats")
     st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"))
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    st.add_argument("--timeout", type=_seconds, default=5.0,
+                    help="seconds to wait for the answer, finite and > 0 (default 5)")
     tp = sub.add_parser("topology", help="show this machine's host identity, CPUs and GPUs (NVML)")
     tp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
@@ -76,9 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _print(json.dumps(topo, indent=2) if args.json else render_topology(topo))
     if args.cmd == "status":
-        if args.timeout <= 0:
-            print(f"rtxnet status: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
-            return 2
         try:
             jobs = asyncio.run(_status(args.coordinator, args.timeout))
         except ConnectError as exc:

@@ -10,6 +10,12 @@ A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=va
     kill-coordinator:step=60             SIGKILL the coordinator at step 60 (rtxnet-run restarts it)
     seed=7                               seeds the choice of rank=any (default 0)
 
+Durations are finite numbers: ``seconds`` (``S``, ``Ss`` or ``Nms``) above 0 and at most 3600,
+``ms`` (``N`` or ``Nms``) above 0 and at most 3 600 000, ``after`` (seconds from the rank's start,
+written like ``seconds``) in 0..3600. The hour's bound keeps a pause's resume helper, which sleeps
+for the pause, from outliving a rank that died while paused by more than that. Each field may be
+given once per fault, and ``seed`` once per plan.
+
 Where a fault fires (``at=``): ``step`` (default; at the start of step N), ``collective`` (before
 the N-th collective of the rank, with ``collective=N``), ``checkpoint`` (while a checkpoint is
 written, with ``step=N`` for the checkpoint of step N or the first one), ``rendezvous`` (before the
@@ -61,15 +67,35 @@ class Fault:
     text: str = field(default="", compare=False)
 
 
+MAX_FAULT_S = 3600.0   # the longest duration a fault may last (see the module docstring)
+
+
 def _number(key: str, raw: str, part: str) -> float:
-    txt = raw[:-2] if raw.endswith("ms") and key != "ms" else raw
-    txt = txt[:-1] if txt.endswith("s") and key in ("seconds", "after") else txt
+    """The value of a float field, in the field's unit (seconds; milliseconds for ``ms``).
+
+    ``seconds`` and ``after`` take a plain number or one with an ``s`` or ``ms`` suffix; ``ms`` a
+    plain number or one with an ``ms`` suffix.
+
+    Raises:
+        ValueError: not a number, not finite, or outside the field's range; names the value.
+    """
+    txt, scale = raw, 1.0
+    if txt.endswith("ms"):
+        txt, scale = txt[:-2], (1.0 if key == "ms" else 1e-3)
+    elif txt.endswith("s") and key != "ms":
+        txt = txt[:-1]
     try:
-        v = float(txt)
+        v = float(txt) * scale
     except ValueError:
         raise ValueError(f"{part!r}: {key}={raw!r} is not a number") from None
-    if v < 0:
-        raise ValueError(f"{part!r}: {key}={raw!r} must not be negative")
+    if key == "after":
+        ok, allowed = 0 <= v <= MAX_FAULT_S, f"of seconds in 0..{MAX_FAULT_S:g}"
+    elif key == "ms":
+        ok, allowed = 0 < v <= MAX_FAULT_S * 1000, f"of milliseconds above 0 and at most {MAX_FAULT_S * 1000:.0f}"
+    else:
+        ok, allowed = 0 < v <= MAX_FAULT_S, f"of seconds above 0 and at most {MAX_FAULT_S:g}"
+    if not ok:   # NaN compares false, so it lands here too
+        raise ValueError(f"{part!r}: {key}={raw!r} must be a finite number {allowed}")
     return v
 
 
@@ -77,15 +103,21 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
     """Parse a plan (grammar in the module docstring).
 
     Raises:
-        ValueError: names the bad fault and field (unknown kind or key, bad number, missing step).
+        ValueError: names the bad fault and field: an unknown kind or key, a field given twice
+            (or ``seed`` twice), a bad number (not a number, negative, not finite, a duration out
+            of range), a missing ``step``, ``collective``, ``seconds`` or ``ms``.
     """
     faults: list[Fault] = []
     seed = 0
+    seed_part: str | None = None
     pending: list[tuple[str, dict[str, str]]] = []
     for part in (p.strip() for p in text.split(";")):
         if not part:
             continue
         if part.startswith("seed="):
+            if seed_part is not None:
+                raise ValueError(f"{part!r}: seed is given twice (first {seed_part!r})")
+            seed_part = part
             try:
                 seed = int(part[5:])
             except ValueError:
@@ -100,7 +132,10 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             if "=" not in f:
                 raise ValueError(f"{part!r}: field {f!r} is not key=value")
             k, v = f.split("=", 1)
-            kv[k.strip()] = v.strip()
+            k = k.strip()
+            if k in kv:
+                raise ValueError(f"{part!r}: field {k!r} is given twice ({k}={kv[k]!r} and {k}={v.strip()!r})")
+            kv[k] = v.strip()
         pending.append((part, kv | {"__kind": kind}))
     rng = random.Random(seed)
     for index, (part, kv) in enumerate(pending):
@@ -245,7 +280,10 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "pause":
             # A separate process wakes us: a stopped process cannot.
-            subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
+            # f.seconds is finite and at most MAX_FAULT_S (parse_plan), so the helper ends within
+            # that time even when this rank dies meanwhile; fixed-point, as some sleeps take no
+            # exponent.
+            subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds:.6f}; kill -CONT {os.getpid()}"],
                              start_new_session=True, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -12,13 +12,19 @@ exited 0, else the code of the first rank whose last process failed (128+N for s
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
-and stopped at the end.
+and stopped at the end. With ``--coordinator ADDR``, that coordinator must answer a ``status``
+request within a few seconds before any rank starts (else exit code 1, naming ADDR).
+
+Before anything starts, the arguments and what every rank would read from the environment
+(``RTXNET_FAULTS``, the ``RTXNET_*`` timeouts, ``RTXNET_LAST_CALL``) are checked: each problem is
+one line naming the bad value, and the exit code is 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shutil
 import signal
@@ -28,9 +34,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from transport.wire import MAX_JOB_ID
+
 __all__ = ["main", "start_coordinator"]
 
 MAX_NPROC = 1024
+_PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
 
 
 @dataclass
@@ -197,7 +206,9 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal, sig)
-        if not self.address:
+        if self.address:
+            await _probe_coordinator(self.address)
+        else:
             journal = a.journal
             if journal is None:
                 self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
@@ -271,6 +282,27 @@ class Launcher:
             shutil.rmtree(self.tmp_journal, ignore_errors=True)
 
 
+async def _probe_coordinator(address: str) -> None:
+    """Ask the coordinator at ``address`` for its status, as ``rtxnet status`` does.
+
+    Raises:
+        RuntimeError: no answer within ``_PROBE_S`` (or another transport error); one line that
+            names ``address``.
+    """
+    from transport.errors import RtxError, RtxTimeoutError
+
+    from .cli import _status
+
+    try:
+        await _status(address, _PROBE_S)
+    except RtxTimeoutError:
+        raise RuntimeError(f"the coordinator at {address} did not answer within {_PROBE_S:g} s "
+                           f"(is it running, and is --coordinator right?); no rank was started") from None
+    except RtxError as exc:
+        raise RuntimeError(f"the coordinator at {address} cannot be reached: {exc}; no rank was "
+                           f"started") from None
+
+
 def _outcome(slots, max_restarts: int, code: int) -> str:
     """The last line of a run with a failure: which ranks ended well, which failed, and why the
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
@@ -316,15 +348,49 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_TIMEOUT_VARS = ("RTXNET_HEARTBEAT_INTERVAL", "RTXNET_HEARTBEAT_TIMEOUT", "RTXNET_OP_TIMEOUT",
+                 "RTXNET_RENDEZVOUS_TIMEOUT", "RTXNET_REQUEST_TIMEOUT", "RTXNET_COORDINATOR_TIMEOUT")
+
+
+def _environment_errors() -> list[str]:
+    """What every rank would refuse in the environment it inherits, found once, here: the
+    timeouts (parsed and checked by :meth:`rtxnet.Timeouts.from_env`, as a rank's ``init`` does
+    when it is given no ``Timeouts``) and ``RTXNET_LAST_CALL`` (the coordinator refuses a join whose
+    ``last_call_s`` is negative or not finite)."""
+    from transport.errors import ConfigError
+
+    from .config import Timeouts, env_float
+
+    errors = []
+    try:
+        Timeouts.from_env()
+    except ConfigError as exc:
+        given = " ".join(f"{n}={os.environ[n]!r}" for n in _TIMEOUT_VARS if os.environ.get(n))
+        text = str(exc)   # names the variable when it is not a number, else the field
+        errors.append(text if text.startswith("RTXNET_") else f"{text} (from {given})")
+    try:
+        last_call = env_float("RTXNET_LAST_CALL", 0.0)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    else:
+        if not 0 <= last_call < math.inf:
+            errors.append(f"RTXNET_LAST_CALL={os.environ['RTXNET_LAST_CALL']!r} must be a finite "
+                          f"number of seconds >= 0")
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     errors = []
     if not 1 <= args.nproc <= MAX_NPROC:
         errors.append(f"--nproc must be in 1..{MAX_NPROC}, got {args.nproc}")
-    if args.grace <= 0:
-        errors.append(f"--grace must be > 0, got {args.grace}")
+    if not 0 < args.grace < math.inf:   # NaN fails too
+        errors.append(f"--grace must be a finite number of seconds > 0, got {args.grace}")
     if args.job is not None and not args.job.strip():
         errors.append("--job must not be empty")
+    elif args.job is not None and len(args.job) > MAX_JOB_ID:
+        errors.append(f"--job must be at most {MAX_JOB_ID} characters, got {len(args.job)} "
+                      f"({args.job[:20]!r}...)")
     if args.coordinator is not None:
         from transport.channel import check_address
 
@@ -340,16 +406,20 @@ def main(argv: list[str] | None = None) -> int:
         errors.append(f"script {args.script!r} does not exist")
     elif not os.path.isfile(args.script):
         errors.append(f"script {args.script!r} is not a file")
-    if args.faults:
+    # --faults wins over RTXNET_FAULTS (the ranks get --faults); either is checked here, once,
+    # instead of by every rank with a traceback.
+    plan, where = ((args.faults, "--faults") if args.faults else
+                   (os.environ.get("RTXNET_FAULTS"), "RTXNET_FAULTS"))
+    if plan:
+        from .faults import parse_plan
+
         try:
-            from .faults import parse_plan
-            for f in parse_plan(args.faults):
+            for f in parse_plan(plan):
                 if f.rank is not None and f.rank >= args.nproc:
-                    errors.append(f"--faults: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
-        except ImportError:
-            pass
+                    errors.append(f"{where}: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
         except ValueError as exc:
-            errors.append(f"--faults: {exc}")
+            errors.append(f"{where}: {exc}")
+    errors += _environment_errors()
     if errors:
         for e in errors:
             print(f"rtxnet-run: {e}", file=sys.stderr)

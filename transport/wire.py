@@ -9,7 +9,11 @@ A message is a msgpack map. Every message carries the header fields:
     epoch  int   the sender's epoch (-1 when it has none yet)
 
 and then the fields of its type, listed below with their types and whether they are required.
-Bytes travel as msgpack ``bin``; nothing is ever pickled. Integers must fit in 64 bits.
+Bytes travel as msgpack ``bin``; nothing is ever pickled. Integers must fit in 64 bits. A job id
+and an agent identity are at most :data:`MAX_JOB_ID` characters (the coordinator refuses a longer
+one with a ``ConfigError``; ``rtxnet-run`` checks ``--job`` against the same bound). Durations
+(``*_s`` fields) must be finite: the coordinator answers a request with a NaN, infinite or negative
+duration (``heartbeat_timeout_s`` also 0) with a ``ConfigError`` naming the field and the value.
 
 Requests (agent -> coordinator) are answered with ``reply`` (same ``rid``, ``ok`` true and the
 answer's fields) or ``error`` (same ``rid``, the error's class name and message). Pushes
@@ -51,6 +55,7 @@ __all__ = [
     "PUSHES",
     "INT64_MIN",
     "UINT64_MAX",
+    "MAX_JOB_ID",
     "validate",
     "make",
 ]
@@ -59,6 +64,7 @@ PROTOCOL_VERSION = 1
 
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
+MAX_JOB_ID = 256   # characters of a job id or an agent identity
 
 # Field spec: name -> (python type or tuple of types, required).
 _Num = (int, float)

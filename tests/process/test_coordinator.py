@@ -199,3 +199,76 @@ def test_corrupt_journal_stops_the_daemon_naming_file_and_offset(tmp_path, probe
                          capture_output=True, text=True, timeout=30, cwd=c.journal.parent)
     assert out.returncode == 3
     assert str(seg) in out.stderr and "offset" in out.stderr
+
+
+def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordinator, probes):
+    """kv_wait and commit with a NaN, infinite or negative ``timeout_s`` would park a waiter that is
+    never answered: each gets a ConfigError naming the field and value, and the daemon serves on."""
+    p = probes(coordinator.address, job="t", world_size=1)
+    member = p.expect("joined")
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVTIMEO, 5000)
+        d.connect(coordinator.address)
+        rid = 0
+        for value in (float("nan"), float("inf"), float("-inf"), -2.5):
+            for mtype, fields in (("kv_wait", {"keys": ["never"]}),
+                                  ("commit", {"identity": "someone", "step": 1, "ok": True})):
+                rid += 1
+                d.send(encode(wire.make(mtype, rid=rid, job="t", epoch=member["epoch"], timeout_s=value, **fields)))
+                r = decode(d.recv())
+                assert r["t"] == "error" and r["rid"] == rid and r["error"] == "ConfigError", r
+                assert r["message"] == f"{mtype}.timeout_s({value!r}) must be a finite number of seconds >= 0"
+        d.send(encode(wire.make("status", rid=99)))
+        r = decode(d.recv())
+        assert r["t"] == "reply" and r["rid"] == 99 and r["body"]["jobs"][0]["job"] == "t"
+        d.close(0)
+    finally:
+        ctx.term()
+    assert coordinator.proc.poll() is None
+    assert p.cmd("kv_set", key="still", value="serving")["ok"]
+    assert p.cmd("kv_wait", keys=["still"])["values"] == {"still": "serving"}
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--log-level", "BOGUS"], "argument --log-level: 'BOGUS' is not one of debug, info, warning, error"),
+    (["--tick", "nan"], "argument --tick: 'nan' is not a number of seconds in 0.001..1"),
+    (["--tick", "inf"], "argument --tick: 'inf' is not a number of seconds in 0.001..1"),
+    (["--tick", "1e-9"], "argument --tick: '1e-9' is not a number of seconds in 0.001..1"),
+    (["--tick", "0"], "argument --tick: '0' is not a number of seconds in 0.001..1"),
+    (["--snapshot-every", "0"], "argument --snapshot-every: '0' must be >= 1"),
+    (["--snapshot-every", "-1"], "argument --snapshot-every: '-1' must be >= 1"),
+    (["--dead-job-ttl", "nan"], "argument --dead-job-ttl: 'nan' is not a finite, positive number of seconds"),
+    (["--dead-job-ttl", "-5"], "argument --dead-job-ttl: '-5' is not a finite, positive number of seconds"),
+    (["--bind", "tcp://127.0.0.1:70000"], "argument --bind: 'tcp://127.0.0.1:70000': port '70000' is not in 0..65535"),
+    (["--journal", ""], "argument --journal: '' is not a folder name (empty)"),
+])
+def test_daemon_arguments_are_argparse_errors_naming_the_value(tmp_path, args, text):
+    argv = ["--bind", "tcp://127.0.0.1:0", "--journal", str(tmp_path / "j"), *args]
+    out = subprocess.run([sys.executable, "-m", "coordinator", *argv], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("usage: rtxnet-coordinator")
+    assert out.stderr.strip().splitlines()[-1] == f"rtxnet-coordinator: error: {text}"
+    assert "Traceback" not in out.stderr and not out.stdout and not (tmp_path / "j").exists()
+
+
+def test_daemon_names_a_bad_log_level_from_the_environment(tmp_path):
+    from procs import env
+
+    out = subprocess.run([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--journal",
+                          str(tmp_path / "j")], capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                         env=env(RTXNET_LOG_LEVEL="loud"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("rtxnet-coordinator: error: RTXNET_LOG_LEVEL='loud'")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
+def test_status_timeout_must_be_finite_and_positive(value):
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", "tcp://127.0.0.1:1",
+                          f"--timeout={value}"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"rtxnet status: error: argument --timeout: {value!r} is not a finite number of seconds > 0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -202,3 +203,67 @@ def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+MARKS_START = "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK'] + '.started'), 'w').close()\n"
+
+
+@pytest.mark.parametrize("args, env, line", [
+    (["--grace", "nan"], {}, "--grace must be a finite number of seconds > 0, got nan"),
+    (["--grace", "inf"], {}, "--grace must be a finite number of seconds > 0, got inf"),
+    (["--job", "j" * 257], {}, "--job must be at most 256 characters, got 257"),
+    ([], {"RTXNET_FAULTS": "bogus:x"}, "RTXNET_FAULTS: 'bogus:x': unknown fault kind 'bogus'"),
+    ([], {"RTXNET_FAULTS": "pause:rank=1:step=20:seconds=inf"},
+     "RTXNET_FAULTS: 'pause:rank=1:step=20:seconds=inf': seconds='inf' must be a finite number of seconds"),
+    ([], {"RTXNET_FAULTS": "kill:rank=1:step=5:step=6"}, "field 'step' is given twice"),
+    ([], {"RTXNET_FAULTS": "kill:rank=3:step=5"}, "RTXNET_FAULTS: 'kill:rank=3:step=5' names rank 3, but --nproc is 2"),
+    (["--faults", "delay:rank=0:ms=nan"], {}, "--faults: 'delay:rank=0:ms=nan': ms='nan' must be a finite number"),
+    ([], {"RTXNET_OP_TIMEOUT": "soon"}, "RTXNET_OP_TIMEOUT='soon' is not a number"),
+    ([], {"RTXNET_OP_TIMEOUT": "nan"}, "op_s(nan) must be a positive number of seconds (from RTXNET_OP_TIMEOUT='nan')"),
+    ([], {"RTXNET_HEARTBEAT_TIMEOUT": "90"}, "timeouts must satisfy heartbeat_interval_s < heartbeat_timeout_s < op_s"),
+    ([], {"RTXNET_LAST_CALL": "inf"}, "RTXNET_LAST_CALL='inf' must be a finite number of seconds >= 0"),
+])
+def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(tmp_path, args, env, line):
+    script = tmp_path / "marks.py"
+    script.write_text(MARKS_START)
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", *args, str(script), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, env=procs.env(**env), cwd=ROOT)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rtxnet-run: ") and line in lines[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and not list(tmp_path.glob("*.started"))
+
+
+def test_a_faults_flag_wins_over_a_bad_environment_plan(tmp_path):
+    script = tmp_path / "marks.py"
+    script.write_text(MARKS_START + "print(os.environ['RTXNET_FAULTS'])\n")
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", "--faults", "kill:rank=0:step=99",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         env=procs.env(RTXNET_FAULTS="bogus:x"), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[rank0] kill:rank=0:step=99" in out.stdout
+
+
+def test_a_coordinator_that_does_not_answer_is_named_before_any_rank_starts(tmp_path):
+    script = tmp_path / "marks.py"
+    script.write_text(MARKS_START)
+    # A TCP port that accepts connections but never speaks ZeroMQ: nothing will answer there.
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        address = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
+        t0 = time.monotonic()
+        out = run(["--nproc", "2", "--coordinator", address, str(script), str(tmp_path)], timeout=60)
+        took = time.monotonic() - t0
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        f"rtxnet-run: the coordinator at {address} did not answer within 3 s (is it running, and is "
+        f"--coordinator right?); no rank was started"), out.stderr[-3000:]
+    assert not list(tmp_path.glob("*.started")) and took < 20, took
+
+
+def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):
+    script = tmp_path / "marks.py"
+    script.write_text(MARKS_START)
+    out = run(["--nproc", "2", "--coordinator", coordinator.address, str(script), str(tmp_path)], timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("*.started")) == ["0.started", "1.started"]

@@ -337,3 +337,20 @@ def test_a_restarted_rank_within_the_ttl_keeps_the_dead_job():
     h.tick(1.0)
     job = h.state.jobs["j"]
     assert job.members and job.empty_since is None   # the TTL no longer runs
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -1.0])
+def test_kv_wait_and_commit_refuse_a_timeout_that_is_not_a_deadline(value):
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    for mtype, fields in (("kv_wait", {"keys": ["x"]}),
+                          ("commit", {"identity": "a", "step": 1, "ok": True})):
+        err = errors(h.req("a", mtype, epoch=0, timeout_s=value, **fields))
+        assert err and err[0]["error"] == "ConfigError", err
+        assert err[0]["message"] == f"{mtype}.timeout_s({value!r}) must be a finite number of seconds >= 0"
+        assert err[0]["rid"] == h.rid
+    job = h.state.jobs["j"]
+    assert not job.kv_waiters and not job.commit_waiters   # nothing parked forever
+    # 0 is a deadline (answer at the next tick), not an error
+    assert h.req("a", "kv_wait", epoch=0, keys=["x"], timeout_s=0) == []
+    assert errors(h.tick())[0]["error"] == "RtxTimeoutError"

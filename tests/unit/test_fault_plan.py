@@ -1,0 +1,72 @@
+"""Fault plans: the parser behind ``rtxnet-run --faults`` and ``RTXNET_FAULTS``, without processes."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from rtxnet import faults
+from rtxnet.faults import Injector, parse_plan
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("plan, text", [
+    ("pause:rank=1:step=20:seconds=inf", "seconds='inf' must be a finite number of seconds above 0 and at most 3600"),
+    ("pause:rank=1:step=20:seconds=-inf", "seconds='-inf' must be a finite number of seconds above 0"),
+    ("pause:rank=1:step=20:seconds=nan", "seconds='nan' must be a finite number of seconds above 0"),
+    ("pause:rank=1:step=20:seconds=0", "seconds='0' must be a finite number of seconds above 0"),
+    ("pause:rank=1:step=20:seconds=-3", "seconds='-3' must be a finite number of seconds above 0"),
+    ("pause:rank=1:step=20:seconds=3601", "seconds='3601' must be a finite number of seconds above 0 and at most 3600"),
+    ("partition:rank=2:step=4:seconds=NaNs", "seconds='NaNs' must be a finite number"),
+    ("drop-heartbeats:rank=3:after=1:seconds=inf", "seconds='inf' must be a finite number"),
+    ("delay:rank=0:ms=nan", "ms='nan' must be a finite number of milliseconds above 0 and at most 3600000"),
+    ("delay:rank=0:ms=inf", "ms='inf' must be a finite number of milliseconds"),
+    ("delay:rank=0:ms=0", "ms='0' must be a finite number of milliseconds above 0"),
+    ("delay:rank=0:ms=1e20", "ms='1e20' must be a finite number of milliseconds above 0 and at most 3600000"),
+    ("drop-heartbeats:rank=3:after=nan", "after='nan' must be a finite number of seconds in 0..3600"),
+    ("drop-heartbeats:rank=3:after=-1s", "after='-1s' must be a finite number of seconds in 0..3600"),
+    ("drop-heartbeats:rank=3:after=inf", "after='inf' must be a finite number of seconds in 0..3600"),
+    ("pause:rank=1:step=2:seconds=soon", "seconds='soon' is not a number"),
+])
+def test_a_duration_must_be_finite_and_in_range(plan, text):
+    with pytest.raises(ValueError) as info:
+        parse_plan(plan)
+    assert str(info.value).startswith(f"{plan!r}: {text}"), info.value
+
+
+def test_a_repeated_field_is_named():
+    with pytest.raises(ValueError, match=r"'kill:rank=1:step=5:step=6': field 'step' is given twice "
+                                         r"\(step='5' and step='6'\)"):
+        parse_plan("kill:rank=1:step=5:step=6")
+    with pytest.raises(ValueError, match=r"field 'rank' is given twice"):
+        parse_plan("pause:rank=1:step=5:seconds=1:rank=2")
+    with pytest.raises(ValueError, match=r"'seed=2': seed is given twice \(first 'seed=1'\)"):
+        parse_plan("seed=1; kill:rank=any:step=3; seed=2")
+
+
+def test_units_of_durations():
+    plan = parse_plan("drop-heartbeats:rank=3:after=500ms; drop-heartbeats:rank=2:after=10s; "
+                      "drop-heartbeats:rank=1:after=0; pause:rank=1:step=5:seconds=2s; "
+                      "partition:rank=0:step=1:seconds=250ms; delay:rank=0:ms=200ms; delay:rank=1:ms=30")
+    assert [f.after for f in plan[:3]] == [0.5, 10.0, 0.0]
+    assert plan[3].seconds == 2.0 and plan[4].seconds == 0.25
+    assert plan[5].ms == 200.0 and plan[6].ms == 30.0
+    with pytest.raises(ValueError, match=r"ms='2s' is not a number"):
+        parse_plan("delay:rank=0:ms=2s")
+
+
+def test_the_pause_helper_sleeps_for_the_pause_in_fixed_point(monkeypatch):
+    """The helper is ``sleep S; kill -CONT pid`` with S finite, bounded and written without an
+    exponent (some ``sleep`` programs refuse ``1e-05``)."""
+    started, sent = [], []
+    monkeypatch.setattr(faults.subprocess, "Popen", lambda cmd, **kw: started.append((cmd, kw)))
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    inj = Injector("pause:rank=0:step=1:seconds=0.00001")
+    (f,) = inj.due("step", rank=0, world_size=1, step=1)
+    inj.act(f)
+    (cmd, kw), = started
+    assert cmd[:2] == ["/bin/sh", "-c"] and cmd[2].startswith("sleep 0.000010; kill -CONT ")
+    assert kw["start_new_session"] is True
+    assert sent == [(faults.os.getpid(), signal.SIGSTOP)]
