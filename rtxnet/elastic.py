@@ -177,23 +177,34 @@ class FaultTolerance:
         return self._portal.call(self.areport)
 
     async def areport(self) -> list[str]:
+        await self._store_unrecorded_faults()
         lines = []
         for f in self.injector.faults if self.injector else []:
             try:
                 raw = await self.pg.store.get(f"faults/{f.index}")
             except RtxError:
-                raw = None
-            if raw is None:
-                lines.append(f"fault {f.text!r}: not injected")
-            else:
+                lines.append(f"fault {f.text!r}: unknown (the job's store did not answer)")
+                continue
+            if raw is not None:
                 rec = json.loads(raw)
-                lines.append(f"fault {f.text!r}: injected on rank {rec['rank']} at step {rec['step']}")
+                where = _fault_where(f.at, rec.get("step"), f.collective)
+                lines.append(f"fault {f.text!r}: injected on rank {rec['rank']}{where}")
+            elif f.at == "rendezvous":
+                lines.append(f"fault {f.text!r}: no record (a fault during rendezvous is recorded "
+                             f"after its rank joined; a rank it killed never did)")
+            else:
+                lines.append(f"fault {f.text!r}: not injected")
         for e in self.events:
             if e["event"] == "recovered":
-                det = "unknown" if e["detection_latency_s"] is None else f"{e['detection_latency_s'] * 1000:.0f} ms"
+                lost = f"lost ranks {e['lost']}" if e["lost"] else "no rank lost"
+                if e["detection_latency_s"] is None:   # no injected fault to measure from
+                    timing = (f"training resumed {e['time_to_recover_s']:.2f} s after the failure "
+                              f"was detected,")
+                else:
+                    timing = (f"detected {e['detection_latency_s'] * 1000:.0f} ms after injection, "
+                              f"training resumed {e['time_to_recover_s']:.2f} s after it")
                 lines.append(
-                    f"failure at step {e['failed_step']} ({e['error']}, lost ranks {e['lost']}): detected "
-                    f"{det} after injection, training resumed {e['time_to_recover_s']:.2f} s after it with "
+                    f"failure at step {e['failed_step']} ({e['error']}, {lost}): {timing} with "
                     f"{e['world_size']} ranks at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "commit_stall":
                 lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s for the coordinator; "
@@ -201,6 +212,13 @@ class FaultTolerance:
         if not any(e["event"] in ("recovered", "commit_stall") for e in self.events):
             lines.append("no failure seen by this rank")
         return lines
+
+    async def _store_unrecorded_faults(self) -> None:
+        """Faults this process fired at rendezvous, before it had a store, go to the store now."""
+        try:
+            await _faults.store_unrecorded(self.pg.store)
+        except RtxError as exc:
+            log.warning("fault_record_failed", error=str(exc))
 
     @property
     def recoveries(self) -> list[dict[str, Any]]:
@@ -414,6 +432,7 @@ class FaultTolerance:
         inj = self.injector
         if inj is None:
             return None
+        await self._store_unrecorded_faults()
         best = None
         for f in inj.faults:
             try:
@@ -455,3 +474,14 @@ class FaultTolerance:
             self._delays_recorded.add(rec["index"])
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped
+
+
+def _fault_where(at: str, step: int | None, collective: int | None) -> str:
+    """Where a recorded fault fired, for the report; empty where the record does not say."""
+    if at == "rendezvous":
+        return " during rendezvous"
+    if at == "checkpoint" and step is not None:
+        return f" while the checkpoint of step {step} was written"
+    if at == "collective" and collective is not None:
+        return f" before its collective {collective}"
+    return "" if step is None else f" at step {step}"

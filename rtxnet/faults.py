@@ -41,6 +41,8 @@ from typing import Any
 
 import structlog
 
+from transport.errors import RtxError
+
 __all__ = ["Fault", "parse_plan", "Injector"]
 
 log = structlog.get_logger(__name__)
@@ -315,6 +317,9 @@ def dump(rec: dict[str, Any]) -> bytes:
 # Named fault points outside the training loop (collective, checkpoint, rendezvous).
 
 _CURRENT: list[Injector | None] = []
+# Records of faults that fired where no store existed yet (``at=rendezvous``, before the join);
+# :func:`store_unrecorded` writes them once the process has a group.
+_UNRECORDED: list[dict[str, Any]] = []
 
 
 def current() -> Injector | None:
@@ -340,6 +345,11 @@ async def apoint(at: str, *, pg: Any = None, step: int | None = None) -> None:
     inj = current()
     if inj is None:
         return
+    if pg is not None and _UNRECORDED:   # the first point after the join (its first collective)
+        try:
+            await store_unrecorded(pg.store)
+        except RtxError as exc:
+            log.warning("fault_record_failed", error=str(exc))
     world = pg.world_size if pg is not None else 1
     for f in inj.due(at, rank=_launch_rank(pg), world_size=world, step=step):
         rec = inj.record(f, rank=_launch_rank(pg), step=step)
@@ -347,8 +357,25 @@ async def apoint(at: str, *, pg: Any = None, step: int | None = None) -> None:
             swapped, _ = await pg.store.compare_set(f"faults/{f.index}", None, json.dumps(rec))
             if not swapped:
                 continue
-        log.warning("fault_injected", fault=f.text, rank=rec["rank"], at=at, step=step)
+        else:
+            _UNRECORDED.append(rec)
+        log.warning("fault_injected", fault=f.text, rank=rec["rank"], at=at,
+                    **({} if step is None else {"step": step}))
         inj.act(f, agent=pg.agent if pg is not None else None, engine=pg.engine if pg is not None else None)
+
+
+async def store_unrecorded(store: Any) -> None:
+    """Write the records of faults this process fired before it had a store (at rendezvous) to
+    ``faults/<index>`` of ``store`` (the async group's), so reports and latency measurements find
+    them. A fault that killed its process there leaves no record.
+
+    Raises:
+        RtxError: the store did not answer; the records not yet written stay for a later call.
+    """
+    while _UNRECORDED:
+        rec = _UNRECORDED[0]
+        await store.compare_set(f"faults/{rec['index']}", None, json.dumps(rec))
+        _UNRECORDED.pop(0)
 
 
 def point(at: str, *, pg: Any = None, step: int | None = None) -> None:

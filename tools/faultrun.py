@@ -5,20 +5,30 @@
 
 It runs ``rtxnet-run`` with ``--faults PLAN`` and ``RTXNET_METRICS_DIR`` pointing at a temporary
 folder where every rank's :class:`rtxnet.FaultTolerance` appends its failure and recovery events,
-then prints, per fault: when it was injected, how long until the survivors detected it
-(detection latency), how long until training ran again (time to recover) and how many steps were
-redone (steps lost). A coordinator kill shows as a commit stall: training waited for the restarted
-coordinator and lost nothing. The exit code is the launcher's.
+shows the run's output as it comes and then prints, per failure: how long until the survivors
+detected it (detection latency), how long until training ran again (time to recover) and how many
+steps were redone (steps lost). A coordinator kill shows as a commit stall: training waited for the
+restarted coordinator and lost nothing. From the output it also lists every rank exit the launcher
+reported (with its restart), every coordinator restart, every failure no rank recovered from, every
+restore from a checkpoint and every loss of committed state (``committed_state_lost``: no live rank
+and no checkpoint held the job's last committed step, so training started again from an older one).
+
+Exit code: the launcher's; when that is 0 but committed steps were lost, 1 (lost progress fails the
+check even though the job finished).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +43,19 @@ def read_events(folder: Path) -> list[dict]:
     return events
 
 
-def summarize(events: list[dict]) -> dict:
-    """Per failure (grouped by the epoch it opened): worst detection/recovery over the ranks."""
+def summarize(events: list[dict], output: str = "") -> dict:
+    """The run in numbers, from the ranks' events and (when given) the run's output.
+
+    Returns:
+        ``recoveries``: per failure (grouped by the epoch it opened), the worst detection latency,
+        time to recover and steps lost over the ranks. ``stalls``: per step whose vote waited, the
+        longest wait, longest first. ``unrecovered``: failures a process recorded but never recovered
+        from (it crashed or was killed first). Then, from ``output`` (see :func:`scan_output`):
+        ``rank_exits``, ``coordinator_exits``, ``restores`` and ``state_lost``.
+    """
     recovered = [e for e in events if e["event"] == "recovered"]
     stalls = [e for e in events if e["event"] == "commit_stall"]
-    out = {"recoveries": [], "stalls": []}
+    out: dict = {"recoveries": [], "stalls": [], "unrecovered": []}
     by_epoch: dict[int, list[dict]] = {}
     for e in recovered:
         by_epoch.setdefault(e["epoch"], []).append(e)
@@ -52,17 +70,129 @@ def summarize(events: list[dict]) -> dict:
             "time_to_recover_s": max(e["time_to_recover_s"] for e in es),
             "steps_lost": max(e["steps_lost"] for e in es),
         })
-    if stalls:
-        worst = max(stalls, key=lambda e: e["seconds"])
-        out["stalls"].append({"step": worst["step"], "seconds": worst["seconds"],
-                              "time_to_recover_s": worst["time_to_recover_s"]})
+    by_step: dict[int, dict] = {}
+    for e in stalls:
+        if e["step"] not in by_step or e["seconds"] > by_step[e["step"]]["seconds"]:
+            by_step[e["step"]] = e
+    out["stalls"] = [{"step": e["step"], "seconds": e["seconds"], "time_to_recover_s": e["time_to_recover_s"]}
+                     for e in sorted(by_step.values(), key=lambda e: -e["seconds"])]
+    # A process's events come in order: each "failure" is closed by the next "recovered".
+    open_by_pid: dict[int, dict] = {}
+    for e in events:
+        pid = e.get("pid")
+        if e["event"] == "failure":
+            open_by_pid[pid] = e
+        elif e["event"] == "recovered":
+            open_by_pid.pop(pid, None)
+    ended = list(open_by_pid.values())
+    groups: dict[tuple, list[dict]] = {}
+    for e in ended:
+        groups.setdefault((e.get("epoch"), e["step"], e["error"]), []).append(e)
+    for (epoch, step, error), es in sorted(groups.items(), key=lambda kv: (kv[0][1], str(kv[0][2]))):
+        out["unrecovered"].append({"epoch": epoch, "step": step, "error": error,
+                                   "launch_ranks": sorted({e.get("launch_rank") for e in es}),
+                                   "message": es[0].get("message")})
+    out.update(scan_output(output))
     return out
+
+
+_RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?:; restart (\d+)/(\d+))?\s*$")
+_COORD_EXIT = re.compile(r"\[rtxnet-run\] coordinator exited with code (-?\d+)")
+_COORD_LOST = re.compile(r"\[rtxnet-run\] could not restart the coordinator")
+_PREFIX = re.compile(r"^\[[\w-]+\] ")
+_KV = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
+
+
+def _log_fields(line: str) -> dict:
+    """The fields of one structlog line, console (``key=value``) or JSON (``RTXNET_LOG_JSON``)."""
+    body = _PREFIX.sub("", line, count=1).strip()
+    if body.startswith("{"):
+        try:
+            return json.loads(body)
+        except ValueError:
+            pass
+    fields = {}
+    for key, raw in _KV.findall(body):
+        try:
+            fields[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            fields[key] = raw
+    return fields
+
+
+def scan_output(text: str) -> dict:
+    """What the launcher and the ranks said about failures, from the run's output.
+
+    Returns:
+        ``rank_exits``: every non-zero exit of a rank process, in order: ``rank`` (launch rank),
+        ``code``, ``restart`` (``"k/K"``, or None when none was left). ``coordinator_exits``: codes
+        of the coordinator's deaths, ``coordinator_lost``: whether it could not be restarted.
+        ``restores``: checkpoint restores after every live copy of the state was gone (``step``,
+        ``job_committed_step``, ``steps_redone``). ``state_lost``: each ``committed_state_lost``
+        (``job_committed_step``, ``best_live_step``, ``steps_lost``, ``reason``, ``ranks_reporting``).
+    """
+    res: dict = {"rank_exits": [], "coordinator_exits": [], "coordinator_lost": False,
+                 "restores": [], "state_lost": []}
+    lost: dict[tuple, dict] = {}
+    restores: dict[tuple, dict] = {}
+    for line in text.splitlines():
+        if m := _RANK_EXIT.search(line):
+            rank, code, k, n = m.groups()
+            res["rank_exits"].append({"rank": int(rank), "code": int(code),
+                                      "restart": f"{k}/{n}" if k is not None else None})
+        elif m := _COORD_EXIT.search(line):
+            res["coordinator_exits"].append(int(m.group(1)))
+        elif _COORD_LOST.search(line):
+            res["coordinator_lost"] = True
+        elif "committed_state_lost" in line:
+            f = _log_fields(line)
+            if "job_committed_step" not in f:
+                continue
+            job, best = int(f["job_committed_step"]), int(f.get("best_live_step", -1))
+            rec = lost.setdefault((job, best), {"job_committed_step": job, "best_live_step": best,
+                                                "steps_lost": job - best, "reason": f.get("reason"),
+                                                "ranks_reporting": 0})
+            rec["ranks_reporting"] += 1
+        elif "restored_from_checkpoint" in line:
+            f = _log_fields(line)
+            if "step" not in f or "job_committed_step" not in f:
+                continue
+            step, job = int(f["step"]), int(f["job_committed_step"])
+            restores.setdefault((step, job), {"step": step, "job_committed_step": job,
+                                              "steps_redone": max(0, job - step)})
+    res["state_lost"] = list(lost.values())
+    res["restores"] = list(restores.values())
+    return res
+
+
+def _signame(code: int) -> str:
+    try:
+        return f", {signal.Signals(code - 128).name}" if code > 128 else ""
+    except ValueError:
+        return ""
+
+
+def _tee(stream, sink, keep: list[str]) -> None:
+    for line in stream:
+        keep.append(line)
+        if sink is not None:
+            sink.write(line)
+            sink.flush()
 
 
 def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks: int | None = None,
              max_restarts: int = 0, env: dict | None = None, timeout: float = 600,
              quiet: bool = True) -> dict:
-    """Run one job under ``plan``; returns ``{"returncode", "events", "summary", "stderr"}``."""
+    """Run one job under ``plan``.
+
+    Returns:
+        ``{"returncode", "events", "summary", "stdout", "stderr"}``: the launcher's exit code, the
+        ranks' events, :func:`summarize` of both, and the run's output (shown as it comes unless
+        ``quiet``).
+
+    Raises:
+        subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds (it was killed).
+    """
     with tempfile.TemporaryDirectory(prefix="rtxnet-faultrun-") as tmp:
         e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                  RTXNET_METRICS_DIR=tmp, **(env or {}))
@@ -70,11 +200,66 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
                "--faults", plan]
         if min_ranks is not None:
             cmd += ["--min-ranks", str(min_ranks)]
-        proc = subprocess.run(cmd + script_and_args, cwd=ROOT, env=e, timeout=timeout,
-                              capture_output=quiet, text=True)
+        cmd += script_and_args
+        out_lines: list[str] = []
+        err_lines: list[str] = []
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, errors="replace")
+        pumps = [threading.Thread(target=_tee, args=(proc.stdout, None if quiet else sys.stdout, out_lines)),
+                 threading.Thread(target=_tee, args=(proc.stderr, None if quiet else sys.stderr, err_lines))]
+        for t in pumps:
+            t.start()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()   # the launcher; its ranks get SIGTERM when it dies
+            proc.wait()
+            raise
+        finally:
+            for t in pumps:
+                t.join(timeout=10)
         events = read_events(Path(tmp))
-    return {"returncode": proc.returncode, "events": events, "summary": summarize(events),
-            "stderr": proc.stderr if quiet else ""}
+    stdout, stderr = "".join(out_lines), "".join(err_lines)
+    return {"returncode": proc.returncode, "events": events, "summary": summarize(events, stdout + stderr),
+            "stdout": stdout, "stderr": stderr}
+
+
+def report(summary: dict) -> list[str]:
+    """The summary as lines for people; a line starting with ``FAILED`` fails the check."""
+    lines = []
+    for r in summary["recoveries"]:
+        lost = f"lost ranks {r['lost']}" if r["lost"] else "no rank lost"
+        det = ("" if r["detection_latency_s"] is None
+               else f"detected after {r['detection_latency_s'] * 1000:.0f} ms, ")
+        lines.append(f"epoch {r['epoch']}: {r['error']} ({lost}): {det}recovered after "
+                     f"{r['time_to_recover_s'] * 1000:.0f} ms, steps lost {r['steps_lost']}")
+    for s in summary["stalls"]:
+        lines.append(f"a step's vote waited {s['seconds']:.2f} s at step {s['step']} (the coordinator away, "
+                     f"or a peer late); no step lost")
+    for u in summary["unrecovered"]:
+        ranks = ", ".join(str(r) for r in u["launch_ranks"])
+        lines.append(f"failure at step {u['step']} ({u['error']}) on launch rank(s) {ranks}: not recovered "
+                     f"by that process (it ended first)")
+    for x in summary.get("rank_exits", []):
+        then = f"restarted ({x['restart']})" if x["restart"] else "not restarted"
+        lines.append(f"rank {x['rank']} exited with code {x['code']}{_signame(x['code'])}; {then}")
+    for code in summary.get("coordinator_exits", []):
+        lines.append(f"the coordinator exited with code {code}{_signame(code)}")
+    if summary.get("coordinator_lost"):
+        lines.append("the coordinator could not be restarted")
+    for r in summary.get("restores", []):
+        lines.append(f"no live rank held the last committed step {r['job_committed_step']}: restored the "
+                     f"checkpoint of step {r['step']}, {r['steps_redone']} committed steps redone")
+    for x in summary.get("state_lost", []):
+        why = f" ({x['reason']})" if x.get("reason") else ""
+        left = ("no live rank held any committed state" if x["best_live_step"] < 0
+                else f"the newest state a live rank held was step {x['best_live_step']}")
+        lines.append(f"FAILED: committed state lost{why}: the job had committed step {x['job_committed_step']}, "
+                     f"{left}: {x['steps_lost']} committed steps lost, training started again from step "
+                     f"{x['best_live_step'] + 1}")
+    if not lines:
+        lines.append("no failure was observed by the ranks")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--min-ranks", type=int, default=None)
     ap.add_argument("--max-restarts", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds before the run is killed (default 600)")
     ap.add_argument("--json", default=None, help="write events and summary here")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = ap.parse_args(argv)
@@ -90,19 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     if not script:
         ap.error("give the script to run after --")
     res = run_plan(args.plan, script, nproc=args.nproc, min_ranks=args.min_ranks,
-                   max_restarts=args.max_restarts, quiet=False)
+                   max_restarts=args.max_restarts, timeout=args.timeout, quiet=False)
     print(f"\nfault plan: {args.plan}")
-    for r in res["summary"]["recoveries"]:
-        det = "n/a" if r["detection_latency_s"] is None else f"{r['detection_latency_s'] * 1000:.0f} ms"
-        print(f"  epoch {r['epoch']}: {r['error']} lost={r['lost']}  detected after {det}, "
-              f"recovered after {r['time_to_recover_s'] * 1000:.0f} ms, steps lost {r['steps_lost']}")
-    for s in res["summary"]["stalls"]:
-        print(f"  a step's vote waited {s['seconds']:.2f} s at step {s['step']} (the coordinator away, or a peer late); no step lost")
-    if not res["summary"]["recoveries"] and not res["summary"]["stalls"]:
-        print("  no failure was observed by the ranks")
+    for line in report(res["summary"]):
+        print(f"  {line}")
+    lost = sum(x["steps_lost"] for x in res["summary"]["state_lost"])
+    rc = res["returncode"]
+    if lost and rc == 0:
+        rc = 1
+    print(f"exit code {rc}: " + (f"the launcher's ({res['returncode']})" if rc == res["returncode"]
+                                 else f"{lost} committed steps were lost, though the launcher exited 0"))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
-    return res["returncode"]
+    return rc
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from procs import coordinator_jobs, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
+import faultrun  # noqa: E402
 from ft_workload import reference  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
@@ -213,3 +214,93 @@ def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinat
     assert {r["sha256"] for r in results} == {reference(steps, 1024)}
     assert all(r["steps"] == steps and r["world_size"] == 3 for r in results)
     assert "fenced while waiting for ranks" in lerr, lerr[-3000:]
+
+
+def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
+    """Both ranks killed at step 10, restarted, no checkpoint: the job starts again from step 0
+    and finishes (launcher exit 0), but 10 committed steps were lost: faultrun says so and fails."""
+    env = procs.env(**FAST)
+    proc = subprocess.run(
+        [sys.executable, "tools/faultrun.py", "--plan", "kill:rank=0:step=10; kill:rank=1:step=10", "--nproc", "2",
+         "--max-restarts", "1", "--timeout", "100", "--", "tools/ft_workload.py", "--steps", "20",
+         "--step-sleep", "0.02", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    summary = proc.stdout[proc.stdout.index("fault plan:"):]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 0 exited with code 137, SIGKILL; restarted (1/1)" in summary
+    assert "rank 1 exited with code 137, SIGKILL; restarted (1/1)" in summary
+    assert ("FAILED: committed state lost (no checkpoint recorded): the job had committed step 9, no live rank "
+            "held any committed state: 10 committed steps lost, training started again from step 0") in summary
+    assert "exit code 1: 10 committed steps were lost, though the launcher exited 0" in summary
+
+
+def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
+    out = "\n".join([
+        "[rtxnet-run] rank 2 exited with code 137; restart 1/2",
+        "[rank1] 2026-01-01T00:00:00Z [warning  ] step_failed    committed_step=40 error=CollectiveTimeout",
+        "[rtxnet-run] coordinator exited with code 137; restarting it on tcp://127.0.0.1:1 with journal /j",
+        "[rtxnet-run] rank 2 exited with code 1; restart 2/2",
+        "[rtxnet-run] rank 1 exited with code 1",
+        "[rtxnet-run] rank 2 exited with code 1",
+        "[rank0] 2026-01-01T00:00:01Z [warning  ] committed_state_lost           best_live_step=-1 "
+        "job_committed_step=99 rank=0 reason='no checkpoint recorded'",
+        '[rank3] {"best_live_step": -1, "job_committed_step": 99, "reason": "no checkpoint recorded", '
+        '"event": "committed_state_lost", "level": "warning"}',
+        "[rank0] 2026-01-01T00:00:02Z [warning  ] restored_from_checkpoint       job_committed_step=149 rank=0 "
+        "root=/c step=100",
+    ])
+    events = [
+        {"event": "failure", "pid": 11, "launch_rank": 1, "step": 41, "error": "CollectiveTimeout", "epoch": 3},
+        {"event": "failure", "pid": 12, "launch_rank": 0, "step": 41, "error": "CollectiveTimeout", "epoch": 3},
+        {"event": "recovered", "pid": 12, "epoch": 4, "error": "CollectiveTimeout", "lost": [],
+         "detection_latency_s": None, "time_to_recover_s": 1.5, "steps_lost": 1},
+        {"event": "commit_stall", "step": 7, "seconds": 0.5, "time_to_recover_s": None},
+        {"event": "commit_stall", "step": 20, "seconds": 2.0, "time_to_recover_s": 2.1},
+    ]
+    s = faultrun.summarize(events, out)
+    assert [(x["rank"], x["code"], x["restart"]) for x in s["rank_exits"]] == [
+        (2, 137, "1/2"), (2, 1, "2/2"), (1, 1, None), (2, 1, None)]
+    assert s["coordinator_exits"] == [137]
+    assert s["state_lost"] == [{"job_committed_step": 99, "best_live_step": -1, "steps_lost": 100,
+                                "reason": "no checkpoint recorded", "ranks_reporting": 2}]
+    assert s["restores"] == [{"step": 100, "job_committed_step": 149, "steps_redone": 49}]
+    assert [x["step"] for x in s["stalls"]] == [20, 7]          # the worst first, as before
+    assert s["unrecovered"] == [{"epoch": 3, "step": 41, "error": "CollectiveTimeout", "launch_ranks": [1],
+                                 "message": None}]
+    lines = faultrun.report(s)
+    assert "epoch 4: CollectiveTimeout (no rank lost): recovered after 1500 ms, steps lost 1" in lines
+    assert "rank 1 exited with code 1; not restarted" in lines
+    assert "the coordinator exited with code 137, SIGKILL" in lines
+    assert sum(line.startswith("FAILED: committed state lost") for line in lines) == 1
+    assert not any("None" in line for line in lines), lines
+
+
+async def test_recovery_report_says_where_and_never_none():
+    """FaultTolerance.areport on a recorded rendezvous fault, a collective fault and a recovery
+    whose injection time is unknown: words, not None."""
+    from rtxnet.elastic import FaultTolerance
+    from rtxnet.faults import Injector
+
+    plan = "kill-coordinator:at=rendezvous; kill:rank=1:at=collective:collective=5; kill:rank=2:step=3; pause:rank=3:step=9:seconds=1"
+    records = {0: {"rank": 0, "step": None}, 1: {"rank": 1, "step": None}, 2: {"rank": 2, "step": 3}}
+
+    class Store:
+        async def get(self, key):
+            rec = records.get(int(key.split("/")[1]))
+            return None if rec is None else json.dumps(rec).encode()
+
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.pg = type("PG", (), {"store": Store()})()
+    ft.injector = Injector(plan)
+    ft.events = [{"event": "recovered", "failed_step": 12, "resumed_step": 12, "steps_lost": 1,
+                  "error": "CollectiveTimeout", "lost": [], "world_size": 4, "detection_latency_s": None,
+                  "time_to_recover_s": 0.25}]
+    lines = await ft.areport()
+    assert lines == [
+        "fault 'kill-coordinator:at=rendezvous': injected on rank 0 during rendezvous",
+        "fault 'kill:rank=1:at=collective:collective=5': injected on rank 1 before its collective 5",
+        "fault 'kill:rank=2:step=3': injected on rank 2 at step 3",
+        "fault 'pause:rank=3:step=9:seconds=1': not injected",
+        "failure at step 12 (CollectiveTimeout, no rank lost): training resumed 0.25 s after the failure was "
+        "detected, with 4 ranks at step 12; steps lost: 1",
+    ]
