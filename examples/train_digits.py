@@ -25,7 +25,9 @@ The data set (1797 x 64 floats) is copied to the GPU once; a rank without CUDA e
 
 Rank 0 shows a progress bar (steps, loss, samples/s), logs through structlog, prints
 ``test_accuracy=<value>`` at the end and writes ``OUTDIR/metrics.json`` and
-``OUTDIR/loss_curve.png`` (failures and recoveries marked).
+``OUTDIR/loss_curve.png`` (failures and recoveries marked). "Rank 0" is whichever process holds
+rank 0 at the time: when rank 0 dies a survivor is renumbered to 0 and takes over; the loss history
+is part of the training state every rank keeps, so it has all of it.
 """
 
 from __future__ import annotations
@@ -38,14 +40,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import structlog
-import torch
+try:   # importing torch takes seconds: a Ctrl-C of rtxnet-run that lands here is one line too
+    import numpy as np
+    import structlog
+    import torch
 
-import rtxnet
-from rtxnet import checkpoint
-from rtxnet.parallel import DistributedDataParallel
-from rtxnet.sampler import ElasticDistributedSampler
+    import rtxnet
+    from rtxnet import checkpoint
+    from rtxnet.parallel import DistributedDataParallel
+    from rtxnet.sampler import ElasticDistributedSampler
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 log = structlog.get_logger("train_digits")
 
@@ -164,17 +172,15 @@ class TrainState:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from transport.logconfig import configure_logging
-
-    configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL", "info" if os.environ.get("RANK", "0") == "0" else "warning"))
+    # Launched as rank 0 is only a first guess at who reports: see RankZeroOutput.
+    _configure_logs(info=os.environ.get("RANK", "0") == "0")
     torch.set_num_threads(1)                     # ranks share the cores
     device = pick_device(args.device)            # before joining: a rank that cannot run says so
     pg = rtxnet.init()
-    rank = pg.rank
-    structlog.contextvars.bind_contextvars(rank=rank)
+    structlog.contextvars.bind_contextvars(rank=pg.rank)   # kept current by RankZeroOutput.is_me
     out: Path = args.out
     ckpt_dir = out / "checkpoints"
-    if rank == 0:
+    if pg.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
 
     xtr, ytr, xte, yte = (t.to(device) for t in load_data())
@@ -222,17 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         pg.all_reduce(loss_sum, op=rtxnet.ReduceOp.SUM)
         state.step = step + 1
         value = float(loss_sum[0])
+        # Every rank keeps the history, and it is part of the state that is snapshotted, sent to
+        # a replacement and checkpointed: whichever process is rank 0 at the end has all of it.
         state.history.append([step, value, pg.world_size])
         return value, b.global_n
 
-    bar = None
-    try:
-        from tqdm import tqdm
-    except ImportError:   # no progress bar then; the log lines still come
-        tqdm = None
-    if rank == 0 and tqdm is not None:
-        bar = tqdm(total=args.steps, initial=min(state.step, args.steps), desc="train", unit="step",
-                   file=_LineStream(sys.stderr), mininterval=1.0, ascii=True, dynamic_ncols=False, ncols=100)
+    rank0 = RankZeroOutput(pg, args.steps)
+    rank0.progress(min(state.step, args.steps))   # the bar at its start (the launched rank 0)
     t0 = time.perf_counter()
     samples = 0
     loss_value = float("nan")
@@ -245,20 +247,18 @@ def main(argv: list[str] | None = None) -> int:
                 loss_value, global_n = train_step(step)
             if ft.step == step + 1:                   # committed
                 samples += global_n
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss_value:.4f}", samples_s=f"{samples / (time.perf_counter() - t0):.0f}",
-                                    world=pg.world_size, refresh=False)
-                    bar.update(ft.step - bar.n)    # tqdm redraws at most once per mininterval
-                if step % 50 == 0:
+                rank0.progress(ft.step, loss=f"{loss_value:.4f}",
+                               samples_s=f"{samples / (time.perf_counter() - t0):.0f}", world=pg.world_size)
+                if step % 50 == 0 and rank0.is_me():
                     log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
     except rtxnet.JobFinishedError as exc:
         # This rank was frozen or cut off until the others finished: their result stands.
+        rank0.close()
         log.warning("job_finished_without_this_rank", error=str(exc))
         pg.close()
         return 0
     duration_s = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
+    rank0.close()
     if state.step != resumed_from:               # the final state, whatever the period
         try:
             checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3)
@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.no_grad():
         acc = float((state.model.module(xte).argmax(1) == yte).float().mean())
-    if rank == 0:
+    if rank0.is_me():   # asked once, now: rank 0 of the epoch the run ended in writes everything
+        out.mkdir(parents=True, exist_ok=True)   # the process that made it may be gone
         events = _events(ft.events)
         if resumed_from is not None and (out / "metrics.json").exists():
             # Keep the failure history of the run this one resumes (events up to the checkpoint).
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
         _plot(out / "loss_curve.png", state.history, events, resumed_from)
-        log.info("done", test_accuracy=round(acc, 4), duration_s=round(duration_s, 2), out=str(out))
+        log.info("done", test_accuracy=round(acc, 4), duration_s=round(duration_s, 2), out=str(out),
+                 launch_rank=ft.launch_rank)
         for line in ft.report():
             print(f"recovery: {line}", flush=True)
         print(f"test_accuracy={acc:.4f}", flush=True)
@@ -296,6 +298,72 @@ def main(argv: list[str] | None = None) -> int:
     pg.store.wait([f"train_digits/done/{epoch}/{r}" for r in range(world)], timeout=60)
     pg.close()
     return 0
+
+
+def _configure_logs(*, info: bool) -> None:
+    """Log at info on the reporting rank, at warning on the others (``RTXNET_LOG_LEVEL`` wins)."""
+    global log
+    from transport.logconfig import configure_logging
+
+    configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL") or ("info" if info else "warning"))
+    # structlog caches a logger's level at its first use: a fresh one sees the new level.
+    log = structlog.get_logger("train_digits")
+
+
+class RankZeroOutput:
+    """What only rank 0 shows: the progress bar and this script's info-level log lines.
+
+    Which process that is can change during a run: after a loss the coordinator renumbers the
+    survivors densely (so a survivor becomes rank 0 when rank 0 dies), and a replacement or a
+    fenced rank that rejoins takes a free rank (0 when every rank was restarted). So every call
+    asks ``pg.rank`` (the current epoch's membership, which the agent replaces at every new
+    epoch) rather than a rank stored at start. A process that becomes rank 0 turns its log level
+    up to info and opens a bar at the current step; one that stops being rank 0 closes its bar.
+    """
+
+    def __init__(self, pg, total_steps: int):
+        self.pg = pg
+        self.total_steps = total_steps
+        self.bar = None
+        self._info = os.environ.get("RANK", "0") == "0"
+        self._bound_rank = pg.rank
+        try:
+            from tqdm import tqdm
+        except ImportError:   # no progress bar then; the log lines still come
+            tqdm = None
+        self._tqdm = tqdm
+
+    def is_me(self) -> bool:
+        """Whether this process is rank 0 now. Also rebinds ``rank`` in the log context when it
+        changed: the agent rebinds it only in the event loop's thread."""
+        rank = self.pg.rank
+        if rank != self._bound_rank:
+            structlog.contextvars.bind_contextvars(rank=rank)
+            self._bound_rank = rank
+        if rank != 0:
+            self.close()
+            return False
+        if not self._info:
+            _configure_logs(info=True)
+            self._info = True
+        return True
+
+    def progress(self, steps_done: int, **postfix: Any) -> None:
+        """Show ``steps_done`` of ``total_steps`` (and ``postfix``) when this process is rank 0."""
+        if not self.is_me() or self._tqdm is None:
+            return
+        if self.bar is None:
+            self.bar = self._tqdm(total=self.total_steps, initial=steps_done, desc="train", unit="step",
+                                  file=_LineStream(sys.stderr), mininterval=1.0, ascii=True,
+                                  dynamic_ncols=False, ncols=100)
+        if postfix:
+            self.bar.set_postfix(**postfix, refresh=False)
+        self.bar.update(steps_done - self.bar.n)    # tqdm redraws at most once per mininterval
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class _LineStream:

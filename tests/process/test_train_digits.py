@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 
 
-def train(out: Path, *launcher_args: str) -> dict:
+def train(out: Path, *launcher_args: str, nproc: int = 4, script_args: tuple[str, ...] = ()) -> dict:
     env = procs.env()
     proc = subprocess.run(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", *launcher_args, "examples/train_digits.py",
-         "--out", str(out)],
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), *launcher_args, "examples/train_digits.py",
+         "--out", str(out), *script_args],
         capture_output=True, text=True, timeout=230, cwd=ROOT, env=env,
     )
     metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else None
@@ -80,3 +82,55 @@ def test_every_rank_killed_restarts_from_the_journaled_checkpoint(tmp_path):
     assert run["stderr"].count("restored_from_checkpoint") == 4
     assert "job_committed_step=149" in run["stderr"] and "step=100" in run["stderr"]
     assert run["metrics"]["test_accuracy"] >= 0.95
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", [("--max-restarts", "1"), ("--min-ranks", "2")], ids=["replaced", "survivors"])
+def test_rank0_killed_the_new_rank0_writes_every_output(tmp_path, mode):
+    # Rank 0 dies at step 10: the survivors are renumbered and launch rank 1 becomes rank 0 (the
+    # replacement, if any, takes the free rank 2). That process reports, and only that one.
+    run = train(tmp_path, *mode, "--faults", "kill:rank=0:step=10", nproc=3,
+                script_args=("--steps", "20", "--checkpoint-every", "10"))
+    assert run["rc"] == (0 if mode[0] == "--max-restarts" else 137), run["stderr"][-4000:]
+    m = run["metrics"]
+    assert m is not None, run["stderr"][-4000:]
+    assert m["steps"] == 20 and [h[0] for h in m["loss_history"]] == list(range(20))
+    assert [e["event"] for e in m["events"]] == ["failure", "recovered"] and m["events"][0]["lost"] == [0]
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    acc = [line for line in run["stdout"].splitlines() if "test_accuracy=" in line]
+    assert acc == [f"[rank1] test_accuracy={m['test_accuracy']:.4f}"], run["stdout"]
+    assert "[rank1] recovery: fault 'kill:rank=0:step=10': injected on rank 0 at step 10" in run["stdout"]
+    assert len(re.findall(r"\[info\s*\] done\s", run["stderr"])) == 1, run["stderr"][-4000:]
+    assert "[rank1] train: 100%" in run["stderr"]      # the progress bar moved on with rank 0
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_killed_at_rendezvous_is_reported_as_injected(tmp_path):
+    run = train(tmp_path, "--faults", "kill-coordinator:at=rendezvous", nproc=2, script_args=("--steps", "10"))
+    assert run["rc"] == 0, run["stderr"][-4000:]
+    report = [line for line in run["stdout"].splitlines() if "recovery:" in line]
+    assert "[rank0] recovery: fault 'kill-coordinator:at=rendezvous': injected on rank 0 during rendezvous" in report
+    assert not any("None" in line for line in report), report
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_torch_imports_ends_with_one_line(tmp_path):
+    # -X importtime reports each finished import on stderr: numpy done means torch is next, and
+    # importing torch takes long enough for the signal to land inside it.
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "examples/train_digits.py", "--out", str(tmp_path)],
+                            cwd=ROOT, env=procs.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.rstrip().endswith("| numpy"):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and err.rstrip().endswith("interrupted"), err[-3000:]
