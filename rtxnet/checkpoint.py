@@ -189,7 +189,10 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     Args:
         root: checkpoint folder (created if needed; shared by the ranks, e.g. one host or a shared
             file system).
-        step: the training step (>= 0). Saving a step again replaces it.
+        step: the number of completed training steps the state holds (>= 0): the checkpoint of
+            step N is saved after steps 0..N-1 and resumes at step N, as
+            ``FaultTolerance(start_step=N)`` and its ``load_checkpoint`` take it. Saving a step
+            again replaces it.
         state: this rank's state: nested dicts/lists/tuples of tensors, numbers, strings, bools,
             None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
             "sampler": sampler.state_dict(), "rng": capture_rng()}``).

@@ -81,12 +81,14 @@ class FaultTolerance:
             ``min_world_size``, seconds.
         commit_timeout_s: deadline of a step's vote; default the group's op timeout.
         faults: an :class:`Injector`; default from ``RTXNET_FAULTS`` (set by ``rtxnet-run --faults``).
-        start_step: the first step to run (e.g. one past a checkpoint's step when resuming); the
-            state passed in counts as committed at ``start_step - 1``.
+        start_step: the first step to run (e.g. a checkpoint's step when resuming: the
+            checkpoint of step N holds N completed steps); the state passed in counts as committed
+            at ``start_step - 1``.
         load_checkpoint: ``fn(step, root)`` that loads checkpoint ``step`` from folder ``root`` into
             ``state``. Called on every rank when no member of a new epoch holds the job's last
             committed state (all of them restarted) and :mod:`rtxnet.checkpoint` recorded a
-            checkpoint in the job's store; training then resumes after that checkpoint's step.
+            checkpoint in the job's store; training then resumes at that checkpoint's step (the
+            checkpoint of step N holds steps 0..N-1, so step N runs next).
         max_step_retries: how often one step may fail without a membership change before the
             error is raised instead of retried: such a failure, e.g. a
             :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
@@ -384,13 +386,19 @@ class FaultTolerance:
                         reason="no checkpoint recorded" if raw is None else "no load_checkpoint given")
             return None
         info = json.loads(raw)
-        if info["step"] <= best:
+        # The checkpoint of step N holds N completed steps (0..N-1): the state to run step N
+        # from, as a training loop saves it before step N (and as ``start_step`` takes it).
+        held = int(info["step"]) - 1
+        if held <= best:
+            log.warning("committed_state_lost", job_committed_step=job_committed, best_live_step=best,
+                        reason=f"the newest checkpoint (step {info['step']}) is no newer than the "
+                               f"live ranks' state")
             return None
         # Runs on the loop thread; the loader is the user's (e.g. rtxnet.checkpoint.load).
         self.load_checkpoint(info["step"], info["root"])
-        log.warning("restored_from_checkpoint", step=info["step"], root=info["root"],
-                    job_committed_step=job_committed)
-        return info["step"]
+        log.warning("restored_from_checkpoint", step=info["step"], committed_step=held,
+                    root=info["root"], job_committed_step=job_committed)
+        return held
 
     async def _close_failure(self) -> None:
         f = self._open_failure

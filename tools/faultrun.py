@@ -158,8 +158,9 @@ def scan_output(text: str) -> dict:
             if "step" not in f or "job_committed_step" not in f:
                 continue
             step, job = int(f["step"]), int(f["job_committed_step"])
+            held = int(f.get("committed_step", step - 1))   # checkpoint N holds steps 0..N-1
             restores.setdefault((step, job), {"step": step, "job_committed_step": job,
-                                              "steps_redone": max(0, job - step)})
+                                              "steps_redone": max(0, job - held)})
     res["state_lost"] = list(lost.values())
     res["restores"] = list(restores.values())
     return res

@@ -263,7 +263,8 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
     assert s["coordinator_exits"] == [137]
     assert s["state_lost"] == [{"job_committed_step": 99, "best_live_step": -1, "steps_lost": 100,
                                 "reason": "no checkpoint recorded", "ranks_reporting": 2}]
-    assert s["restores"] == [{"step": 100, "job_committed_step": 149, "steps_redone": 49}]
+    # checkpoint 100 holds steps 0..99: steps 100..149 are run again
+    assert s["restores"] == [{"step": 100, "job_committed_step": 149, "steps_redone": 50}]
     assert [x["step"] for x in s["stalls"]] == [20, 7]          # the worst first, as before
     assert s["unrecovered"] == [{"epoch": 3, "step": 41, "error": "CollectiveTimeout", "launch_ranks": [1],
                                  "message": None}]

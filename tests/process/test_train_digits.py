@@ -81,6 +81,9 @@ def test_every_rank_killed_restarts_from_the_journaled_checkpoint(tmp_path):
     # restarted rank loaded before training went on.
     assert run["stderr"].count("restored_from_checkpoint") == 4
     assert "job_committed_step=149" in run["stderr"] and "step=100" in run["stderr"]
+    # checkpoint 100 holds steps 0..99: training went on at step 100, none skipped (the history
+    # of steps 100..149 from before the kill was rolled back with the rest of that state)
+    assert [h[0] for h in run["metrics"]["loss_history"]] == list(range(run["metrics"]["steps"]))
     assert run["metrics"]["test_accuracy"] >= 0.95
 
 
