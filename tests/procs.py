@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,12 +36,11 @@ def wait_until(cond, timeout_s: float, what: str):
         time.sleep(0.02)
 
 
-def coordinator_jobs(address: str, timeout_s: float = 5.0) -> list[dict]:
-    """The coordinator's ``status`` answer (its jobs), over a throwaway DEALER socket."""
+@contextmanager
+def dealer(address: str, timeout_s: float = 5.0):
+    """A raw ZeroMQ DEALER socket connected to ``address`` (a test speaking the wire itself),
+    receiving with a ``timeout_s`` limit; closed, with its context, on exit."""
     import zmq
-
-    from transport import wire
-    from transport.codec import decode, encode
 
     ctx = zmq.Context()
     d = ctx.socket(zmq.DEALER)
@@ -48,11 +48,20 @@ def coordinator_jobs(address: str, timeout_s: float = 5.0) -> list[dict]:
     d.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     d.connect(address)
     try:
-        d.send(encode(wire.make("status", rid=1)))
-        return decode(d.recv())["body"]["jobs"]
+        yield d
     finally:
         d.close(0)
         ctx.term()
+
+
+def coordinator_jobs(address: str, timeout_s: float = 5.0) -> list[dict]:
+    """The coordinator's ``status`` answer (its jobs), over a throwaway DEALER socket."""
+    from transport import wire
+    from transport.codec import decode, encode
+
+    with dealer(address, timeout_s) as d:
+        d.send(encode(wire.make("status", rid=1)))
+        return decode(d.recv())["body"]["jobs"]
 
 
 def leave_together(pg, prefix: str, rank: int, timeout_s: float = 30.0) -> None:

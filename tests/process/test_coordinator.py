@@ -10,8 +10,8 @@ import sys
 import time
 
 import msgpack
+import procs
 import pytest
-import zmq
 from procs import coordinator_jobs, wait_until
 
 from transport import wire
@@ -140,12 +140,7 @@ def test_garbage_and_oversize_messages_do_not_hurt_other_clients(coordinator, pr
     for payload in (b"\x00" * 64, os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n"):
         with socket.create_connection(("127.0.0.1", coordinator.port), timeout=5) as s:
             s.sendall(payload)
-    ctx = zmq.Context()
-    try:
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.RCVTIMEO, 5000)
-        d.connect(coordinator.address)
+    with procs.dealer(coordinator.address) as d:
 
         def ask(frames):
             d.send_multipart(frames)
@@ -173,9 +168,6 @@ def test_garbage_and_oversize_messages_do_not_hurt_other_clients(coordinator, pr
         # An integer above 64 bits cannot even be msgpack; a uint64 max in a rank field is refused by type rules.
         r = ask([encode(wire.make("kv_get", rid=14, job="g", key=2**64 - 1))])
         assert r["error"] == "ProtocolError" and "kv_get.key" in r["message"]
-        d.close(0)
-    finally:
-        ctx.term()
     assert coordinator.proc.poll() is None
     assert ps[0].cmd("kv_set", key="still", value="alive")["ok"]
     assert ps[1].cmd("kv_get", key="still")["value"] == "alive"
@@ -206,12 +198,7 @@ def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordin
     never answered: each gets a ConfigError naming the field and value, and the daemon serves on."""
     p = probes(coordinator.address, job="t", world_size=1)
     member = p.expect("joined")
-    ctx = zmq.Context()
-    try:
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.RCVTIMEO, 5000)
-        d.connect(coordinator.address)
+    with procs.dealer(coordinator.address) as d:
         rid = 0
         for value in (float("nan"), float("inf"), float("-inf"), -2.5):
             for mtype, fields in (("kv_wait", {"keys": ["never"]}),
@@ -224,9 +211,6 @@ def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordin
         d.send(encode(wire.make("status", rid=99)))
         r = decode(d.recv())
         assert r["t"] == "reply" and r["rid"] == 99 and r["body"]["jobs"][0]["job"] == "t"
-        d.close(0)
-    finally:
-        ctx.term()
     assert coordinator.proc.poll() is None
     assert p.cmd("kv_set", key="still", value="serving")["ok"]
     assert p.cmd("kv_wait", keys=["still"])["values"] == {"still": "serving"}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 import time
 
+import procs
 import pytest
-import zmq
 
 from transport import wire
 from transport.channel import LogBudget
@@ -26,12 +26,7 @@ def test_log_budget_counts_what_it_suppresses():
 
 
 def test_a_flood_of_garbage_leaves_the_daemon_serving_with_a_bounded_log(coordinator):
-    ctx = zmq.Context()
-    try:
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        d.setsockopt(zmq.RCVTIMEO, 10_000)
-        d.connect(coordinator.address)
+    with procs.dealer(coordinator.address, timeout_s=10) as d:
         t0 = time.monotonic()
         for _ in range(3000):
             d.send(b"\xc1\xc1\xc1")          # not msgpack: logged (within budget), dropped
@@ -42,9 +37,6 @@ def test_a_flood_of_garbage_leaves_the_daemon_serving_with_a_bounded_log(coordin
         d.send(encode(wire.make("status", rid=2)))
         assert decode(d.recv())["rid"] == 2
         elapsed = time.monotonic() - t0
-        d.close(0)
-    finally:
-        ctx.term()
 
     def counted():
         return [line for line in coordinator.log.splitlines() if "protocol_error" in line]
