@@ -44,35 +44,27 @@ def _address(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _tick(text: str) -> float:
-    lo, hi = TICK_RANGE_S
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not lo <= v <= hi:   # NaN fails too
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in {lo:g}..{hi:g}")
-    return v
+def _checked(cast, kind: str, ok, rule: str):
+    """An argparse ``type``: ``cast(text)``, refused as "not {kind}" when it does not parse and
+    with ``rule`` when ``ok(value)`` is false (NaN fails every comparison, so it is refused)."""
+
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{text!r} {rule}")
+        return v
+
+    return parse
 
 
-def _ttl(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite, positive number of seconds")
-    return v
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
+_tick = _checked(float, "a number", lambda v: TICK_RANGE_S[0] <= v <= TICK_RANGE_S[1],
+                 f"is not a number of seconds in {TICK_RANGE_S[0]:g}..{TICK_RANGE_S[1]:g}")
+_ttl = _checked(float, "a number", lambda v: 0 < v < math.inf,
+                "is not a finite, positive number of seconds")
+_count = _checked(int, "an integer", lambda v: v >= 1, "must be >= 1")
 
 
 def _folder(text: str) -> str:
