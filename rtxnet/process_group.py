@@ -248,7 +248,7 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
 
     def on_epoch(m: Membership | None, reason: str) -> None:
         if m is None:
-            engine.abort(PeerLostError("this rank was fenced out: the coordinator declared it lost; rejoin"))
+            engine.fence("the coordinator declared it lost; rejoin")
             return
         engine.set_view(
             WorldView(job=m.job, epoch=m.epoch, rank=m.rank, world_size=m.world_size,

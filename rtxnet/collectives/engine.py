@@ -349,6 +349,8 @@ class Engine:
         self.shm_enabled = bool(shm)
         self.view: WorldView | None = None
         self.world = None
+        # set by fence(): why this rank may not start operations until its next view
+        self.fenced: PeerLostError | None = None
         self.hostname = os.uname().nodename
         # the job's key-value store (rtxnet.process_group.Store), set by the process group; None
         # for a bare engine, where NCCL unique ids go through the group's own messages instead
@@ -422,6 +424,7 @@ class Engine:
             if view.epoch < old.epoch:
                 raise ConfigError(f"epoch({view.epoch}) < current epoch({old.epoch})")
             if view == old:
+                self.fenced = None   # readmitted into the same epoch: its groups serve again
                 return
             lost = sorted(lost)
             if lost:
@@ -431,6 +434,7 @@ class Engine:
             else:
                 exc = ClosedError(f"membership changed: epoch {old.epoch} -> {view.epoch}")
             self._fail_all(exc, retire_groups=True)
+        self.fenced = None
         self.view = view
         self._running.clear()
         self._early.clear()
@@ -455,6 +459,14 @@ class Engine:
     def abort(self, exc: BaseException) -> None:
         """Fail every in-flight and queued operation with ``exc``; groups stay usable."""
         self._fail_all(exc, retire_groups=False)
+
+    def fence(self, reason: str) -> None:
+        """This rank was declared lost (fenced out): fail every in-flight and queued operation
+        with :class:`PeerLostError`, and every operation started from now until the next
+        :meth:`set_view` (the rank's readmission) as well, at once: the peers have left this
+        epoch, so such an operation could only wait out its timeout."""
+        self.fenced = PeerLostError(f"this rank was fenced out: {reason}")
+        self._fail_all(self.fenced, retire_groups=False)
 
     def _fail_all(self, exc: BaseException, *, retire_groups: bool) -> None:
         for op in list(self._running.values()):

@@ -151,6 +151,9 @@ class Group:
     # -- plumbing ----------------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
+        fenced = self.engine.fenced
+        if fenced is not None:
+            raise PeerLostError(f"group {self.gid!r} of epoch {self.epoch}: {fenced}") from fenced
         if self._dead is not None:
             if isinstance(self._dead, PeerLostError):
                 raise PeerLostError(

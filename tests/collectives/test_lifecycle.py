@@ -77,6 +77,48 @@ def test_set_view_fails_inflight_fences_epochs_and_restarts_sequences():
     assert res[1]["stale_view"] == "refused"
 
 
+async def fenced_rank(engine):
+    """Rank 1 is fenced out while an all_reduce of its waits for rank 0 (which never joins it):
+    that op fails at once, and so does every op it starts until readmitted (before, a new op
+    waited out its whole timeout for peers that had left the epoch). Readmitted into the same
+    epoch (``set_view`` of the same view) it may start operations again; in the next epoch both
+    ranks work together."""
+    g = engine.world
+    v0 = engine.view
+    out = {}
+    if g.rank == 1:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(g.all_reduce(np.ones(8), timeout=30))
+        await asyncio.sleep(0.2)
+        engine.fence("declared lost by the coordinator")
+        t0 = loop.time()
+        for what, coro in (("inflight", task), ("new", g.all_reduce(np.ones(8), timeout=30)),
+                           ("barrier", g.barrier(timeout=30))):
+            try:
+                await coro
+            except PeerLostError as exc:
+                out[what] = "fenced out" in str(exc)
+        out["seconds"] = loop.time() - t0
+        engine.set_view(v0)                         # readmitted: same epoch, same members
+        out["readmitted"] = engine.fenced is None
+    else:
+        await asyncio.sleep(1.0)
+    engine.set_view(WorldView(job=v0.job, epoch=1, rank=v0.rank, world_size=2,
+                              endpoints=v0.endpoints, hosts=v0.hosts))
+    x = np.ones(8)
+    await engine.world.all_reduce(x, timeout=20)
+    out["after"] = float(x[0])
+    return out
+
+
+def test_a_fenced_rank_fails_every_operation_at_once_until_readmitted():
+    res = run_world(2, fenced_rank)
+    assert res[1]["inflight"] and res[1]["new"] and res[1]["barrier"]
+    assert res[1]["seconds"] < 5, res[1]         # not the 30 s timeouts
+    assert res[1]["readmitted"]
+    assert res[0]["after"] == res[1]["after"] == 2.0
+
+
 async def close_inflight(engine):
     g = engine.world
     if g.rank == 0:
