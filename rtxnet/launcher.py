@@ -127,6 +127,7 @@ class Launcher:
         self.stopping = False
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
+        self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
         self.done = False
         self._exited: asyncio.Queue = asyncio.Queue()
 
@@ -182,6 +183,7 @@ class Launcher:
     def _signal(self, sig: int) -> None:
         first = not self.stopping
         self.stopping = True
+        self.stop_signal = self.stop_signal or signal.Signals(sig).name
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 try:
@@ -241,7 +243,10 @@ class Launcher:
                         self.first_failure = (time.monotonic(), code)
         finally:
             await self._shutdown()
-        if self.first_failure is not None:
+        if self.stop_signal is not None:
+            _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
+                 f"{self.first_failure[1] if self.first_failure else 0}")
+        elif self.first_failure is not None:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
 

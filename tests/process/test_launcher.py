@@ -112,6 +112,7 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
             p.wait()
     assert out.count("got sigterm") == 2, out + err
     assert p.returncode == 0
+    assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM, forwarded to the ranks; exit code 0"), err
 
 
 def test_a_line_longer_than_a_pipe_buffer_does_not_stall_a_rank(tmp_path):
