@@ -136,6 +136,7 @@ class FaultTolerance:
         self.events: list[dict[str, Any]] = []
         self._open_failure: dict[str, Any] | None = None
         self._epoch_seen: dict[int, float] = {}
+        self._epoch_lost: dict[int, list[int]] = {}   # epoch -> ranks its membership lost
         self.pg.agent.add_listener(self._on_epoch)
 
     # ---------------------------------------------------------------------------------------------
@@ -198,7 +199,11 @@ class FaultTolerance:
                 lines.append(f"fault {f.text!r}: not injected")
         for e in self.events:
             if e["event"] == "recovered":
-                lost = f"lost ranks {e['lost']}" if e["lost"] else "no rank lost"
+                if len(e.get("losses", ())) > 1:
+                    lost = "lost ranks " + " then ".join(f"{x['ranks']} (epoch {x['epoch']})"
+                                                         for x in e["losses"])
+                else:
+                    lost = f"lost ranks {e['lost']}" if e["lost"] else "no rank lost"
                 if e["detection_latency_s"] is None:   # no injected fault to measure from
                     timing = (f"training resumed {e['time_to_recover_s']:.2f} s after the failure "
                               f"was detected,")
@@ -236,6 +241,8 @@ class FaultTolerance:
             self._epoch_seen[-1] = now
         else:
             self._epoch_seen[membership.epoch] = now
+            if membership.lost:
+                self._epoch_lost[membership.epoch] = list(membership.lost)
 
     async def _begin(self) -> int:
         while True:
@@ -405,13 +412,18 @@ class FaultTolerance:
         self._open_failure = None
         now = time.monotonic()
         injected = await self._injection_time(f["t_detected"])
+        # every loss while the failure was open (several ranks may go in separate epochs), each
+        # in the rank numbers of the epoch it was lost from
+        losses = [{"epoch": e, "ranks": r} for e, r in sorted(self._epoch_lost.items())
+                  if e > f["epoch"]]
         rec = {
             "event": "recovered",
             "failed_step": f["step"],
             "resumed_step": self.step,
             "steps_lost": max(0, f["step"] - self.committed_step),
             "error": f["error"],
-            "lost": f["lost"],
+            "lost": [r for x in losses for r in x["ranks"]] if losses else f["lost"],
+            "losses": losses,
             "epoch": self.pg.epoch,
             "world_size": self.pg.world_size,
             "t_detected": f["t_detected"],
