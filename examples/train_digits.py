@@ -1,7 +1,7 @@
 """Train an MLP on scikit-learn's handwritten digits with rtxnet DDP, committed steps and checkpoints.
 
     rtxnet-run --nproc 4 examples/train_digits.py --out OUTDIR [--steps N] [--checkpoint-every N]
-                                                  [--resume] [--device {cpu,cuda}]
+                                                  [--resume] [--device {cpu,cuda}] [--rejoin-window S]
 
 The data set ships inside scikit-learn (``sklearn.datasets.load_digits``: 1797 images of 8x8
 pixels, 10 classes; no download). A fixed stratified split keeps 25 % for testing. Every step
@@ -15,9 +15,11 @@ world shrank and the ranks hold unequal shares (64 samples over 3 ranks).
 Each step runs inside :meth:`rtxnet.FaultTolerance.guard`: it counts only once every rank voted
 it succeeded; after a lost rank the survivors roll back to the last committed step, re-split the
 data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller world, and
-``--max-restarts`` to let a replacement rejoin). Every ``--checkpoint-every`` steps a sharded
-checkpoint is committed under ``OUTDIR/checkpoints``; ``--resume`` starts from the newest intact
-one.
+``--max-restarts`` to let a replacement rejoin; below ``--min-ranks`` the survivors wait
+``--rejoin-window`` seconds for one, then stop with one ``error: RendezvousError: ...`` line).
+Every ``--checkpoint-every`` steps a sharded checkpoint is committed under ``OUTDIR/checkpoints``;
+``--resume`` starts from the newest intact one. A bad ``--out`` (not creatable, not writable) or a
+``--global-batch`` above the 1347 training samples stops every rank with one line before it joins.
 
 ``--device cuda`` puts each rank's model and batches on GPU ``LOCAL_RANK % torch.cuda.device_count()``
 (several ranks may share one GPU: rtxnet's GPU collectives then move gradients over CUDA IPC).
@@ -34,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -58,23 +62,64 @@ except KeyboardInterrupt:
 log = structlog.get_logger("train_digits")
 
 
+MAX_HIDDEN = 65536   # 2 x 65536^2 floats of hidden weights is already 32 GiB per rank
+
+
+def _out_folder(text: str) -> Path:
+    if not text.strip():   # Path("") is ".": the outputs would land wherever the ranks start
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--out", required=True, type=_out_folder, help="output folder")
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint in OUT")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu (default), or cuda: GPU LOCAL_RANK %% device count, GPU collectives")
-    p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=64,
+                   help="samples per step over all ranks, at most the training set's (default 64)")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate, finite and > 0 (default 2e-3)")
+    p.add_argument("--hidden", type=int, default=128, help=f"hidden width, 1..{MAX_HIDDEN} (default 128)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rejoin-window", type=float, default=60.0,
+                   help="seconds to wait for replacements while the world is below --min-ranks (default 60)")
     a = p.parse_args(argv)
     for name in ("steps", "checkpoint_every", "global_batch", "hidden"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.hidden > MAX_HIDDEN:
+        p.error(f"--hidden must be in 1..{MAX_HIDDEN}, got {a.hidden}")
+    if not 0 < a.lr < math.inf:   # NaN fails too
+        p.error(f"--lr must be a finite number > 0, got {a.lr}")
+    if not 0 < a.rejoin_window < math.inf:
+        p.error(f"--rejoin-window must be a finite number of seconds > 0, got {a.rejoin_window}")
     return a
+
+
+def check_out_folder(out: Path) -> str | None:
+    """Create ``out`` (and its parents) if needed and check this process can write files there.
+
+    Every rank checks for itself before it joins the job, so a bad ``--out`` stops each one at
+    once instead of leaving the others waiting for a rank that crashed.
+
+    Returns:
+        None when ``out`` is a writable folder, else one line naming the path and the reason.
+    """
+    if out.exists() and not out.is_dir():
+        return f"--out {str(out)!r} exists and is not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {str(out)!r}: cannot create the folder: {exc.strerror or exc}"
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return f"--out {str(out)!r}: cannot write in the folder: {exc.strerror or exc}"
+    return None
 
 
 def pick_device(name: str) -> torch.device:
@@ -175,15 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     # Launched as rank 0 is only a first guess at who reports: see RankZeroOutput.
     _configure_logs(info=os.environ.get("RANK", "0") == "0")
     torch.set_num_threads(1)                     # ranks share the cores
-    device = pick_device(args.device)            # before joining: a rank that cannot run says so
-    pg = rtxnet.init()
-    structlog.contextvars.bind_contextvars(rank=pg.rank)   # kept current by RankZeroOutput.is_me
     out: Path = args.out
     ckpt_dir = out / "checkpoints"
-    if pg.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-
+    # Before joining, each rank for itself: a rank that cannot run says so and nobody waits for it.
+    if (why := check_out_folder(out)) is not None:
+        print(f"train_digits: {why}", file=sys.stderr)
+        return 2
+    device = pick_device(args.device)
     xtr, ytr, xte, yte = (t.to(device) for t in load_data())
+    if args.global_batch > len(xtr):
+        print(f"train_digits: --global-batch must be at most the {len(xtr)} training samples, "
+              f"got {args.global_batch}", file=sys.stderr)
+        return 2
+    pg = rtxnet.init()
+    structlog.contextvars.bind_contextvars(rank=pg.rank)   # kept current by RankZeroOutput.is_me
+
     if device.type == "cuda":
         log.info("device", device=str(device), name=torch.cuda.get_device_name(device))
     state = TrainState(pg, args, len(xtr), device)
@@ -208,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         state.load_state_dict(loaded)
 
     ft = rtxnet.FaultTolerance(pg, state, start_step=state.step,   # continue the step count
-                               load_checkpoint=load_checkpoint)
+                               load_checkpoint=load_checkpoint, rejoin_window_s=args.rejoin_window)
     loss_fn = torch.nn.functional.cross_entropy
     loss_sum = torch.zeros(1, device=device)
 
@@ -257,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("job_finished_without_this_rank", error=str(exc))
         pg.close()
         return 0
+    except rtxnet.RtxError:
+        rank0.close()   # the bar's last line before the error line (see __main__), not after it
+        raise
     duration_s = time.perf_counter() - t0
     rank0.close()
     if state.step != resumed_from:               # the final state, whatever the period
@@ -438,3 +492,9 @@ if __name__ == "__main__":
     except KeyboardInterrupt:   # Ctrl-C of rtxnet-run reaches every rank: one line, not a traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except rtxnet.RtxError as exc:
+        # The job stopped for a reason the message explains (and says what to do about, like a
+        # RendezvousError after the rejoin window): one line per rank, not a traceback each.
+        # Anything else is a bug and keeps its traceback.
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)

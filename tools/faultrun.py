@@ -14,7 +14,11 @@ restore from a checkpoint and every loss of committed state (``committed_state_l
 and no checkpoint held the job's last committed step, so training started again from an older one).
 
 Exit code: the launcher's; when that is 0 but committed steps were lost, 1 (lost progress fails the
-check even though the job finished).
+check even though the job finished). 2 for arguments faultrun or the launcher refuses (one line
+naming the value; no run, no summary). When the run takes longer than ``--timeout`` seconds it is
+stopped (SIGTERM to the launcher, which stops its ranks, then SIGKILL if it is still there after
+``STOP_GRACE_S``), one line says so and the exit code is 124. SIGTERM (or Ctrl-C) to faultrun stops
+the run the same way, removes the temporary folder and exits 143 (130).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import re
 import signal
@@ -32,6 +37,13 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+STOP_GRACE_S = 20.0   # the launcher gives its ranks 10 s (its --grace) after SIGTERM, then kills them
+LAUNCHER_USAGE_ERROR = 2   # rtxnet-run's exit code for arguments it refused before starting anything
+
+
+class Terminated(Exception):
+    """faultrun got SIGTERM (raised by the handler :func:`main` installs, so that the run is
+    stopped and the temporary folder removed on the way out)."""
 
 
 def read_events(folder: Path) -> list[dict]:
@@ -181,6 +193,20 @@ def _tee(stream, sink, keep: list[str]) -> None:
             sink.flush()
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the launcher and wait for it: SIGTERM first (it forwards it to its ranks and removes
+    its coordinator's journal), SIGKILL after ``STOP_GRACE_S`` (its ranks then get SIGTERM from
+    the kernel, ``PR_SET_PDEATHSIG``)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks: int | None = None,
              max_restarts: int = 0, env: dict | None = None, timeout: float = 600,
              quiet: bool = True) -> dict:
@@ -192,9 +218,12 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
         ``quiet``).
 
     Raises:
-        subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds (it was killed).
+        subprocess.TimeoutExpired: the run took longer than ``timeout`` seconds (it was stopped).
+
+    Whatever ends the wait (the timeout, :class:`Terminated`, ``KeyboardInterrupt``), the launcher is
+    stopped (:func:`_stop`) and the temporary folder removed before the exception goes on.
     """
-    with tempfile.TemporaryDirectory(prefix="rtxnet-faultrun-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rtxnet-faultrun-", ignore_cleanup_errors=True) as tmp:
         e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                  RTXNET_METRICS_DIR=tmp, **(env or {}))
         cmd = [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), "--max-restarts", str(max_restarts),
@@ -212,9 +241,8 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
             t.start()
         try:
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()   # the launcher; its ranks get SIGTERM when it dies
-            proc.wait()
+        except BaseException:
+            _stop(proc)
             raise
         finally:
             for t in pumps:
@@ -263,21 +291,80 @@ def report(summary: dict) -> list[str]:
     return lines
 
 
+def _timeout_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the launcher would refuse, refused here first with faultrun's own line (the same
+    ranges as ``rtxnet-run``, the plan parsed by the same :func:`rtxnet.faults.parse_plan`)."""
+    from rtxnet.faults import parse_plan
+    from rtxnet.launcher import MAX_NPROC
+
+    if not 1 <= args.nproc <= MAX_NPROC:
+        ap.error(f"--nproc must be in 1..{MAX_NPROC}, got {args.nproc}")
+    if args.min_ranks is not None and not 1 <= args.min_ranks <= args.nproc:
+        ap.error(f"--min-ranks must be in 1..nproc({args.nproc}), got {args.min_ranks}")
+    if args.max_restarts < 0:
+        ap.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    try:
+        faults = parse_plan(args.plan)
+    except ValueError as exc:
+        ap.error(f"--plan: {exc}")
+    for f in faults:
+        if f.rank is not None and f.rank >= args.nproc:
+            ap.error(f"--plan: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # once: the clean-up itself is bounded
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="fault plan, e.g. 'kill:rank=2:step=30' (see README)")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--min-ranks", type=int, default=None)
     ap.add_argument("--max-restarts", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600, help="seconds before the run is killed (default 600)")
+    ap.add_argument("--timeout", type=_timeout_s, default=600.0,
+                    help="seconds before the run is stopped, finite and > 0 (default 600)")
     ap.add_argument("--json", default=None, help="write events and summary here")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = ap.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         ap.error("give the script to run after --")
-    res = run_plan(args.plan, script, nproc=args.nproc, min_ranks=args.min_ranks,
-                   max_restarts=args.max_restarts, timeout=args.timeout, quiet=False)
+    _check_args(ap, args)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        res = run_plan(args.plan, script, nproc=args.nproc, min_ranks=args.min_ranks,
+                       max_restarts=args.max_restarts, timeout=args.timeout, quiet=False)
+    except subprocess.TimeoutExpired:
+        print(f"faultrun: the run exceeded {args.timeout:g} s and was killed", file=sys.stderr)
+        return 124
+    except Terminated:
+        print("faultrun: terminated (SIGTERM); the run was stopped", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print("faultrun: interrupted; the run was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    out = res["stdout"] + res["stderr"]
+    if (res["returncode"] == LAUNCHER_USAGE_ERROR and not res["events"]
+            and not re.search(r"\[rtxnet-run\] job .*: starting", out)):
+        print(f"faultrun: the launcher refused the arguments (exit code {LAUNCHER_USAGE_ERROR}, its message "
+              f"above); nothing ran", file=sys.stderr)
+        return LAUNCHER_USAGE_ERROR
     print(f"\nfault plan: {args.plan}")
     for line in report(res["summary"]):
         print(f"  {line}")
@@ -287,8 +374,6 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     print(f"exit code {rc}: " + (f"the launcher's ({res['returncode']})" if rc == res["returncode"]
                                  else f"{lost} committed steps were lost, though the launcher exited 0"))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
     return rc
 
 

@@ -305,3 +305,78 @@ async def test_recovery_report_says_where_and_never_none():
         "failure at step 12 (CollectiveTimeout, no rank lost): training resumed 0.25 s after the failure was "
         "detected, with 4 ranks at step 12; steps lost: 1",
     ]
+
+
+def _faultrun(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/faultrun.py", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env or procs.env())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, says", [
+    (["--timeout", "-5"], "argument --timeout: must be a finite number of seconds > 0, got '-5'"),
+    (["--timeout", "nan"], "argument --timeout: must be a finite number of seconds > 0, got 'nan'"),
+    (["--timeout", "inf"], "argument --timeout: must be a finite number of seconds > 0, got 'inf'"),
+    (["--plan", "bogus"], "--plan: 'bogus': unknown fault kind 'bogus'"),
+    (["--plan", "kill:rank=5:step=3"], "--plan: 'kill:rank=5:step=3' names rank 5, but --nproc is 2"),
+    (["--nproc", "0"], "--nproc must be in 1..1024, got 0"),
+    (["--min-ranks", "7"], "--min-ranks must be in 1..nproc(2), got 7"),
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+], ids=["timeout-negative", "timeout-nan", "timeout-inf", "plan-bogus", "plan-rank", "nproc-0", "min-ranks",
+        "max-restarts"])
+def test_faultrun_refuses_bad_arguments_before_anything_runs(tmp_path, args, says):
+    plan = [] if args[0] == "--plan" else ["--plan", "kill:rank=1:step=3"]
+    proc = _faultrun(*plan, "--nproc", "2", *args, "--", "tools/ft_workload.py", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"faultrun.py: error: {says}" in proc.stderr, proc.stderr
+    assert "rtxnet-run" not in proc.stderr and "no failure was observed" not in proc.stdout
+
+
+@pytest.mark.timeout(30)
+def test_faultrun_says_when_the_launcher_refused_the_arguments(tmp_path):
+    proc = _faultrun("--plan", "kill:rank=1:step=3", "--nproc", "2", "--", "no-such-script.py")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rtxnet-run: script 'no-such-script.py' does not exist" in proc.stderr
+    assert ("faultrun: the launcher refused the arguments (exit code 2, its message above); nothing ran"
+            in proc.stderr), proc.stderr
+    assert "fault plan:" not in proc.stdout and "no failure was observed" not in proc.stdout
+
+
+def _left_behind(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith(("rtxnet-faultrun-", "rtxnet-journal-")))
+
+
+@pytest.mark.timeout(60)
+def test_faultrun_timeout_is_one_line_and_stops_the_run(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _faultrun("--plan", "kill:rank=1:step=100000", "--nproc", "2", "--timeout", "3", "--",
+                     "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out"),
+                     env=procs.env(**FAST, TMPDIR=str(tmp)), timeout=50)
+    assert proc.returncode == 124, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.rstrip().endswith("faultrun: the run exceeded 3 s and was killed"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "fault plan:" not in proc.stdout
+    assert _left_behind(tmp) == []
+
+
+@pytest.mark.timeout(60)
+def test_faultrun_sigterm_stops_the_run_and_removes_its_folder(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "tools/faultrun.py", "--plan", "kill:rank=1:step=100000", "--nproc", "2", "--",
+         "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=procs.env(**FAST, TMPDIR=str(tmp)))
+    try:
+        # the events folder and the launcher's coordinator journal exist: the run is under way
+        wait_until(lambda: len(_left_behind(tmp)) == 2, 30, "faultrun's folder and the journal")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
+    assert err.rstrip().endswith("faultrun: terminated (SIGTERM); the run was stopped"), err[-3000:]
+    assert "Traceback" not in err
+    assert _left_behind(tmp) == []

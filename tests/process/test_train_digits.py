@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import procs
@@ -137,3 +138,75 @@ def test_ctrl_c_while_torch_imports_ends_with_one_line(tmp_path):
     err = "".join(seen) + rest
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and err.rstrip().endswith("interrupted"), err[-3000:]
+
+
+def _train_digits_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_digits", ROOT / "examples" / "train_digits.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, says", [
+    (["--out", ""], "argument --out: must not be empty"),
+    (["--out", "x", "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--out", "x", "--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--out", "x", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--out", "x", "--hidden", "100000000"], "--hidden must be in 1..65536, got 100000000"),
+    (["--out", "x", "--rejoin-window", "0"], "--rejoin-window must be a finite number of seconds > 0, got 0.0"),
+], ids=["empty-out", "lr-nan", "lr-negative", "lr-inf", "hidden-huge", "rejoin-window-0"])
+def test_bad_arguments_are_refused_naming_the_value(args, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _train_digits_module().parse_args(args)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_out_folder_check_names_the_path_and_the_reason(tmp_path):
+    td = _train_digits_module()
+    f = tmp_path / "a-file"
+    f.write_text("")
+    assert td.check_out_folder(f) == f"--out {str(f)!r} exists and is not a folder"
+    assert td.check_out_folder(f / "out") == f"--out {str(f / 'out')!r}: cannot create the folder: Not a directory"
+    assert td.check_out_folder(tmp_path / "new" / "out") is None and (tmp_path / "new" / "out").is_dir()
+
+
+def _refused_by_every_rank(run: dict, line: str) -> None:
+    assert run["rc"] == 2, run["stderr"][-3000:]
+    for r in (0, 1):
+        assert f"[rank{r}] {line}" in run["stderr"], run["stderr"][-3000:]
+    assert "Traceback" not in run["stderr"] and "RendezvousError" not in run["stderr"], run["stderr"][-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_out_stops_every_rank_at_once(tmp_path):
+    # Before: rank 0 crashed on mkdir and rank 1 waited the 60 s rejoin window for it.
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "out"
+    t0 = time.monotonic()
+    run = train(out, nproc=2, script_args=("--steps", "3"))
+    _refused_by_every_rank(run, f"train_digits: --out {str(out)!r}: cannot create the folder: Not a directory")
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(60)
+def test_global_batch_larger_than_the_training_set_is_refused(tmp_path):
+    run = train(tmp_path / "out", nproc=2, script_args=("--steps", "3", "--global-batch", "100000"))
+    _refused_by_every_rank(run, "train_digits: --global-batch must be at most the 1347 training samples, got 100000")
+
+
+@pytest.mark.timeout(90)
+def test_rendezvous_error_after_the_rejoin_window_is_one_line(tmp_path):
+    # 2 ranks, minimum 2, no restarts: the survivor waits 2 s for a replacement, then stops.
+    run = train(tmp_path / "out", "--faults", "kill:rank=1:step=5", nproc=2,
+                script_args=("--steps", "100", "--rejoin-window", "2"))
+    assert run["rc"] == 137, run["stderr"][-3000:]      # the killed rank's code, as the launcher reports
+    err = run["stderr"]
+    assert ("[rank0] error: RendezvousError: world_size(1) < min_world_size(2) after waiting "
+            "rejoin_window_s(2.0) for replacements") in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "[rtxnet-run] rank 0 exited with code 1" in err, err[-3000:]
