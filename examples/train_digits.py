@@ -492,6 +492,12 @@ if __name__ == "__main__":
     except KeyboardInterrupt:   # Ctrl-C of rtxnet-run reaches every rank: one line, not a traceback
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except rtxnet.JobFinishedError as exc:
+        # A replacement that arrived after the others finished (rtxnet.init refused it): the
+        # job's result stands and this rank has nothing to add.
+        print(f"this rank came back after the job finished; its result stands ({exc})",
+              file=sys.stderr)
+        sys.exit(0)
     except rtxnet.RtxError as exc:
         # The job stopped for a reason the message explains (and says what to do about, like a
         # RendezvousError after the rejoin window): one line per rank, not a traceback each.
