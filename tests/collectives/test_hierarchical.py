@@ -53,10 +53,12 @@ def test_hierarchical_equals_flat():
 async def hier_kill(engine):
     w = engine.world
     x = np.ones(10, np.float32)
-    await w.all_reduce(x, algorithm="hierarchical")
-    if w.rank == 3:
-        os.kill(os.getpid(), signal.SIGKILL)
     try:
+        # rank 3 returning from the first all_reduce does not mean the others have finished it
+        # (its last messages may die with it): a survivor may fail there already
+        await w.all_reduce(x, algorithm="hierarchical", timeout=10)
+        if w.rank == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
         await w.all_reduce(x, algorithm="hierarchical", timeout=3)
     except (CollectiveTimeout, PeerLostError) as exc:
         return type(exc).__name__
