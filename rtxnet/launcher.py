@@ -313,18 +313,16 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
     on the survivors)."""
     ok = [s.rank for s in slots if s.returncode == 0]
-    bad = [f"{s.rank} (exit {s.returncode}{_signame(s.returncode)}, restarted {s.restarts} of "
+    bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None)]
-    return (f"ranks {_ranks(ok) or 'none'} exited 0; rank{'s' if len(bad) > 1 else ''} "
+    return (f"ranks {', '.join(map(str, ok)) or 'none'} exited 0; rank{'s' if len(bad) > 1 else ''} "
             f"{', '.join(bad)} failed. Exit code {code}: the first failing rank's (0 only when "
             f"every rank's last process exited 0)")
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
-
-
-def _signame(code: int | None) -> str:
+def signal_suffix(code: int | None) -> str:
+    """``", SIGKILL"`` for an exit code 128+N of signal N (as shells and this launcher report a
+    process killed by a signal), else ``""``."""
     if code is None or code <= 128:
         return ""
     try:

@@ -178,13 +178,6 @@ def scan_output(text: str) -> dict:
     return res
 
 
-def _signame(code: int) -> str:
-    try:
-        return f", {signal.Signals(code - 128).name}" if code > 128 else ""
-    except ValueError:
-        return ""
-
-
 def _tee(stream, sink, keep: list[str]) -> None:
     for line in stream:
         keep.append(line)
@@ -255,6 +248,8 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
 
 def report(summary: dict) -> list[str]:
     """The summary as lines for people; a line starting with ``FAILED`` fails the check."""
+    from rtxnet.launcher import signal_suffix
+
     lines = []
     for r in summary["recoveries"]:
         lost = f"lost ranks {r['lost']}" if r["lost"] else "no rank lost"
@@ -271,9 +266,9 @@ def report(summary: dict) -> list[str]:
                      f"by that process (it ended first)")
     for x in summary.get("rank_exits", []):
         then = f"restarted ({x['restart']})" if x["restart"] else "not restarted"
-        lines.append(f"rank {x['rank']} exited with code {x['code']}{_signame(x['code'])}; {then}")
+        lines.append(f"rank {x['rank']} exited with code {x['code']}{signal_suffix(x['code'])}; {then}")
     for code in summary.get("coordinator_exits", []):
-        lines.append(f"the coordinator exited with code {code}{_signame(code)}")
+        lines.append(f"the coordinator exited with code {code}{signal_suffix(code)}")
     if summary.get("coordinator_lost"):
         lines.append("the coordinator could not be restarted")
     for r in summary.get("restores", []):

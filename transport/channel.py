@@ -227,13 +227,13 @@ class LogBudget:
     flooding the daemon with garbage must not fill its disk: 26 MB in 15 s was seen); the first
     line after a quiet spell carries how many were suppressed."""
 
-    def __init__(self, per_window: int = 20, window_s: float = 1.0):
-        self.per_window, self.window_s = per_window, window_s
+    def __init__(self, per_window: int = 20, window_s: float = 1.0, clock=time.monotonic):
+        self.per_window, self.window_s, self._clock = per_window, window_s, clock
         self._start, self._used, self.suppressed = 0.0, 0, 0
 
     def allow(self) -> tuple[bool, int]:
         """``(log this one?, lines suppressed since the last one logged)``."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._start >= self.window_s:
             self._start, self._used = now, 0
         if self._used >= self.per_window:
