@@ -291,6 +291,8 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     duration_ms = (time.perf_counter() - t0) * 1e3
     log.info("checkpoint_saved", step=step, nbytes=nbytes, world_size=world,
              duration_ms=round(duration_ms, 1))
+    if rank == 0:
+        _remove_unlisted_shards(folder, world)
     if rank == 0 and keep is not None:
         _prune(Path(root), keep)
     if rank == 0 and pg is not None:
@@ -300,6 +302,19 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(Path(root).resolve()),
                                              "world_size": world}))
     return folder
+
+
+def _remove_unlisted_shards(folder: Path, world: int) -> None:
+    """Shards of ranks ``>= world`` left by an earlier save of the same step with more ranks: the
+    manifest does not list them, so they are never loaded, but they are not this step's."""
+    for p in folder.glob("rank-*.pt"):
+        m = re.fullmatch(r"rank-(\d+)\.pt", p.name)
+        if m and int(m.group(1)) >= world:
+            try:
+                p.unlink()
+                log.info("checkpoint_stale_shard_removed", path=str(p))
+            except OSError as exc:
+                log.warning("checkpoint_stale_shard_kept", path=str(p), error=str(exc))
 
 
 def _steps(root: Path) -> list[int]:

@@ -7,6 +7,7 @@ after 60 s, a rendezvous after 300 s.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -53,7 +54,8 @@ class Timeouts:
             restarts its coordinator within about a second).
 
     Raises:
-        ConfigError: a value is not positive or the order above is broken; names the values.
+        ConfigError: a value is not a finite positive number, or the order above is broken;
+            names the values.
     """
 
     heartbeat_interval_s: float = 0.2
@@ -66,8 +68,8 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-                raise ConfigError(f"{f.name}({v!r}) must be a positive number of seconds")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ConfigError(f"{f.name}({v!r}) must be a finite positive number of seconds")
         hi, ht, op, rv = self.heartbeat_interval_s, self.heartbeat_timeout_s, self.op_s, self.rendezvous_s
         if not (hi < ht < op < rv):
             raise ConfigError(

@@ -7,8 +7,11 @@ Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK
 prints is prefixed with ``[rankN]``. SIGINT and SIGTERM are forwarded to the ranks. A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
 ``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left
-running: the job re-forms around the loss. The exit code is 0 when every rank's last process
-exited 0, else the code of the first rank whose last process failed (128+N for signal N).
+running: the job re-forms around the loss. When the ranks that failed for good (restarts spent)
+leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: the launcher says so
+and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
+their rejoin window. The exit code is 0 when every rank's last process exited 0, else the code of
+the first rank whose last process failed (128+N for signal N).
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
@@ -194,6 +197,32 @@ class Launcher:
             # Ranks get a grace period to finish in order; then they are killed.
             asyncio.get_running_loop().call_later(self.args.grace, self._kill_all)
 
+    def _stop_if_below_min_ranks(self) -> None:
+        """Stop the job when the ranks that failed for good leave fewer than --min-ranks: the
+        others could only wait out their rejoin window (and be restarted to wait again)."""
+        if self.stopping:
+            return
+        a = self.args
+        lost = [s.rank for s in self.slots if s.returncode not in (0, None)]
+        left = a.nproc - len(lost)
+        min_ranks = a.min_ranks or a.nproc
+        if left >= min_ranks:
+            return
+        running = [s for s in self.slots if s.proc is not None and s.returncode is None]
+        if not running:
+            return
+        _say(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} failed for good "
+             f"(--max-restarts {a.max_restarts}): {left} rank{'' if left == 1 else 's'} left, fewer "
+             f"than --min-ranks {min_ranks}; stopping rank{'s' if len(running) > 1 else ''} "
+             f"{', '.join(str(s.rank) for s in running)} (SIGTERM, SIGKILL after {a.grace:g} s)")
+        self.stopping = True
+        for s in running:
+            try:
+                s.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        asyncio.get_running_loop().call_later(a.grace, self._kill_all)
+
     def _kill_all(self) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
@@ -241,6 +270,7 @@ class Launcher:
                     _say(f"rank {slot.rank} exited with code {code}")
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
+                    self._stop_if_below_min_ranks()
         finally:
             await self._shutdown()
         if self.stop_signal is not None:

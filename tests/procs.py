@@ -81,6 +81,29 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
+@contextmanager
+def ranks(argv: list[str], world: int, address: str, job: str, *, min_ranks: int | None = None,
+          only: list[int] | None = None, **extra: str):
+    """Rank processes of ``argv`` (a script and its arguments) for a job of ``world`` ranks,
+    started by hand, as on hosts of their own with no launcher: ranks ``only`` (default all),
+    each with the ``RTXNET_*`` variables ``rtxnet.init`` reads, plus ``extra``. Yields the
+    ``Popen`` list (text pipes); those still running at exit are killed by pid."""
+    base = env(RTXNET_COORDINATOR=address, RTXNET_JOB=job, RTXNET_WORLD_SIZE=str(world),
+               RTXNET_MIN_RANKS=str(min_ranks or world), RTXNET_MAX_RANKS=str(world), **extra)
+    started = []
+    try:
+        for r in (range(world) if only is None else only):
+            started.append(subprocess.Popen(
+                [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=ROOT, env=dict(base, RTXNET_RANK=str(r), RANK=str(r))))
+        yield started
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 class Coordinator:
     """``python -m coordinator`` on 127.0.0.1 with a port chosen at run time."""
 

@@ -78,6 +78,15 @@ def test_loading_at_another_world_size_reshards_ddp_state(two_ranks):
         assert s["sampler"] == states[0]["sampler"] and s["step"] == 3
 
 
+def test_resaving_a_step_with_fewer_ranks_removes_the_shards_it_does_not_list(two_ranks, tmp_path):
+    root, _ = two_ranks
+    shutil.copytree(root / "step-3", tmp_path / "step-3")      # saved by 2 ranks
+    checkpoint.save(tmp_path, 3, {"step": 3, "w": torch.ones(4)})  # again, by 1
+    assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == ["manifest.json", "rank-0.pt"]
+    assert list(checkpoint.verify(tmp_path, 3)["files"]) == ["rank-0.pt"]
+    assert torch.equal(checkpoint.load(tmp_path, 3, rank=1)["w"], torch.ones(4))   # rank 0's stands in
+
+
 def _single(tmp_path, steps=(1, 2)):
     for s in steps:
         checkpoint.save(tmp_path, s, {"w": torch.full((64,), float(s)), "step": s})

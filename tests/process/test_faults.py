@@ -150,21 +150,42 @@ def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coord
     assert took < 30, took
 
 
-def test_no_replacement_within_the_rejoin_window_stops_with_rendezvous_error(tmp_path):
-    """2 ranks, minimum 2, rank 1 killed and not restarted: the survivor waits the rejoin window
-    (3 s here), then stops with RendezvousError naming the sizes and what to do."""
+def test_no_replacement_within_the_rejoin_window_stops_with_rendezvous_error(tmp_path, coordinator):
+    """2 ranks started by hand (as on two hosts, no launcher to give up for them), minimum 2,
+    rank 1 killed: the survivor waits the rejoin window (3 s here), then stops with
+    RendezvousError naming the sizes and what to do."""
+    args = ["tools/ft_workload.py", "--steps", "1000", "--step-sleep", "0.01", "--rejoin-window", "3",
+            "--out", str(tmp_path / "out")]
+    t0 = time.monotonic()
+    with procs.ranks(args, 2, coordinator.address, "no-replacement", **FAST,
+                     RTXNET_FAULTS="kill:rank=1:step=5") as ranks:
+        outs = [p.communicate(timeout=60) for p in ranks]
+    took = time.monotonic() - t0
+    assert ranks[1].returncode == -signal.SIGKILL, outs[1][1][-3000:]
+    err = outs[0][1]
+    assert ranks[0].returncode != 0, err[-3000:]
+    assert "RendezvousError" in err and "min_world_size(2)" in err, err[-3000:]
+    assert "--max-restarts" in err
+    assert took < 45, took
+
+
+def test_the_launcher_stops_a_job_that_cannot_reach_its_minimum_at_once(tmp_path):
+    """The same under rtxnet-run: rank 1 killed for good, minimum 2. The survivor would wait its
+    60 s rejoin window; the launcher knows no replacement will come and stops it at once."""
     env = procs.env(**FAST)
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "kill:rank=1:step=5",
-         "tools/ft_workload.py", "--steps", "1000", "--step-sleep", "0.01", "--rejoin-window", "3",
+         "tools/ft_workload.py", "--steps", "1000", "--step-sleep", "0.01", "--rejoin-window", "60",
          "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=90, cwd=ROOT, env=env)
     took = time.monotonic() - t0
     assert proc.returncode == 137, proc.stderr[-3000:]
-    assert "RendezvousError" in proc.stderr and "min_world_size(2)" in proc.stderr, proc.stderr[-3000:]
-    assert "--max-restarts" in proc.stderr
-    assert took < 60, took
+    assert ("rank 1 failed for good (--max-restarts 0): 1 rank left, fewer than --min-ranks 2; "
+            "stopping rank 0") in proc.stderr, proc.stderr[-3000:]
+    assert ("ranks 0 (exit 143, SIGTERM, restarted 0 of 0 times), 1 (exit 137, SIGKILL, restarted 0 of 0 "
+            "times) failed") in proc.stderr.strip().splitlines()[-1]
+    assert took < 40, took
 
 
 def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinator):
@@ -172,7 +193,6 @@ def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinat
     replacement; meanwhile rank 0 is frozen (SIGSTOP) past the heartbeat timeout, declared lost,
     and woken (SIGCONT). It must join again (world 2, not 1 for the rest of the window); when a
     replacement process arrives, the job finishes on 3 ranks with the exact result."""
-    env = procs.env(**FAST)
     job, steps, out = "fenced-while-waiting", 150, tmp_path / "out"
     args = ["tools/ft_workload.py", "--steps", str(steps), "--step-sleep", "0.02",
             "--rejoin-window", "60", "--out", str(out)]
@@ -180,12 +200,9 @@ def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinat
     def job_status():
         return next((j for j in coordinator_jobs(coordinator.address) if j["job"] == job), None)
 
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--coordinator",
-         coordinator.address, "--job", job, *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    replacement = None
-    try:
+    # started by hand, as on hosts of their own: rtxnet-run would stop the survivors once rank 2
+    # is lost for good, where here a replacement comes from elsewhere
+    with procs.ranks(args, 3, coordinator.address, job, **FAST) as ranks:
         wait_until(lambda: (j := job_status()) and j["committed_step"] >= 10, 40, "10 committed steps")
         pids = {m["rank"]: m["pid"] for m in job_status()["members"]}
         os.kill(pids[2], signal.SIGKILL)
@@ -196,19 +213,13 @@ def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinat
         finally:
             os.kill(pids[0], signal.SIGCONT)
         wait_until(lambda: job_status()["world_size"] == 2, 20, "the woken rank joined again")
-        replacement = subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=ROOT, env=dict(env, RTXNET_COORDINATOR=coordinator.address, RTXNET_JOB=job,
-                               RTXNET_MIN_RANKS="3", RTXNET_MAX_RANKS="3", RTXNET_REJOIN="1"))
-        _, rerr = replacement.communicate(timeout=90)
-        _, lerr = launcher.communicate(timeout=60)
-    finally:
-        for p in (launcher, replacement):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        with procs.ranks(args, 3, coordinator.address, job, only=[2], **FAST,
+                         RTXNET_REJOIN="1") as (replacement,):
+            _, rerr = replacement.communicate(timeout=90)
+        errs = [p.communicate(timeout=60)[1] for p in ranks]
+    lerr = "".join(errs)
     assert replacement.returncode == 0, rerr[-3000:]
-    assert launcher.returncode == 137, lerr[-3000:]      # rank 2's SIGKILL, as documented
+    assert [p.returncode for p in ranks] == [0, 0, -signal.SIGKILL], lerr[-3000:]
     results = [json.loads(f.read_text()) for f in out.glob("final-*.json")]
     assert len(results) == 3, lerr[-3000:]
     assert {r["sha256"] for r in results} == {reference(steps, 1024)}

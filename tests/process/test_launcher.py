@@ -73,11 +73,49 @@ def test_crashed_rank_is_restarted_and_rejoins(tmp_path):
 def test_exit_code_is_the_first_failing_ranks(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\ntime.sleep(0.3 * r)\nsys.exit(5 if r == 1 else (6 if r == 2 else 0))\n")
-    out = run(["--nproc", "3", str(script)])
+    out = run(["--nproc", "3", "--min-ranks", "1", str(script)])
     assert out.returncode == 5, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert ("ranks 0 exited 0; ranks 1 (exit 5, restarted 0 of 0 times), 2 (exit 6, restarted 0 of "
             "0 times) failed. Exit code 5: the first failing rank's") in last, last
+
+
+def test_a_rank_failed_for_good_below_min_ranks_stops_the_others_at_once(tmp_path):
+    # Rank 1 crashes for good; the job needs 3 ranks, so ranks 0 and 2 (which would wait their
+    # 60 s rejoin window, here a 60 s sleep) are stopped by SIGTERM at once.
+    script = tmp_path / "fail.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        r = int(os.environ['RANK'])
+        signal.signal(signal.SIGTERM, lambda *a: (print('got sigterm', flush=True), sys.exit(3)))
+        print('ready', flush=True)
+        if r == 1:
+            time.sleep(1.0)
+            sys.exit(5)
+        time.sleep(60)
+    """))
+    t0 = time.monotonic()
+    out = run(["--nproc", "3", "--max-restarts", "1", str(script)])
+    took = time.monotonic() - t0
+    assert out.returncode == 5, out.stderr
+    assert took < 40, (took, out.stderr)
+    assert "rank 1 exited with code 5; restart 1/1" in out.stderr
+    assert ("rank 1 failed for good (--max-restarts 1): 2 ranks left, fewer than --min-ranks 3; "
+            "stopping ranks 0, 2 (SIGTERM, SIGKILL after 10 s)") in out.stderr, out.stderr
+    assert out.stdout.count("got sigterm") == 2, out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert ("ranks 0 (exit 3, restarted 0 of 1 times), 1 (exit 5, restarted 1 of 1 times), 2 (exit 3, "
+            "restarted 0 of 1 times) failed. Exit code 5") in last, last
+
+
+def test_a_rank_failed_for_good_above_min_ranks_leaves_the_others_running(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\n"
+                      "sys.exit(5) if r == 1 else time.sleep(2.0)\nprint('finished', flush=True)\n")
+    out = run(["--nproc", "3", "--min-ranks", "2", str(script)])
+    assert out.returncode == 5, out.stderr
+    assert "failed for good" not in out.stderr
+    assert "[rank0] finished" in out.stdout and "[rank2] finished" in out.stdout
 
 
 def test_bad_arguments_are_named():
@@ -220,7 +258,7 @@ MARKS_START = "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']
     ([], {"RTXNET_FAULTS": "kill:rank=3:step=5"}, "RTXNET_FAULTS: 'kill:rank=3:step=5' names rank 3, but --nproc is 2"),
     (["--faults", "delay:rank=0:ms=nan"], {}, "--faults: 'delay:rank=0:ms=nan': ms='nan' must be a finite number"),
     ([], {"RTXNET_OP_TIMEOUT": "soon"}, "RTXNET_OP_TIMEOUT='soon' is not a number"),
-    ([], {"RTXNET_OP_TIMEOUT": "nan"}, "op_s(nan) must be a positive number of seconds (from RTXNET_OP_TIMEOUT='nan')"),
+    ([], {"RTXNET_OP_TIMEOUT": "nan"}, "op_s(nan) must be a finite positive number of seconds (from RTXNET_OP_TIMEOUT='nan')"),
     ([], {"RTXNET_HEARTBEAT_TIMEOUT": "90"}, "timeouts must satisfy heartbeat_interval_s < heartbeat_timeout_s < op_s"),
     ([], {"RTXNET_LAST_CALL": "inf"}, "RTXNET_LAST_CALL='inf' must be a finite number of seconds >= 0"),
 ])

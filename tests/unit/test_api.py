@@ -62,6 +62,9 @@ def test_error_tree_matches_the_style_guide():
     ({"op_s": 1.0}, "op_s(1.0)"),
     ({"rendezvous_s": 10.0, "op_s": 60.0}, "rendezvous_s(10.0)"),
     ({"request_s": 0}, "request_s(0)"),
+    ({"rendezvous_s": float("inf")}, "rendezvous_s(inf) must be a finite positive"),
+    ({"coordinator_s": float("nan")}, "coordinator_s(nan)"),
+    ({"request_s": 1e400}, "request_s(inf)"),
 ])
 def test_timeouts_order_is_checked_naming_the_values(kw, names):
     with pytest.raises(rtxnet.ConfigError, match=r".*" + names.replace("(", r"\(").replace(")", r"\)")):
