@@ -63,7 +63,7 @@ def summarize(events: list[dict], output: str = "") -> dict:
         time to recover and steps lost over the ranks. ``stalls``: per step whose vote waited, the
         longest wait, longest first. ``unrecovered``: failures a process recorded but never recovered
         from (it crashed or was killed first). Then, from ``output`` (see :func:`scan_output`):
-        ``rank_exits``, ``coordinator_exits``, ``restores`` and ``state_lost``.
+        ``rank_exits``, ``coordinator_exits``, ``restores``, ``state_lost`` and ``below_min_ranks``.
     """
     recovered = [e for e in events if e["event"] == "recovered"]
     stalls = [e for e in events if e["event"] == "commit_stall"]
@@ -111,6 +111,7 @@ def summarize(events: list[dict], output: str = "") -> dict:
 _RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?:; restart (\d+)/(\d+))?\s*$")
 _COORD_EXIT = re.compile(r"\[rtxnet-run\] coordinator exited with code (-?\d+)")
 _COORD_LOST = re.compile(r"\[rtxnet-run\] could not restart the coordinator")
+_BELOW_MIN = re.compile(r"\[rtxnet-run\] (ranks? [\d, ]+ failed for good .*); stopping")
 _PREFIX = re.compile(r"^\[[\w-]+\] ")
 _KV = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 
@@ -142,9 +143,11 @@ def scan_output(text: str) -> dict:
         ``restores``: checkpoint restores after every live copy of the state was gone (``step``,
         ``job_committed_step``, ``steps_redone``). ``state_lost``: each ``committed_state_lost``
         (``job_committed_step``, ``best_live_step``, ``steps_lost``, ``reason``, ``ranks_reporting``).
+        ``below_min_ranks``: the launcher's reason for stopping the job, when ranks failed for good
+        left fewer than ``--min-ranks`` (else None).
     """
     res: dict = {"rank_exits": [], "coordinator_exits": [], "coordinator_lost": False,
-                 "restores": [], "state_lost": []}
+                 "restores": [], "state_lost": [], "below_min_ranks": None}
     lost: dict[tuple, dict] = {}
     restores: dict[tuple, dict] = {}
     for line in text.splitlines():
@@ -156,6 +159,8 @@ def scan_output(text: str) -> dict:
             res["coordinator_exits"].append(int(m.group(1)))
         elif _COORD_LOST.search(line):
             res["coordinator_lost"] = True
+        elif m := _BELOW_MIN.search(line):
+            res["below_min_ranks"] = m.group(1)
         elif "committed_state_lost" in line:
             f = _log_fields(line)
             if "job_committed_step" not in f:
@@ -271,6 +276,9 @@ def report(summary: dict) -> list[str]:
         lines.append(f"the coordinator exited with code {code}{signal_suffix(code)}")
     if summary.get("coordinator_lost"):
         lines.append("the coordinator could not be restarted")
+    if summary.get("below_min_ranks"):
+        lines.append(f"the job could not go on: {summary['below_min_ranks']}; the launcher stopped the "
+                     f"other ranks")
     for r in summary.get("restores", []):
         lines.append(f"no live rank held the last committed step {r['job_committed_step']}: restored the "
                      f"checkpoint of step {r['step']}, {r['steps_redone']} committed steps redone")

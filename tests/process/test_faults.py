@@ -252,6 +252,8 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
         "[rtxnet-run] coordinator exited with code 137; restarting it on tcp://127.0.0.1:1 with journal /j",
         "[rtxnet-run] rank 2 exited with code 1; restart 2/2",
         "[rtxnet-run] rank 1 exited with code 1",
+        "[rtxnet-run] rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than --min-ranks 4; "
+        "stopping ranks 0, 2, 3 (SIGTERM, SIGKILL after 10 s)",
         "[rtxnet-run] rank 2 exited with code 1",
         "[rank0] 2026-01-01T00:00:01Z [warning  ] committed_state_lost           best_live_step=-1 "
         "job_committed_step=99 rank=0 reason='no checkpoint recorded'",
@@ -283,6 +285,8 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
     assert "epoch 4: CollectiveTimeout (no rank lost): recovered after 1500 ms, steps lost 1" in lines
     assert "rank 1 exited with code 1; not restarted" in lines
     assert "the coordinator exited with code 137, SIGKILL" in lines
+    assert ("the job could not go on: rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than "
+            "--min-ranks 4; the launcher stopped the other ranks") in lines
     assert sum(line.startswith("FAILED: committed state lost") for line in lines) == 1
     assert not any("None" in line for line in lines), lines
 
