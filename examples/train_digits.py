@@ -44,7 +44,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:   # importing torch takes seconds: a Ctrl-C of rtxnet-run that lands here is one line too
+_interrupted = False
+
+
+def _on_sigint(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+# Importing torch takes seconds: a Ctrl-C of rtxnet-run that lands there is one line too. The flag
+# catches one that some import's bare ``except:`` swallows (a race a test hit under load).
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, _on_sigint)
+try:
     import numpy as np
     import structlog
     import torch
@@ -56,8 +71,12 @@ try:   # importing torch takes seconds: a Ctrl-C of rtxnet-run that lands here i
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
+    _interrupted = True
+if _interrupted:
     print("interrupted", file=sys.stderr)
     sys.exit(130)
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 log = structlog.get_logger("train_digits")
 
