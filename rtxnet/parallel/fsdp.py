@@ -1,0 +1,759 @@
+"""Fully sharded data parallelism (ZeRO-3) for PyTorch modules on the CPU.
+
+Shapes legend: ``T`` elements of one flat parameter (a unit's parameters of one dtype), ``W`` the
+world size the shards are laid out for, ``S = ceil(T / W)`` elements of one rank's shard, so the
+padded flat parameter ``full_WS`` has ``W * S`` elements and rank ``r`` keeps
+``full_WS[r * S:(r + 1) * S]``.
+
+:class:`FullyShardedDataParallel` follows ZeRO stage 3 (Rajbhandari et al., "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", SC 2020) as PyTorch FSDP builds it (Zhao
+et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023):
+
+- **Units.** The module is cut into units: the whole module (the root unit) and, by the ``wrap``
+  policy, submodules (a list of module classes, a minimum parameter count, or a predicate; units
+  may nest). A parameter belongs to the innermost unit containing the module that owns it. Each
+  unit's trainable parameters of one dtype are flattened, in registration order, into one flat
+  parameter of ``T`` elements, zero-padded to ``W * S``, and each rank keeps only its shard
+  ``[S]`` as a ``torch.nn.Parameter`` of the wrapper (``fsdp.parameters()`` yields the shards,
+  named ``flat_u<unit>_<dtype>``). Build the optimizer over ``fsdp.parameters()``: its state is
+  then sharded too.
+- **Forward.** A forward pre-hook on the unit's module all-gathers the unit's flat parameter into a
+  fresh buffer ``full_WS`` and sets each original parameter name (``module.l1.weight``) to a view of
+  it; a forward hook frees the buffer (its storage is resized to 0) and sets the names back to
+  empty placeholders. So the parameters the user sees are views into the gathered buffer while the
+  unit runs, and shape-``[0]`` tensors otherwise.
+- **Backward.** Autograd saves views of ``full_WS`` for backward; a saved-tensor hook notes them, and
+  unpacking one whose buffer was freed all-gathers it again first (blocking, in backward order).
+  ``full_WS`` is an autograd leaf, so the views' gradients meet in ``full_WS.grad``; when autograd has
+  accumulated it (``register_post_accumulate_grad_hook``) the buffer is freed and the gradient is
+  reduce-scattered with ``async_op=True`` (at most one in flight: launching one first waits for the
+  previous), and the result is **added** to the shard's ``.grad`` (so several backward passes
+  accumulate, as in one process). At the end of backward (an autograd final callback) the last
+  reduce-scatter is waited for and every buffer still gathered is freed. After
+  ``loss.backward()`` returns, each shard's ``.grad`` holds its slice of the reduced gradient, and
+  ``optimizer.step()`` may run.
+
+**Every rank runs the same units in the same order** (as with torch FSDP): the all-gathers of the
+forward and the reduce-scatters of the backward are collectives, so a unit that only some ranks
+call hangs until the group's deadline and raises ``CollectiveTimeout``. A parameter unused in the
+forward (on every rank) gets a zero gradient in its slice of the shard's ``.grad``, not ``None``;
+optimizers without weight decay then leave it unchanged (SGD, Adam), as one process would; a unit
+no rank calls gets no collective and its shard keeps ``grad = None``. A parameter shared by modules
+of two different units is refused at construction (put the modules in one unit); sharing within a
+unit works (each name gets the same view).
+
+**Reduction.** ``reduce_op=ReduceOp.AVG`` (default) averages over the ranks of the current world:
+with the same per-rank batch this equals one process with the global batch. ``ReduceOp.SUM`` sums;
+scale each rank's mean loss by ``local_n / global_n`` to match one process for uneven shares.
+
+**Devices and dtypes.** CPU modules only (the CPU collectives): a parameter or buffer elsewhere is
+refused with ``ConfigError``. Each dtype the collectives support (float32, float64, float16,
+bfloat16) gets its own flat parameter. Parameters with ``requires_grad=False`` and buffers are
+not sharded: they stay on the module, replicated (broadcast from rank 0 at construction when
+``init_sync``), and appear in ``fsdp.parameters()`` / the state dicts under their own names.
+
+**Memory per rank** (parameters and gradients, activations not counted). Persistent: the shards,
+``sum(S)`` elements, about ``1/W`` of the trainable parameters plus at most ``W - 1`` padding
+elements per flat parameter; their gradients, as many; the optimizer state, built over the shards
+(Adam: two more). Transient, while a unit computes: its gathered parameters ``[W * S]``, together
+with those of the units enclosing it (the root unit stays gathered for the whole forward and again
+from the start of backward, so keep it small by wrapping the heavy children), and in backward its
+full gradient ``[W * S]`` plus the one of the unit still being reduce-scattered and that unit's
+``[S]`` result. So the peak is about the sharded state plus twice the largest unit's gathered
+parameters and gradients (with nesting, plus the enclosing units' parameters). Construction
+needs the whole module on every rank once (it is built there before being sharded).
+
+**After a failed step.** When a collective fails (``PeerLostError`` after a rank died,
+``CollectiveTimeout``), the error propagates from ``forward`` or ``loss.backward()`` and nothing
+waits forever (every collective has the group's deadline, or ``timeout_s``). The module is left
+usable: the next ``forward`` starts clean (or call :meth:`FullyShardedDataParallel.reset`), with
+buffers that a failed collective may still write replaced by fresh memory, never reused or freed
+under it. The shards themselves are untouched (``optimizer.step()`` was never reached), but the
+shards' ``.grad`` may hold part of the step's gradients: zero them before retrying.
+
+**World size changes.** The world size and this rank are read from the group at every
+``forward``. The shards are laid out for one world (``W`` and the rank); when the group's world
+size or this rank's rank differs from the layout, ``forward`` raises ``ConfigError`` naming both,
+because a re-formed world cannot rebuild the layout by itself: a lost rank took its shards with
+it. The user reloads from a checkpoint: :meth:`FullyShardedDataParallel.load_full_state_dict`
+(every rank passes the same full state dict, e.g. from :meth:`full_state_dict` saved earlier)
+re-lays the shards out for the current world, keeping the same ``Parameter`` objects but resized,
+so the optimizer state of the old layout must be dropped (build a new optimizer, or
+``optimizer.state.clear()``). :meth:`load_sharded_state_dict` loads per-rank shards
+(``rtxnet.checkpoint``) only at the world size and rank they were saved with. If the world changes
+during a step (the epoch moves), the next collective is not started and ``PeerLostError`` is
+raised, as DDP does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import structlog
+import torch
+
+from rtxnet.collectives import ReduceOp
+from transport.errors import ConfigError, PeerLostError
+
+__all__ = ["FullyShardedDataParallel", "FSDP_STATE_FORMAT"]
+
+log = structlog.get_logger(__name__)
+
+FSDP_STATE_FORMAT = "rtxnet.fsdp.sharded/1"
+
+WrapPolicy = Iterable[type] | int | Callable[[torch.nn.Module, str], bool] | None
+
+
+def _rank_world(pg: Any) -> tuple[int, int]:
+    """``(rank, world size)`` of a world group (``world_size``) or a subgroup (``size``)."""
+    ws = getattr(pg, "world_size", None)
+    if ws is None:
+        ws = pg.size
+    return int(pg.rank), int(ws)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Slot:
+    """One trainable parameter inside a flat parameter: where it lives and every name it has."""
+
+    __slots__ = ("fqns", "owners", "shape", "numel", "offset")
+
+    def __init__(self, fqns: list[str], owners: list[tuple[torch.nn.Module, str]],
+                 shape: torch.Size, offset: int):
+        self.fqns = fqns
+        self.owners = owners
+        self.shape = shape
+        self.numel = math.prod(shape)
+        self.offset = offset
+
+
+class _FlatGroup:
+    """A unit's trainable parameters of one dtype: ``T`` elements, this rank's shard ``[S]``."""
+
+    def __init__(self, unit: int, dtype: torch.dtype, slots: list[_Slot]):
+        self.unit = unit
+        self.dtype = dtype
+        self.slots = slots
+        self.numel = sum(s.numel for s in slots)                       # T
+        self.name = f"flat_u{unit}_{_dtype_name(dtype)}"
+        self.shard: torch.nn.Parameter | None = None                   # [S]
+        self.current: _Gathered | None = None
+        self.placeholder = torch.empty(0, dtype=dtype)
+
+    def shard_numel(self, world: int) -> int:
+        return -(-self.numel // world)                                 # S = ceil(T / W)
+
+    def split_sizes(self, world: int) -> list[int]:
+        sizes = [s.numel for s in self.slots]
+        pad = world * self.shard_numel(world) - self.numel
+        return sizes + [pad] if pad else sizes
+
+    def flatten(self, tensors: list[torch.Tensor], world: int) -> torch.Tensor:
+        """The padded flat ``[W * S]`` of ``tensors`` (one per slot, in slot order)."""
+        full = torch.zeros(world * self.shard_numel(world), dtype=self.dtype)
+        for s, t in zip(self.slots, tensors, strict=True):
+            full[s.offset:s.offset + s.numel].copy_(t.detach().reshape(-1))
+        return full
+
+    def assign(self, views: list[torch.Tensor] | None) -> None:
+        """Point every name of every slot at its view (or at the empty placeholder)."""
+        for i, s in enumerate(self.slots):
+            t = self.placeholder if views is None else views[i]
+            for mod, attr in s.owners:
+                mod.__dict__[attr] = t
+
+
+class _Gathered:
+    """One gathered copy ``full_WS`` of a flat parameter, for one forward and its backward.
+
+    ``full`` is an autograd leaf when built under grad mode; its storage is resized to 0 when freed
+    and back when gathered again, so the views autograd saved stay valid. ``poisoned``: a gather
+    into it failed, and the aborted collective may still write it, so it is never resized again.
+    """
+
+    __slots__ = ("group", "forward_id", "training", "full", "views", "gathered", "poisoned",
+                 "nbytes", "hook")
+
+    def __init__(self, group: _FlatGroup, world: int, forward_id: int, training: bool):
+        self.group = group
+        self.forward_id = forward_id
+        self.training = training
+        n = world * group.shard_numel(world)
+        self.full = torch.empty(n, dtype=group.dtype)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.views: list[torch.Tensor] | None = None
+        self.gathered = False
+        self.poisoned = False
+        self.hook: Any = None
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """Shard ``module``'s parameters, gradients and optimizer state over the ranks of ``pg``.
+
+    Use it like DDP, with the optimizer built over the wrapper's (sharded) parameters::
+
+        model = FullyShardedDataParallel(net, pg, wrap=[Block])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loss = criterion(model(x), y)
+        loss.backward()          # each shard's .grad holds its slice of the reduced gradient
+        opt.step()
+
+    Args:
+        module: a ``torch.nn.Module`` whose parameters and buffers are all on the CPU. Its
+            trainable parameters are removed from it and replaced by views or placeholders
+            (module notes); keep using the wrapper, not ``module``, to run it.
+        pg: a :class:`rtxnet.BlockingProcessGroup` (``rtxnet.init()``) or a subgroup of one
+            (``pg.split(...)``, ``pg.new_group(...)``).
+        wrap: which submodules become units besides the root: ``None`` (only the root), a list of
+            module classes (every submodule of one of those classes), an ``int`` ``n >= 1`` (a
+            submodule becomes a unit when its parameters not already in a nested unit number at
+            least ``n``, decided bottom-up as torch's ``size_based_auto_wrap_policy``), or a
+            callable ``(submodule, qualified_name) -> bool``.
+        reduce_op: ``ReduceOp.AVG`` (mean over the current world) or ``ReduceOp.SUM``.
+        init_sync: broadcast rank 0's parameters and buffers before sharding (a collective: every
+            rank builds the wrapper at the same point). Pass False when every rank built the
+            same module (same seed) or will load a state dict.
+        timeout_s: deadline in seconds of each collective; ``None`` uses the group's.
+
+    Raises:
+        ConfigError: ``module`` is not a module; a bad ``wrap``, ``reduce_op`` or ``timeout_s``
+            (names the value); a parameter or buffer off the CPU (names it and the device); a
+            parameter shared by two units (names both); a parameter dtype the collectives do not
+            support.
+        PeerLostError, CollectiveTimeout: the initial broadcast failed.
+
+    Attributes:
+        module: the wrapped module.
+        units: qualified names of the unit modules, root (``""``) first.
+        world_size, rank: the world the shards are laid out for.
+        last_gathers, last_reduce_scatters: collectives issued by the last forward + backward.
+    """
+
+    def __init__(self, module: torch.nn.Module, pg: Any, *, wrap: WrapPolicy = None,
+                 reduce_op: ReduceOp = ReduceOp.AVG, init_sync: bool = True,
+                 timeout_s: float | None = None):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
+            raise ConfigError(f"reduce_op({reduce_op!r}) must be ReduceOp.AVG or ReduceOp.SUM")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
+                                      or not 0 < timeout_s < math.inf):
+            raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive, finite number of seconds")
+        _check_cpu(module)
+        self.module = module
+        self._pg = pg
+        self.reduce_op = reduce_op
+        self.timeout_s = timeout_s
+        self._kw = {} if timeout_s is None else {"timeout": timeout_s}
+        self.rank, self.world_size = _rank_world(pg)
+        self._key_order = list(module.state_dict().keys())
+
+        unit_names = _select_units(module, wrap)
+        self.units = unit_names
+        self._groups = self._build_groups(module, unit_names)
+        self._unit_groups: list[list[_FlatGroup]] = [[g for g in self._groups if g.unit == u]
+                                                     for u in range(len(unit_names))]
+        if init_sync:
+            self._broadcast_replicated()
+        for g in self._groups:
+            full = g.flatten([getattr(s.owners[0][0], s.owners[0][1]) for s in g.slots], self.world_size)
+            if init_sync and self.world_size > 1:
+                self._pg.broadcast(full, src=0, **self._kw)
+            S = g.shard_numel(self.world_size)
+            g.shard = torch.nn.Parameter(full[self.rank * S:(self.rank + 1) * S].clone())
+            for s in g.slots:
+                for mod, attr in s.owners:
+                    mod._parameters.pop(attr, None)
+            g.assign(None)
+            self.register_parameter(g.name, g.shard)
+
+        mods = dict(module.named_modules())
+        self._handles = []
+        for u, name in enumerate(unit_names):
+            m = mods[name]
+            self._handles.append(m.register_forward_pre_hook(self._make_pre(u)))
+            self._handles.append(m.register_forward_hook(self._make_post(u)))
+
+        self._forward_id = 0
+        self._round_epoch: int | None = None
+        self._backward_open = False
+        self._live: list[_Gathered] = []          # gathered now (storage allocated)
+        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, _FlatGroup]] = []
+        self.last_gathers = 0
+        self.last_reduce_scatters = 0
+        log.info("fsdp_ready", units=len(unit_names), flat_params=len(self._groups),
+                 world_size=self.world_size, shard_numel=self.shard_numel(),
+                 reduce_op=reduce_op.name)
+
+    # -- layout ----------------------------------------------------------------------------------
+
+    def _build_groups(self, module: torch.nn.Module, unit_names: list[str]) -> list[_FlatGroup]:
+        unit_of_module: dict[int, int] = {}
+        for name, m in module.named_modules():
+            # the innermost unit containing m: the longest unit name that prefixes name
+            best = 0
+            for u, un in enumerate(unit_names):
+                if un == "" or name == un or name.startswith(un + "."):
+                    if len(un) >= len(unit_names[best]):
+                        best = u
+            unit_of_module[id(m)] = best
+        # every (module, attr) naming each trainable parameter, in registration order
+        places: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        for mname, m in module.named_modules(remove_duplicate=False):
+            for attr, p in m._parameters.items():
+                if p is None or not p.requires_grad:
+                    continue
+                params[id(p)] = p
+                fqn = f"{mname}.{attr}" if mname else attr
+                if all(fqn != f for f, _, _ in places.get(id(p), [])):
+                    places.setdefault(id(p), []).append((fqn, m, attr))
+        by_key: dict[tuple[int, torch.dtype], list[_Slot]] = {}
+        for pid, where in places.items():
+            p = params[pid]
+            units = {unit_of_module[id(m)] for _, m, _ in where}
+            if len(units) > 1:
+                names = ", ".join(f"{f} (unit {unit_names[unit_of_module[id(m)]]!r})" for f, m, _ in where)
+                raise ConfigError(f"a parameter is shared by modules of different units: {names}; "
+                                  "wrap so that the modules sharing it are in one unit")
+            u = units.pop()
+            if p.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+                raise ConfigError(f"{where[0][0]} has dtype {p.dtype}; FSDP shards float32, "
+                                  "float64, float16 and bfloat16 parameters")
+            lst = by_key.setdefault((u, p.dtype), [])
+            off = sum(s.numel for s in lst)
+            lst.append(_Slot([f for f, _, _ in where], [(m, a) for _, m, a in where], p.shape, off))
+        keys = sorted(by_key, key=lambda k: (k[0], _dtype_name(k[1])))  # same order on every rank
+        return [_FlatGroup(u, dt, by_key[(u, dt)]) for u, dt in keys]
+
+    def shard_numel(self) -> int:
+        """Elements of the shards this rank stores (padding included), over all flat parameters."""
+        return sum(g.shard.numel() for g in self._groups)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module, gathering each unit's parameters around its forward.
+
+        Raises:
+            ConfigError: the group's world size or this rank's rank differs from the layout (see
+                "World size changes" in the module notes: reload a state dict).
+            PeerLostError, CollectiveTimeout: an all-gather failed; the module resets at the next
+                forward.
+        """
+        if self._backward_open:
+            self.reset()     # the previous backward failed half way
+        self._check_layout()
+        self._forward_id += 1
+        if torch.is_grad_enabled():
+            if not self._live and not self._pending:
+                self.last_gathers = 0
+                self.last_reduce_scatters = 0
+            self._round_epoch = getattr(self._pg, "epoch", None)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        except BaseException as exc:
+            log.warning("fsdp_forward_failed", error=type(exc).__name__, detail=str(exc))
+            self.reset()
+            raise
+
+    def _make_pre(self, u: int) -> Callable:
+        def pre(_module: torch.nn.Module, _args: Any) -> None:
+            training = torch.is_grad_enabled()
+            for g in self._unit_groups[u]:
+                gt = g.current
+                if gt is None or gt.forward_id != self._forward_id or gt.training != training:
+                    gt = _Gathered(g, self.world_size, self._forward_id, training)
+                    g.current = gt
+                self._gather(gt)
+                if gt.views is None:
+                    if training:
+                        gt.full.requires_grad_(True)
+                        gt.hook = gt.full.register_post_accumulate_grad_hook(
+                            lambda full, gt=gt: self._grad_ready(gt, full))
+                    chunks = torch.split(gt.full, g.split_sizes(self.world_size))
+                    gt.views = [c.view(s.shape) for c, s in zip(chunks, g.slots, strict=False)]
+                g.assign(gt.views)
+        return pre
+
+    def _make_post(self, u: int) -> Callable:
+        def post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+            for g in self._unit_groups[u]:
+                g.assign(None)
+                if g.current is not None:
+                    self._free(g.current)
+        return post
+
+    def _check_epoch(self) -> None:
+        epoch = getattr(self._pg, "epoch", None)
+        if self._round_epoch is not None and epoch is not None and epoch != self._round_epoch:
+            m = getattr(self._pg, "membership", None)
+            raise PeerLostError(f"membership changed during the step (epoch {self._round_epoch} -> "
+                                f"{epoch}); FSDP starts no collective in the new world",
+                                ranks=getattr(m, "lost", ()), epoch=epoch)
+
+    def _gather(self, gt: _Gathered) -> None:
+        """All-gather the shards into ``gt.full`` (blocking), unless it is gathered already."""
+        if gt.gathered:
+            return
+        self._check_epoch()
+        g = gt.group
+        gt.full.untyped_storage().resize_(gt.nbytes)
+        self._live.append(gt)
+        gt.gathered = True
+        try:
+            if self.world_size > 1:
+                self._pg.all_gather(gt.full.detach(), g.shard.detach(), **self._kw)
+            else:
+                gt.full.data.copy_(g.shard.data)   # .data: no version bump on saved views
+        except BaseException:
+            gt.poisoned = True
+            raise
+        self.last_gathers += 1
+
+    def _free(self, gt: _Gathered) -> None:
+        if gt.gathered and not gt.poisoned:
+            gt.full.untyped_storage().resize_(0)
+            gt.gathered = False
+            self._live.remove(gt)
+
+    # -- backward machinery ----------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.untyped_storage().nbytes():
+            ptr = t.untyped_storage().data_ptr()
+            for gt in self._live:
+                if gt.full.untyped_storage().data_ptr() == ptr:
+                    return (_SAVED, gt, t)
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, tuple) and len(packed) == 3 and packed[0] is _SAVED:
+            _, gt, t = packed
+            if not gt.gathered:
+                self._open_backward()
+                self._gather(gt)      # freed after forward (or after its gradient was reduced)
+            return t
+        return packed
+
+    def _open_backward(self) -> None:
+        if not self._backward_open:
+            self._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
+
+    def _grad_ready(self, gt: _Gathered, full: torch.Tensor) -> None:
+        self._open_backward()
+        grad = full.grad
+        full.grad = None
+        self._free(gt)
+        if grad is None:
+            return
+        self._wait_pending()          # at most one reduce-scatter in flight
+        self._check_epoch()
+        g = gt.group
+        out = torch.empty(g.shard_numel(self.world_size), dtype=g.dtype)   # fresh: never reused
+        if self.world_size > 1:
+            work = self._pg.reduce_scatter(out, grad.detach(), op=self.reduce_op, async_op=True,
+                                           **self._kw)
+        else:
+            out.copy_(grad.detach())
+            work = None
+        self._pending.append((work, out, grad, g))
+        self.last_reduce_scatters += 1
+
+    def _wait_pending(self) -> None:
+        while self._pending:
+            work, out, _grad, g = self._pending[0]
+            if work is not None:
+                work.wait()
+            self._pending.pop(0)
+            if g.shard.grad is None:
+                g.shard.grad = out
+            else:
+                g.shard.grad.add_(out)
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for the last reduce-scatter, add it to its shard's ``.grad`` and free every
+        gathered buffer.
+
+        Runs automatically at the end of ``loss.backward()``; does nothing when no backward is
+        under way.
+
+        Raises:
+            PeerLostError, CollectiveTimeout: the reduce-scatter failed; the module resets at the
+                next forward.
+        """
+        if not self._backward_open:
+            return
+        try:
+            self._wait_pending()
+        except BaseException as exc:
+            log.warning("fsdp_sync_failed", error=type(exc).__name__, detail=str(exc))
+            raise
+        for gt in list(self._live):
+            self._free(gt)
+        self._backward_open = False
+
+    def reset(self) -> None:
+        """Abandon a half-done forward or backward so the next step starts clean.
+
+        Called automatically by the next ``forward`` after a failure. Gathered buffers are freed,
+        except those a failed all-gather may still write (dropped, never reused); reduce-scatters
+        in flight are abandoned (their outputs were private buffers). The shards are untouched;
+        their ``.grad`` is left as it is: zero it before retrying.
+        """
+        poisoned = sum(gt.poisoned for gt in self._live)
+        for gt in list(self._live):
+            if gt.poisoned:
+                self._live.remove(gt)
+            else:
+                self._free(gt)
+        for g in self._groups:
+            g.current = None
+            g.assign(None)
+        self._pending.clear()
+        self._backward_open = False
+        log.info("fsdp_reset", buffers_dropped=poisoned)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _replicated(self) -> dict[str, torch.Tensor]:
+        """Buffers and frozen parameters, still registered on the module (state-dict names)."""
+        return dict(self.module.state_dict())
+
+    def _broadcast_replicated(self) -> None:
+        """Buffers and frozen parameters of rank 0 to every rank, in place."""
+        if self.world_size == 1:
+            return
+        sharded = {f for g in self._groups for s in g.slots for f in s.fqns}
+        for k, t in self.module.state_dict().items():
+            if t.numel() and k not in sharded:
+                with torch.no_grad():
+                    flat = t.detach().reshape(-1).clone()
+                    if flat.dtype == torch.bool:
+                        flat = flat.to(torch.uint8)
+                    self._pg.broadcast(flat, src=0, **self._kw)
+                    t.copy_(flat.view(t.shape).to(t.dtype))
+
+    def _check_layout(self) -> None:
+        """Raises ConfigError when the group's world size or rank differs from the layout."""
+        rank, world = _rank_world(self._pg)
+        if (world, rank) != (self.world_size, self.rank):
+            raise ConfigError(
+                f"the shards are laid out for world_size({self.world_size}) rank({self.rank}) but "
+                f"the group now has world_size({world}) rank({rank}); reload the state: "
+                "load_full_state_dict(full_state) on every rank (re-lays the shards out for this "
+                "world; drop the optimizer's state), or load_sharded_state_dict() saved at this "
+                "world size")
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole module's state dict, gathered: the keys ``module.state_dict()`` had before
+        wrapping, in that order, each a new CPU tensor of the parameter's shape and dtype.
+
+        A collective (one all-gather per flat parameter): every rank must call it. Each flat
+        parameter is gathered into a temporary buffer in turn, so besides the result at most one
+        ``[W * S]`` buffer is held.
+
+        Args:
+            rank0_only: only rank 0 gets the dict; the others get ``{}``.
+
+        Raises:
+            PeerLostError, CollectiveTimeout: an all-gather failed.
+        """
+        self._check_layout()
+        rank, world = self.rank, self.world_size
+        keep = rank == 0 or not rank0_only
+        out: dict[str, torch.Tensor] = {}
+        for g in self._groups:
+            full = torch.empty(world * g.shard_numel(world), dtype=g.dtype)
+            if world > 1:
+                self._pg.all_gather(full, g.shard.detach(), **self._kw)
+            else:
+                full.copy_(g.shard.detach())
+            if keep:
+                for s in g.slots:
+                    v = full[s.offset:s.offset + s.numel].view(s.shape)
+                    for fqn in s.fqns:
+                        out[fqn] = v.clone()
+        if not keep:
+            return {}
+        out.update({k: v.detach().clone() for k, v in self._replicated().items()})
+        order = {k: i for i, k in enumerate(self._key_order)}
+        return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Shard a full state dict (as :meth:`full_state_dict` gives it) for the group's current
+        world, in place. Not a collective: every rank passes the same dict.
+
+        When the group's world size or this rank's rank differs from the layout, the shards are
+        laid out again for the current world: the same ``Parameter`` objects, resized to the new
+        ``[S]``; drop the optimizer's state of the old layout (build a new optimizer or
+        ``optimizer.state.clear()``). Shards' gradients are cleared (``None``) in that case.
+
+        Args:
+            state_dict: parameter and buffer tensors by the names ``module.state_dict()`` had
+                before wrapping; any device and dtype convertible to the parameter's.
+            strict: refuse missing and unexpected keys.
+
+        Raises:
+            ConfigError: a key is missing or unexpected (with ``strict``); without ``strict``, a
+                parameter is missing while the shards must be laid out again; or a tensor's shape
+                differs from the parameter's (names the key and both shapes).
+        """
+        if not isinstance(state_dict, dict):
+            raise ConfigError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        known = {f for g in self._groups for s in g.slots for f in s.fqns}
+        repl = self._replicated()
+        if strict:
+            missing = sorted((known | set(repl)) - set(state_dict))
+            unexpected = sorted(set(state_dict) - known - set(repl))
+            if missing or unexpected:
+                raise ConfigError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
+                                  f"{unexpected}")
+        for k, v in state_dict.items():
+            ref = repl.get(k)
+            if ref is None:
+                ref_shape = next((s.shape for g in self._groups for s in g.slots if k in s.fqns), None)
+            else:
+                ref_shape = ref.shape
+            if ref_shape is not None and (not isinstance(v, torch.Tensor) or v.shape != ref_shape):
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ConfigError(f"load_full_state_dict: {k} has shape {got}, the module's has "
+                                  f"{tuple(ref_shape)}")
+        rank, world = _rank_world(self._pg)
+        relayout = (world, rank) != (self.world_size, self.rank)
+        if self._live or self._pending or self._backward_open:
+            self.reset()
+        for g in self._groups:
+            missing = [s for s in g.slots if s.fqns[0] not in state_dict]
+            if missing and relayout:
+                raise ConfigError(f"load_full_state_dict: the shards must be laid out for "
+                                  f"world_size({world}), but {[s.fqns[0] for s in missing]} are "
+                                  "missing")
+            src = [state_dict[s.fqns[0]].to(g.dtype) if s.fqns[0] in state_dict
+                   else torch.zeros(s.shape, dtype=g.dtype) for s in g.slots]
+            full = g.flatten(src, world)
+            S = g.shard_numel(world)
+            lo_r = rank * S
+            new = full[lo_r:lo_r + S].clone()
+            with torch.no_grad():
+                for s in missing:     # keep this rank's current values of what is not given
+                    lo, hi = max(s.offset, lo_r), min(s.offset + s.numel, lo_r + S)
+                    if lo < hi:
+                        new[lo - lo_r:hi - lo_r] = g.shard[lo - lo_r:hi - lo_r]
+                if relayout:
+                    g.shard.data = new
+                    g.shard.grad = None
+                else:
+                    g.shard.copy_(new)
+        rest = {k: v for k, v in state_dict.items() if k in repl}
+        if rest:
+            self.module.load_state_dict(rest, strict=False)
+        if relayout:
+            log.info("fsdp_relayout", world_size=world, previous=self.world_size, rank=rank)
+            self.rank, self.world_size = rank, world
+
+    def _layout(self) -> list[list[Any]]:
+        return [[g.name, g.numel, [f for s in g.slots for f in s.fqns]] for g in self._groups]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards and the replicated state, for ``rtxnet.checkpoint.save`` (one file
+        per rank). Not a collective. Plain values only (tensors, str, int, lists, dicts), so
+        ``torch.load(weights_only=True)`` reads it.
+
+        Returns:
+            ``{"format", "world_size", "rank", "layout", "shards": {flat name: [S] tensor},
+            "replicated": {name: tensor}}``; tensors are copies.
+        """
+        return {"format": FSDP_STATE_FORMAT, "world_size": self.world_size, "rank": self.rank,
+                "layout": self._layout(),
+                "shards": {g.name: g.shard.detach().clone() for g in self._groups},
+                "replicated": {k: v.detach().clone() for k, v in self._replicated().items()}}
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` returned on this rank, in place (not a
+        collective).
+
+        Raises:
+            ConfigError: not such a dict, or saved at another world size, rank or layout (names
+                both); load a full state dict instead to change the world size.
+        """
+        if not isinstance(state, dict) or state.get("format") != FSDP_STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"load_sharded_state_dict: format {got!r}, expected {FSDP_STATE_FORMAT!r}")
+        rank, world = _rank_world(self._pg)
+        if (state["world_size"], state["rank"]) != (world, rank) or (world, rank) != (self.world_size, self.rank):
+            raise ConfigError(
+                f"load_sharded_state_dict: saved at world_size({state['world_size']}) "
+                f"rank({state['rank']}), the group has world_size({world}) rank({rank}); load a "
+                "full state dict (load_full_state_dict) to change the world size")
+        if state["layout"] != self._layout():
+            raise ConfigError(f"load_sharded_state_dict: saved layout {state['layout']} differs "
+                              f"from this module's {self._layout()}")
+        if self._live or self._pending or self._backward_open:
+            self.reset()
+        with torch.no_grad():
+            for g in self._groups:
+                g.shard.copy_(state["shards"][g.name])
+        self.module.load_state_dict(state["replicated"], strict=False)
+
+    def remove_hooks(self) -> None:
+        """Detach the forward hooks (the wrapper stops gathering; the module is unusable)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+_SAVED = object()   # marks a saved tensor that views a gathered buffer
+
+
+def _check_cpu(module: torch.nn.Module) -> None:
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.device.type != "cpu":
+            raise ConfigError(f"{name} is on {t.device}; rtxnet FSDP takes CPU modules "
+                              "(module.to('cpu'))")
+
+
+def _select_units(module: torch.nn.Module, wrap: WrapPolicy) -> list[str]:
+    """Qualified names of the unit modules, root ``""`` first, in ``named_modules`` order.
+
+    Raises:
+        ConfigError: ``wrap`` is not None, a list of classes, a positive int or a callable.
+    """
+    if wrap is None:
+        return [""]
+    named = list(module.named_modules())
+    if isinstance(wrap, bool):
+        raise ConfigError(f"wrap({wrap!r}) must be None, a list of module classes, a positive "
+                          "int (minimum parameters per unit) or a callable(module, name)")
+    if isinstance(wrap, int):
+        if wrap < 1:
+            raise ConfigError(f"wrap({wrap!r}) as a minimum parameter count must be >= 1")
+        chosen: set[str] = set()
+        claimed: set[int] = set()
+        for name, m in reversed(named):      # children before parents: bottom-up
+            if name == "":
+                continue
+            free = [p for p in m.parameters() if p.requires_grad and id(p) not in claimed]
+            if sum(p.numel() for p in free) >= wrap:
+                chosen.add(name)
+                claimed.update(id(p) for p in free)
+        return [""] + [n for n, _ in named if n in chosen]
+    if callable(wrap) and not isinstance(wrap, type):
+        return [""] + [n for n, m in named if n and wrap(m, n)]
+    try:
+        classes = tuple(wrap)
+    except TypeError:
+        classes = ()
+    if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        raise ConfigError(f"wrap({wrap!r}) must be None, a list of module classes, a positive int "
+                          "(minimum parameters per unit) or a callable(module, name)")
+    return [""] + [n for n, m in named if n and isinstance(m, classes)]

@@ -1,0 +1,336 @@
+"""A rank of the FSDP tests, run under ``python -m rtxnet.launcher --nproc 4 --min-ranks 3``.
+
+    fsdp_worker.py OUT_DIR
+
+Every rank also computes the single-process reference itself (same seed, the whole global batch),
+so one launch checks equivalence without a second process. One launch runs every scenario; the
+fault-free ones write ``OUT_DIR/basic-rank<r>.json`` (4 ranks), then rank 3 dies inside a backward
+and the 3 survivors write ``OUT_DIR/fault-rank<r>.json``.
+
+Scenarios (basic):
+    avg_sgd     AVG, SGD with momentum, units = [Block]: losses, gradients and parameters against
+                one process; ranks start from different weights (the broadcast aligns them); a
+                parameter unused in forward; stored numel per rank.
+    sum_adam    SUM with uneven shares and loss weights, Adam, nested units [Block, Linear].
+    size_adam   AVG, Adam, a size-threshold wrap policy.
+    state       full_state_dict (rank 0 only and everywhere), load_full_state_dict into a fresh
+                wrapper, sharded_state_dict through rtxnet.checkpoint, and load at world size 2
+                (pg.new_group) followed by training that still matches one process.
+    errors      bad arguments: ConfigError naming the value.
+Scenario (fault):
+    fault       rank 3 dies at the start of step 2's backward; the survivors' backward raises
+                PeerLostError, the next forward ConfigError (layout for 4 ranks), they reload the
+                full state saved after step 1 and finish on 3 ranks, matching one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import rtxnet
+import rtxnet.checkpoint as ckpt
+from rtxnet.parallel.fsdp import FullyShardedDataParallel
+from rtxnet.sampler import ElasticDistributedSampler
+from tests.procs import leave_together
+
+D_IN, D_H, D_OUT = 12, 24, 5
+LOSS = torch.nn.functional.cross_entropy
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(D_H, D_H)
+        self.lin2 = torch.nn.Linear(D_H, D_H)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin2(torch.tanh(self.lin1(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(D_IN, D_H)
+        self.blocks = torch.nn.Sequential(Block(), Block())
+        self.never = torch.nn.Linear(D_H, D_OUT)      # used by no rank
+        self.head = torch.nn.Linear(D_H, D_OUT)
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x):
+        return self.head(self.blocks(torch.tanh(self.inp(x)))) * self.scale
+
+
+def make_net(seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def data(n: int, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, D_IN, generator=g), torch.randint(0, D_OUT, (n,), generator=g)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest element-wise relative difference (denominator floored at 1e-3)."""
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    return float(((a.double() - b.double()).abs() / b.double().abs().clamp_min(1e-3)).max())
+
+
+def sd_rel(a: dict, b: dict) -> float:
+    if list(a) != list(b):
+        return float("inf")
+    return max(rel(a[k], b[k]) for k in a)
+
+
+def grad_rel(fsdp: FullyShardedDataParallel, ref: torch.nn.Module) -> float:
+    """This rank's shard gradients against the slice of one process's gradients they stand for:
+    largest absolute difference over the largest reference magnitude, per flat parameter
+    (gradient elements near zero make an element-wise ratio measure float32 noise)."""
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    worst = 0.0
+    for g in fsdp._groups:
+        full = g.flatten([grads[s.fqns[0]] if grads[s.fqns[0]] is not None
+                          else torch.zeros(s.shape) for s in g.slots], fsdp.world_size)
+        S = g.shard_numel(fsdp.world_size)
+        mine = full[fsdp.rank * S:(fsdp.rank + 1) * S]
+        got = g.shard.grad if g.shard.grad is not None else torch.zeros(S)
+        worst = max(worst, float((got.double() - mine.double()).abs().max()
+                                 / mine.double().abs().max().clamp_min(1e-12)))
+    return worst
+
+
+def avg_sgd(pg, steps=5, per_rank=4):
+    W, r = pg.world_size, pg.rank
+    B = per_rank * W
+    x, y = data(B * steps)
+    ref = make_net(1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    net = make_net(1 if r == 0 else 100 + r)       # others differ: the broadcast fixes it
+    total = sum(p.numel() for p in net.parameters())
+    fsdp = FullyShardedDataParallel(net, pg, wrap=[Block])
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.2, momentum=0.9)
+    loss_rel, g_rel, gathers, rs = 0.0, 0.0, [], []
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        ref_loss = LOSS(ref(xb), yb)
+        ref_loss.backward()
+        opt.zero_grad()
+        loss = LOSS(fsdp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank])
+        loss.backward()
+        gathers.append(fsdp.last_gathers)
+        rs.append(fsdp.last_reduce_scatters)
+        g_rel = max(g_rel, grad_rel(fsdp, ref))
+        mean = loss.detach().reshape(1).clone()
+        pg.all_reduce(mean, op=rtxnet.ReduceOp.AVG)
+        loss_rel = max(loss_rel, rel(mean, ref_loss.detach().reshape(1)))
+        ref_opt.step()
+        opt.step()
+    full = fsdp.full_state_dict(rank0_only=False)
+    return {"avg_loss_rel": loss_rel, "avg_grad_rel": g_rel, "avg_param_rel": sd_rel(full, ref.state_dict()),
+            "avg_never_rel": rel(full["never.weight"], make_net(1).never.weight.detach()),
+            "avg_units": fsdp.units, "avg_gathers": gathers, "avg_reduce_scatters": rs,
+            "avg_stored_numel": fsdp.shard_numel(), "avg_total_numel": total,
+            "avg_flat_params": len(fsdp._groups),
+            "avg_views_outside_forward": [tuple(net.head.weight.shape), tuple(net.blocks[0].lin1.bias.shape)]}
+
+
+def sum_adam(pg, steps=4, B=10):
+    W, r = pg.world_size, pg.rank
+    x, y = data(B * steps, seed=7)
+    ref = make_net(2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    fsdp = FullyShardedDataParallel(make_net(2), pg, wrap=[Block, torch.nn.Linear],
+                                    reduce_op=rtxnet.ReduceOp.SUM)
+    opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+    sampler = ElasticDistributedSampler(B * steps, B, rank=r, world_size=W, shuffle=False)
+    g_rel = 0.0
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        b = sampler.next_batch()
+        idx = torch.from_numpy(b.indices)
+        opt.zero_grad()
+        (LOSS(fsdp(x[idx]), y[idx]) * b.loss_weight).backward()
+        g_rel = max(g_rel, grad_rel(fsdp, ref))
+        ref_opt.step()
+        opt.step()
+    never_grad_none = all(g.shard.grad is None for g in fsdp._groups
+                          if any(f.startswith("never.") for s in g.slots for f in s.fqns))
+    return {"sum_grad_rel": g_rel, "sum_local_n": b.local_n, "sum_units": fsdp.units,
+            "sum_param_rel": sd_rel(fsdp.full_state_dict(rank0_only=False), ref.state_dict()),
+            "sum_never_unit_grad_none": never_grad_none}
+
+
+def size_adam(pg, steps=3, per_rank=3):
+    W, r = pg.world_size, pg.rank
+    B = per_rank * W
+    x, y = data(B * steps, seed=8)
+    ref = make_net(3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    fsdp = FullyShardedDataParallel(make_net(3), pg, wrap=D_H * D_H)   # one Linear(D_H, D_H)
+    opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        LOSS(fsdp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
+        opt.step()
+    with torch.no_grad():      # eval: gathers and frees without autograd
+        same = rel(fsdp(x[:5]), ref(x[:5]))
+    return {"size_units": fsdp.units, "size_param_rel": sd_rel(fsdp.full_state_dict(rank0_only=False),
+                                                               ref.state_dict()),
+            "size_eval_rel": same}
+
+
+def state(pg, out: Path, steps=2, per_rank=3):
+    r = pg.rank
+    fsdp = FullyShardedDataParallel(make_net(4), pg, wrap=[Block])
+    only0 = fsdp.full_state_dict()                       # rank0_only
+    full = fsdp.full_state_dict(rank0_only=False)
+    ref_sd = make_net(4).state_dict()
+    res = {"state_rank0_only_keys": len(only0), "state_full_rel": sd_rel(full, ref_sd)}
+    other = FullyShardedDataParallel(make_net(50 + r), pg, wrap=[Block], init_sync=False)
+    other.load_full_state_dict(full)
+    res["state_load_full_rel"] = sd_rel(other.full_state_dict(rank0_only=False), ref_sd)
+    # per-rank shards through rtxnet.checkpoint, into a third wrapper
+    ckpt.save(out / "ckpt", 1, {"model": fsdp.sharded_state_dict()}, pg=pg)
+    loaded = ckpt.load(out / "ckpt", 1, pg=pg)
+    third = FullyShardedDataParallel(make_net(60 + r), pg, wrap=[Block], init_sync=False)
+    third.load_sharded_state_dict(loaded["model"])
+    res["state_sharded_rel"] = sd_rel(third.full_state_dict(rank0_only=False), ref_sd)
+    # another world size: groups of 2 ranks load the 4-rank full state and train on
+    # pg.new_group, not pg.split: the blocking split returns the raw async Group (see report)
+    sub = pg.new_group([2 * (r // 2), 2 * (r // 2) + 1])
+    two = FullyShardedDataParallel(make_net(70 + r), sub, wrap=[Block], init_sync=False)
+    try:
+        two.load_sharded_state_dict(fsdp.sharded_state_dict())
+        res["state_sharded_other_world_error"] = None
+    except rtxnet.ConfigError as exc:
+        res["state_sharded_other_world_error"] = str(exc)
+    two.load_full_state_dict(full)
+    ref = make_net(4)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = torch.optim.Adam(two.parameters(), lr=0.01)
+    B = per_rank * 2
+    x, y = data(B * steps, seed=9)
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        q = sub.rank
+        LOSS(two(xb[q * per_rank:(q + 1) * per_rank]), yb[q * per_rank:(q + 1) * per_rank]).backward()
+        opt.step()
+    res["state_world2_size"] = two.world_size
+    res["state_world2_stored_numel"] = two.shard_numel()
+    res["state_world2_rel"] = sd_rel(two.full_state_dict(rank0_only=False), ref.state_dict())
+    return res
+
+
+def errors(pg):
+    res = {}
+    cases = {
+        "wrap_str": lambda: FullyShardedDataParallel(make_net(5), pg, wrap="blocks"),
+        "wrap_zero": lambda: FullyShardedDataParallel(make_net(5), pg, wrap=0),
+        "reduce_op": lambda: FullyShardedDataParallel(make_net(5), pg, reduce_op=rtxnet.ReduceOp.MAX),
+        "timeout": lambda: FullyShardedDataParallel(make_net(5), pg, timeout_s=-1),
+        "module": lambda: FullyShardedDataParallel("net", pg),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            res[f"err_{name}"] = None
+        except rtxnet.ConfigError as exc:
+            res[f"err_{name}"] = str(exc)
+    fsdp = FullyShardedDataParallel(make_net(5), pg, init_sync=False)
+    sd = make_net(5).state_dict()
+    sd["head.weight"] = torch.zeros(3, 3)
+    try:
+        fsdp.load_full_state_dict(sd)
+        res["err_shape"] = None
+    except rtxnet.ConfigError as exc:
+        res["err_shape"] = str(exc)
+    return res
+
+
+def fault(pg, steps=4, B=12):
+    """Rank 3 dies as step 2's backward starts; survivors reload the full state and go on."""
+    r0 = pg.rank
+    x, y = data(B * steps, seed=10)
+    ref = make_net(6)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    fsdp = FullyShardedDataParallel(make_net(6), pg, wrap=[Block], reduce_op=rtxnet.ReduceOp.SUM)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    sampler = ElasticDistributedSampler(B * steps, B, rank=pg.rank, world_size=pg.world_size, shuffle=False)
+    saved = fsdp.full_state_dict(rank0_only=False)       # the "checkpoint" of the last good step
+    events = []
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        snapshot = sampler.state_dict()
+        while True:
+            sampler.set_world(pg.rank, pg.world_size)
+            b = sampler.next_batch()
+            idx = torch.from_numpy(b.indices)
+            opt.zero_grad()
+            try:
+                out = fsdp(x[idx])
+                if r0 == 3 and s == 2:
+                    out.register_hook(lambda _g: os._exit(0))
+                (LOSS(out, y[idx]) * b.loss_weight).backward()
+            except rtxnet.PeerLostError as exc:
+                events.append({"step": s, "error": "PeerLostError", "ranks": exc.ranks})
+                sampler.load_state_dict(snapshot)
+                continue
+            except rtxnet.ConfigError as exc:
+                events.append({"step": s, "error": "ConfigError", "world_size": pg.world_size,
+                               "names_sizes": "world_size(4)" in str(exc) and "world_size(3)" in str(exc)})
+                fsdp.load_full_state_dict(saved)               # re-lays out for 3 ranks
+                opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+                sampler.load_state_dict(snapshot)
+                continue
+            break
+        opt.step()
+        saved = fsdp.full_state_dict(rank0_only=False)
+    return {"fault_events": events, "fault_rel": sd_rel(saved, ref.state_dict()),
+            "fault_world": pg.world_size, "fault_layout_world": fsdp.world_size}
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    timeouts = rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120)
+    pg = rtxnet.init(timeouts=timeouts)
+    rank = pg.rank
+    torch.set_num_threads(1)
+    res: dict = {"rank": rank, "world_size": pg.world_size}
+    res.update(avg_sgd(pg))
+    res.update(sum_adam(pg))
+    res.update(size_adam(pg))
+    res.update(state(pg, out))
+    res.update(errors(pg))
+    (out / f"basic-rank{rank}.json").write_text(json.dumps(res))
+    pg.barrier()
+    res = {"rank": rank}
+    res.update(fault(pg))
+    (out / f"fault-rank{pg.rank}.json").write_text(json.dumps(res))
+    leave_together(pg, "fault", pg.rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
