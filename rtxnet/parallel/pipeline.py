@@ -1,0 +1,343 @@
+"""Pipeline parallelism for PyTorch modules over an rtxnet process group's ``send``/``recv``.
+
+Shapes legend: ``B`` batch, ``M`` micro-batches, ``b = B / M`` micro-batch size, ``S`` stages.
+
+The model is cut into ``S`` consecutive parts; rank ``s`` of the group (``S`` ranks) holds part
+``s`` in a :class:`PipelineStage`. A schedule splits the batch into ``M`` equal micro-batches along
+dimension 0; stage ``s`` receives each micro-batch's activation from stage ``s-1``, runs its part
+and sends the result to stage ``s+1``; the last stage computes the loss; gradients of the
+activations travel back the same way. Two schedules:
+
+- :class:`ScheduleGPipe` (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
+  Pipeline Parallelism", NeurIPS 2019): all ``M`` forwards, then all ``M`` backwards. A stage holds
+  the activations of all ``M`` micro-batches at once.
+- :class:`Schedule1F1B` (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training",
+  ICML 2021, the PipeDream-Flush schedule; also Megatron-LM's default): stage ``s`` runs
+  ``min(S-s-1, M)`` warm-up forwards, then alternates one forward and one backward, then drains
+  the remaining backwards. The same bubble as GPipe, but a stage holds at most ``min(S-s, M)``
+  micro-batches' activations.
+
+Both leave, in every stage's parameters, the gradients one process would get by running the whole
+model on the whole batch with the loss averaged over the micro-batches: each micro-batch's loss is
+scaled by ``1/M`` before its backward. For a loss that is a mean over the batch (the default
+``reduction="mean"``) and equal micro-batches, that is the whole batch's loss. Gradients are
+accumulated into ``param.grad`` (zero them between steps, as with ``loss.backward()``), and the
+optimizer step is the caller's. The loss is returned on the last stage (``None`` elsewhere).
+
+**Wire.** Activations are exchanged with a header, so no stage needs to know the shapes in advance
+and they may change from step to step (e.g. sequence length): before each activation, stage ``s``
+sends an int64 header ``[dtype code, requires_grad, ndim, d0, ..., d7]`` (at most 8 dimensions;
+dtypes in ``_DTYPES``). The gradient coming back has the activation's shape and dtype, known to
+the stage that sent it, so it travels without a header; it is sent only when the activation
+required a gradient (a stage that gets an input not requiring one sends nothing back). Tags encode
+``(step, micro-batch, message kind)``, the step counting the schedule calls made on this stage:
+every stage must call ``step`` the same number of times. A message a failed step left behind is
+never taken for one of a later step.
+
+**Deadlines and failures.** Every ``send`` and ``recv`` carries a deadline (``timeout_s``, else
+the group's ``Timeouts.op_s``). A lost peer raises :class:`~transport.errors.PeerLostError` and a
+stage that waits too long :class:`~transport.errors.CollectiveTimeout` (``exc.ranks`` names the
+stage it waited for); nothing hangs. Input checks run before anything is sent, on the rank that
+sees the bad value (stage 0 checks the input, the last stage the target), so the other stages then
+fail with ``CollectiveTimeout`` within their deadline. After a failure the step's gradients are
+partial: zero them before retrying. The number of stages is fixed at construction: a stage whose
+group no longer has ``S`` ranks raises ``ConfigError`` at the next step (re-partition the model).
+
+**Devices.** CPU modules and tensors (the group's CPU send/recv). One tensor flows between stages:
+the input of stage 0, each stage's output, and the target of the last stage are single tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import torch
+
+from transport.errors import ConfigError
+
+from .tensor import group_size
+
+__all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "MAX_NDIM"]
+
+log = structlog.get_logger(__name__)
+
+MAX_NDIM = 8   # dimensions an activation may have (the header's fixed size)
+
+# Header codes of the dtypes an activation may have; the order is the wire contract.
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+# Message kinds (low bits of the tag).
+_FWD_HEADER, _FWD_DATA, _BWD_GRAD = 0, 1, 2
+_MAX_MICRO = 1 << 20
+
+
+def _tag(step: int, micro: int, kind: int) -> int:
+    return ((step % (1 << 36)) * _MAX_MICRO + micro) * 4 + kind
+
+
+class PipelineStage:
+    """This rank's part of a model cut into ``S`` consecutive stages; stage ``s`` = rank ``s`` of
+    ``pg``.
+
+    Args:
+        module: the part: takes one tensor (the previous stage's output, or the model input on
+            stage 0) and returns one tensor. CPU parameters.
+        pg: the pipeline group: a :class:`rtxnet.BlockingProcessGroup` or a subgroup from its
+            ``new_group`` (stage ``s`` is the subgroup's rank ``s``).
+        num_stages: the number of parts the model was cut into; checked against the group size
+            (``None``: the group size).
+
+    Raises:
+        ConfigError: ``module`` is not a ``torch.nn.Module``; ``num_stages`` differs from the
+            group size (names both).
+
+    Attributes:
+        module, stage_index, num_stages, is_first, is_last.
+    """
+
+    def __init__(self, module: torch.nn.Module, pg: Any, *, num_stages: int | None = None):
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        size = group_size(pg)
+        if num_stages is not None and (isinstance(num_stages, bool) or num_stages != size):
+            raise ConfigError(f"num_stages({num_stages!r}) != pipeline group size({size}): "
+                              "stage s runs on rank s of the group, one stage per rank")
+        self.module = module
+        self._pg = pg
+        self.num_stages = size
+        self.stage_index = int(pg.rank)
+        self.is_first = self.stage_index == 0
+        self.is_last = self.stage_index == size - 1
+        self._steps = 0
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def check_world(self) -> None:
+        """Raises ``ConfigError`` when the group no longer has ``num_stages`` ranks."""
+        now = group_size(self._pg)
+        if now != self.num_stages:
+            raise ConfigError(f"pipeline built for {self.num_stages} stages; its group now has "
+                              f"{now} ranks: re-partition the model")
+
+    # -- wire --------------------------------------------------------------------------------
+
+    def _send_activation(self, y: torch.Tensor, step: int, m: int, timeout_s: float | None) -> None:
+        if not isinstance(y, torch.Tensor):
+            raise ConfigError(f"stage {self.stage_index} returned {type(y).__name__}; a pipeline "
+                              "stage returns one tensor")
+        if y.dtype not in _CODE or y.dim() > MAX_NDIM:
+            raise ConfigError(f"stage {self.stage_index} output dtype({y.dtype}) / ndim({y.dim()}): "
+                              f"the pipeline carries {len(_DTYPES)} dtypes ({_DTYPES}) and at most "
+                              f"{MAX_NDIM} dimensions")
+        header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
+        header[0], header[1], header[2] = _CODE[y.dtype], int(y.requires_grad), y.dim()
+        header[3:3 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        dst = self.stage_index + 1
+        kw = _kw(timeout_s)
+        self._pg.send(header, dst, _tag(step, m, _FWD_HEADER), **kw)
+        self._pg.send(y.detach().contiguous(), dst, _tag(step, m, _FWD_DATA), **kw)
+
+    def _recv_activation(self, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
+        src = self.stage_index - 1
+        kw = _kw(timeout_s)
+        header = torch.empty(3 + MAX_NDIM, dtype=torch.int64)
+        self._pg.recv(header, src, _tag(step, m, _FWD_HEADER), **kw)
+        code, needs_grad, ndim = (int(v) for v in header[:3])
+        if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
+            raise ConfigError(f"stage {self.stage_index}: malformed activation header "
+                              f"{header.tolist()} from stage {src}")
+        x = torch.empty(header[3:3 + ndim].tolist(), dtype=_DTYPES[code])
+        self._pg.recv(x, src, _tag(step, m, _FWD_DATA), **kw)
+        return x.requires_grad_(bool(needs_grad))
+
+    def _send_grad(self, g: torch.Tensor, step: int, m: int, timeout_s: float | None) -> None:
+        self._pg.send(g.contiguous(), self.stage_index - 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
+
+    def _recv_grad(self, like: torch.Tensor, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
+        g = torch.empty(like.shape, dtype=like.dtype)
+        self._pg.recv(g, self.stage_index + 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
+        return g
+
+
+def _kw(timeout_s: float | None) -> dict[str, float]:
+    return {} if timeout_s is None else {"timeout": timeout_s}
+
+
+class PipelineSchedule:
+    """What both schedules share: micro-batching, one forward, one backward, the loss.
+
+    Args:
+        stage: this rank's :class:`PipelineStage`.
+        n_microbatches: ``M >= 1``; may be smaller than the number of stages (more bubble).
+        loss_fn: ``loss_fn(output, target) -> scalar tensor`` of one micro-batch, used on the last
+            stage (e.g. ``torch.nn.functional.cross_entropy``); a mean over the micro-batch gives
+            the one-process result (module notes).
+        timeout_s: deadline in seconds of each send and recv; ``None`` uses the group's.
+
+    Raises:
+        ConfigError: ``n_microbatches`` not an int in ``1 .. 2**20``, ``loss_fn`` not callable, a bad
+            ``timeout_s``; names the value.
+
+    Attributes:
+        trace: after a step, this stage's operations in order, ``"F3"`` the forward and ``"B3"``
+            the backward of micro-batch 3.
+        peak_in_flight: after a step, the most micro-batches whose activations this stage held at
+            once (``M`` for GPipe, ``min(S - s, M)`` for 1F1B).
+        last_output: on the last stage after a step, its outputs of every micro-batch concatenated
+            along dimension 0, detached (``[B, ...]``); None elsewhere.
+    """
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                 timeout_s: float | None = None):
+        if not isinstance(stage, PipelineStage):
+            raise ConfigError(f"stage must be a PipelineStage, got {type(stage).__name__}")
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or not 1 <= n_microbatches <= _MAX_MICRO:
+            raise ConfigError(f"n_microbatches({n_microbatches!r}) must be an int in 1..{_MAX_MICRO}")
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn({loss_fn!r}) must be callable")
+        if timeout_s is not None and not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+                                          and timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
+        self.stage = stage
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.timeout_s = timeout_s
+        self.trace: list[str] = []
+        self.peak_in_flight = 0
+        self.last_output: torch.Tensor | None = None
+
+    def step(self, input: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run forward and backward of one batch through the pipeline.
+
+        Call it on every stage, the same number of times.
+
+        Args:
+            input: stage 0: the batch ``[B, ...]``, ``B`` divisible by ``M``; ignored elsewhere.
+            target: last stage: ``[B, ...]``, split like the input; ignored elsewhere.
+
+        Returns:
+            On the last stage, the loss averaged over the micro-batches (a detached 0-d tensor);
+            None on the others. ``param.grad`` of this stage's parameters is accumulated in place.
+
+        Raises:
+            ConfigError: a missing input (stage 0) or target (last stage), a batch not divisible
+                by ``M`` (names both), a stage output that is not one tensor of a carried dtype,
+                or a group whose size changed.
+            PeerLostError: a stage was lost during the step.
+            CollectiveTimeout: a stage did not send in time (``exc.ranks`` names it).
+            CollectiveMismatchError: a message of the wrong shape or dtype arrived.
+        """
+        st = self.stage
+        # Counted before any check: a step that fails on one stage still counts on all of them,
+        # so their tags stay aligned for the next step.
+        step_no = st._steps
+        st._steps += 1
+        st.check_world()
+        M = self.n_microbatches
+        xs = self._split("input", input, M) if st.is_first else [None] * M
+        ts = self._split("target", target, M) if st.is_last else [None] * M
+        self.trace = []
+        self.peak_in_flight = 0
+        self._held: dict[int, tuple[Any, Any]] = {}
+        self._losses: list[torch.Tensor] = []
+        self._outputs: list[torch.Tensor] = []
+        self._xs, self._ts, self._step_no = xs, ts, step_no
+        try:
+            self._run(M)
+        except BaseException as exc:
+            log.warning("pipeline_step_failed", stage=st.stage_index, step=step_no,
+                        error=type(exc).__name__, detail=str(exc))
+            raise
+        finally:
+            self._held = {}
+            self._xs = self._ts = []
+        if not st.is_last:
+            self.last_output = None
+            return None
+        self.last_output = torch.cat(self._outputs)
+        self._outputs = []
+        return torch.stack(self._losses).sum()
+
+    def _run(self, M: int) -> None:
+        raise NotImplementedError
+
+    def _split(self, what: str, t: torch.Tensor | None, M: int) -> list[torch.Tensor]:
+        s = self.stage.stage_index
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"stage {s} needs the {what} tensor, got {type(t).__name__}")
+        if t.dim() == 0 or t.shape[0] % M:
+            B = t.shape[0] if t.dim() else "0-d"
+            raise ConfigError(f"{what} batch({B}) is not divisible by n_microbatches({M})")
+        return list(t.split(t.shape[0] // M))
+
+    def _forward(self, m: int) -> None:
+        st, kw = self.stage, self.timeout_s
+        x = self._xs[m] if st.is_first else st._recv_activation(self._step_no, m, kw)
+        y = st.module(x)
+        if st.is_last:
+            if not isinstance(y, torch.Tensor):
+                raise ConfigError(f"stage {st.stage_index} returned {type(y).__name__}; a "
+                                  "pipeline stage returns one tensor")
+            self._outputs.append(y.detach())
+            loss = self.loss_fn(y, self._ts[m]) / self.n_microbatches
+            self._losses.append(loss.detach())
+            self._held[m] = (x, loss)
+        else:
+            st._send_activation(y, self._step_no, m, kw)
+            self._held[m] = (x, y)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._held))
+        self.trace.append(f"F{m}")
+
+    def _backward(self, m: int) -> None:
+        st, kw = self.stage, self.timeout_s
+        x, y = self._held.pop(m)
+        if st.is_last:
+            y.backward()
+        elif y.requires_grad:
+            torch.autograd.backward(y, st._recv_grad(y, self._step_no, m, kw))
+        if not st.is_first and x.requires_grad:
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            st._send_grad(g, self._step_no, m, kw)
+        self.trace.append(f"B{m}")
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: the forwards of all ``M`` micro-batches, then their backwards, in order.
+
+    Arguments, returns and errors as :class:`PipelineSchedule`. Holds ``M`` micro-batches'
+    activations at once.
+    """
+
+    def _run(self, M: int) -> None:
+        for m in range(M):
+            self._forward(m)
+        for m in range(M):
+            self._backward(m)
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B (PipeDream-Flush): ``min(S-s-1, M)`` warm-up forwards on stage ``s``, then one forward
+    and one backward in turn, then the remaining backwards.
+
+    Arguments, returns and errors as :class:`PipelineSchedule`. Holds at most ``min(S-s, M)``
+    micro-batches' activations. Sends do not wait for the receiver (the group queues them), so the
+    order cannot deadlock.
+    """
+
+    def _run(self, M: int) -> None:
+        st = self.stage
+        warmup = min(st.num_stages - st.stage_index - 1, M)
+        for m in range(warmup):
+            self._forward(m)
+        for m in range(M - warmup):
+            self._forward(m + warmup)
+            self._backward(m)
+        for m in range(M - warmup, M):
+            self._backward(m)

@@ -1,0 +1,450 @@
+"""Tensor parallelism for PyTorch linear layers over an rtxnet process group (Megatron style).
+
+Shapes legend: ``B`` batch dimensions (any number, ``*``), ``I`` in_features, ``O`` out_features,
+``W`` ranks of the tensor-parallel group, ``r`` this rank's index in it.
+
+The two layers and their composition follow Shoeybi et al., "Megatron-LM: Training Multi-Billion
+Parameter Language Models Using Model Parallelism" (2019), section 3:
+
+- :class:`ColumnParallelLinear` splits the weight ``[O, I]`` along the **output** dimension: rank
+  ``r`` holds rows ``r*O/W .. (r+1)*O/W`` (``weight_OlI`` with ``Ol = O/W``) and the matching bias
+  slice, and computes its slice of the output. Its input is used whole on every rank, so backward
+  all-reduces (sums) the input gradient (Megatron's ``f``). With ``gather_output=True`` the output
+  slices are all-gathered into the full ``[*, O]`` (backward keeps this rank's slice of the
+  gradient); with ``gather_output=False`` the output stays split, ``[*, O/W]``, ready for a
+  row-parallel layer.
+- :class:`RowParallelLinear` splits the weight along the **input** dimension: rank ``r`` holds
+  columns ``r*I/W .. (r+1)*I/W``. Each rank multiplies its slice of the input and the partial
+  products are all-reduced (Megatron's ``g``); the bias, whole on every rank, is added once after
+  the sum. With ``input_is_parallel=True`` the input is already split (``[*, I/W]``, the output of
+  a column-parallel layer with ``gather_output=False``); otherwise the full ``[*, I]`` is taken
+  and this rank keeps its slice (backward all-gathers the gradient).
+
+An MLP ``down(act(up(x)))`` sharded column-then-row (:func:`shard_mlp`) needs one all-reduce in
+forward and one in backward, and no communication between the two layers.
+
+The collectives are wrapped in ``torch.autograd.Function`` pairs, each the other's transpose:
+
+=====================  =======================  ==========================
+function               forward                  backward
+=====================  =======================  ==========================
+copy_to_parallel       identity                 all-reduce (SUM)
+reduce_from_parallel   all-reduce (SUM)         identity
+gather_from_parallel   all-gather, last dim     keep this rank's slice
+scatter_to_parallel    keep this rank's slice   all-gather, last dim
+=====================  =======================  ==========================
+
+**Matching one process.** Every rank must run the same computation on the same input (the same
+data and the same seed; tensor parallelism replicates the batch, it does not split it). A layer
+built with :meth:`ColumnParallelLinear.from_linear` / :meth:`RowParallelLinear.from_linear` holds
+exact slices of the given ``nn.Linear``; one built from sizes initialises the **full** weight
+with ``torch.nn.Linear``'s own initialisation from the current torch RNG state and keeps its
+slice, as Megatron's ``_initialize_affine_weight_cpu`` does, so ranks seeded alike hold slices of
+the very layer ``torch.manual_seed(s); nn.Linear(I, O)`` would build in one process (the full
+weight exists on each rank while it is built). Outputs and gradients then match one process up
+to float rounding of the summation order; the gradients of the column layer's weight and bias and
+of the row layer's weight are the slices of the single-process gradients, the row layer's bias
+gradient is the whole one, on every rank.
+
+**Devices.** CPU tensors (rtxnet's CPU collectives carry them); parameters keep the dtype and
+device of the layer they came from. The layers run on CUDA tensors too where the process group
+has its GPU path, untested here.
+
+**Failures.** The collectives use the group's deadline (``timeout_s`` overrides it). A peer lost or
+a timeout raises :class:`~transport.errors.PeerLostError` or
+:class:`~transport.errors.CollectiveTimeout` from ``forward`` or from ``loss.backward()`` (autograd
+re-raises an error of a custom Function's backward unchanged). The shards are fixed when the layer
+is built: a layer whose group no longer has the size it was built for raises ``ConfigError`` at
+its next forward (rebuild it from the full weights, e.g. from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from transport.errors import ConfigError
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_mlp", "copy_to_parallel",
+           "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel"]
+
+log = structlog.get_logger(__name__)
+
+
+def group_size(pg: Any) -> int:
+    """Ranks in ``pg``: ``world_size`` of a process group, ``size`` of a subgroup (``new_group``)."""
+    ws = getattr(pg, "world_size", None)
+    return int(ws if ws is not None else pg.size)
+
+
+def _kw(timeout_s: float | None) -> dict[str, float]:
+    return {} if timeout_s is None else {"timeout": timeout_s}
+
+
+def _all_reduce(x: torch.Tensor, pg: Any, timeout_s: float | None) -> torch.Tensor:
+    out = x.detach().contiguous().clone()
+    if group_size(pg) > 1:
+        pg.all_reduce(out, **_kw(timeout_s))
+    return out
+
+
+def _all_gather_last(x: torch.Tensor, pg: Any, timeout_s: float | None) -> torch.Tensor:
+    """``[*, n]`` from every rank -> ``[*, W * n]``, rank k's part at columns ``k*n .. (k+1)*n``."""
+    W = group_size(pg)
+    if W == 1:
+        return x.detach().clone()
+    x = x.detach().contiguous()
+    out_WBn = torch.empty((W, *x.shape), dtype=x.dtype, device=x.device)
+    pg.all_gather(out_WBn, x, **_kw(timeout_s))
+    return torch.cat(out_WBn.unbind(0), dim=-1)
+
+
+def _my_slice_last(x: torch.Tensor, pg: Any) -> torch.Tensor:
+    W = group_size(pg)
+    n = x.shape[-1]
+    if n % W:
+        raise ConfigError(f"last dimension({n}) is not divisible by the group size({W})")
+    k = n // W
+    return x[..., pg.rank * k:(pg.rank + 1) * k].contiguous()
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, timeout_s):
+        ctx.pg, ctx.timeout_s = pg, timeout_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.pg, ctx.timeout_s), None, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, timeout_s):
+        return _all_reduce(x, pg, timeout_s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, timeout_s):
+        ctx.pg = pg
+        return _all_gather_last(x, pg, timeout_s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_slice_last(grad, ctx.pg), None, None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, timeout_s):
+        ctx.pg, ctx.timeout_s = pg, timeout_s
+        return _my_slice_last(x, pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last(grad, ctx.pg, ctx.timeout_s), None, None
+
+
+def copy_to_parallel(x: torch.Tensor, pg: Any, timeout_s: float | None = None) -> torch.Tensor:
+    """Identity in forward; all-reduce (SUM) of the gradient over ``pg`` in backward.
+
+    Args:
+        x: any shape and float dtype, CPU; the same on every rank.
+        pg: the tensor-parallel group (a process group or a ``new_group`` subgroup).
+        timeout_s: deadline of the backward all-reduce; ``None`` uses the group's.
+
+    Raises (in backward):
+        PeerLostError, CollectiveTimeout: the all-reduce failed.
+    """
+    return _CopyToParallel.apply(x, pg, timeout_s)
+
+
+def reduce_from_parallel(x: torch.Tensor, pg: Any, timeout_s: float | None = None) -> torch.Tensor:
+    """All-reduce (SUM) over ``pg`` in forward, into a new tensor; identity in backward.
+
+    Args:
+        x: any shape, same shape and dtype on every rank, CPU; not modified.
+
+    Raises:
+        PeerLostError, CollectiveTimeout, CollectiveMismatchError: the all-reduce failed.
+    """
+    return _ReduceFromParallel.apply(x, pg, timeout_s)
+
+
+def gather_from_parallel(x: torch.Tensor, pg: Any, timeout_s: float | None = None) -> torch.Tensor:
+    """All-gather along the last dimension in forward (``[*, n]`` -> ``[*, W*n]``, in rank
+    order); backward keeps this rank's slice of the gradient.
+
+    Raises:
+        PeerLostError, CollectiveTimeout, CollectiveMismatchError: the all-gather failed.
+    """
+    return _GatherFromParallel.apply(x, pg, timeout_s)
+
+
+def scatter_to_parallel(x: torch.Tensor, pg: Any, timeout_s: float | None = None) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension in forward (``[*, W*n]`` -> ``[*, n]``);
+    backward all-gathers the gradient.
+
+    Raises:
+        ConfigError: the last dimension is not divisible by the group size (names both).
+        PeerLostError, CollectiveTimeout: the backward all-gather failed.
+    """
+    return _ScatterToParallel.apply(x, pg, timeout_s)
+
+
+def _check_split(what: str, n: int, W: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{what}({n!r}) must be a positive int")
+    if n % W:
+        raise ConfigError(f"{what}({n}) is not divisible by the tensor-parallel group size({W})")
+    return n // W
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    if timeout_s is not None and not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+                                      and timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
+
+
+def _full_linear(in_features: int, out_features: int, bias: bool, device: Any, dtype: Any) -> torch.nn.Linear:
+    return torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+
+class _ParallelLinear(torch.nn.Module):
+    """What the two layers share: the group, its size at build time, the deadline."""
+
+    def __init__(self, pg: Any, timeout_s: float | None):
+        super().__init__()
+        _check_timeout(timeout_s)
+        self._pg = pg
+        self.world_size = group_size(pg)
+        self.rank = int(pg.rank)
+        self.timeout_s = timeout_s
+
+    def _check_world(self) -> None:
+        now = group_size(self._pg)
+        if now != self.world_size:
+            raise ConfigError(f"{type(self).__name__} was sharded over {self.world_size} ranks and "
+                              f"its group now has {now}: rebuild it from the full weights")
+
+    @staticmethod
+    def _check_linear(linear: Any) -> None:
+        if not isinstance(linear, torch.nn.Linear):
+            raise ConfigError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x A^T + b`` with ``A`` (``[O, I]``) split along the output dimension over ``pg``.
+
+    Args:
+        in_features: ``I``.
+        out_features: ``O``; must be divisible by the group size ``W``.
+        pg: the tensor-parallel group: a :class:`rtxnet.BlockingProcessGroup` or a subgroup from
+            its ``new_group``; rank ``r`` of it holds shard ``r``.
+        bias: learn a bias (``[O/W]`` here).
+        gather_output: all-gather the output to ``[*, O]`` (default, the layer then replaces an
+            ``nn.Linear``); False leaves ``[*, O/W]`` for a :class:`RowParallelLinear` with
+            ``input_is_parallel=True``.
+        timeout_s: deadline of each collective in seconds; ``None`` uses the group's.
+        device, dtype: of the parameters (as ``nn.Linear``).
+
+    The full ``nn.Linear(I, O)`` is initialised from the current torch RNG state on every rank and
+    this rank's slice kept (see the module notes): seed every rank alike.
+
+    Raises:
+        ConfigError: ``O`` not divisible by ``W``, a size that is not a positive int, or a bad
+            ``timeout_s``; the message names the values.
+
+    Attributes:
+        weight: ``[O/W, I]``, rows ``r*O/W .. (r+1)*O/W`` of the full weight.
+        bias: ``[O/W]`` or None.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pg: Any, *, bias: bool = True,
+                 gather_output: bool = True, timeout_s: float | None = None, device: Any = None,
+                 dtype: Any = None, _full: torch.nn.Linear | None = None):
+        super().__init__(pg, timeout_s)
+        _check_split("in_features", in_features, 1)
+        shard = _check_split("out_features", out_features, self.world_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = shard
+        self.gather_output = bool(gather_output)
+        full = _full if _full is not None else _full_linear(in_features, out_features, bias, device, dtype)
+        rows = slice(self.rank * shard, (self.rank + 1) * shard)
+        self.weight = torch.nn.Parameter(full.weight.detach()[rows].clone(),
+                                         requires_grad=full.weight.requires_grad)
+        if full.bias is not None:
+            self.bias = torch.nn.Parameter(full.bias.detach()[rows].clone(),
+                                           requires_grad=full.bias.requires_grad)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, pg: Any, *, gather_output: bool = True,
+                    timeout_s: float | None = None) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (copied; ``linear`` is not modified).
+
+        Args:
+            linear: the full layer, identical on every rank (e.g. built after the same seed or
+                loaded from the same checkpoint); its dtype, device and ``requires_grad`` are
+                kept.
+
+        Raises:
+            ConfigError: ``linear`` is not an ``nn.Linear``, or its ``out_features`` is not
+                divisible by the group size (names both).
+        """
+        cls._check_linear(linear)
+        return cls(linear.in_features, linear.out_features, pg, bias=linear.bias is not None,
+                   gather_output=gather_output, timeout_s=timeout_s, _full=linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[*, I]``, identical on every rank. Returns ``[*, O]`` (``gather_output``) or
+        ``[*, O/W]``.
+
+        Raises:
+            ValueError: ``x``'s last dimension is not ``I`` (names both).
+            ConfigError: the group's size changed since the layer was built.
+            PeerLostError, CollectiveTimeout: a collective failed (also from backward).
+        """
+        self._check_world()
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"ColumnParallelLinear: input last dimension({x.shape[-1]}) != "
+                             f"in_features({self.in_features})")
+        x = copy_to_parallel(x, self._pg, self.timeout_s)
+        y_BOl = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            return gather_from_parallel(y_BOl, self._pg, self.timeout_s)
+        return y_BOl
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.out_per_rank} on rank {self.rank} of {self.world_size}), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x A^T + b`` with ``A`` (``[O, I]``) split along the input dimension over ``pg``.
+
+    Args:
+        in_features: ``I``; must be divisible by the group size ``W``.
+        out_features: ``O``.
+        pg: the tensor-parallel group (as :class:`ColumnParallelLinear`).
+        bias: learn a bias, whole (``[O]``) on every rank, added after the all-reduce.
+        input_is_parallel: the input is already this rank's slice ``[*, I/W]`` (the output of a
+            :class:`ColumnParallelLinear` with ``gather_output=False``); False (default) takes
+            the full ``[*, I]`` and slices it here.
+        timeout_s, device, dtype: as :class:`ColumnParallelLinear`.
+
+    Raises:
+        ConfigError: ``I`` not divisible by ``W``, a size that is not a positive int, or a bad
+            ``timeout_s``; the message names the values.
+
+    Attributes:
+        weight: ``[O, I/W]``, columns ``r*I/W .. (r+1)*I/W`` of the full weight.
+        bias: ``[O]`` or None.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pg: Any, *, bias: bool = True,
+                 input_is_parallel: bool = False, timeout_s: float | None = None,
+                 device: Any = None, dtype: Any = None, _full: torch.nn.Linear | None = None):
+        super().__init__(pg, timeout_s)
+        shard = _check_split("in_features", in_features, self.world_size)
+        _check_split("out_features", out_features, 1)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = shard
+        self.input_is_parallel = bool(input_is_parallel)
+        full = _full if _full is not None else _full_linear(in_features, out_features, bias, device, dtype)
+        cols = slice(self.rank * shard, (self.rank + 1) * shard)
+        self.weight = torch.nn.Parameter(full.weight.detach()[:, cols].clone(),
+                                         requires_grad=full.weight.requires_grad)
+        if full.bias is not None:
+            self.bias = torch.nn.Parameter(full.bias.detach().clone(),
+                                           requires_grad=full.bias.requires_grad)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, pg: Any, *, input_is_parallel: bool = False,
+                    timeout_s: float | None = None) -> RowParallelLinear:
+        """This rank's shard of ``linear`` (copied; ``linear`` is not modified).
+
+        Raises:
+            ConfigError: ``linear`` is not an ``nn.Linear``, or its ``in_features`` is not
+                divisible by the group size (names both).
+        """
+        cls._check_linear(linear)
+        return cls(linear.in_features, linear.out_features, pg, bias=linear.bias is not None,
+                   input_is_parallel=input_is_parallel, timeout_s=timeout_s, _full=linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[*, I/W]`` (``input_is_parallel``) or ``[*, I]`` identical on every rank.
+        Returns ``[*, O]``, identical on every rank.
+
+        Raises:
+            ValueError: ``x``'s last dimension is not the expected one (names both).
+            ConfigError: the group's size changed since the layer was built.
+            PeerLostError, CollectiveTimeout: a collective failed (also from backward).
+        """
+        self._check_world()
+        want = self.in_per_rank if self.input_is_parallel else self.in_features
+        if x.shape[-1] != want:
+            what = "in_features/W" if self.input_is_parallel else "in_features"
+            raise ValueError(f"RowParallelLinear: input last dimension({x.shape[-1]}) != "
+                             f"{what}({want})")
+        if not self.input_is_parallel:
+            x = scatter_to_parallel(x, self._pg, self.timeout_s)
+        y_BO = reduce_from_parallel(F.linear(x, self.weight), self._pg, self.timeout_s)
+        return y_BO + self.bias if self.bias is not None else y_BO
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.in_per_rank} on rank {self.rank} of "
+                f"{self.world_size}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
+              timeout_s: float | None = None) -> torch.nn.Module:
+    """Shard an MLP ``down(act(up(x)))`` over ``pg``, in place: column-parallel ``up`` (output
+    left split), row-parallel ``down`` (input taken split).
+
+    Whatever runs between the two (an element-wise activation, dropout with a rank-independent
+    mask aside) sees only this rank's ``[*, H/W]`` slice of the hidden layer, so it must act
+    element-wise. The module's output and gradients match the unsharded module (module notes).
+
+    Args:
+        module: holds both layers; replaced in place, and returned.
+        pg: the tensor-parallel group.
+        up, down: dotted names of the two ``nn.Linear`` submodules (``"fc1"``, ``"mlp.0"``).
+        timeout_s: as :class:`ColumnParallelLinear`.
+
+    Raises:
+        ConfigError: a name that is not an ``nn.Linear`` submodule, or the hidden size (``up``'s
+            out_features) not divisible by the group size; names them.
+    """
+    layers = {}
+    for role, name in (("up", up), ("down", down)):
+        try:
+            sub = module.get_submodule(name)
+        except AttributeError as exc:
+            raise ConfigError(f"shard_mlp: {role}({name!r}) is not a submodule: {exc}") from exc
+        if not isinstance(sub, torch.nn.Linear):
+            raise ConfigError(f"shard_mlp: {role}({name!r}) is a {type(sub).__name__}, not an nn.Linear")
+        layers[role] = sub
+    col = ColumnParallelLinear.from_linear(layers["up"], pg, gather_output=False, timeout_s=timeout_s)
+    row = RowParallelLinear.from_linear(layers["down"], pg, input_is_parallel=True, timeout_s=timeout_s)
+    for name, new in ((up, col), (down, row)):
+        parent_name, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, leaf, new)
+    log.debug("tp_mlp_sharded", up=up, down=down, world_size=col.world_size, rank=col.rank)
+    return module

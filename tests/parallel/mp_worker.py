@@ -1,0 +1,305 @@
+"""A rank of the tensor- and pipeline-parallel tests, run under ``python -m rtxnet.launcher``.
+
+    mp_worker.py OUT_DIR tp|pp
+
+Every rank builds the whole model from the same seed and computes the single-process reference
+itself, so one launch checks equivalence without a second process. Each 4-rank launch runs every
+scenario twice: on the world (4 ranks) and on two pairs from ``new_group`` (2 ranks each, ranks
+{0, 1} and {2, 3}). Each rank writes ``OUT_DIR/<scenario>-rank<r>.json`` (``r`` the rank as
+launched) with the measured relative differences, schedule traces and error messages.
+
+Scenarios:
+    tp   column-then-row MLP (``shard_mlp``), a column layer with and without ``gather_output``,
+         a row layer taking the full input, layers built from sizes under a seed, bad sizes.
+    pp   GPipe and 1F1B for several micro-batch counts (fewer than the stages included), two
+         optimizer steps, bad arguments, a peer that never sends (CollectiveTimeout), and last
+         rank 3 dying while rank 2 waits for it (PeerLostError; launch with --min-ranks 3).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import rtxnet
+from rtxnet.parallel import (
+    ColumnParallelLinear,
+    PipelineStage,
+    RowParallelLinear,
+    Schedule1F1B,
+    ScheduleGPipe,
+    shard_mlp,
+)
+
+D_IN, D_H, D_OUT = 6, 8, 5
+LOSS = torch.nn.functional.cross_entropy
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest element-wise difference relative to the reference's largest magnitude (max-norm
+    relative error). Element-wise ratios are meaningless for elements near zero: a sum of
+    products of O(1) terms summed in another order differs by ~1e-8 absolute wherever it lands."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def data(shape, n_classes: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    y = torch.randint(0, n_classes, shape[:-1], generator=g)
+    return x, y
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:   # noqa: BLE001 - the test asserts on the type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+# -- tensor parallel ----------------------------------------------------------------------------
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, D_H)
+        self.fc2 = torch.nn.Linear(D_H, D_OUT)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def tp_case(pg, tag: str) -> dict:
+    W, r = tp_size(pg), pg.rank
+    res: dict = {}
+    x, y = data((3, 4, D_IN), D_OUT, seed=10)        # batch dims [3, 4]: any leading shape
+
+    # Column-then-row MLP against the unsharded module.
+    torch.manual_seed(1)
+    ref = MLP()
+    net = shard_mlp(copy.deepcopy(ref), pg, up="fc1", down="fc2")
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, out = ref(xr), net(xt)
+    loss_ref = LOSS(out_ref.reshape(-1, D_OUT), y.reshape(-1))
+    loss = LOSS(out.reshape(-1, D_OUT), y.reshape(-1))
+    loss_ref.backward()
+    loss.backward()
+    h = D_H // W
+    rows, cols = slice(r * h, (r + 1) * h), slice(r * h, (r + 1) * h)
+    res["mlp"] = {
+        "types": [type(net.fc1).__name__, type(net.fc2).__name__],
+        "out": rel(out, out_ref), "loss": rel(loss, loss_ref), "x_grad": rel(xt.grad, xr.grad),
+        "fc1.weight": rel(net.fc1.weight.grad, ref.fc1.weight.grad[rows]),
+        "fc1.bias": rel(net.fc1.bias.grad, ref.fc1.bias.grad[rows]),
+        "fc2.weight": rel(net.fc2.weight.grad, ref.fc2.weight.grad[:, cols]),
+        "fc2.bias": rel(net.fc2.bias.grad, ref.fc2.bias.grad),
+        "shapes": [list(net.fc1.weight.shape), list(net.fc2.weight.shape)],
+    }
+
+    # A column layer alone, output gathered or left split; a row layer taking the full input.
+    torch.manual_seed(2)
+    full = torch.nn.Linear(D_IN, D_H)
+    row_full = torch.nn.Linear(D_H, D_OUT)
+    for gather in (True, False):
+        col = ColumnParallelLinear.from_linear(full, pg, gather_output=gather)
+        full.zero_grad()
+        xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        o_ref, o = full(xr), col(xt)
+        w = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(3))
+        (o_ref * w).sum().backward()
+        if gather:
+            (o * w).sum().backward()
+            d_out = rel(o, o_ref)
+        else:   # each rank holds its slice of the output: its part of the same objective
+            (o * w[..., rows]).sum().backward()
+            d_out = rel(o, o_ref[..., rows])
+        res[f"column_gather_{gather}"] = {
+            "out": d_out, "x_grad": rel(xt.grad, xr.grad), "shape": list(o.shape),
+            "weight": rel(col.weight.grad, full.weight.grad[rows]),
+            "bias": rel(col.bias.grad, full.bias.grad[rows])}
+    row = RowParallelLinear.from_linear(row_full, pg, input_is_parallel=False)
+    xh = torch.randn(3, 4, D_H, generator=torch.Generator().manual_seed(4))
+    xr, xt = xh.clone().requires_grad_(), xh.clone().requires_grad_()
+    o_ref, o = row_full(xr), row(xt)
+    w = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(5))
+    (o_ref * w).sum().backward()
+    (o * w).sum().backward()
+    res["row_full_input"] = {"out": rel(o, o_ref), "x_grad": rel(xt.grad, xr.grad),
+                             "weight": rel(row.weight.grad, row_full.weight.grad[:, cols]),
+                             "bias": rel(row.bias.grad, row_full.bias.grad)}
+
+    # Built from sizes: the same slices a seeded nn.Linear has in one process.
+    torch.manual_seed(7)
+    c = ColumnParallelLinear(D_IN, D_H, pg, gather_output=False)
+    rw = RowParallelLinear(D_H, D_OUT, pg, input_is_parallel=True)
+    torch.manual_seed(7)
+    c_ref, r_ref = torch.nn.Linear(D_IN, D_H), torch.nn.Linear(D_H, D_OUT)
+    res["init_from_seed_equal"] = bool(
+        torch.equal(c.weight, c_ref.weight[rows]) and torch.equal(c.bias, c_ref.bias[rows])
+        and torch.equal(rw.weight, r_ref.weight[:, cols]) and torch.equal(rw.bias, r_ref.bias))
+
+    # Bad sizes and inputs: refused before any communication, naming the values.
+    res["errors"] = {
+        "column_out_features": error_of(lambda: ColumnParallelLinear(D_IN, 4 * W + 1, pg)),
+        "row_in_features": error_of(lambda: RowParallelLinear(4 * W + 1, D_OUT, pg)),
+        "from_linear_not_linear": error_of(lambda: ColumnParallelLinear.from_linear(torch.nn.ReLU(), pg)),
+        "column_input_dim": error_of(lambda: c(torch.zeros(2, D_IN + 1))),
+        "row_input_dim": error_of(lambda: rw(torch.zeros(2, D_H))),
+        "shard_mlp_name": error_of(lambda: shard_mlp(MLP(), pg, up="fc1", down="nope")),
+    }
+    return {f"{tag}/{k}": v for k, v in res.items()}
+
+
+def tp_size(pg) -> int:
+    return pg.world_size if hasattr(pg, "world_size") else pg.size
+
+
+def run_tp(pg, pair) -> dict:
+    res = tp_case(pg, "w4")
+    res.update(tp_case(pair, "w2"))
+    return res
+
+
+# -- pipeline parallel --------------------------------------------------------------------------
+
+P_D, P_C, P_B = 6, 4, 24      # width, classes, batch (divisible by 1, 2, 3, 4, 8)
+
+
+def full_model(seed: int) -> torch.nn.Sequential:
+    """Four parts; stage s of S holds parts s*4/S .. (s+1)*4/S."""
+    torch.manual_seed(seed)
+    parts = [torch.nn.Sequential(torch.nn.Linear(P_D, P_D), torch.nn.Tanh()) for _ in range(3)]
+    parts.append(torch.nn.Sequential(torch.nn.Linear(P_D, P_D), torch.nn.Tanh(),
+                                     torch.nn.Linear(P_D, P_C)))
+    return torch.nn.Sequential(*parts)
+
+
+def stage_of(model: torch.nn.Sequential, s: int, S: int) -> torch.nn.Sequential:
+    k = 4 // S
+    return copy.deepcopy(torch.nn.Sequential(*model[s * k:(s + 1) * k]))
+
+
+def pp_case(pg, S: int, sched_cls, M: int, *, steps: int = 1, seed: int = 20) -> dict:
+    s = pg.rank
+    ref = full_model(seed)
+    stage = PipelineStage(stage_of(ref, s, S), pg, num_stages=S)
+    sched = sched_cls(stage, M, LOSS)
+    d_loss = d_out = 0.0
+    for i in range(steps):
+        x, y = data((P_B, P_D), P_C, seed=30 + i)
+        ref.zero_grad()
+        stage.module.zero_grad()
+        out_ref = ref(x)
+        loss_ref = LOSS(out_ref, y)
+        loss_ref.backward()
+        loss = sched.step(x if stage.is_first else None, y if stage.is_last else None)
+        if stage.is_last:
+            d_loss = max(d_loss, rel(loss, loss_ref))
+            d_out = max(d_out, rel(sched.last_output, out_ref))
+        elif loss is not None:
+            d_loss = float("inf")       # only the last stage returns a loss
+        if i < steps - 1:
+            sgd(ref.parameters())
+            sgd(stage.parameters())
+    k = 4 // S     # the reference's own parameters of stage s
+    mine = [p for part in ref[s * k:(s + 1) * k] for p in part.parameters()]
+    grads = [rel(p.grad, q.grad) for p, q in zip(stage.parameters(), mine, strict=True)]
+    params = [rel(p, q) for p, q in zip(stage.parameters(), mine, strict=True)]
+    return {"loss": d_loss, "out": d_out, "grad": max(grads), "param": max(params),
+            "n_grads": len(grads), "trace": " ".join(sched.trace), "peak": sched.peak_in_flight}
+
+
+def sgd(params, lr: float = 0.3) -> None:
+    """Plain SGD by hand: ``torch.optim``'s first use imports torch._dynamo (3 s per rank)."""
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad
+
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def run_pp(pg, pair, out: Path, launch_rank: int, res: dict) -> None:
+    for S, group, counts in ((4, pg, (1, 2, 3, 4, 8)), (2, pair, (1, 3, 4))):
+        for name, cls in SCHEDULES.items():
+            for M in counts:
+                res[f"S{S}/{name}/M{M}"] = pp_case(group, S, cls, M)
+        for name, cls in SCHEDULES.items():
+            res[f"S{S}/{name}/train"] = pp_case(group, S, cls, 4, steps=3, seed=21)
+
+    # Bad arguments, refused before anything is sent.
+    part = stage_of(full_model(20), pg.rank, 4)
+    st = PipelineStage(part, pg)
+    errs = {"num_stages": error_of(lambda: PipelineStage(part, pg, num_stages=3)),
+            "micro_zero": error_of(lambda: ScheduleGPipe(st, 0, LOSS)),
+            "micro_float": error_of(lambda: Schedule1F1B(st, 2.0, LOSS))}
+    x, y = data((10, P_D), P_C, seed=1)
+    if st.is_first:
+        errs["batch"] = error_of(lambda: ScheduleGPipe(st, 4, LOSS).step(x, None))
+        errs["no_input"] = error_of(lambda: ScheduleGPipe(st, 2, LOSS).step(None, None))
+    if st.is_last:
+        errs["target"] = error_of(lambda: Schedule1F1B(st, 4, LOSS).step(None, y))
+    res["errors"] = errs
+
+    # A peer that never answers: each rank of a pair runs a step in a group where the other does
+    # not, so both wait out a 0.5 s deadline (stage 0 for a gradient, stage 1 for an activation).
+    mine = [pg.rank - pg.rank % 2, pg.rank - pg.rank % 2 + 1]
+    groups = [pg.new_group(mine), pg.new_group(mine)]
+    g = groups[pg.rank % 2]
+    stage = PipelineStage(stage_of(full_model(20), g.rank, 2), g)
+    t0 = time.monotonic()
+    x, y = data((P_B, P_D), P_C, seed=1)
+    try:
+        ScheduleGPipe(stage, 2, LOSS, timeout_s=0.5).step(x, y)
+        res["timeout"] = {"error": "no error"}
+    except rtxnet.CollectiveTimeout as exc:
+        res["timeout"] = {"error": type(exc).__name__, "ranks": list(exc.ranks),
+                          "seconds": time.monotonic() - t0}
+    pg.barrier(timeout=30)
+
+    # Rank 3 dies while rank 2 (stage 0 of pair {2, 3}) waits for its gradients.
+    (out / f"pp-rank{launch_rank}.json").write_text(json.dumps(res))
+    if launch_rank == 3:
+        os._exit(0)
+    if launch_rank == 2:
+        stage = PipelineStage(stage_of(full_model(20), 0, 2), pair)
+        t0 = time.monotonic()
+        try:
+            Schedule1F1B(stage, 4, LOSS).step(x, None)
+            res["peer_lost"] = {"error": "no error"}
+        except rtxnet.PeerLostError as exc:
+            res["peer_lost"] = {"error": type(exc).__name__, "ranks": list(exc.ranks),
+                                "seconds": time.monotonic() - t0}
+
+
+def main() -> int:
+    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    launch_rank = int(os.environ["RANK"])
+    timeouts = rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120)
+    pg = rtxnet.init(timeouts=timeouts)
+    torch.set_num_threads(1)
+    pair = pg.new_group([0, 1] if pg.rank < 2 else [2, 3])
+    res: dict = {"rank": pg.rank, "world_size": pg.world_size}
+    if scenario == "tp":
+        res.update(run_tp(pg, pair))
+        survivors = range(4)
+    else:
+        run_pp(pg, pair, out, launch_rank, res)
+        survivors = range(3)
+    (out / f"{scenario}-rank{launch_rank}.json").write_text(json.dumps(res))
+    # Leave together (as procs.leave_together), over the ranks that survive the scenario.
+    pg.store.set(f"{scenario}/done/{launch_rank}", b"1")
+    pg.store.wait([f"{scenario}/done/{q}" for q in survivors], timeout=30)
+    pg.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""rtxnet pipeline parallelism (GPipe, 1F1B) against one process, with real rank processes.
+
+One launch of 4 ranks (see ``mp_worker.py``) runs every schedule with 4 stages on the world and
+2 stages on two 2-rank subgroups, then the failure cases; it ends with rank 3 dying, so it runs
+with ``--min-ranks 3`` (and a long last call, so the world still forms with all 4).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import procs
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "mp_worker.py"
+pytestmark = pytest.mark.timeout(120)
+
+TOL = 1e-5   # relative, float32
+CASES = [(4, M) for M in (1, 2, 3, 4, 8)] + [(2, M) for M in (1, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def pp(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("pp")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "3", str(WORKER),
+         str(out), "pp"],
+        capture_output=True, text=True, timeout=100, env=procs.env(RTXNET_LAST_CALL="60"), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = [json.loads(p.read_text()) for p in sorted(out.glob("pp-rank*.json"))]
+    assert [r["world_size"] for r in res] == [4, 4, 4, 4]
+    return res
+
+
+def stage_of(rank: int, S: int) -> int:
+    return rank if S == 4 else rank % 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S,M", CASES)
+def test_schedule_matches_one_process(pp, schedule, S, M):
+    for rank, r in enumerate(pp):
+        c = r[f"S{S}/{schedule}/M{M}"]
+        s = stage_of(rank, S)
+        assert c["n_grads"] == 2 * (4 // S) + (s == S - 1) * 2   # every parameter compared
+        assert c["grad"] < TOL, c
+        assert c["loss"] < TOL, c          # 0.0 on stages that hold no loss (and return None)
+        assert c["out"] < TOL, c
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S", [4, 2])
+def test_three_optimizer_steps_match_one_process(pp, schedule, S):
+    for r in pp:
+        c = r[f"S{S}/{schedule}/train"]
+        assert c["param"] < TOL and c["grad"] < TOL and c["loss"] < TOL, c
+
+
+@pytest.mark.parametrize("S,M", CASES)
+def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_the_stages_ahead(pp, S, M):
+    for rank, r in enumerate(pp):
+        s = stage_of(rank, S)
+        g, o = r[f"S{S}/gpipe/M{M}"], r[f"S{S}/1f1b/M{M}"]
+        assert g["peak"] == M
+        assert o["peak"] == min(S - s, M)
+        assert g["trace"] == " ".join([f"F{m}" for m in range(M)] + [f"B{m}" for m in range(M)])
+
+
+def test_1f1b_order_on_each_stage(pp):
+    traces = [r["S4/1f1b/M8"]["trace"] for r in pp]
+    assert traces[3] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    assert traces[1] == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7"
+    assert traces[0] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+
+
+def test_bad_arguments_are_refused_naming_the_values(pp):
+    for r in pp:
+        e = r["errors"]
+        assert e["num_stages"].startswith("ConfigError: num_stages(3) != pipeline group size(4)")
+        assert e["micro_zero"].startswith("ConfigError: n_microbatches(0) must be an int in 1..")
+        assert e["micro_float"].startswith("ConfigError: n_microbatches(2.0) must be an int")
+    assert pp[0]["errors"]["batch"] == "ConfigError: input batch(10) is not divisible by n_microbatches(4)"
+    assert pp[0]["errors"]["no_input"] == "ConfigError: stage 0 needs the input tensor, got NoneType"
+    assert pp[3]["errors"]["target"] == "ConfigError: target batch(10) is not divisible by n_microbatches(4)"
+
+
+def test_a_silent_peer_times_out_within_the_deadline(pp):
+    for rank, r in enumerate(pp):
+        t = r["timeout"]
+        assert t["error"] == "CollectiveTimeout", t
+        assert t["ranks"] == [rank ^ 1], t        # the other rank of the pair
+        assert 0.4 < t["seconds"] < 5, t
+
+
+def test_a_lost_stage_raises_peer_lost_instead_of_hanging(pp):
+    lost = pp[2]["peer_lost"]
+    assert lost["error"] == "PeerLostError", lost
+    assert lost["ranks"] == [3], lost
+    assert lost["seconds"] < 10, lost
