@@ -1,11 +1,14 @@
-"""A rank of the FSDP tests, run under ``python -m rtxnet.launcher --nproc 4 --min-ranks 3``.
+"""A rank of the FSDP tests, run under ``python -m rtxnet.launcher --nproc 3 --min-ranks 2``.
 
     fsdp_worker.py OUT_DIR
 
 Every rank also computes the single-process reference itself (same seed, the whole global batch),
 so one launch checks equivalence without a second process. One launch runs every scenario; the
-fault-free ones write ``OUT_DIR/basic-rank<r>.json`` (4 ranks), then rank 3 dies inside a backward
-and the 3 survivors write ``OUT_DIR/fault-rank<r>.json``.
+fault-free ones write ``OUT_DIR/basic-rank<r>.json`` (3 ranks, so the flat parameters need
+padding), then the last rank dies inside a backward and the 2 survivors write
+``OUT_DIR/fault-rank<r>.json``. Three ranks, not four: on the 2-core CI machine every rank process
+spends seconds of CPU importing torch (and ``torch._dynamo``, at the first optimizer), and that
+dominates the test's time.
 
 Scenarios (basic):
     avg_sgd     AVG, SGD with momentum, units = [Block]: losses, gradients and parameters against
@@ -14,13 +17,13 @@ Scenarios (basic):
     sum_adam    SUM with uneven shares and loss weights, Adam, nested units [Block, Linear].
     size_adam   AVG, Adam, a size-threshold wrap policy.
     state       full_state_dict (rank 0 only and everywhere), load_full_state_dict into a fresh
-                wrapper, sharded_state_dict through rtxnet.checkpoint, and load at world size 2
-                (pg.new_group) followed by training that still matches one process.
+                wrapper, sharded_state_dict through rtxnet.checkpoint, and, on ranks 0 and 1, load
+                at world size 2 (pg.new_group) followed by training that still matches one process.
     errors      bad arguments: ConfigError naming the value.
 Scenario (fault):
-    fault       rank 3 dies at the start of step 2's backward; the survivors' backward raises
-                PeerLostError, the next forward ConfigError (layout for 4 ranks), they reload the
-                full state saved after step 1 and finish on 3 ranks, matching one process.
+    fault       the last rank dies at the start of step 2's backward; the survivors' backward raises
+                PeerLostError, the next forward ConfigError (layout for 3 ranks), they reload the
+                full state saved after step 1 and finish on 2 ranks, matching one process.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -112,11 +116,13 @@ def avg_sgd(pg, steps=5, per_rank=4):
     B = per_rank * W
     x, y = data(B * steps)
     ref = make_net(1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    # lr 0.05: one process summing the same 3 chunk gradients (only the float32 order differs)
+    # drifts 3e-6 from the global batch after 5 steps here; at lr 0.2, 1.8e-5, above TOL
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     net = make_net(1 if r == 0 else 100 + r)       # others differ: the broadcast fixes it
     total = sum(p.numel() for p in net.parameters())
     fsdp = FullyShardedDataParallel(net, pg, wrap=[Block])
-    opt = torch.optim.SGD(fsdp.parameters(), lr=0.2, momentum=0.9)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
     loss_rel, g_rel, gathers, rs = 0.0, 0.0, [], []
     for s in range(steps):
         xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
@@ -210,9 +216,12 @@ def state(pg, out: Path, steps=2, per_rank=3):
     third = FullyShardedDataParallel(make_net(60 + r), pg, wrap=[Block], init_sync=False)
     third.load_sharded_state_dict(loaded["model"])
     res["state_sharded_rel"] = sd_rel(third.full_state_dict(rank0_only=False), ref_sd)
-    # another world size: groups of 2 ranks load the 4-rank full state and train on
-    # pg.new_group, not pg.split: the blocking split returns the raw async Group (see report)
-    sub = pg.new_group([2 * (r // 2), 2 * (r // 2) + 1])
+    if r > 1:
+        return res
+    # another world size: ranks 0 and 1 load the full state of the 3-rank layout and train on.
+    # pg.new_group (only members call it), not pg.split: the blocking split returns the raw async
+    # Group, whose collectives are coroutines
+    sub = pg.new_group([0, 1])
     two = FullyShardedDataParallel(make_net(70 + r), sub, wrap=[Block], init_sync=False)
     try:
         two.load_sharded_state_dict(fsdp.sharded_state_dict())
@@ -267,8 +276,8 @@ def errors(pg):
 
 
 def fault(pg, steps=4, B=12):
-    """Rank 3 dies as step 2's backward starts; survivors reload the full state and go on."""
-    r0 = pg.rank
+    """The last rank dies as step 2's backward starts; survivors reload the full state and go on."""
+    r0, W0 = pg.rank, pg.world_size
     x, y = data(B * steps, seed=10)
     ref = make_net(6)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -290,7 +299,7 @@ def fault(pg, steps=4, B=12):
             opt.zero_grad()
             try:
                 out = fsdp(x[idx])
-                if r0 == 3 and s == 2:
+                if r0 == W0 - 1 and s == 2:
                     out.register_hook(lambda _g: os._exit(0))
                 (LOSS(out, y[idx]) * b.loss_weight).backward()
             except rtxnet.PeerLostError as exc:
@@ -299,8 +308,9 @@ def fault(pg, steps=4, B=12):
                 continue
             except rtxnet.ConfigError as exc:
                 events.append({"step": s, "error": "ConfigError", "world_size": pg.world_size,
-                               "names_sizes": "world_size(4)" in str(exc) and "world_size(3)" in str(exc)})
-                fsdp.load_full_state_dict(saved)               # re-lays out for 3 ranks
+                               "names_sizes": f"world_size({W0})" in str(exc)
+                               and f"world_size({pg.world_size})" in str(exc)})
+                fsdp.load_full_state_dict(saved)               # re-lays out for the survivors
                 opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
                 sampler.load_state_dict(snapshot)
                 continue
@@ -314,19 +324,24 @@ def fault(pg, steps=4, B=12):
 def main() -> int:
     out = Path(sys.argv[1])
     timeouts = rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120)
+    t_start = time.perf_counter()
     pg = rtxnet.init(timeouts=timeouts)
     rank = pg.rank
     torch.set_num_threads(1)
     res: dict = {"rank": rank, "world_size": pg.world_size}
-    res.update(avg_sgd(pg))
-    res.update(sum_adam(pg))
-    res.update(size_adam(pg))
-    res.update(state(pg, out))
-    res.update(errors(pg))
+    took = {"init": time.perf_counter() - t_start}
+    for name, fn in (("avg_sgd", avg_sgd), ("sum_adam", sum_adam), ("size_adam", size_adam),
+                     ("state", lambda pg: state(pg, out)), ("errors", errors)):
+        t0 = time.perf_counter()
+        res.update(fn(pg))
+        took[name] = round(time.perf_counter() - t0, 3)
+    res["took_s"] = took
     (out / f"basic-rank{rank}.json").write_text(json.dumps(res))
     pg.barrier()
     res = {"rank": rank}
+    t0 = time.perf_counter()
     res.update(fault(pg))
+    res["took_s"] = round(time.perf_counter() - t0, 3)
     (out / f"fault-rank{pg.rank}.json").write_text(json.dumps(res))
     leave_together(pg, "fault", pg.rank)
     return 0
