@@ -56,7 +56,7 @@ from typing import Any
 import structlog
 import torch
 
-from transport.errors import ConfigError
+from transport.errors import ConfigError, ProtocolError
 
 from .tensor import group_size
 
@@ -150,7 +150,7 @@ class PipelineStage:
         self._pg.recv(header, src, _tag(step, m, _FWD_HEADER), **kw)
         code, needs_grad, ndim = (int(v) for v in header[:3])
         if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
-            raise ConfigError(f"stage {self.stage_index}: malformed activation header "
+            raise ProtocolError(f"stage {self.stage_index}: malformed activation header "
                               f"{header.tolist()} from stage {src}")
         x = torch.empty(header[3:3 + ndim].tolist(), dtype=_DTYPES[code])
         self._pg.recv(x, src, _tag(step, m, _FWD_DATA), **kw)
@@ -212,6 +212,13 @@ class PipelineSchedule:
         self.trace: list[str] = []
         self.peak_in_flight = 0
         self.last_output: torch.Tensor | None = None
+        # State of the step under way: micro-batch -> (input, output or loss) held for backward.
+        self._held: dict[int, tuple[Any, Any]] = {}
+        self._losses: list[torch.Tensor] = []
+        self._outputs: list[torch.Tensor] = []
+        self._xs: list[Any] = []
+        self._ts: list[Any] = []
+        self._step_no = 0
 
     def step(self, input: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run forward and backward of one batch through the pipeline.
@@ -233,6 +240,8 @@ class PipelineSchedule:
             PeerLostError: a stage was lost during the step.
             CollectiveTimeout: a stage did not send in time (``exc.ranks`` names it).
             CollectiveMismatchError: a message of the wrong shape or dtype arrived.
+            ProtocolError: a malformed activation header arrived.
+            CollectiveError: a send was not flushed within the deadline.
         """
         st = self.stage
         # Counted before any check: a step that fails on one stage still counts on all of them,
@@ -245,9 +254,9 @@ class PipelineSchedule:
         ts = self._split("target", target, M) if st.is_last else [None] * M
         self.trace = []
         self.peak_in_flight = 0
-        self._held: dict[int, tuple[Any, Any]] = {}
-        self._losses: list[torch.Tensor] = []
-        self._outputs: list[torch.Tensor] = []
+        self._held = {}
+        self._losses = []
+        self._outputs = []
         self._xs, self._ts, self._step_no = xs, ts, step_no
         try:
             self._run(M)

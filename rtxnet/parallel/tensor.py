@@ -315,6 +315,7 @@ class ColumnParallelLinear(_ParallelLinear):
             ValueError: ``x``'s last dimension is not ``I`` (names both).
             ConfigError: the group's size changed since the layer was built.
             PeerLostError, CollectiveTimeout: a collective failed (also from backward).
+            CollectiveMismatchError: ranks fed inputs of different shapes or dtypes.
         """
         self._check_world()
         if x.shape[-1] != self.in_features:
@@ -394,6 +395,7 @@ class RowParallelLinear(_ParallelLinear):
             ValueError: ``x``'s last dimension is not the expected one (names both).
             ConfigError: the group's size changed since the layer was built.
             PeerLostError, CollectiveTimeout: a collective failed (also from backward).
+            CollectiveMismatchError: ranks fed inputs of different shapes or dtypes.
         """
         self._check_world()
         want = self.in_per_rank if self.input_is_parallel else self.in_features

@@ -1,18 +1,20 @@
 """A rank of the tensor- and pipeline-parallel tests, run under ``python -m rtxnet.launcher``.
 
-    mp_worker.py OUT_DIR tp|pp
+    mp_worker.py OUT_DIR          (4 ranks, --min-ranks 3: rank 3 dies at the end)
 
-Every rank builds the whole model from the same seed and computes the single-process reference
-itself, so one launch checks equivalence without a second process. Each 4-rank launch runs every
-scenario twice: on the world (4 ranks) and on two pairs from ``new_group`` (2 ranks each, ranks
-{0, 1} and {2, 3}). Each rank writes ``OUT_DIR/<scenario>-rank<r>.json`` (``r`` the rank as
-launched) with the measured relative differences, schedule traces and error messages.
+One launch serves both test files (``mp_launch.py``): starting 4 ranks (Python, torch) costs far
+more than the scenarios. Every rank builds the whole model from the same seed and computes the
+single-process reference itself, so the launch checks equivalence without a second process. Each
+scenario runs on the world (4 ranks) and on two pairs from ``new_group`` (2 ranks each, ranks
+{0, 1} and {2, 3}). Each rank writes ``OUT_DIR/mp-rank<r>.json`` (``r`` the rank as launched):
+``{"tp": {...}, "pp": {...}}`` with the measured relative differences, schedule traces and error
+messages.
 
-Scenarios:
+Parts, in this order:
     tp   column-then-row MLP (``shard_mlp``), a column layer with and without ``gather_output``,
          a row layer taking the full input, layers built from sizes under a seed, bad sizes.
-    pp   GPipe and 1F1B for several micro-batch counts (fewer than the stages included), two
-         optimizer steps, bad arguments, a peer that never sends (CollectiveTimeout), and last
+    pp   GPipe and 1F1B for several micro-batch counts (fewer than the stages included), a
+         second step after an optimizer update, bad arguments, a peer that never sends (CollectiveTimeout), and last
          rank 3 dying while rank 2 waits for it (PeerLostError; launch with --min-ranks 3).
 """
 
@@ -226,13 +228,14 @@ def sgd(params, lr: float = 0.3) -> None:
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-def run_pp(pg, pair, out: Path, launch_rank: int, res: dict) -> None:
-    for S, group, counts in ((4, pg, (1, 2, 3, 4, 8)), (2, pair, (1, 3, 4))):
+def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
+    res = whole["pp"] = {}
+    for S, group, counts in ((4, pg, (1, 3, 4, 8)), (2, pair, (1, 3, 4))):
         for name, cls in SCHEDULES.items():
             for M in counts:
                 res[f"S{S}/{name}/M{M}"] = pp_case(group, S, cls, M)
         for name, cls in SCHEDULES.items():
-            res[f"S{S}/{name}/train"] = pp_case(group, S, cls, 4, steps=3, seed=21)
+            res[f"S{S}/{name}/train"] = pp_case(group, S, cls, 4, steps=2, seed=21)
 
     # Bad arguments, refused before anything is sent.
     part = stage_of(full_model(20), pg.rank, 4)
@@ -265,7 +268,7 @@ def run_pp(pg, pair, out: Path, launch_rank: int, res: dict) -> None:
     pg.barrier(timeout=30)
 
     # Rank 3 dies while rank 2 (stage 0 of pair {2, 3}) waits for its gradients.
-    (out / f"pp-rank{launch_rank}.json").write_text(json.dumps(res))
+    (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(whole))
     if launch_rank == 3:
         os._exit(0)
     if launch_rank == 2:
@@ -280,23 +283,19 @@ def run_pp(pg, pair, out: Path, launch_rank: int, res: dict) -> None:
 
 
 def main() -> int:
-    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    out = Path(sys.argv[1])
     launch_rank = int(os.environ["RANK"])
     timeouts = rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120)
     pg = rtxnet.init(timeouts=timeouts)
     torch.set_num_threads(1)
     pair = pg.new_group([0, 1] if pg.rank < 2 else [2, 3])
     res: dict = {"rank": pg.rank, "world_size": pg.world_size}
-    if scenario == "tp":
-        res.update(run_tp(pg, pair))
-        survivors = range(4)
-    else:
-        run_pp(pg, pair, out, launch_rank, res)
-        survivors = range(3)
-    (out / f"{scenario}-rank{launch_rank}.json").write_text(json.dumps(res))
-    # Leave together (as procs.leave_together), over the ranks that survive the scenario.
-    pg.store.set(f"{scenario}/done/{launch_rank}", b"1")
-    pg.store.wait([f"{scenario}/done/{q}" for q in survivors], timeout=30)
+    res["tp"] = run_tp(pg, pair)
+    run_pp(pg, pair, out, launch_rank, res)     # rank 3 does not come back
+    (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(res))
+    # Leave together (as procs.leave_together), over the ranks that survive: 0, 1, 2.
+    pg.store.set(f"mp/done/{launch_rank}", b"1")
+    pg.store.wait([f"mp/done/{q}" for q in range(3)], timeout=30)
     pg.close()
     return 0
 

@@ -1,39 +1,24 @@
 """rtxnet pipeline parallelism (GPipe, 1F1B) against one process, with real rank processes.
 
-One launch of 4 ranks (see ``mp_worker.py``) runs every schedule with 4 stages on the world and
-2 stages on two 2-rank subgroups, then the failure cases; it ends with rank 3 dying, so it runs
-with ``--min-ranks 3`` (and a long last call, so the world still forms with all 4).
+The 4-rank launch shared with ``test_tensor_parallel.py`` (``mp_launch.py``, ``mp_worker.py``)
+runs every schedule with 4 stages on the world and 2 stages on two 2-rank subgroups, then the
+failure cases; it ends with rank 3 dying while rank 2 waits for it.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-import procs
+import mp_launch
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "mp_worker.py"
 pytestmark = pytest.mark.timeout(120)
 
 TOL = 1e-5   # relative, float32
-CASES = [(4, M) for M in (1, 2, 3, 4, 8)] + [(2, M) for M in (1, 3, 4)]
+CASES = [(4, M) for M in (1, 3, 4, 8)] + [(2, M) for M in (1, 3, 4)]
 
 
 @pytest.fixture(scope="module")
 def pp(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("pp")
-    proc = subprocess.run(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "3", str(WORKER),
-         str(out), "pp"],
-        capture_output=True, text=True, timeout=100, env=procs.env(RTXNET_LAST_CALL="60"), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = [json.loads(p.read_text()) for p in sorted(out.glob("pp-rank*.json"))]
-    assert [r["world_size"] for r in res] == [4, 4, 4, 4]
-    return res
+    return [r["pp"] for r in mp_launch.results(tmp_path_factory)]
 
 
 def stage_of(rank: int, S: int) -> int:
@@ -54,7 +39,7 @@ def test_schedule_matches_one_process(pp, schedule, S, M):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("S", [4, 2])
-def test_three_optimizer_steps_match_one_process(pp, schedule, S):
+def test_a_second_step_after_an_optimizer_update_matches_one_process(pp, schedule, S):
     for r in pp:
         c = r[f"S{S}/{schedule}/train"]
         assert c["param"] < TOL and c["grad"] < TOL and c["loss"] < TOL, c

@@ -1,21 +1,14 @@
 """rtxnet tensor parallelism against one process, with real rank processes under ``rtxnet-run``.
 
-One launch of 4 ranks runs every scenario (see ``mp_worker.py``) on the world (4-way tensor
-parallel) and on two 2-rank subgroups (2-way).
+The 4-rank launch shared with ``test_pipeline.py`` (``mp_launch.py``, ``mp_worker.py``) runs every
+scenario on the world (4-way tensor parallel) and on two 2-rank subgroups (2-way).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-import procs
+import mp_launch
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "mp_worker.py"
 pytestmark = pytest.mark.timeout(120)
 
 TOL = 1e-5   # relative, float32
@@ -24,14 +17,7 @@ SIZES = ("w4", "w2")
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp")
-    proc = subprocess.run(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", str(WORKER), str(out), "tp"],
-        capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = [json.loads(p.read_text()) for p in sorted(out.glob("tp-rank*.json"))]
-    assert len(res) == 4
-    return res
+    return [r["tp"] for r in mp_launch.results(tmp_path_factory)]
 
 
 def close(d: dict, *skip: str) -> None:
