@@ -265,11 +265,14 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
     except rtxnet.CollectiveTimeout as exc:
         res["timeout"] = {"error": type(exc).__name__, "ranks": list(exc.ranks),
                           "seconds": time.monotonic() - t0}
-    pg.barrier(timeout=30)
 
-    # Rank 3 dies while rank 2 (stage 0 of pair {2, 3}) waits for its gradients.
-    (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(whole))
+    # Rank 3 dies while rank 2 (stage 0 of pair {2, 3}) waits for its gradients; only once every
+    # rank is past its last collective with it, told through the store (a barrier would not do:
+    # rank 3 returning from one does not mean its own last message reached the others).
+    pg.store.set(f"mp/ready/{launch_rank}", b"1")
     if launch_rank == 3:
+        (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(whole))
+        pg.store.wait([f"mp/ready/{q}" for q in range(3)], timeout=30)
         os._exit(0)
     if launch_rank == 2:
         stage = PipelineStage(stage_of(full_model(20), 0, 2), pair)
