@@ -390,7 +390,7 @@ def _blocking(portal: Portal, fn: Any) -> Any:
         fut = portal.submit(lambda: result)
         if async_op:
             return Work(fut)
-        return fut.result()
+        return _wrap(portal, fut.result())   # split() returns a group: it gets the blocking face
 
     call.__name__ = getattr(fn, "__name__", "call")
     call.__doc__ = getattr(fn, "__doc__", None)

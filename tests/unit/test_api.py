@@ -85,6 +85,24 @@ def test_init_without_coordinator_names_the_missing_setting(monkeypatch):
         rtxnet.init(world_size=1)
 
 
+def test_blocking_split_and_new_group_return_blocking_groups(coordinator):
+    import inspect
+
+    import numpy as np
+
+    pg = rtxnet.init(coordinator.address, job="blocking-split", rank=0, world_size=1)
+    try:
+        for sub in (pg.split(color=0), pg.new_group([0])):
+            x = np.arange(4, dtype=np.float32)
+            assert not inspect.iscoroutine(sub.all_reduce(x))   # ran, not left unawaited
+            np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
+            work = sub.all_reduce(x, async_op=True)
+            assert work.wait(10) and work.is_success()
+        assert pg.split(color=None) is None
+    finally:
+        pg.close()
+
+
 def test_importing_rtxnet_needs_neither_torch_nor_cupy():
     code = "import sys, rtxnet; print('torch' in sys.modules, 'cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
