@@ -48,6 +48,7 @@ _LAZY = {
     "parallel": ("rtxnet.parallel", None),
     "checkpoint": ("rtxnet.checkpoint", None),
     "DistributedDataParallel": ("rtxnet.parallel.ddp", "DistributedDataParallel"),
+    "FullyShardedDataParallel": ("rtxnet.parallel.fsdp", "FullyShardedDataParallel"),
 }
 
 
@@ -74,6 +75,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "ElasticDistributedSampler",
     "StepBatch",
     "checkpoint",

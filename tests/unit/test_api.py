@@ -19,7 +19,7 @@ def test_all_is_pinned():
     assert sorted(rtxnet.__all__) == sorted([
         "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
         "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "CoordinatorLostError",
-        "DistributedDataParallel",
+        "DistributedDataParallel", "FullyShardedDataParallel",
         "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JournalCorruptError", "JournalError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
         "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
@@ -28,7 +28,7 @@ def test_all_is_pinned():
     try:
         import torch  # noqa: F401
     except ImportError:
-        torch_names = {"parallel", "checkpoint", "DistributedDataParallel"}
+        torch_names = {"parallel", "checkpoint", "DistributedDataParallel", "FullyShardedDataParallel"}
     else:
         torch_names = set()
     for name in rtxnet.__all__:
