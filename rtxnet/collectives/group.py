@@ -57,6 +57,7 @@ from transport.errors import (
     ClosedError,
     CollectiveError,
     CollectiveMismatchError,
+    CollectiveTimeout,
     PeerLostError,
 )
 from transport.peer import Kind
@@ -676,11 +677,13 @@ class Group:
         """Send ``tensor`` to group rank ``dst``; matched with ``recv(src=me, tag=tag)`` there.
 
         The message is queued at once, so it is delivered even if this coroutine is wrapped in
-        a task that is dropped. Returns when the buffer may be modified again.
+        a task that is dropped. Returns when the buffer may be modified again (a large message
+        is sent without a copy; this waits until the transport has taken it).
 
         Raises:
             ValueError: bad ``dst``/``tag`` or dtype. ClosedError/PeerLostError: the group's
-            epoch ended.
+            epoch ended. CollectiveTimeout: a large message was not taken before the deadline
+            (``exc.ranks == [dst's world rank]``).
         """
         if is_gpu_array(tensor):
             self._check_root("send", dst)
@@ -701,12 +704,17 @@ class Group:
         tracker = self.engine._send(self.ranks[dst], Kind.P2P, self.gid, 0, int(tag), meta,
                                     payload)
         if tracker is not None:
+            # zmq gives no event when a zero-copy send is done: poll, backing off from 0.2 ms to
+            # 2 ms as the collectives' flush does, and stop when the group's epoch ends
             deadline = asyncio.get_running_loop().time() + timeout_s
+            delay_s = 0.0002
             while not tracker.done:
+                self._check_usable()
                 if asyncio.get_running_loop().time() > deadline:
-                    raise CollectiveError(f"send to rank {self.ranks[dst]} not flushed in "
-                                          f"{timeout_s:g} s")
-                await asyncio.sleep(0.0002)
+                    raise CollectiveTimeout(f"send to rank {self.ranks[dst]}: not taken in "
+                                            f"{timeout_s:g} s", ranks=[self.ranks[dst]], op="send")
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 0.002)
 
     async def recv(self, tensor, src: int, tag: int = 0, *, timeout: float | None = None) -> int:
         """Receive into ``tensor`` (in place) the message group rank ``src`` sent with ``tag``.
@@ -718,8 +726,10 @@ class Group:
             ``src``.
 
         Raises:
+            ValueError: bad ``src`` or dtype.
             CollectiveMismatchError: the message's dtype or shape differs from ``tensor``'s.
             CollectiveTimeout: nothing arrived in time (``exc.ranks == [src's world rank]``).
+            ClosedError/PeerLostError: the group's epoch ended (a rank was lost, for instance).
         """
         if is_gpu_array(tensor):
             self._check_root("recv", src)

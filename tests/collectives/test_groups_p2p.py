@@ -114,3 +114,39 @@ def test_send_recv_tag_matching():
     assert res[1]["mismatch"] == "shape"
     assert res[1]["timeout"] == [2]
     assert res[2]["strided"] == [[5.0, 0.0], [0.0, 0.0]]
+
+
+async def send_to_frozen(engine):
+    """Rank 1 stops itself (SIGSTOP, zmq's I/O thread too); rank 0 sends it 64 MiB, which the
+    kernel's socket buffers cannot hold: the send must end at its deadline, naming rank 1."""
+    import os
+    import signal
+    import time
+
+    g = engine.world
+    pids = np.zeros(2, np.int64)
+    await g.all_gather(pids, np.array([os.getpid()], np.int64))
+    if g.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)      # until rank 0's SIGCONT
+        return "woken"
+    stat = f"/proc/{int(pids[1])}/stat"
+    deadline = time.monotonic() + 10
+    while open(stat).read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "rank 1 did not stop"
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    try:
+        await g.send(np.ones(16 << 20, np.float32), 1, tag=5, timeout=1.5)
+        return "sent"
+    except CollectiveTimeout as exc:
+        return (type(exc).__name__, exc.ranks, exc.op, round(time.monotonic() - t0, 1))
+    finally:
+        os.kill(int(pids[1]), signal.SIGCONT)
+
+
+def test_a_send_a_frozen_peer_cannot_take_times_out_naming_it():
+    res = run_world(2, send_to_frozen, timeout_s=60)
+    assert res[1] == "woken"
+    name, ranks, op, took = res[0]
+    assert (name, ranks, op) == ("CollectiveTimeout", [1], "send")
+    assert 1.4 <= took < 5, took
