@@ -7,11 +7,17 @@ the result is written back into the original view by ``Buffer.commit``.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
 
-__all__ = ["as_numpy", "Buffer", "payload_view"]
+__all__ = ["as_numpy", "Buffer", "payload_view", "off_loop", "OFF_LOOP_NBYTES"]
+
+OFF_LOOP_NBYTES = 4 << 20
 
 
 def as_numpy(t) -> np.ndarray:
@@ -103,3 +109,20 @@ def payload_view(payload, dtype: np.dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.empty(0, dtype)
     return np.frombuffer(payload, dtype=dtype, count=count)
+
+
+async def off_loop(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, run in a worker thread when it touches ``nbytes >= OFF_LOOP_NBYTES``.
+
+    NumPy releases the GIL inside its copy and ufunc loops, so the event loop goes on serving
+    heartbeats and other operations while a large reduction or copy runs. Inline, a 512 MiB
+    reduction blocked the loop for 1-2 s on a 2-core machine, and on a loaded one past the
+    heartbeat timeout (2 s), so the coordinator declared healthy ranks lost. Below the threshold
+    the hand-off (tens of microseconds) would cost more than it saves.
+
+    If the awaiting task is cancelled (a deadline, a lost peer), the thread still finishes: the
+    arrays it writes hold unspecified values after a failed operation, as they do anyway.
+    """
+    if nbytes < OFF_LOOP_NBYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

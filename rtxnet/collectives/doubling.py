@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rtxnet.collectives.arrays import payload_view
+from rtxnet.collectives.arrays import off_loop, payload_view
 from rtxnet.collectives.reduce_ops import ReduceOp, combine2
 
 __all__ = ["recursive_doubling_all_reduce"]
@@ -30,13 +30,11 @@ async def recursive_doubling_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) ->
         if r % 2 == 0:
             op.send(r + 1, _FOLD, acc_N)
             _, payload = await op.recv(r + 1, _UNFOLD)
-            out = payload_view(payload, dtype, N).copy()
+            out = await off_loop(acc_N.nbytes, payload_view(payload, dtype, N).copy)
             await op.flush()
             return out
         _, payload = await op.recv(r - 1, _FOLD)
-        new = np.empty_like(acc_N)
-        combine2(rop, new, payload_view(payload, dtype, N), acc_N)
-        acc_N = new
+        acc_N = await off_loop(2 * acc_N.nbytes, _combined, rop, payload_view(payload, dtype, N), acc_N)
         vr = r // 2
     else:
         vr = r - rem
@@ -48,14 +46,17 @@ async def recursive_doubling_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) ->
         op.send(peer, step, acc_N)
         _, payload = await op.recv(peer, step)
         x = payload_view(payload, dtype, N)
-        new = np.empty_like(acc_N)
-        if pv < vr:
-            combine2(rop, new, x, acc_N)
-        else:
-            combine2(rop, new, acc_N, x)
-        acc_N = new
+        # a new array: acc_N may still be going out without a copy
+        a, b = (x, acc_N) if pv < vr else (acc_N, x)
+        acc_N = await off_loop(2 * acc_N.nbytes, _combined, rop, a, b)
         mask <<= 1
     if r < 2 * rem:
         op.send(r - 1, _UNFOLD, acc_N)
     await op.flush()
     return acc_N
+
+
+def _combined(rop: ReduceOp, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = np.empty_like(b)
+    combine2(rop, out, a, b)
+    return out

@@ -38,7 +38,7 @@ import structlog
 
 from rtxnet.collectives import ring as ring_mod
 from rtxnet.collectives import shared_memory as shmops
-from rtxnet.collectives.arrays import Buffer
+from rtxnet.collectives.arrays import Buffer, off_loop
 from rtxnet.collectives.arrays import payload_view as _view
 from rtxnet.collectives.doubling import recursive_doubling_all_reduce
 from rtxnet.collectives.engine import Engine, Op
@@ -47,10 +47,9 @@ from rtxnet.collectives.reduce_ops import (
     ReduceOp,
     acc_dtype,
     check_op_dtype,
-    combine,
-    combine2,
     dtype_name,
     finish,
+    reduce_into,
 )
 from rtxnet.collectives.ring import chain_broadcast, ring_all_reduce, ring_all_reduce_bulk
 from transport.errors import (
@@ -327,25 +326,20 @@ class Group:
             elif algo == "direct":
                 got = await op.hello(sig, None, lambda g: flat)
                 xs = [flat if g == self.rank else _view(got[g][1], dtype, N) for g in range(n)]
-                acc = np.empty(N, accdt)
-                combine2(rop, acc, xs[0], xs[1])
-                for x in xs[2:]:
-                    combine(rop, acc, x)
-                finish(rop, acc, n)
-                await op.flush()
-                np.copyto(flat, acc, casting="unsafe")
+                await op.flush()      # flat went out without a copy: reduce into it only now
+                await off_loop(n * nbytes, reduce_into, rop, xs, flat, n)
             else:
                 await op.hello(sig)
-                acc = flat if accdt == dtype else flat.astype(accdt)
+                acc = flat if accdt == dtype else await off_loop(nbytes, flat.astype, accdt)
                 if algo == "ring" and acc.nbytes >= ring_mod.BULK_MIN_NBYTES and engine.bulk_ok(self):
                     await ring_all_reduce_bulk(op, acc, rop)
                 elif algo == "ring":
                     await ring_all_reduce(op, acc, rop)
                 else:
                     acc = await recursive_doubling_all_reduce(op, acc, rop)
-                    finish(rop, acc, n)
+                    await off_loop(acc.nbytes, finish, rop, acc, n)
                 if acc is not flat:
-                    np.copyto(flat, acc, casting="unsafe")
+                    await off_loop(acc.nbytes, _copy_cast, flat, acc)
             buf.commit()
             return tensor
 
@@ -388,7 +382,7 @@ class Group:
                 if me:
                     await op.flush()
                 else:
-                    np.copyto(buf.flat, _view(got[src][1], buf.dtype, buf.size))
+                    await off_loop(nbytes, np.copyto, buf.flat, _view(got[src][1], buf.dtype, buf.size))
             if self.rank != src:
                 buf.commit()
             return tensor
@@ -417,12 +411,7 @@ class Group:
             got = await op.hello(sig, None, None if me else (lambda g: buf.flat if g == dst else None))
             if me:
                 xs = [buf.flat if g == dst else _view(got[g][1], dtype, N) for g in range(n)]
-                acc = np.empty(N, acc_dtype(dtype))
-                combine2(rop, acc, xs[0], xs[1])
-                for x in xs[2:]:
-                    combine(rop, acc, x)
-                finish(rop, acc, n)
-                np.copyto(buf.flat, acc, casting="unsafe")
+                await off_loop(n * N * dtype.itemsize, reduce_into, rop, xs, buf.flat, n)
                 buf.commit()
             else:
                 await op.flush()
@@ -460,10 +449,9 @@ class Group:
                 await shmops.all_gather(op, self._shm, sig, ib.flat, slots)
             else:
                 got = await op.hello(sig, None, lambda g: ib.flat) if algo != "local" else {}
-                for k in range(n):
-                    src = ib.flat if k == self.rank else _view(got[k][1], dtype, N)
-                    if slots[k] is not src:
-                        np.copyto(slots[k], src)
+                pairs = [(slots[k], ib.flat if k == self.rank else _view(got[k][1], dtype, N))
+                         for k in range(n)]
+                await off_loop(n * N * dtype.itemsize, _copy_pairs, pairs)
                 await op.flush()
             for b in out_bufs:
                 b.commit()
@@ -507,12 +495,7 @@ class Group:
             else:
                 got = await op.hello(sig, None, lambda g: chunks[g])
                 xs = [chunks[r] if g == r else _view(got[g][1], dtype, N) for g in range(n)]
-                acc = np.empty(N, acc_dtype(dtype))
-                combine2(rop, acc, xs[0], xs[1])
-                for x in xs[2:]:
-                    combine(rop, acc, x)
-                finish(rop, acc, n)
-                np.copyto(ob.flat, acc, casting="unsafe")
+                await off_loop(n * N * dtype.itemsize, reduce_into, rop, xs, ob.flat, n)
                 await op.flush()
             ob.commit()
             return output
@@ -847,6 +830,16 @@ class Group:
         members = sorted((c[1], g) for g, c in colors.items() if c[0] == mine[0])
         ranks = [self.ranks[g] for _, g in members]
         return Group._create(self.engine, f"{self.gid}/{seq_box['seq']}:{mine[0]}", ranks)
+
+
+def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dst, src, casting="unsafe")
+
+
+def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        if dst is not src:
+            np.copyto(dst, src)
 
 
 def _divide_in_place(tensor, n: int) -> None:

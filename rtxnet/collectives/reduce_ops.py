@@ -12,7 +12,7 @@ import enum
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "accepted_pairs", "acc_dtype", "check_op_dtype",
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "accepted_pairs", "acc_dtype", "check_op_dtype", "reduce_into",
            "combine", "combine2", "finish", "dtype_name", "dtype_from_name"]
 
 
@@ -124,3 +124,31 @@ def finish(op: ReduceOp, acc: np.ndarray, nranks: int) -> None:
     """Apply what comes after accumulation: AVG divides by the number of ranks."""
     if op is ReduceOp.AVG:
         np.divide(acc, nranks, out=acc)
+
+
+BLOCK_ELEMS = 1 << 16   # reduce_into's block: cache-sized, and no full-size temporary
+
+
+def reduce_into(op: ReduceOp, xs: list[np.ndarray], out: np.ndarray, n: int,
+                also: np.ndarray | None = None) -> None:
+    """``out = finish(xs[0] (op) xs[1] (op) ...)`` block by block, accumulating each block in
+    the accumulation dtype (:func:`acc_dtype`) and combining in list order, so every rank that
+    reduces the same list gets the same bits. ``out`` may be one of ``xs`` (then each block is
+    accumulated in a temporary and written once all of its inputs are read); ``also`` gets a
+    copy of the result. Needs ``len(xs) >= 2``.
+    """
+    L = out.size
+    accdt = acc_dtype(out.dtype)
+    aliased = any(np.may_share_memory(out, x) for x in xs)
+    tmp = np.empty(min(BLOCK_ELEMS, L), accdt) if accdt != out.dtype or aliased else None
+    for s in range(0, L, BLOCK_ELEMS):
+        e = min(s + BLOCK_ELEMS, L)
+        o = tmp[:e - s] if tmp is not None else out[s:e]
+        combine2(op, o, xs[0][s:e], xs[1][s:e])
+        for x in xs[2:]:
+            combine(op, o, x[s:e])
+        finish(op, o, n)
+        if tmp is not None:
+            np.copyto(out[s:e], o, casting="unsafe")
+        if also is not None:
+            np.copyto(also[s:e], out[s:e])

@@ -27,13 +27,12 @@ from __future__ import annotations
 import numpy as np
 
 from rtxnet.collectives.arrays import payload_view
-from rtxnet.collectives.reduce_ops import ReduceOp, acc_dtype, combine, combine2, finish
+from rtxnet.collectives.reduce_ops import ReduceOp, reduce_into
 from transport.errors import CollectiveError
 from transport.shm import PeerSegment, Segment
 
 __all__ = ["ShmState", "all_reduce", "reduce_scatter", "all_gather", "broadcast"]
 
-_BLOCK_ELEMS = 1 << 16
 _MAPPED_STEP = 1000
 _PIECE_STEP = 2000
 PIECE_NBYTES = 8 << 20  # all_reduce pipeline piece: a quarter of a 32 MiB last-level cache
@@ -146,25 +145,6 @@ class ShmState:
         self.peer_maps.clear()
 
 
-def _reduce_into(rop: ReduceOp, xs: list[np.ndarray], out: np.ndarray, n: int,
-                 also: np.ndarray | None = None) -> None:
-    """``out = xs[0] (op) xs[1] (op) ...`` in cache-sized blocks; ``also`` gets a copy."""
-    L = out.size
-    accdt = acc_dtype(out.dtype)
-    tmp = np.empty(min(_BLOCK_ELEMS, L), accdt) if accdt != out.dtype else None
-    for s in range(0, L, _BLOCK_ELEMS):
-        e = min(s + _BLOCK_ELEMS, L)
-        o = tmp[:e - s] if tmp is not None else out[s:e]
-        combine2(rop, o, xs[0][s:e], xs[1][s:e])
-        for x in xs[2:]:
-            combine(rop, o, x[s:e])
-        finish(rop, o, n)
-        if tmp is not None:
-            np.copyto(out[s:e], o, casting="unsafe")
-        if also is not None:
-            np.copyto(also[s:e], out[s:e])
-
-
 async def all_reduce(op, st: ShmState, sig: list, flat: np.ndarray, rop: ReduceOp) -> None:
     """Pipelined over pieces of ``PIECE_NBYTES`` so that what one rank writes is still in the
     shared last-level cache when its peers read it (and segments stay small)."""
@@ -188,7 +168,7 @@ async def all_reduce(op, st: ShmState, sig: list, flat: np.ndarray, rop: ReduceO
             got = await op.recv_all(op.peers, _PIECE_STEP + 2 * k)
         peers = {g: st.peer_array(op, g, got[g][0], dtype, M) for g in op.peers}
         srcs = [part[lo:hi] if g == r else peers[g][lo:hi] for g in range(n)]
-        _reduce_into(rop, srcs, mine[lo:hi], n, also=part[lo:hi])
+        reduce_into(rop, srcs, mine[lo:hi], n, also=part[lo:hi])
         for g in op.peers:
             op.send(g, _PIECE_STEP + 2 * k + 1)
         await op.recv_all(op.peers, _PIECE_STEP + 2 * k + 1)
@@ -208,7 +188,7 @@ async def reduce_scatter(op, st: ShmState, sig: list, chunks: list[np.ndarray],
     st.map_all(op, got)
     srcs = [chunks[r] if g == r else
             st.peer_array(op, g, got[g][0], dtype, n * N)[r * N:(r + 1) * N] for g in range(n)]
-    _reduce_into(rop, srcs, out, n)
+    reduce_into(rop, srcs, out, n)
     await st.settle(op)
 
 

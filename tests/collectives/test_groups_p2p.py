@@ -126,27 +126,33 @@ async def send_to_frozen(engine):
     g = engine.world
     pids = np.zeros(2, np.int64)
     await g.all_gather(pids, np.array([os.getpid()], np.int64))
+    go = np.zeros(1, np.int64)
     if g.rank == 1:
+        # stop only once rank 0 says it has everything from here: a message of this rank still
+        # queued when it stops would never arrive
+        await g.recv(go, 0, tag=1)
         os.kill(os.getpid(), signal.SIGSTOP)      # until rank 0's SIGCONT
         return "woken"
-    stat = f"/proc/{int(pids[1])}/stat"
-    deadline = time.monotonic() + 10
-    while open(stat).read().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, "rank 1 did not stop"
-        await asyncio.sleep(0.01)
-    t0 = time.monotonic()
     try:
-        await g.send(np.ones(16 << 20, np.float32), 1, tag=5, timeout=1.5)
-        return "sent"
-    except CollectiveTimeout as exc:
-        return (type(exc).__name__, exc.ranks, exc.op, round(time.monotonic() - t0, 1))
+        await g.send(go, 1, tag=1)
+        stat = f"/proc/{int(pids[1])}/stat"
+        deadline = time.monotonic() + 10
+        while open(stat).read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            assert time.monotonic() < deadline, "rank 1 did not stop"
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        try:
+            await g.send(np.ones(16 << 20, np.float32), 1, tag=5, timeout=1.5)
+            return "sent"
+        except CollectiveTimeout as exc:
+            return (type(exc).__name__, exc.ranks, exc.op, round(time.monotonic() - t0, 1))
     finally:
         os.kill(int(pids[1]), signal.SIGCONT)
 
 
 def test_a_send_a_frozen_peer_cannot_take_times_out_naming_it():
     res = run_world(2, send_to_frozen, timeout_s=60)
-    assert res[1] == "woken"
+    assert res[1] == "woken" and isinstance(res[0], tuple), res
     name, ranks, op, took = res[0]
     assert (name, ranks, op) == ("CollectiveTimeout", [1], "send")
     assert 1.4 <= took < 5, took

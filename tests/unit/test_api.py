@@ -101,6 +101,11 @@ def test_blocking_split_and_new_group_return_blocking_groups(coordinator):
         assert pg.split(color=None) is None
     finally:
         pg.close()
+        # init configured structlog for this process (as a rank's entry point); later tests
+        # capture logs with structlog's defaults
+        import structlog
+
+        structlog.reset_defaults()
 
 
 def test_importing_rtxnet_needs_neither_torch_nor_cupy():
