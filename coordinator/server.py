@@ -37,6 +37,8 @@ __all__ = ["Coordinator"]
 
 log = structlog.get_logger(__name__)
 
+_STALL_S = 0.25   # a tick this much later than due means the daemon itself did not run
+
 # Journal records may carry key-value entries up to the control limit; give them headroom.
 _JOURNAL_LIMITS = Limits(max_message_nbytes=64 * 1024 * 1024, max_bin_len=32 * 1024 * 1024)
 
@@ -115,7 +117,13 @@ class Coordinator:
                 now = time.monotonic()
                 batch = [self._event(ev) for ev in events]
                 if now - last_tick >= self.tick_s:
-                    batch.append(Tick())
+                    gap = now - last_tick
+                    # a wait of tick_s that took _STALL_S longer: this process was not running
+                    # (SIGSTOP, swapped out, a slow disk); the ranks' silence meanwhile is not theirs
+                    stalled_s = gap - self.tick_s if gap > self.tick_s + _STALL_S else 0.0
+                    if stalled_s:
+                        log.warning("coordinator_stalled", seconds=round(gap, 3))
+                    batch.append(Tick(stalled_s=stalled_s))
                     last_tick = now
                 await self._run(batch, now)
         finally:

@@ -128,7 +128,12 @@ class Disconnect:
 
 @dataclass(frozen=True)
 class Tick:
-    pass
+    """The clock moved. ``stalled_s``: how long the coordinator itself did not run before this
+    tick (frozen, swapped out, a slow disk), as the shell measured it: silence during that time
+    is the coordinator's, not the ranks', so heartbeat ages are moved forward by it before any
+    rank is judged late (their heartbeats are still queued, unread, when the shell wakes)."""
+
+    stalled_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -319,6 +324,10 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
     """
     actions: list[Action] = []
     if isinstance(event, Tick):
+        if event.stalled_s > 0:
+            for job in state.jobs.values():
+                for m in (*job.members.values(), *job.pending.values()):
+                    m.last_seen = min(now, m.last_seen + event.stalled_s)
         for job in list(state.jobs.values()):
             _tick_job(state, job, now, actions)
     elif isinstance(event, Disconnect):

@@ -25,6 +25,7 @@ def wait_pending(address: str, job: str, n: int, timeout_s: float = 20.0) -> Non
                timeout_s, f"job {job!r} with {n} pending joiner(s)")
 
 
+ROOT = procs.ROOT
 FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "op_s": 5.0, "rendezvous_s": 30.0}
 
 
@@ -107,7 +108,7 @@ def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
     ps[0].cmd("kv_set", key="before", value="crash")
     coordinator.kill(signal.SIGKILL)
     coordinator.start()  # same port, same journal
-    assert "journal_replayed" in coordinator.log or True
+    wait_until(lambda: "journal_replayed" in coordinator.log, 10, "the journal replayed")
     # Agents reconnect by themselves; state came back from the journal.
     for p in ps:
         assert p.cmd("kv_get", key="before", timeout=20)["value"] == "crash"
@@ -120,6 +121,41 @@ def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
     for p in ps:
         assert not [e for e in p.seen if e["event"] in ("epoch", "fenced")]
     assert ps[0].cmd("status")["jobs"][0]["epoch"] == 0
+
+
+def test_a_frozen_coordinator_does_not_blame_the_ranks_for_its_own_silence(coordinator, tmp_path):
+    """A 3-rank job commits steps; the daemon is SIGSTOPped for 4 s (past the 1 s heartbeat
+    timeout) and woken. The ranks' heartbeats of that time are still unread when it wakes: it
+    must not declare them lost (it did, fencing the whole job into a new rendezvous)."""
+    job = "frozen-coordinator"
+    env = procs.env(RTXNET_HEARTBEAT_INTERVAL="0.1", RTXNET_HEARTBEAT_TIMEOUT="1.0")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--coordinator", coordinator.address,
+         "--job", job, "tools/ft_workload.py", "--steps", "150", "--step-sleep", "0.05",
+         "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+    def status():
+        return next((j for j in coordinator_jobs(coordinator.address) if j["job"] == job), None)
+
+    try:
+        wait_until(lambda: (j := status()) and j["committed_step"] >= 5, 60, "5 committed steps")
+        coordinator.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(4.0)
+        finally:
+            coordinator.proc.send_signal(signal.SIGCONT)
+        _, err = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, err[-3000:]
+    assert "fenced" not in err and "recovered" not in err, err[-3000:]
+    # the only epochs after 0 are the ranks leaving at the end
+    opened = [line for line in coordinator.log.splitlines() if "epoch_opened" in line and job in line]
+    assert [int(x.split("world_size=")[1].split()[0]) for x in opened] == [3, 2, 1, 0], opened
+    assert "coordinator_stalled" in coordinator.log
 
 
 def test_pending_joiner_survives_coordinator_restart(coordinator, probes):

@@ -57,9 +57,9 @@ class Harness:
                         max_ranks=max_ranks, last_call_s=last_call_s, heartbeat_timeout_s=hb,
                         endpoint=f"tcp://h:{len(identity)}", host="h", pid=1)
 
-    def tick(self, dt: float = 0.0) -> list[Send]:
+    def tick(self, dt: float = 0.0, stalled_s: float = 0.0) -> list[Send]:
         self.clock.now += dt
-        return self.run(Tick())
+        return self.run(Tick(stalled_s=stalled_s))
 
 
 def pushes(sends: list[Send], mtype: str = "epoch") -> dict[str, dict]:
@@ -354,3 +354,27 @@ def test_kv_wait_and_commit_refuse_a_timeout_that_is_not_a_deadline(value):
     # 0 is a deadline (answer at the next tick), not an error
     assert h.req("a", "kv_wait", epoch=0, keys=["x"], timeout_s=0) == []
     assert errors(h.tick())[0]["error"] == "RtxTimeoutError"
+
+
+def test_silence_while_the_coordinator_itself_was_stalled_is_not_the_ranks():
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=2)
+    h.join("b", min_ranks=2, max_ranks=2)
+    h.tick(0.05)
+    # frozen 5 s (SIGSTOP): the first tick after it says so; nobody is lost
+    assert not pushes(h.tick(5.0, stalled_s=4.95))
+    h.req("a", "heartbeat", epoch=0, identity="a")   # a's queued heartbeat is read, b's not yet
+    assert not pushes(h.tick(1.0))
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    # real silence after the stall still counts
+    ep = pushes(h.tick(1.5))
+    assert ep["a"]["lost"] == [1] and ep["a"]["world_size"] == 1   # b (rank 1) lost
+
+
+def test_the_same_silence_without_a_stall_loses_every_rank():
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=2)
+    h.join("b", min_ranks=2, max_ranks=2)
+    h.tick(0.05)
+    h.tick(5.0)
+    assert h.state.jobs["j"].members == {}
