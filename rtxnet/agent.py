@@ -36,6 +36,8 @@ __all__ = ["Agent", "Membership"]
 
 log = structlog.get_logger(__name__)
 
+FULL_RETRY_TIMEOUTS = 3   # how long a replacement asks a full job again, in heartbeat timeouts
+
 
 @dataclass(frozen=True)
 class Membership:
@@ -84,8 +86,11 @@ class Agent:
 
     def __init__(self, *, coordinator: str, job: str, token: str = "", rank: int | None = None,
                  min_ranks: int, max_ranks: int, last_call_s: float = 0.0, timeouts: Timeouts,
-                 endpoint: str = "", info: dict[str, Any] | None = None):
+                 endpoint: str = "", info: dict[str, Any] | None = None, replacement: bool = False):
         self.coordinator = coordinator
+        # a restarted process taking a lost rank's place (RTXNET_REJOIN=1): finding the job full
+        # means the coordinator has not yet declared that rank lost, so it asks again a while
+        self.replacement = replacement
         self.job = job
         self.token = token
         self.requested_rank = rank
@@ -136,7 +141,7 @@ class Agent:
         if self._client is None:
             self._client = ControlClient(self.coordinator, self.identity, self._on_push)
         admissions = self._admissions
-        await self._send_join()
+        await self._join_request()
         if self._hb_task is None:
             self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
         try:
@@ -146,6 +151,22 @@ class Agent:
                 f"job {self.job!r}: the world did not form within {self.timeouts.rendezvous_s:g} s "
                 f"(min_ranks={self.min_ranks}, max_ranks={self.max_ranks}, coordinator {self.coordinator})"
             ) from None
+
+    async def _join_request(self) -> None:
+        """``_send_join``; a replacement refused because the job is full asks again every
+        heartbeat interval for ``FULL_RETRY_TIMEOUTS`` heartbeat timeouts: the rank it replaces
+        died unseen by the coordinator (killed with it: the restarted coordinator replays the
+        dead rank as a member until its heartbeats are missed), and is dropped within one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FULL_RETRY_TIMEOUTS * self.timeouts.heartbeat_timeout_s
+        while True:
+            try:
+                return await self._send_join()
+            except RendezvousError as exc:
+                if not (self.replacement and "is full" in str(exc) and loop.time() < deadline):
+                    raise
+                log.warning("join_retry_job_full", error=str(exc))
+                await asyncio.sleep(self.timeouts.heartbeat_interval_s)
 
     async def _send_join(self) -> None:
         self._joining = True
@@ -325,6 +346,12 @@ class Agent:
 
     async def kv_cas(self, key: str, expected: bytes | None, value: bytes) -> tuple[bool, bytes | None]:
         body = await self._request("kv_cas", key=key, expected=None if expected is None else bytes(expected), value=bytes(value))
+        if not body["swapped"] and body["value"] == bytes(value) and value != expected:
+            # The request may have been sent twice (the connection dropped and came back, see
+            # transport.channel.RESEND_ON_RECONNECT): the first did the swap, the second found
+            # our own value. Counted as ours (a caller racing to write the same value is told
+            # it won too, which for equal values changes nothing).
+            return True, body["value"]
         return body["swapped"], body["value"]
 
     async def kv_del(self, key: str) -> bool:

@@ -95,7 +95,9 @@ class Store:
         """Set ``key`` to ``value`` only if it currently equals ``expected`` (None: absent).
 
         Returns:
-            ``(swapped, current_value)``.
+            ``(swapped, current_value)``. Finding ``value`` already there (and ``value !=
+            expected``) counts as swapped: a request re-sent after a dropped connection finds
+            its own first write.
         """
         return await self._agent.kv_cas(key, None if expected is None else self._b(expected), self._b(value))
 
@@ -216,7 +218,8 @@ def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, l
     token = token if token is not None else os.environ.get("RTXNET_TOKEN", "")
     if rank is None:
         rank = env_int("RTXNET_RANK", None)
-    if os.environ.get("RTXNET_REJOIN") == "1" and rank == env_int("RTXNET_RANK", None):
+    replacement = os.environ.get("RTXNET_REJOIN") == "1"
+    if replacement and rank == env_int("RTXNET_RANK", None):
         rank = None  # a restarted rank takes whatever rank is free in the re-formed world
     world_size = world_size if world_size is not None else env_int("RTXNET_WORLD_SIZE", None)
     min_ranks = min_ranks if min_ranks is not None else env_int("RTXNET_MIN_RANKS", world_size)
@@ -230,7 +233,7 @@ def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, l
     if last_call_s is None:
         last_call_s = env_float("RTXNET_LAST_CALL", 0.0 if min_ranks == max_ranks else 1.0)
     return dict(coordinator=coordinator, job=job, token=token, rank=rank, min_ranks=min_ranks,
-                max_ranks=max_ranks, last_call_s=last_call_s)
+                max_ranks=max_ranks, last_call_s=last_call_s, replacement=replacement)
 
 
 async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:

@@ -213,9 +213,13 @@ class Probe:
             self.seen.append(e)
 
     def cmd(self, name: str, timeout: float = 20.0, **args) -> dict:
+        self.submit(name, **args)
+        return self.expect("result", timeout=timeout, cmd=name)
+
+    def submit(self, name: str, **args) -> None:
+        """Send a command without waiting for its result (``expect("result", cmd=name)``)."""
         self.proc.stdin.write((json.dumps({"cmd": name, **args}) + "\n").encode())
         self.proc.stdin.flush()
-        return self.expect("result", timeout=timeout, cmd=name)
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)

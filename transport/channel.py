@@ -72,8 +72,22 @@ def process_context() -> zmq.asyncio.Context:
     return ctx
 
 
+# Requests sent again, unchanged (same request id), when the connection to the coordinator comes
+# back after a drop: a coordinator that died took those in flight with it, and the agent would
+# otherwise wait out the request's whole deadline. Each is idempotent, or its caller copes with a
+# second answer (``kv_cas``: see ``Agent.kv_cas``). Not ``join``/``leave``/``heartbeat``: the agent
+# repeats those itself, knowing the membership.
+RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit",
+                                 "reform", "status"})
+
+
 class ControlClient:
     """An agent's DEALER connection to the coordinator.
+
+    When the TCP connection drops and ZeroMQ connects again (the coordinator restarted, or the
+    network blinked), requests of :data:`RESEND_ON_RECONNECT` that were sent over the lost
+    connection and are still unanswered are sent again, so they are answered by the coordinator
+    now there instead of waiting out their deadline.
 
     Args:
         address: the coordinator's ZeroMQ address, e.g. ``tcp://127.0.0.1:29600``.
@@ -101,6 +115,9 @@ class ControlClient:
         self._pid = os.getpid()
         self._rid = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        # rid -> [encoded request, connection generation it was last sent in] (resendable only)
+        self._resend: dict[int, list] = {}
+        self._generation = 0   # connections lost so far
         self._closed = False
         ctx = process_context()
         self._sock = ctx.socket(zmq.DEALER)
@@ -114,7 +131,10 @@ class ControlClient:
         except zmq.ZMQError as exc:
             self._sock.close(0)
             raise ConnectError(f"cannot connect to {address!r}: {exc}") from exc
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="control-reader")
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_loop(), name="control-reader")
+        self._watcher = loop.create_task(self._monitor_loop(), name="control-monitor")
 
     def _check(self) -> None:
         if self._closed:
@@ -143,9 +163,12 @@ class ControlClient:
         msg = wire.make(mtype, rid=rid, job=job, epoch=epoch, **fields)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        data = encode(msg, limits=self._limits)
+        if mtype in RESEND_ON_RECONNECT:
+            self._resend[rid] = [data, self._generation]
         try:
             try:
-                await self._sock.send(encode(msg, limits=self._limits), copy=True)
+                await self._sock.send(data, copy=True)
             except zmq.ZMQError as exc:
                 raise ConnectError(f"send to {self.address} failed: {exc}") from exc
             try:
@@ -154,6 +177,7 @@ class ControlClient:
                 raise RtxTimeoutError(f"{mtype} to {self.address}: no answer within {deadline_s:g} s") from None
         finally:
             self._pending.pop(rid, None)
+            self._resend.pop(rid, None)
         if reply["t"] == "error":
             raise error_from_wire(reply["error"], reply["message"])
         return reply["body"]
@@ -181,17 +205,45 @@ class ControlClient:
                 except Exception:  # a bad handler must not kill the channel
                     log.exception("push_handler_failed", type=msg["t"])
 
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                evt = parse_monitor_message(await self._monitor.recv_multipart())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if evt["event"] == zmq.EVENT_DISCONNECTED:
+                self._generation += 1
+            elif evt["event"] == zmq.EVENT_CONNECTED:
+                # Sent over a connection that is gone: lost with it (sent since: queued by
+                # ZeroMQ for this one, so not again).
+                again = [e for e in self._resend.values() if e[1] < self._generation]
+                for e in again:
+                    e[1] = self._generation
+                    try:
+                        await self._sock.send(e[0], copy=True)
+                    except zmq.ZMQError:
+                        return
+                if again:
+                    log.info("requests_resent", count=len(again), address=self.address)
+
     async def aclose(self) -> None:
         """Close the socket (``linger=0``) and fail pending requests with :class:`ClosedError`."""
         if self._closed:
             return
         self._closed = True
         self._reader.cancel()
+        self._watcher.cancel()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ClosedError("control channel closed"))
         self._pending.clear()
+        self._resend.clear()
         if os.getpid() == self._pid:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
             self._sock.close(0)
 
 

@@ -158,6 +158,24 @@ def test_a_frozen_coordinator_does_not_blame_the_ranks_for_its_own_silence(coord
     assert "coordinator_stalled" in coordinator.log
 
 
+def test_a_request_in_flight_when_the_coordinator_dies_is_answered_by_its_restart(coordinator, probes):
+    """Rank 0 waits on a key; the daemon is SIGKILLed (its kv_wait dies with it) and restarted;
+    rank 1 sets the key. The request goes again over the new connection and is answered at once,
+    not after its own deadline (30 s here)."""
+    ps = [probes(coordinator.address, job="inflight", rank=r, world_size=2, timeouts=FAST) for r in range(2)]
+    for p in ps:
+        p.expect("joined")
+    ps[0].submit("kv_wait", keys=["late"], timeout=30)
+    time.sleep(0.5)                          # the wait is parked in the daemon
+    coordinator.kill(signal.SIGKILL)
+    coordinator.start()
+    t0 = time.monotonic()
+    assert ps[1].cmd("kv_set", key="late", value="here", timeout=20)["ok"]
+    res = ps[0].expect("result", cmd="kv_wait", timeout=20)
+    assert res["ok"] and res["values"] == {"late": "here"}, res
+    assert time.monotonic() - t0 < 10
+
+
 def test_pending_joiner_survives_coordinator_restart(coordinator, probes):
     a = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
     wait_pending(coordinator.address, "p", 1)

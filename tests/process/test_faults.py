@@ -87,6 +87,18 @@ def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):
     assert not recoveries(results)  # training never stopped
 
 
+def test_a_rank_killed_with_the_coordinator_is_replaced(tmp_path):
+    """The coordinator and rank 1 die at the same step. The restarted coordinator replays rank 1
+    as a member until its heartbeats are missed; its replacement, arriving first, found the job
+    full and died (a fresh user's run: 4 of 7 jobs lost). It now asks again until the slot is
+    free, and the job ends on 4 ranks with the exact result."""
+    results, proc = run_job(tmp_path, "kill-coordinator:step=15; kill:rank=1:step=15", "--max-restarts", "1",
+                            steps=50)
+    assert len(results) == 4 and all(r["world_size"] == 4 for r in results)
+    assert "rank 1 exited with code 137; restart 1/1" in proc.stderr
+    assert all(e["steps_lost"] <= 1 for e in recoveries(results))
+
+
 def test_dropped_heartbeats_and_delay(tmp_path):
     results, proc = run_job(tmp_path, "drop-heartbeats:rank=2:step=10:seconds=2; delay:rank=0:ms=30",
                             "--min-ranks", "3", steps=150)
