@@ -274,8 +274,15 @@ class Launcher:
         finally:
             await self._shutdown()
         if self.stop_signal is not None:
-            _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
-                 f"{self.first_failure[1] if self.first_failure else 0}")
+            unstarted = [s.rank for s in self.slots if s.proc is None]
+            if self.first_failure is None and unstarted:
+                # stopped before every rank ran: the job did not finish, whatever the others did
+                self.first_failure = (time.monotonic(), 128 + signal.Signals[self.stop_signal].value)
+                _say(f"stopped by {self.stop_signal} before rank{'s' if len(unstarted) > 1 else ''} "
+                     f"{', '.join(map(str, unstarted))} started; exit code {self.first_failure[1]}")
+            else:
+                _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
+                     f"{self.first_failure[1] if self.first_failure else 0}")
         elif self.first_failure is not None:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
@@ -462,9 +469,17 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
+    launcher = Launcher(args)
     try:
-        return runner(Launcher(args).run())
+        return runner(launcher.run())
+    except KeyboardInterrupt:   # Ctrl-C before the launcher's own handler was installed
+        print("rtxnet-run: interrupted before any rank started", file=sys.stderr)
+        return 128 + signal.SIGINT
     except RuntimeError as exc:  # the coordinator could not start (bad --journal, ...)
+        if launcher.stop_signal is not None:   # ... or did not answer: Ctrl-C came first
+            print(f"rtxnet-run: stopped by {launcher.stop_signal} before any rank started",
+                  file=sys.stderr)
+            return 128 + signal.Signals[launcher.stop_signal].value
         print(f"rtxnet-run: {exc}", file=sys.stderr)
         return 1
 

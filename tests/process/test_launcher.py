@@ -300,6 +300,41 @@ def test_a_coordinator_that_does_not_answer_is_named_before_any_rank_starts(tmp_
     assert not list(tmp_path.glob("*.started")) and took < 20, took
 
 
+def test_ctrl_c_before_any_rank_started_exits_130(tmp_path, coordinator):
+    # The launcher waits for a frozen --coordinator to answer; Ctrl-C meanwhile is the exit code
+    # (it said 0: nothing had failed).
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(5)\n")
+    coordinator.proc.send_signal(signal.SIGSTOP)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--coordinator",
+                              coordinator.address, str(script)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=procs.env(), cwd=ROOT)
+        try:
+            wait_until(lambda: _launcher_waits(p.pid), 20, "the launcher probing the coordinator")
+            os.kill(p.pid, signal.SIGINT)
+            _, err = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finally:
+        coordinator.proc.send_signal(signal.SIGCONT)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "rtxnet-run: stopped by SIGINT before any rank started", err
+
+
+def _launcher_waits(pid: int) -> bool:
+    """Whether process ``pid`` has a TCP connection open (the probe of --coordinator)."""
+    import psutil
+
+    try:
+        return any(c.status == psutil.CONN_ESTABLISHED or c.status == psutil.CONN_SYN_SENT
+                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):
     script = tmp_path / "marks.py"
     script.write_text(MARKS_START)
