@@ -670,9 +670,9 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         actions.append(_reply(identity, msg, job, state="member"))
         actions.append(_epoch_push(job, ident, [], [], "resync"))
         return
-    if rank is not None and rank in job.members:
-        m = job.members[rank]
-        return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already taken by {m.identity!r} (pid {m.pid} on {m.host})")
+    # Ranks of a running job are dense (renumbered at every loss): a requested rank is honoured
+    # only if it is the free one, else the joiner gets the free one; it is not refused (a
+    # restarted process cannot get back a rank that renumbering gave to a survivor).
     if len(job.members) >= job.max_ranks:
         return refuse("RendezvousError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
     new_rank = rank if rank is not None and rank == len(job.members) else len(job.members)

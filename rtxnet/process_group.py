@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from transport.errors import ConfigError, PeerLostError
+from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxTimeoutError
 
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int
@@ -286,12 +286,43 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
         _wire_engine(agent, engine)
     try:
         await agent.join()
+        await _until_min_ranks(agent, timeouts.rendezvous_s)
     except BaseException:
         await agent.aclose(leave=False)
         if engine is not None:
             await engine.aclose()
         raise
     return ProcessGroup(agent, engine, timeouts)
+
+
+async def _until_min_ranks(agent: Agent, timeout_s: float) -> None:
+    """Return once this rank's epoch has at least ``min_ranks`` ranks.
+
+    A join into a running job (its ranks all crashed and are coming back one by one, or some died
+    while the others wait for replacements) is admitted at once into an epoch of whoever is
+    there; ``init(world_size=2)`` must not hand back a world of 1.
+
+    Raises:
+        RendezvousTimeout: the world did not reach ``min_ranks`` within ``timeout_s``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while agent.fenced or agent.membership.world_size < agent.min_ranks:
+        if agent.fenced:
+            await agent.join()
+            continue
+        log.info("waiting_for_min_ranks", world_size=agent.membership.world_size,
+                 min_ranks=agent.min_ranks, epoch=agent.membership.epoch)
+        remaining = deadline - loop.time()
+        try:
+            if remaining <= 0:
+                raise RtxTimeoutError("deadline passed")
+            await agent.wait_epoch(agent.membership.epoch, timeout_s=remaining, or_fenced=True)
+        except RtxTimeoutError:
+            raise RendezvousTimeout(
+                f"job {agent.job!r}: joined a running job of world_size({agent.membership.world_size})"
+                f" < min_ranks({agent.min_ranks}), and it did not grow to min_ranks within "
+                f"{timeout_s:g} s (rendezvous timeout)") from None
 
 
 class connect:  # noqa: N801 - used like a function: `await connect()` / `async with connect()`
@@ -304,8 +335,11 @@ class connect:  # noqa: N801 - used like a function: `await connect()` / `async 
         coordinator: address like ``tcp://host:29600``; default ``RTXNET_COORDINATOR``.
         job: job id; default ``RTXNET_JOB`` or ``"default"``.
         token: job token; default ``RTXNET_TOKEN`` or ``""``.
-        rank: requested rank; default ``RTXNET_RANK`` or any free rank.
-        world_size: shorthand for ``min_ranks = max_ranks = world_size``.
+        rank: requested rank; default ``RTXNET_RANK`` or any free rank. Joining a job that is
+            already running (a restarted process) gives the free rank instead: ranks of a
+            running job stay dense, ``0..world_size-1``.
+        world_size: shorthand for ``min_ranks = max_ranks = world_size``. Returns only once the
+            world has at least ``min_ranks`` ranks, also when joining a running job.
         min_ranks, max_ranks: rendezvous bounds.
         last_call_s: seconds to wait for more ranks once ``min_ranks`` are present.
         timeouts: :class:`Timeouts`; default from ``RTXNET_*`` variables.
@@ -313,7 +347,8 @@ class connect:  # noqa: N801 - used like a function: `await connect()` / `async 
     Raises:
         ConfigError: missing or contradictory settings (names the values).
         RendezvousError: the coordinator refused the join (duplicate rank, job full, wrong token).
-        RendezvousTimeout: the world did not form within ``timeouts.rendezvous_s``.
+        RendezvousTimeout: the world did not form, or reach ``min_ranks``, within
+            ``timeouts.rendezvous_s``.
     """
 
     def __init__(self, coordinator: str | None = None, **kwargs: Any):

@@ -59,8 +59,10 @@ def summarize(events: list[dict], output: str = "") -> dict:
     """The run in numbers, from the ranks' events and (when given) the run's output.
 
     Returns:
-        ``recoveries``: per failure (grouped by the epoch it opened), the worst detection latency,
-        time to recover and steps lost over the ranks. ``stalls``: per step whose vote waited, the
+        ``recoveries``: per failure (grouped by the epoch it opened), the first rank's detection
+        latency (a rank frozen by ``pause`` detects its own fencing only when it wakes: the
+        worst would be the pause, not the job's detection), the worst time to recover and steps
+        lost over the ranks. ``stalls``: per step whose vote waited, the
         longest wait, longest first. ``unrecovered``: failures a process recorded but never recovered
         from (it crashed or was killed first). Then, from ``output`` (see :func:`scan_output`):
         ``rank_exits``, ``coordinator_exits``, ``restores``, ``state_lost`` and ``below_min_ranks``.
@@ -77,8 +79,9 @@ def summarize(events: list[dict], output: str = "") -> dict:
             "epoch": epoch,
             "error": es[0]["error"],
             "lost": es[0]["lost"],
+            "losses": es[0].get("losses") or [],
             "ranks_reporting": len(es),
-            "detection_latency_s": max(det) if det else None,
+            "detection_latency_s": min(det) if det else None,
             "time_to_recover_s": max(e["time_to_recover_s"] for e in es),
             "steps_lost": max(e["steps_lost"] for e in es),
         })
@@ -257,7 +260,13 @@ def report(summary: dict) -> list[str]:
 
     lines = []
     for r in summary["recoveries"]:
-        lost = f"lost ranks {r['lost']}" if r["lost"] else "no rank lost"
+        if len(r.get("losses") or []) > 1:
+            # ranks are renumbered at every epoch: "[1, 1]" would read as one rank twice
+            lost = "lost " + ", then ".join(
+                f"rank{'s' if len(x['ranks']) > 1 else ''} {', '.join(map(str, x['ranks']))} "
+                f"(numbered as of epoch {x['epoch'] - 1})" for x in r["losses"])
+        else:
+            lost = f"lost ranks {r['lost']}" if r["lost"] else "no rank lost"
         det = ("" if r["detection_latency_s"] is None
                else f"detected after {r['detection_latency_s'] * 1000:.0f} ms, ")
         lines.append(f"epoch {r['epoch']}: {r['error']} ({lost}): {det}recovered after "

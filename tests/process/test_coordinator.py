@@ -176,6 +176,26 @@ def test_a_request_in_flight_when_the_coordinator_dies_is_answered_by_its_restar
     assert time.monotonic() - t0 < 10
 
 
+def test_a_process_rejoining_a_crashed_job_waits_for_min_ranks(coordinator, probes):
+    """Both ranks of a 2-rank job crash; one process comes back: init(world_size=2) must not
+    return a world of 1 (it did, and its all_reduce silently summed only itself). It returns
+    when the second is back, both in a world of 2."""
+    first = [probes(coordinator.address, job="crashed", rank=r, world_size=2, timeouts=FAST) for r in range(2)]
+    for p in first:
+        p.expect("joined")
+    for p in first:
+        p.signal(signal.SIGKILL)
+    wait_until(lambda: (j := coordinator_jobs(coordinator.address)) and j[0]["world_size"] == 0, 20,
+               "both ranks lost")
+    a = probes(coordinator.address, job="crashed", rank=1, world_size=2, timeouts=FAST)
+    wait_until(lambda: coordinator_jobs(coordinator.address)[0]["world_size"] == 1, 20, "the first back admitted")
+    with pytest.raises(AssertionError, match="no joined"):
+        a.expect("joined", timeout=1.0)       # still waiting for a second rank
+    b = probes(coordinator.address, job="crashed", rank=0, world_size=2, timeouts=FAST)
+    ja, jb = a.expect("joined", timeout=20), b.expect("joined", timeout=20)
+    assert ja["world_size"] == jb["world_size"] == 2 and {ja["rank"], jb["rank"]} == {0, 1}
+
+
 def test_pending_joiner_survives_coordinator_restart(coordinator, probes):
     a = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
     wait_pending(coordinator.address, "p", 1)

@@ -281,6 +281,10 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
          "detection_latency_s": None, "time_to_recover_s": 1.5, "steps_lost": 1},
         {"event": "commit_stall", "step": 7, "seconds": 0.5, "time_to_recover_s": None},
         {"event": "commit_stall", "step": 20, "seconds": 2.0, "time_to_recover_s": 2.1},
+        # launch ranks 1 and 2 lost in turn: rank 1 of epoch 5, then rank 1 (was 2) of epoch 6
+        {"event": "recovered", "pid": 12, "epoch": 7, "error": "PeerLostError", "lost": [1, 1],
+         "losses": [{"epoch": 6, "ranks": [1]}, {"epoch": 7, "ranks": [1]}],
+         "detection_latency_s": 0.1, "time_to_recover_s": 0.5, "steps_lost": 1},
     ]
     s = faultrun.summarize(events, out)
     assert [(x["rank"], x["code"], x["restart"]) for x in s["rank_exits"]] == [
@@ -295,6 +299,8 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
                                  "message": None}]
     lines = faultrun.report(s)
     assert "epoch 4: CollectiveTimeout (no rank lost): recovered after 1500 ms, steps lost 1" in lines
+    assert ("epoch 7: PeerLostError (lost rank 1 (numbered as of epoch 5), then rank 1 (numbered as of "
+            "epoch 6)): detected after 100 ms, recovered after 500 ms, steps lost 1") in lines
     assert "rank 1 exited with code 1; not restarted" in lines
     assert "the coordinator exited with code 137, SIGKILL" in lines
     assert ("the job could not go on: rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than "
