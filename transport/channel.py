@@ -81,6 +81,16 @@ RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_de
                                  "reform", "status"})
 
 
+async def _monitor_events(monitor: zmq.asyncio.Socket):
+    """The events of a ZeroMQ socket monitor, parsed, until it is closed or the task cancelled."""
+    while True:
+        try:
+            frames = await monitor.recv_multipart()
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+        yield parse_monitor_message(frames)
+
+
 class ControlClient:
     """An agent's DEALER connection to the coordinator.
 
@@ -206,11 +216,7 @@ class ControlClient:
                     log.exception("push_handler_failed", type=msg["t"])
 
     async def _monitor_loop(self) -> None:
-        while True:
-            try:
-                evt = parse_monitor_message(await self._monitor.recv_multipart())
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
+        async for evt in _monitor_events(self._monitor):
             if evt["event"] == zmq.EVENT_DISCONNECTED:
                 self._generation += 1
             elif evt["event"] == zmq.EVENT_CONNECTED:
@@ -393,11 +399,7 @@ class ControlServer:
         self._queue.put_nowait(Inbound(identity, msg))
 
     async def _monitor_loop(self) -> None:
-        while True:
-            try:
-                evt = parse_monitor_message(await self._monitor.recv_multipart())
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
+        async for evt in _monitor_events(self._monitor):
             if evt["event"] == zmq.EVENT_DISCONNECTED:
                 ident_b = self._fd_owner.pop(evt["value"], None)
                 if ident_b is not None:
