@@ -131,7 +131,7 @@ def test_a_frozen_coordinator_does_not_blame_the_ranks_for_its_own_silence(coord
     env = procs.env(RTXNET_HEARTBEAT_INTERVAL="0.1", RTXNET_HEARTBEAT_TIMEOUT="1.0")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--coordinator", coordinator.address,
-         "--job", job, "tools/ft_workload.py", "--steps", "150", "--step-sleep", "0.05",
+         "--job", job, "tools/ft_workload.py", "--steps", "100", "--step-sleep", "0.05",
          "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
