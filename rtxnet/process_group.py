@@ -191,6 +191,28 @@ class ProcessGroup:
                                         timeout_s=timeout if timeout is not None else self.timeouts.op_s)
         return bool(body["committed"])
 
+    async def reform(self, reason: str = "reform requested", *, timeout: float | None = None) -> int:
+        """Open a new epoch with the same members and wait for it; returns the new epoch.
+
+        After a ``CollectiveTimeout`` or ``CollectiveMismatchError`` that lost nobody, ranks may
+        disagree on how many operations ran (one completed what another gave up on), and every
+        later collective of the group would fail with ``CollectiveMismatchError``. A new epoch
+        starts every group afresh: call this on the ranks that saw the error (a call finding
+        that another rank already reformed just waits for that epoch); ranks that did not
+        see it get the new epoch pushed. :class:`rtxnet.FaultTolerance` does this by itself.
+        Operations in flight on any rank fail with ``ClosedError``.
+
+        Raises:
+            RtxTimeoutError: the new epoch did not arrive within ``timeout`` seconds (default:
+                the request deadline).
+            RendezvousError: this rank is no longer a member (it was declared lost).
+        """
+        before = self.epoch
+        epoch = await self._agent.reform(reason)
+        m = await self._agent.wait_epoch(max(before, epoch - 1),
+                                         timeout_s=timeout if timeout is not None else self.timeouts.request_s)
+        return m.epoch
+
     async def status(self) -> list[dict[str, Any]]:
         """Every job on the coordinator, as ``rtxnet status`` shows them."""
         return await self._agent.status()

@@ -118,6 +118,45 @@ def test_a_rank_failed_for_good_above_min_ranks_leaves_the_others_running(tmp_pa
     assert "[rank0] finished" in out.stdout and "[rank2] finished" in out.stdout
 
 
+REFORM = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import rtxnet
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10,
+                                               rendezvous_s=60))
+    me = pg.rank
+    x = np.ones(4)
+    if me == 0:
+        try:                                   # rank 1 is not there: this one times out alone
+            pg.all_reduce(x, timeout=1.0)
+        except rtxnet.CollectiveTimeout:
+            pg.store.set("timed-out", "1")
+    else:
+        pg.store.wait(["timed-out"], timeout=30)
+    if sys.argv[1] == "reform":
+        pg.reform("rank 0 timed out alone")
+    x = np.full(4, me + 1.0)
+    try:
+        pg.all_reduce(x, timeout=5.0)
+        print("sum", x[0], "epoch", pg.epoch, flush=True)
+    except rtxnet.RtxError as exc:
+        print("error", type(exc).__name__, flush=True)
+    pg.store.set(f"done/{me}/{pg.epoch}", "1")
+    pg.store.wait([f"done/{r}/{pg.epoch}" for r in range(2)], timeout=30)
+    pg.close()
+""")
+
+
+def test_reform_puts_ranks_back_in_step_after_a_lone_timeout(tmp_path):
+    # Without the reform (argument "none"), both ranks' next all_reduce fails: one operation
+    # apart, they wait on different operations.
+    script = tmp_path / "reform.py"
+    script.write_text(REFORM)
+    out = run(["--nproc", "2", str(script), "reform"], timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "[rank0] sum 3.0 epoch 1" in out.stdout and "[rank1] sum 3.0 epoch 1" in out.stdout, out.stdout
+
+
 def test_bad_arguments_are_named():
     out = run(["--nproc", "0", "nope.py"])
     assert out.returncode == 2 and "--nproc must be in 1..1024, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
