@@ -15,7 +15,7 @@ import numpy as np
 
 from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
 
-__all__ = ["as_numpy", "Buffer", "payload_view", "off_loop", "OFF_LOOP_NBYTES"]
+__all__ = ["as_numpy", "Buffer", "payload_view", "off_loop", "copy_pairs", "OFF_LOOP_NBYTES"]
 
 OFF_LOOP_NBYTES = 4 << 20
 
@@ -126,3 +126,11 @@ async def off_loop(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
     if nbytes < OFF_LOOP_NBYTES:
         return fn(*args)
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` for each ``(dst, src)``, skipping a source that is its own
+    destination (a work item for :func:`off_loop`)."""
+    for dst, src in pairs:
+        if dst is not src:
+            np.copyto(dst, src)

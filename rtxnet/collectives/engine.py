@@ -21,6 +21,7 @@ endpoint for some rank has no ``bulk=`` makes groups with that rank use the mesh
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from collections import deque
@@ -377,7 +378,7 @@ class Engine:
         self._group_counter: dict[tuple[int, ...], int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed: BaseException | None = None
-        self._seg_counter = 0
+        self._seg_numbers = itertools.count(1)
 
     @classmethod
     async def create(cls, *, bind_host: str = "127.0.0.1", default_timeout_s: float = 30.0,
@@ -624,5 +625,5 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     def _next_segment_name(self) -> str:
-        self._seg_counter += 1
-        return shm_mod.segment_name(self.view.job, os.getpid(), self._seg_counter)
+        # may run in an off_loop worker thread (a segment is made there): next() is atomic
+        return shm_mod.segment_name(self.view.job, os.getpid(), next(self._seg_numbers))

@@ -38,7 +38,7 @@ import structlog
 
 from rtxnet.collectives import ring as ring_mod
 from rtxnet.collectives import shared_memory as shmops
-from rtxnet.collectives.arrays import Buffer, off_loop
+from rtxnet.collectives.arrays import Buffer, copy_pairs, off_loop
 from rtxnet.collectives.arrays import payload_view as _view
 from rtxnet.collectives.doubling import recursive_doubling_all_reduce
 from rtxnet.collectives.engine import Engine, Op
@@ -451,7 +451,7 @@ class Group:
                 got = await op.hello(sig, None, lambda g: ib.flat) if algo != "local" else {}
                 pairs = [(slots[k], ib.flat if k == self.rank else _view(got[k][1], dtype, N))
                          for k in range(n)]
-                await off_loop(n * N * dtype.itemsize, _copy_pairs, pairs)
+                await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
                 await op.flush()
             for b in out_bufs:
                 b.commit()
@@ -834,12 +834,6 @@ class Group:
 
 def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
-
-
-def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pairs:
-        if dst is not src:
-            np.copyto(dst, src)
 
 
 def _divide_in_place(tensor, n: int) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rtxnet.collectives.arrays import payload_view
+from rtxnet.collectives.arrays import copy_pairs, off_loop, payload_view
 from rtxnet.collectives.reduce_ops import ReduceOp, reduce_into
 from transport.errors import CollectiveError
 from transport.shm import PeerSegment, Segment
@@ -89,12 +89,21 @@ class ShmState:
 
     def map_all(self, op, got: dict) -> None:
         """Map every peer's offered segment (so that its owner may unlink it)."""
+        for g in self.map_peers(op, got):
+            op.send(g, _MAPPED_STEP)
+
+    def map_peers(self, op, got: dict) -> list[int]:
+        """Map every peer's offered segment; returns the peers whose segment is new here (they
+        must be told, ``_MAPPED_STEP``). Sends nothing, so it may run in a worker thread: a
+        mapping is populated page by page (``MAP_POPULATE``), 0.1 s and more for a large one."""
+        new = []
         for g, (offer, _) in got.items():
             if g != op.r and offer is not None:
                 known = self.peer_maps.get(g)
                 self._map(op, g, offer)
                 if known is None or known.name != offer[0]:
-                    op.send(g, _MAPPED_STEP)
+                    new.append(g)
+        return new
 
     async def settle(self, op) -> None:
         """End of an operation: once every peer mapped a new segment, unlink its file."""
@@ -177,44 +186,51 @@ async def all_reduce(op, st: ShmState, sig: list, flat: np.ndarray, rop: ReduceO
     await st.settle(op)
 
 
+async def _map_all(op, st: ShmState, got: dict, nbytes: int) -> None:
+    """:meth:`ShmState.map_all`, the mapping off the event loop when large (the sends on it)."""
+    for g in await off_loop(nbytes, st.map_peers, op, got):
+        op.send(g, _MAPPED_STEP)
+
+
 async def reduce_scatter(op, st: ShmState, sig: list, chunks: list[np.ndarray],
                          out: np.ndarray, rop: ReduceOp) -> None:
     n, r, N, dtype = op.n, op.r, out.size, out.dtype
-    mv, offer = st.slot(n * N * dtype.itemsize, op.seq)
+    nbytes = n * N * dtype.itemsize
+    mv, offer = await off_loop(nbytes, st.slot, nbytes, op.seq)
     mine = payload_view(mv, dtype, n * N)
-    for g in op.peers:
-        np.copyto(mine[g * N:(g + 1) * N], chunks[g])
+    await off_loop(nbytes, copy_pairs, [(mine[g * N:(g + 1) * N], chunks[g]) for g in op.peers])
     got = await op.hello(sig, offer)
-    st.map_all(op, got)
+    await _map_all(op, st, got, nbytes)
     srcs = [chunks[r] if g == r else
             st.peer_array(op, g, got[g][0], dtype, n * N)[r * N:(r + 1) * N] for g in range(n)]
-    reduce_into(rop, srcs, out, n)
+    await off_loop(nbytes, reduce_into, rop, srcs, out, n)
     await st.settle(op)
 
 
 async def all_gather(op, st: ShmState, sig: list, inp: np.ndarray,
                      slots: list[np.ndarray]) -> None:
     r, N, dtype = op.r, inp.size, inp.dtype
-    mv, offer = st.slot(N * dtype.itemsize, op.seq)
-    np.copyto(payload_view(mv, dtype, N), inp)
+    nbytes = N * dtype.itemsize
+    mv, offer = await off_loop(nbytes, st.slot, nbytes, op.seq)
+    await off_loop(nbytes, np.copyto, payload_view(mv, dtype, N), inp)
     got = await op.hello(sig, offer)
-    st.map_all(op, got)
-    for g in range(op.n):
-        src = inp if g == r else st.peer_array(op, g, got[g][0], dtype, N)
-        if slots[g] is not src:
-            np.copyto(slots[g], src)
+    await _map_all(op, st, got, nbytes)
+    pairs = [(slots[g], inp if g == r else st.peer_array(op, g, got[g][0], dtype, N))
+             for g in range(op.n)]
+    await off_loop(op.n * nbytes, copy_pairs, pairs)
     await st.settle(op)
 
 
 async def broadcast(op, st: ShmState, sig: list, flat: np.ndarray, src: int) -> None:
     N, dtype = flat.size, flat.dtype
+    nbytes = N * dtype.itemsize
     if op.r == src:
-        mv, offer = st.slot(N * dtype.itemsize, op.seq)
-        np.copyto(payload_view(mv, dtype, N), flat)
+        mv, offer = await off_loop(nbytes, st.slot, nbytes, op.seq)
+        await off_loop(nbytes, np.copyto, payload_view(mv, dtype, N), flat)
     else:
         offer = st.offer()
     got = await op.hello(sig, offer)
-    st.map_all(op, got)
+    await _map_all(op, st, got, nbytes)
     if op.r != src:
-        np.copyto(flat, st.peer_array(op, src, got[src][0], dtype, N))
+        await off_loop(nbytes, np.copyto, flat, st.peer_array(op, src, got[src][0], dtype, N))
     await st.settle(op)

@@ -278,7 +278,8 @@ def test_shm_all_reduce_in_pipeline_pieces():
 
 async def big_ops_keep_the_loop_free(engine):
     """A 256 MiB all_reduce (twice), reduce_scatter and broadcast with the one-round algorithms,
-    which reduce or copy the whole payload at once: the event loop must stay free for heartbeats
+    and broadcast and reduce_scatter through shared memory, which reduce or copy the whole
+    payload at once: the event loop must stay free for heartbeats
     (the work runs in a worker thread; inline it held the loop ~1 s, past the heartbeat timeout
     on a loaded machine). Returns the worst gap between 10 ms ticks during the operations, and
     whether the results are right."""
@@ -290,6 +291,8 @@ async def big_ops_keep_the_loop_free(engine):
     xs = [np.full(n, r + 1.0, np.float32) for _ in range(2)]
     shard, full = np.empty(n // 2, np.float32), np.full(n, r + 1.0, np.float32)
     b = np.full(n, float(r), np.float32)
+    b_shm = np.full(n, float(r), np.float32)
+    shard_shm = np.empty(n // 2, np.float32)
     gaps = []
     done = False
 
@@ -308,16 +311,19 @@ async def big_ops_keep_the_loop_free(engine):
         await g.all_reduce(xs[1], op=ReduceOp.AVG, algorithm="recursive_doubling")
         await g.reduce_scatter(shard, full, algorithm="direct")
         await g.broadcast(b, src=1, algorithm="direct")
+        await g.broadcast(b_shm, src=1, algorithm="shm")
+        await g.reduce_scatter(shard_shm, full, algorithm="shm")
     finally:
         done = True
         await tick
     return {"direct": bool((xs[0] == 1.5).all()), "recursive_doubling": bool((xs[1] == 1.5).all()),
             "reduce_scatter": bool((shard == 3.0).all()), "broadcast": bool((b == 1.0).all()),
-            "worst_gap_s": max(gaps)}
+            "shm": bool((b_shm == 1.0).all() and (shard_shm == 3.0).all()), "worst_gap_s": max(gaps)}
 
 
 def test_large_one_round_operations_keep_the_event_loop_free():
     for res in run_world(2, big_ops_keep_the_loop_free, timeout_s=100):
         assert {k: v for k, v in res.items() if k != "worst_gap_s"} == {
-            "direct": True, "recursive_doubling": True, "reduce_scatter": True, "broadcast": True}
+            "direct": True, "recursive_doubling": True, "reduce_scatter": True, "broadcast": True,
+            "shm": True}
         assert res["worst_gap_s"] < 0.3, res
