@@ -346,12 +346,6 @@ class Agent:
 
     async def kv_cas(self, key: str, expected: bytes | None, value: bytes) -> tuple[bool, bytes | None]:
         body = await self._request("kv_cas", key=key, expected=None if expected is None else bytes(expected), value=bytes(value))
-        if not body["swapped"] and body["value"] == bytes(value) and value != expected:
-            # The request may have been sent twice (the connection dropped and came back, see
-            # transport.channel.RESEND_ON_RECONNECT): the first did the swap, the second found
-            # our own value. Counted as ours (a caller racing to write the same value is told
-            # it won too, which for equal values changes nothing).
-            return True, body["value"]
         return body["swapped"], body["value"]
 
     async def kv_del(self, key: str) -> bool:

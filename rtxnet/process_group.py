@@ -95,9 +95,13 @@ class Store:
         """Set ``key`` to ``value`` only if it currently equals ``expected`` (None: absent).
 
         Returns:
-            ``(swapped, current_value)``. Finding ``value`` already there (and ``value !=
-            expected``) counts as swapped: a request re-sent after a dropped connection finds
-            its own first write.
+            ``(swapped, current_value)``.
+
+        Raises:
+            RtxTimeoutError: no answer within the request deadline. A compare-and-set is never
+                sent twice (a second send could find its own first write and report a lost
+                race), so one in flight when the coordinator dies fails this way; read the key
+                to learn what happened.
         """
         return await self._agent.kv_cas(key, None if expected is None else self._b(expected), self._b(value))
 

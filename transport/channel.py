@@ -74,11 +74,12 @@ def process_context() -> zmq.asyncio.Context:
 
 # Requests sent again, unchanged (same request id), when the connection to the coordinator comes
 # back after a drop: a coordinator that died took those in flight with it, and the agent would
-# otherwise wait out the request's whole deadline. Each is idempotent, or its caller copes with a
-# second answer (``kv_cas``: see ``Agent.kv_cas``). Not ``join``/``leave``/``heartbeat``: the agent
-# repeats those itself, knowing the membership.
-RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit",
-                                 "reform", "status"})
+# otherwise wait out the request's whole deadline. Each is idempotent. Not ``kv_cas``: a second
+# send can find its own first write and answer "not swapped" (two callers would both believe they
+# lost, or a retry loop would count twice). Not ``join``/``leave``/``heartbeat``: the agent repeats
+# those itself, knowing the membership.
+RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_del", "commit", "reform",
+                                 "status"})
 
 
 async def _monitor_events(monitor: zmq.asyncio.Socket):

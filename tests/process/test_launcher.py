@@ -157,6 +157,18 @@ def test_reform_puts_ranks_back_in_step_after_a_lone_timeout(tmp_path):
     assert "[rank0] sum 3.0 epoch 1" in out.stdout and "[rank1] sum 3.0 epoch 1" in out.stdout, out.stdout
 
 
+def test_compare_set_elects_exactly_one_rank(tmp_path):
+    # Every rank writes the same value: exactly one swap (a resend-safety shortcut once told all
+    # three they had won).
+    script = tmp_path / "elect.py"
+    script.write_text("import rtxnet\npg = rtxnet.init()\npg.barrier()\n"
+                      "print('swapped', pg.store.compare_set('leader', None, 'elected')[0], flush=True)\n"
+                      "pg.barrier()\npg.close()\n")
+    out = run(["--nproc", "3", str(script)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("swapped True") == 1 and out.stdout.count("swapped False") == 2, out.stdout
+
+
 def test_bad_arguments_are_named():
     out = run(["--nproc", "0", "nope.py"])
     assert out.returncode == 2 and "--nproc must be in 1..1024, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
