@@ -37,6 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from transport.shm import remove_segments
 from transport.wire import MAX_JOB_ID
 
 __all__ = ["main", "start_coordinator"]
@@ -256,6 +257,10 @@ class Launcher:
             running = sum(1 for slot in self.slots if slot.proc is not None)
             while running:
                 slot, proc, rc = await self._exited.get()
+                gone = remove_segments(proc.pid)   # what a rank killed mid-operation left
+                if gone:
+                    _say(f"removed {len(gone)} shared-memory segment{'s' if len(gone) > 1 else ''} "
+                         f"that rank {slot.rank} (pid {proc.pid}) left in /dev/shm")
                 if proc is not slot.proc:
                     continue
                 code = _code(rc)
@@ -313,6 +318,8 @@ class Launcher:
             if slot.proc is not None and slot.proc.returncode is None:
                 slot.proc.kill()
                 await slot.proc.wait()
+            if slot.proc is not None:
+                remove_segments(slot.proc.pid)
         if self.coordinator_proc is not None and self.coordinator_proc.returncode is None:
             self.coordinator_proc.terminate()
             try:
@@ -352,7 +359,7 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     ok = [s.rank for s in slots if s.returncode == 0]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None)]
-    return (f"ranks {', '.join(map(str, ok)) or 'none'} exited 0; rank{'s' if len(bad) > 1 else ''} "
+    return (f"{'ranks ' + ', '.join(map(str, ok)) if ok else 'no rank'} exited 0; rank{'s' if len(bad) > 1 else ''} "
             f"{', '.join(bad)} failed. Exit code {code}: the first failing rank's (0 only when "
             f"every rank's last process exited 0)")
 

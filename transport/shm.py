@@ -25,7 +25,8 @@ import re
 import psutil
 import structlog
 
-__all__ = ["SHM_DIR", "Segment", "PeerSegment", "segment_name", "reap_dead_segments", "list_segments"]
+__all__ = ["SHM_DIR", "Segment", "PeerSegment", "segment_name", "reap_dead_segments", "list_segments",
+           "remove_segments"]
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +64,21 @@ def list_segments(pid: int | None = None) -> list[str]:
         if m and (pid is None or int(m.group(2)) == pid):
             out.append(name)
     return sorted(out)
+
+
+def remove_segments(pid: int) -> list[str]:
+    """Unlink every segment of process ``pid`` (which must have exited: its own mappings stay
+    valid, but a peer could not map one again); returns the names removed. ``rtxnet-run`` calls
+    it for each rank process that ends, so a rank killed or stopped by a signal mid-operation
+    leaves nothing in ``/dev/shm`` (its segments can be a GiB each)."""
+    removed = []
+    for name in list_segments(pid):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def reap_dead_segments() -> list[str]:

@@ -236,7 +236,9 @@ def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinat
     assert len(results) == 3, lerr[-3000:]
     assert {r["sha256"] for r in results} == {reference(steps, 1024)}
     assert all(r["steps"] == steps and r["world_size"] == 3 for r in results)
-    assert "fenced while waiting for ranks" in lerr, lerr[-3000:]
+    # usually fenced while waiting for ranks; when the freeze lands before rank 0 saw rank 2's
+    # loss, it finds itself fenced inside its step instead: either way it joins again
+    assert "fenced while waiting for ranks" in lerr or "rejoining" in lerr, lerr[-3000:]
 
 
 def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):

@@ -169,6 +169,20 @@ def test_compare_set_elects_exactly_one_rank(tmp_path):
     assert out.stdout.count("swapped True") == 1 and out.stdout.count("swapped False") == 2, out.stdout
 
 
+def test_segments_of_a_rank_that_died_are_removed(tmp_path):
+    # A rank killed mid-operation cannot unlink its shared-memory segments (a GiB each for large
+    # operations); the launcher removes them when the process ends.
+    script = tmp_path / "leak.py"
+    script.write_text("import os\nfrom transport.shm import Segment, segment_name\n"
+                      "seg = Segment(segment_name(os.environ['RTXNET_JOB'], os.getpid(), 1), 4096)\n"
+                      "print('made', seg.name, flush=True)\nos._exit(9)\n")
+    out = run(["--nproc", "1", "--job", "leaky", str(script)])
+    name = out.stdout.split("made ", 1)[1].split()[0]
+    assert out.returncode == 9, out.stderr[-2000:]
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert f"removed 1 shared-memory segment that rank 0 (pid {name.split('-')[2]}) left in /dev/shm" in out.stderr
+
+
 def test_bad_arguments_are_named():
     out = run(["--nproc", "0", "nope.py"])
     assert out.returncode == 2 and "--nproc must be in 1..1024, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
