@@ -94,6 +94,19 @@ def sd_rel(a: dict, b: dict) -> float:
     return max(rel(a[k], b[k]) for k in a)
 
 
+def lockstep(ref, ref_opt, model, opt, x, y, B: int, lo: int, n: int, steps: int) -> None:
+    """``steps`` optimizer steps of ``ref`` on whole batches of ``B`` and, in the same order, of
+    ``model`` on this rank's slice ``[lo, lo + n)`` of each batch."""
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        LOSS(model(xb[lo:lo + n]), yb[lo:lo + n]).backward()
+        opt.step()
+
+
 def grad_rel(fsdp: FullyShardedDataParallel, ref: torch.nn.Module) -> float:
     """This rank's shard gradients against the slice of one process's gradients they stand for:
     largest absolute difference over the largest reference magnitude, per flat parameter
@@ -185,14 +198,7 @@ def size_adam(pg, steps=3, per_rank=3):
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     fsdp = FullyShardedDataParallel(make_net(3), pg, wrap=D_H * D_H)   # one Linear(D_H, D_H)
     opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
-    for s in range(steps):
-        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-        ref_opt.zero_grad()
-        LOSS(ref(xb), yb).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        LOSS(fsdp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
-        opt.step()
+    lockstep(ref, ref_opt, fsdp, opt, x, y, B, r * per_rank, per_rank, steps)
     with torch.no_grad():      # eval: gathers and frees without autograd
         same = rel(fsdp(x[:5]), ref(x[:5]))
     return {"size_units": fsdp.units, "size_param_rel": sd_rel(fsdp.full_state_dict(rank0_only=False),
@@ -234,15 +240,7 @@ def state(pg, out: Path, steps=2, per_rank=3):
     opt = torch.optim.Adam(two.parameters(), lr=0.01)
     B = per_rank * 2
     x, y = data(B * steps, seed=9)
-    for s in range(steps):
-        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-        ref_opt.zero_grad()
-        LOSS(ref(xb), yb).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        q = sub.rank
-        LOSS(two(xb[q * per_rank:(q + 1) * per_rank]), yb[q * per_rank:(q + 1) * per_rank]).backward()
-        opt.step()
+    lockstep(ref, ref_opt, two, opt, x, y, B, sub.rank * per_rank, per_rank, steps)
     res["state_world2_size"] = two.world_size
     res["state_world2_stored_numel"] = two.shard_numel()
     res["state_world2_rel"] = sd_rel(two.full_state_dict(rank0_only=False), ref.state_dict())
