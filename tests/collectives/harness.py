@@ -60,27 +60,41 @@ def _child(rank: int, conn, fn: Callable, args: tuple, shm: bool, default_timeou
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
+    reported = False
+
+    def report(msg: tuple) -> None:
+        nonlocal reported
+        reported = True
+        try:
+            conn.send(msg)
+        except Exception:   # an exception that does not pickle
+            conn.send((msg[0], RuntimeError(repr(msg[1])), *msg[2:]))
+
     async def main():
         from rtxnet.collectives import Engine
 
+        loop = asyncio.get_running_loop()
         engine = await Engine.create(shm=shm, default_timeout_s=default_timeout_s)
         try:
             conn.send(engine.endpoint)
-            view = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            view = await loop.run_in_executor(None, conn.recv)
             engine.set_view(view)
-            return await fn(engine, *args)
+            try:
+                report(("ok", await fn(engine, *args)))
+            except Exception as exc:  # report everything to the parent
+                report(("err", exc, traceback.format_exc()))
+            # Keep the engine, and the messages it has yet to send, until every rank reported:
+            # closing it drops what is still queued (linger 0), such as this rank's part of the
+            # last operation, which its peers would wait for until their deadline.
+            await loop.run_in_executor(None, lambda: conn.poll(120) and conn.recv())
         finally:
             await engine.aclose()
 
     try:
-        result = runner(main())
-        conn.send(("ok", result))
-    except BaseException as exc:  # report everything to the parent
-        tb = traceback.format_exc()
-        try:
-            conn.send(("err", exc, tb))
-        except Exception:
-            conn.send(("err", RuntimeError(repr(exc)), tb))
+        runner(main())
+    except BaseException as exc:
+        if not reported:
+            report(("err", exc, traceback.format_exc()))
     finally:
         conn.close()
 
@@ -139,6 +153,11 @@ def run_world(n: int, fn: Callable, *args, shm: bool = True, hosts: dict[int, st
                 results[rank] = msg[1]
             else:
                 results[rank] = RankError(rank, msg[1], msg[2])
+        for c in conns:   # every rank reported: they may close now
+            try:
+                c.send("close")
+            except OSError:
+                pass
     finally:
         for p in procs:
             p.join(5)
