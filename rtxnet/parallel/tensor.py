@@ -243,6 +243,18 @@ class _ParallelLinear(torch.nn.Module):
             raise ConfigError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
 
 
+def _take_params(layer: torch.nn.Module, full: torch.nn.Linear, w_index, b_index) -> None:
+    """Copy ``full.weight[w_index]`` and ``full.bias[b_index]`` (or no bias) into ``layer``'s own
+    parameters, keeping ``requires_grad``."""
+    layer.weight = torch.nn.Parameter(full.weight.detach()[w_index].clone(),
+                                      requires_grad=full.weight.requires_grad)
+    if full.bias is not None:
+        layer.bias = torch.nn.Parameter(full.bias.detach()[b_index].clone(),
+                                        requires_grad=full.bias.requires_grad)
+    else:
+        layer.register_parameter("bias", None)
+
+
 class ColumnParallelLinear(_ParallelLinear):
     """``y = x A^T + b`` with ``A`` (``[O, I]``) split along the output dimension over ``pg``.
 
@@ -281,13 +293,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = bool(gather_output)
         full = _full if _full is not None else _full_linear(in_features, out_features, bias, device, dtype)
         rows = slice(self.rank * shard, (self.rank + 1) * shard)
-        self.weight = torch.nn.Parameter(full.weight.detach()[rows].clone(),
-                                         requires_grad=full.weight.requires_grad)
-        if full.bias is not None:
-            self.bias = torch.nn.Parameter(full.bias.detach()[rows].clone(),
-                                           requires_grad=full.bias.requires_grad)
-        else:
-            self.register_parameter("bias", None)
+        _take_params(self, full, rows, rows)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, pg: Any, *, gather_output: bool = True,
@@ -366,13 +372,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = bool(input_is_parallel)
         full = _full if _full is not None else _full_linear(in_features, out_features, bias, device, dtype)
         cols = slice(self.rank * shard, (self.rank + 1) * shard)
-        self.weight = torch.nn.Parameter(full.weight.detach()[:, cols].clone(),
-                                         requires_grad=full.weight.requires_grad)
-        if full.bias is not None:
-            self.bias = torch.nn.Parameter(full.bias.detach().clone(),
-                                           requires_grad=full.bias.requires_grad)
-        else:
-            self.register_parameter("bias", None)
+        _take_params(self, full, (slice(None), cols), slice(None))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, pg: Any, *, input_is_parallel: bool = False,
