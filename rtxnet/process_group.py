@@ -19,7 +19,9 @@ Arguments not given are read from the environment the launcher sets:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -180,6 +182,31 @@ class ProcessGroup:
                 return _with_fault_point(self, target)
             return target
         raise AttributeError(name)
+
+    def current_world(self) -> Any:
+        """The world group collectives go to now: the pinned one (see :meth:`pinned`), else the
+        current epoch's; ``None`` without a collective engine. Its ``epoch`` never changes:
+        after a membership change its collectives raise ``PeerLostError`` (``ClosedError`` when
+        nobody was lost) instead of running in the new world."""
+        if self._pinned_world is not None:
+            return self._pinned_world
+        return None if self._engine is None else self._engine.world
+
+    @contextlib.contextmanager
+    def pinned(self, world: Any) -> Iterator[Any]:
+        """Send the collectives called in this block to ``world`` (from :meth:`current_world`).
+
+        A step made of several collectives called at different times (DDP's buckets, FSDP's
+        gathers) pins the world group it began in: checking ``epoch`` and then calling a
+        collective is not atomic (the epoch may move between the two, and the collective would
+        then run in the new world on this rank alone). Yields ``world``.
+        """
+        old = self._pinned_world
+        self._pinned_world = world
+        try:
+            yield world
+        finally:
+            self._pinned_world = old
 
     async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,
                      timeout: float | None = None) -> bool:

@@ -73,6 +73,26 @@ def leave_together(pg, prefix: str, rank: int, timeout_s: float = 30.0) -> None:
     pg.close()
 
 
+class LateLaunch:
+    """``pg`` (a blocking process group) whose collective ``name``, once ``armed`` with an
+    epoch, is looked up only after the epoch moved past it (at most 30 s): a wrapper's thread
+    descheduled between its step's start and a launch while the agent's thread enters a new
+    epoch. The launch must fail with the step's world, not run alone in the new one."""
+
+    def __init__(self, pg, name: str):
+        self._pg = pg
+        self._name = name
+        self.armed: int | None = None
+
+    def __getattr__(self, name: str):
+        if name == self._name and self.armed is not None:
+            deadline = time.monotonic() + 30
+            while self._pg.epoch == self.armed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.armed = None
+        return getattr(self._pg, name)
+
+
 def env(**extra: str) -> dict[str, str]:
     """This process's environment for a child: the repository first on ``PYTHONPATH``, whatever
     was there kept (the GPU host brings packages that way), plus ``extra``."""

@@ -66,6 +66,8 @@ import torch
 from rtxnet.collectives import ReduceOp
 from transport.errors import ConfigError, PeerLostError
 
+from ._world import StepWorld
+
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
 log = structlog.get_logger(__name__)
@@ -179,6 +181,7 @@ class DistributedDataParallel(torch.nn.Module):
             raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
         self.module = module
         self._pg = pg
+        self._step_world = StepWorld(pg)
         self.reduce_op = reduce_op
         self.broadcast_buffers = broadcast_buffers
         self.timeout_s = timeout_s
@@ -395,7 +398,7 @@ class DistributedDataParallel(torch.nn.Module):
                 return
             if self._next_launch == 0:
                 self._note_world()
-                self._round_epoch = self._pg.epoch
+                self._round_epoch = self._step_world.begin()
             elif self._pg.epoch != self._round_epoch:
                 # The world changed during this backward: the earlier buckets went to the old
                 # world, and launching the rest in the new one would leave this rank with more
@@ -410,7 +413,8 @@ class DistributedDataParallel(torch.nn.Module):
             kw = {} if self.timeout_s is None else {"timeout": self.timeout_s}
             if self.device.type == "cuda":
                 _order_default_stream(self.device)
-            b.work = self._pg.all_reduce(b.flat, op=self.reduce_op, async_op=True, **kw)
+            with self._step_world.pinned():   # every bucket of the round in one world
+                b.work = self._pg.all_reduce(b.flat, op=self.reduce_op, async_op=True, **kw)
             b.launched = True
             self._next_launch += 1
 

@@ -97,6 +97,8 @@ import torch
 from rtxnet.collectives import ReduceOp
 from transport.errors import ConfigError, PeerLostError
 
+from ._world import StepWorld
+
 __all__ = ["FullyShardedDataParallel", "FSDP_STATE_FORMAT"]
 
 log = structlog.get_logger(__name__)
@@ -249,6 +251,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         _check_cpu(module)
         self.module = module
         self._pg = pg
+        self._step_world = StepWorld(pg)   # the world group of the current step
         self.reduce_op = reduce_op
         self.timeout_s = timeout_s
         self._kw = {} if timeout_s is None else {"timeout": timeout_s}
@@ -260,12 +263,14 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._groups = self._build_groups(module, unit_names)
         self._unit_groups: list[list[_FlatGroup]] = [[g for g in self._groups if g.unit == u]
                                                      for u in range(len(unit_names))]
+        self._step_world.begin()
         if init_sync:
             self._broadcast_replicated()
         for g in self._groups:
             full = g.flatten([getattr(s.owners[0][0], s.owners[0][1]) for s in g.slots], self.world_size)
             if init_sync and self.world_size > 1:
-                self._pg.broadcast(full, src=0, **self._kw)
+                with self._step_world.pinned():
+                    self._pg.broadcast(full, src=0, **self._kw)
             S = g.shard_numel(self.world_size)
             g.shard = torch.nn.Parameter(full[self.rank * S:(self.rank + 1) * S].clone())
             for s in g.slots:
@@ -356,7 +361,8 @@ class FullyShardedDataParallel(torch.nn.Module):
             if not self._live and not self._pending:
                 self.last_gathers = 0
                 self.last_reduce_scatters = 0
-            self._round_epoch = getattr(self._pg, "epoch", None)
+        # Every collective of this forward and its backward goes to one world group.
+        self._round_epoch = self._step_world.begin()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -411,7 +417,8 @@ class FullyShardedDataParallel(torch.nn.Module):
         gt.gathered = True
         try:
             if self.world_size > 1:
-                self._pg.all_gather(gt.full.detach(), g.shard.detach(), **self._kw)
+                with self._step_world.pinned():
+                    self._pg.all_gather(gt.full.detach(), g.shard.detach(), **self._kw)
             else:
                 gt.full.data.copy_(g.shard.data)   # .data: no version bump on saved views
         except BaseException:
@@ -461,8 +468,9 @@ class FullyShardedDataParallel(torch.nn.Module):
         g = gt.group
         out = torch.empty(g.shard_numel(self.world_size), dtype=g.dtype)   # fresh: never reused
         if self.world_size > 1:
-            work = self._pg.reduce_scatter(out, grad.detach(), op=self.reduce_op, async_op=True,
-                                           **self._kw)
+            with self._step_world.pinned():
+                work = self._pg.reduce_scatter(out, grad.detach(), op=self.reduce_op,
+                                               async_op=True, **self._kw)
         else:
             out.copy_(grad.detach())
             work = None
@@ -540,7 +548,8 @@ class FullyShardedDataParallel(torch.nn.Module):
                     flat = t.detach().reshape(-1).clone()
                     if flat.dtype == torch.bool:
                         flat = flat.to(torch.uint8)
-                    self._pg.broadcast(flat, src=0, **self._kw)
+                    with self._step_world.pinned():
+                        self._pg.broadcast(flat, src=0, **self._kw)
                     t.copy_(flat.view(t.shape).to(t.dtype))
 
     def _check_layout(self) -> None:
@@ -572,10 +581,13 @@ class FullyShardedDataParallel(torch.nn.Module):
         rank, world = self.rank, self.world_size
         keep = rank == 0 or not rank0_only
         out: dict[str, torch.Tensor] = {}
+        one_world = StepWorld(self._pg)     # not the step's: this may run between two steps
+        one_world.begin()
         for g in self._groups:
             full = torch.empty(world * g.shard_numel(world), dtype=g.dtype)
             if world > 1:
-                self._pg.all_gather(full, g.shard.detach(), **self._kw)
+                with one_world.pinned():
+                    self._pg.all_gather(full, g.shard.detach(), **self._kw)
             else:
                 full.copy_(g.shard.detach())
             if keep:

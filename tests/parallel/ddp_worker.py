@@ -11,7 +11,9 @@ Scenarios:
             unused parameter, several buckets.
     fault   rank 3 dies inside step 2's forward; the survivors' backward raises PeerLostError, they
             retry the step on the 3-rank world with the elastic sampler, and must still match one
-            process with the global batch.
+            process with the global batch. Rank 1 launches its first bucket of step 2 only once
+            the world has changed (a thread descheduled between the round's start and the
+            launch): that bucket must fail with the old world, not run alone in the new one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import rtxnet
 from rtxnet.parallel import DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
-from tests.procs import leave_together
+from tests.procs import LateLaunch, leave_together
 
 D_IN, D_H, D_OUT = 12, 24, 5
 
@@ -175,7 +177,8 @@ def fault(pg, steps=5, B=12):
     ref = make_net(6)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     net = make_net(6)
-    ddp = DistributedDataParallel(net, pg, reduce_op=rtxnet.ReduceOp.SUM, **BUCKETS)
+    late = LateLaunch(pg, "all_reduce")
+    ddp = DistributedDataParallel(net, late, reduce_op=rtxnet.ReduceOp.SUM, **BUCKETS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     sampler = ElasticDistributedSampler(B * steps, B, rank=pg.rank, world_size=pg.world_size, shuffle=False)
     if r0 == 3:
@@ -191,6 +194,8 @@ def fault(pg, steps=5, B=12):
         LOSS(ref(xb), yb).backward()
         ref_opt.step()
         snapshot = sampler.state_dict()
+        if r0 == 1 and s == 2:
+            late.armed = pg.epoch
         while True:
             if r0 == 3:
                 die.step = s

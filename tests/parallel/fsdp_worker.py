@@ -24,6 +24,8 @@ Scenario (fault):
     fault       the last rank dies at the start of step 2's backward; the survivors' backward raises
                 PeerLostError, the next forward ConfigError (layout for 3 ranks), they reload the
                 full state saved after step 1 and finish on 2 ranks, matching one process.
+                Rank 0 launches step 2's first backward all-gather only once the world has
+                changed: it must fail with the step's world, not run alone in the new one.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import rtxnet
 import rtxnet.checkpoint as ckpt
 from rtxnet.parallel.fsdp import FullyShardedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
-from tests.procs import leave_together
+from tests.procs import LateLaunch, leave_together
 
 D_IN, D_H, D_OUT = 12, 24, 5
 LOSS = torch.nn.functional.cross_entropy
@@ -279,7 +281,8 @@ def fault(pg, steps=4, B=12):
     x, y = data(B * steps, seed=10)
     ref = make_net(6)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    fsdp = FullyShardedDataParallel(make_net(6), pg, wrap=[Block], reduce_op=rtxnet.ReduceOp.SUM)
+    late = LateLaunch(pg, "all_gather")
+    fsdp = FullyShardedDataParallel(make_net(6), late, wrap=[Block], reduce_op=rtxnet.ReduceOp.SUM)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
     sampler = ElasticDistributedSampler(B * steps, B, rank=pg.rank, world_size=pg.world_size, shuffle=False)
     saved = fsdp.full_state_dict(rank0_only=False)       # the "checkpoint" of the last good step
@@ -290,6 +293,7 @@ def fault(pg, steps=4, B=12):
         LOSS(ref(xb), yb).backward()
         ref_opt.step()
         snapshot = sampler.state_dict()
+        step_epoch = pg.epoch
         while True:
             sampler.set_world(pg.rank, pg.world_size)
             b = sampler.next_batch()
@@ -297,6 +301,8 @@ def fault(pg, steps=4, B=12):
             opt.zero_grad()
             try:
                 out = fsdp(x[idx])
+                if r0 == 0 and s == 2 and pg.epoch == step_epoch:
+                    late.armed = step_epoch
                 if r0 == W0 - 1 and s == 2:
                     out.register_hook(lambda _g: os._exit(0))
                 (LOSS(out, y[idx]) * b.loss_weight).backward()
