@@ -58,6 +58,7 @@ import torch
 
 from transport.errors import ConfigError, ProtocolError
 
+from ._world import StepWorld
 from .tensor import group_size
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "MAX_NDIM"]
@@ -258,8 +259,11 @@ class PipelineSchedule:
         self._losses = []
         self._outputs = []
         self._xs, self._ts, self._step_no = xs, ts, step_no
+        world = StepWorld(st._pg)      # every send/recv of the step in the world it began in
+        world.begin()
         try:
-            self._run(M)
+            with world.pinned():
+                self._run(M)
         except BaseException as exc:
             log.warning("pipeline_step_failed", stage=st.stage_index, step=step_no,
                         error=type(exc).__name__, detail=str(exc))
