@@ -652,7 +652,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                 if m.rank == rank:
                     return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already claimed by {m.identity!r} (pid {m.pid} on {m.host})")
         if len(job.pending) >= job.max_ranks:
-            return refuse("RendezvousError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
+            return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
         job.pending[ident] = newcomer
         state.where[ident] = job_id
         actions.append(_reply(identity, msg, job, state="pending"))
@@ -674,7 +674,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     # only if it is the free one, else the joiner gets the free one; it is not refused (a
     # restarted process cannot get back a rank that renumbering gave to a survivor).
     if len(job.members) >= job.max_ranks:
-        return refuse("RendezvousError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
+        return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
     new_rank = rank if rank is not None and rank == len(job.members) else len(job.members)
     members = {r: m.public() for r, m in job.members.items()}
     members[new_rank] = newcomer.public()

@@ -23,6 +23,7 @@ from transport.channel import ControlClient
 from transport.errors import (
     ClosedError,
     CoordinatorLostError,
+    JobFullError,
     RendezvousError,
     RendezvousTimeout,
     RtxError,
@@ -134,7 +135,8 @@ class Agent:
         """Enter the rendezvous and wait for the world to form.
 
         Raises:
-            RendezvousError: refused (duplicate rank or identity, job full, wrong token).
+            RendezvousError: refused (duplicate rank or identity, wrong token); JobFullError (a
+                RendezvousError) when the job already has max_ranks members.
             RendezvousTimeout: no world within ``timeouts.rendezvous_s``.
             RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
         """
@@ -162,8 +164,8 @@ class Agent:
         while True:
             try:
                 return await self._send_join()
-            except RendezvousError as exc:
-                if not (self.replacement and "is full" in str(exc) and loop.time() < deadline):
+            except JobFullError as exc:
+                if not (self.replacement and loop.time() < deadline):
                     raise
                 log.warning("join_retry_job_full", error=str(exc))
                 await asyncio.sleep(self.timeouts.heartbeat_interval_s)

@@ -139,6 +139,12 @@ class JobFinishedError(RendezvousError):
     """
 
 
+class JobFullError(RendezvousError):
+    """The job already has ``max_ranks`` members. A replacement (``RTXNET_REJOIN=1``) asks
+    again for a while: the rank it replaces may still count as a member until its heartbeats are
+    missed."""
+
+
 class CollectiveError(RtxError):
     """A collective failed."""
 
@@ -214,6 +220,7 @@ _BY_NAME = {
         ClosedError,
         RendezvousError,
         JobFinishedError,
+        JobFullError,
         RendezvousTimeout,
         RtxTimeoutError,
         CollectiveError,

@@ -20,7 +20,7 @@ def test_all_is_pinned():
         "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
         "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "CoordinatorLostError",
         "DistributedDataParallel", "FullyShardedDataParallel",
-        "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JournalCorruptError", "JournalError", "Membership",
+        "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JobFullError", "JournalCorruptError", "JournalError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
         "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
         "connect", "init", "parallel",
@@ -48,7 +48,7 @@ def test_error_tree_matches_the_style_guide():
         (e.CoordinatorLostError, e.TransportError),
         (e.CollectiveTimeout, e.RtxTimeoutError), (e.CollectiveMismatchError, e.CollectiveError),
         (e.JournalCorruptError, e.JournalError), (e.CheckpointCorruptError, e.CheckpointError),
-        (e.RendezvousError, e.RtxError), (e.JobFinishedError, e.RendezvousError),
+        (e.RendezvousError, e.RtxError), (e.JobFinishedError, e.RendezvousError), (e.JobFullError, e.RendezvousError),
     ]:
         assert issubclass(child, parent)
     exc = e.PeerLostError("x", ranks=[3, 1], epoch=4)

@@ -106,7 +106,7 @@ def test_full_job_refuses_further_joins():
     h.join("a")
     h.join("b")
     err = errors(h.join("c"))
-    assert err and "full" in err[0]["message"] and "max_ranks=2" in err[0]["message"]
+    assert err and err[0]["error"] == "JobFullError" and "max_ranks=2" in err[0]["message"]
 
 
 def test_wrong_token_and_bad_bounds_refused():
