@@ -23,6 +23,10 @@ rank joins). ``rank=any`` picks one rank from the seed; a fault without ``rank``
 (for ``kill-coordinator``) and on every rank otherwise. Faults fire only in a rank's first
 process, so a restarted replacement does not fail again at the same step.
 
+A fault of a rank's first process that never came due there (a step fault in a script without
+``FaultTolerance``, a collective number the rank never reached) is named on the rank's stderr
+when the process exits, with the reason: a plan that does nothing is not silent.
+
 Every fault that fires is written to the job's key-value store (``faults/<index>``, JSON with the
 kind, rank, step and ``time.monotonic()`` of the injection: one clock for all processes of a host
 on Linux) just before it acts, so survivors can measure detection latency and recovery time.
@@ -30,11 +34,13 @@ on Linux) just before it acts, so survivors can measure detection latency and re
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,7 +211,10 @@ class Injector:
         self.active = restart_count == 0
         self.coordinator_pid = coordinator_pid
         self.fired: set[int] = set()
+        self.reached: set[int] = set()   # faults that came due here (fired, or claimed elsewhere)
         self.collectives = 0
+        self.last_step: int | None = None
+        self.checkpoints: list[int | None] = []
         self.started_at = time.monotonic()
         self._seed_rng = None
 
@@ -238,6 +247,10 @@ class Injector:
             return []
         if at == "collective":
             self.collectives += 1
+        elif at == "step":
+            self.last_step = step
+        elif at == "checkpoint":
+            self.checkpoints.append(step)
         out = []
         for f in self.faults:
             if f.index in self.fired or f.at != at or not self._mine(f, rank, world_size):
@@ -255,6 +268,7 @@ class Injector:
                 continue
             self.fired.add(f.index)
             out.append(f)
+        self.reached.update(f.index for f in out)
         return out
 
     def timed(self, *, rank: int, world_size: int) -> list[Fault]:
@@ -267,8 +281,47 @@ class Injector:
             if (f.kind == "drop-heartbeats" and f.step is None and f.index not in self.fired
                     and self._mine(f, rank, world_size) and now >= (f.after or 0.0)):
                 self.fired.add(f.index)
+                self.reached.add(f.index)
                 out.append(f)
         return out
+
+    def unreached(self, *, rank: int, world_size: int) -> list[str]:
+        """One line per fault of the plan meant for launch rank ``rank`` that never came due in
+        this process, with the reason (faults of no rank are reported by rank 0 only). Empty in
+        a restarted process: faults fire only in a rank's first one."""
+        if not self.active:
+            return []
+        lines = []
+        for f in self.faults:
+            if f.index in self.reached or (f.rank is None and rank != 0):
+                continue
+            if not self._mine(f, rank, world_size):
+                continue
+            lines.append(f"fault {f.text!r} was not injected: {self._why(f)}")
+        return lines
+
+    def _why(self, f: Fault) -> str:
+        if f.kind == "drop-heartbeats" and f.step is None:
+            ran = time.monotonic() - self.started_at
+            if ran < (f.after or 0.0):
+                return (f"the process ended {ran:.1f} s after its fault clock started (in rtxnet.init), "
+                        f"before after={f.after:g}s")
+            return (f"no rtxnet.FaultTolerance step began after {f.after or 0:g} s (time-based "
+                    f"faults are checked at the start of its steps)")
+        if f.at == "collective":
+            return (f"this process ran {self.collectives} counted collective(s), not "
+                    f"{f.collective} (at=collective counts the process group's collectives; "
+                    f"send/recv and subgroups' are not counted)")
+        if f.at == "checkpoint":
+            which = "" if f.step is None else f" of step {f.step}"
+            return (f"this process wrote no checkpoint{which} through rtxnet.checkpoint.save "
+                    f"({len(self.checkpoints)} written)")
+        if f.at == "rendezvous":
+            return "this process never reached the rendezvous"
+        if self.last_step is None:
+            return ("no rtxnet.FaultTolerance step ran in this process (at=step faults fire at "
+                    "the start of its steps; a script without it can use at=collective)")
+        return f"this process's last FaultTolerance step was {self.last_step}"
 
     @staticmethod
     def record(f: Fault, *, rank: int, step: int | None) -> dict[str, Any]:
@@ -325,8 +378,21 @@ _UNRECORDED: list[dict[str, Any]] = []
 def current() -> Injector | None:
     """This process's injector, made once from ``RTXNET_FAULTS`` (None when no plan is set)."""
     if not _CURRENT:
-        _CURRENT.append(Injector.from_env())
+        inj = Injector.from_env()
+        _CURRENT.append(inj)
+        if inj is not None:
+            atexit.register(_report_unreached, inj)
     return _CURRENT[0]
+
+
+def _report_unreached(inj: Injector) -> None:
+    """At exit: name the faults meant for this process that never came due (stderr)."""
+    try:
+        world = int(os.environ.get("RTXNET_WORLD_SIZE") or 1)
+        for line in inj.unreached(rank=_launch_rank(None), world_size=world):
+            print(f"rtxnet: {line}", file=sys.stderr, flush=True)
+    except Exception:   # noqa: BLE001 - never turn a clean exit into a traceback
+        pass
 
 
 def _launch_rank(pg: Any) -> int:

@@ -406,3 +406,28 @@ def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):
     out = run(["--nproc", "2", "--coordinator", coordinator.address, str(script), str(tmp_path)], timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("*.started")) == ["0.started", "1.started"]
+
+
+def test_faults_that_never_came_due_are_named_at_exit(tmp_path):
+    # A plain script (no FaultTolerance, 3 all_reduces): the step faults and the 50th collective
+    # never come; the pause at the 2nd collective fires and is not named.
+    script = tmp_path / "plain.py"
+    script.write_text("import numpy as np, rtxnet\npg = rtxnet.init()\nx = np.ones(4, np.float32)\n"
+                      "for _ in range(3):\n    pg.all_reduce(x)\npg.close()\n")
+    plan = ("kill:rank=1:step=5; kill:rank=0:at=collective:collective=50; delay:ms=10; "
+            "pause:rank=1:at=collective:collective=2:seconds=0.1")
+    out = run(["--nproc", "2", "--faults", plan, str(script)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "was not injected" in line]
+    assert sorted(lines) == sorted([
+        "[rank0] rtxnet: fault 'kill:rank=0:at=collective:collective=50' was not injected: this "
+        "process ran 3 counted collective(s), not 50 (at=collective counts the process group's "
+        "collectives; send/recv and subgroups' are not counted)",
+        "[rank0] rtxnet: fault 'delay:ms=10' was not injected: no rtxnet.FaultTolerance step ran "
+        "in this process (at=step faults fire at the start of its steps; a script without it can "
+        "use at=collective)",
+        "[rank1] rtxnet: fault 'kill:rank=1:step=5' was not injected: no rtxnet.FaultTolerance "
+        "step ran in this process (at=step faults fire at the start of its steps; a script "
+        "without it can use at=collective)",
+    ]), out.stderr[-3000:]
+    assert "fault_injected" in out.stderr and "pause:rank=1" in out.stderr

@@ -70,3 +70,23 @@ def test_the_pause_helper_sleeps_for_the_pause_in_fixed_point(monkeypatch):
     assert cmd[:2] == ["/bin/sh", "-c"] and cmd[2].startswith("sleep 0.000010; kill -CONT ")
     assert kw["start_new_session"] is True
     assert sent == [(faults.os.getpid(), signal.SIGSTOP)]
+
+
+def test_unreached_faults_are_named_once_with_the_reason():
+    plan = "kill:rank=1:step=5; kill-coordinator:step=9; kill:rank=0:at=checkpoint:step=4"
+    inj = Injector(plan)
+    for s in range(3):
+        inj.due("step", rank=0, world_size=2, step=s)
+    assert inj.unreached(rank=0, world_size=2) == [
+        "fault 'kill-coordinator:step=9' was not injected: this process's last FaultTolerance step was 2",
+        "fault 'kill:rank=0:at=checkpoint:step=4' was not injected: this process wrote no "
+        "checkpoint of step 4 through rtxnet.checkpoint.save (0 written)",
+    ]
+    # a fault of no rank is named by rank 0 only; rank 1 names its own
+    assert Injector(plan).unreached(rank=1, world_size=2) == [
+        "fault 'kill:rank=1:step=5' was not injected: no rtxnet.FaultTolerance step ran in this "
+        "process (at=step faults fire at the start of its steps; a script without it can use "
+        "at=collective)"]
+    assert Injector(plan, restart_count=1).unreached(rank=1, world_size=2) == []   # a replacement
+    assert inj.due("step", rank=0, world_size=2, step=9)    # came due: no longer named
+    assert len(inj.unreached(rank=0, world_size=2)) == 1
