@@ -488,6 +488,9 @@ def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], 
         elif e["event"] == "recovered":
             x, style, label = e["resumed_step"], dict(color="tab:green", ls="--", lw=1.2), "recovery"
             text = f"world {e.get('world_size')}, {e.get('time_to_recover_s')} s"
+        elif e["event"] == "restored":
+            x, style, label = e["resumed_step"], dict(color="tab:purple", ls="--", lw=1.2), "restored"
+            text = f"from checkpoint, failed at {e.get('failed_step')}"
         else:
             continue
         ax.axvline(x, label=None if label in labelled else label, **style)

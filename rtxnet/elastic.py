@@ -25,7 +25,10 @@ and the loop simply runs the step again. Other exceptions propagate unchanged.
 
 ``state`` may also define ``on_world(rank, world_size)``, called after every sync (e.g. to re-split
 a sampler), and the guard records failure and recovery events with detection latency, time to
-recover and steps lost in :attr:`FaultTolerance.events`.
+recover and steps lost in :attr:`FaultTolerance.events` (a process started after every rank
+that held the committed state was gone, which then loads the newest checkpoint, records a
+``restored`` event: the failed step, the step training resumes at, the steps lost and the time
+since the last injected fault).
 """
 
 from __future__ import annotations
@@ -213,10 +216,18 @@ class FaultTolerance:
                 lines.append(
                     f"failure at step {e['failed_step']} ({e['error']}, {lost}): {timing} with "
                     f"{e['world_size']} ranks at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
+            elif e["event"] == "restored":
+                after = ("" if e["time_to_recover_s"] is None
+                         else f" {e['time_to_recover_s']:.2f} s after the fault was injected")
+                lines.append(
+                    f"failure at step {e['failed_step']} (no live rank held committed step "
+                    f"{e['failed_step'] - 1}): restored the checkpoint of step {e['resumed_step']}"
+                    f"{after}, training resumed with {e['world_size']} ranks at step "
+                    f"{e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "commit_stall":
                 lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s for the coordinator; "
                              f"steps lost: 0")
-        if not any(e["event"] in ("recovered", "commit_stall") for e in self.events):
+        if not any(e["event"] in ("recovered", "restored", "commit_stall") for e in self.events):
             lines.append("no failure seen by this rank")
         return lines
 
@@ -363,6 +374,10 @@ class FaultTolerance:
                 best = restored
                 steps[:] = best  # every rank loaded the same checkpoint: nothing to broadcast
                 self._snapshot = pack_state(self.state.state_dict())
+                if self._open_failure is None:
+                    # This process saw no failure: it started after every rank that held the
+                    # committed state was gone (all killed and restarted, say). Say so.
+                    await self._restored_event(job_committed, restored, epoch, world)
         if not np.all(steps == best):
             if rank == src:
                 blob = np.frombuffer(self._snapshot, dtype=np.uint8).copy()
@@ -406,6 +421,23 @@ class FaultTolerance:
         log.warning("restored_from_checkpoint", step=info["step"], committed_step=held,
                     root=info["root"], job_committed_step=job_committed)
         return held
+
+    async def _restored_event(self, job_committed: int, held: int, epoch: int, world: int) -> None:
+        now = time.monotonic()
+        injected = await self._injection_time(now)
+        rec = {
+            "event": "restored",
+            "failed_step": job_committed + 1,
+            "resumed_step": held + 1,
+            "steps_lost": job_committed + 1 - held,
+            "epoch": epoch,
+            "world_size": world,
+            "t_recovered": now,
+            "t_injected": injected,
+            "time_to_recover_s": None if injected is None else round(now - injected, 4),
+        }
+        self._event(rec)
+        log.warning("restored", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
 
     async def _close_failure(self) -> None:
         f = self._open_failure

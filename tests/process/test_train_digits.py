@@ -87,6 +87,13 @@ def test_every_rank_killed_restarts_from_the_journaled_checkpoint(tmp_path):
     # of steps 40..69 from before the kill was rolled back with the rest of that state)
     assert [h[0] for h in run["metrics"]["loss_history"]] == list(range(90))
     assert run["metrics"]["steps"] == 90
+    # the restarted processes saw no failure themselves, but say what happened
+    (e,) = run["metrics"]["events"]
+    assert (e["event"], e["failed_step"], e["resumed_step"], e["steps_lost"]) == ("restored", 70, 40, 31), e
+    assert 0 < e["time_to_recover_s"] < 60, e
+    assert re.search(r"\[rank\d\] recovery: failure at step 70 \(no live rank held committed step 69\): "
+                     r"restored the checkpoint of step 40 [\d.]+ s after the fault was injected, "
+                     r"training resumed with 4 ranks at step 40; steps lost: 31", run["stdout"]), run["stdout"]
 
 
 @pytest.mark.timeout(120)
