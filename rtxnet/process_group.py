@@ -193,8 +193,9 @@ class ProcessGroup:
         return None if self._engine is None else self._engine.world
 
     @contextlib.contextmanager
-    def pinned(self, world: Any) -> Iterator[Any]:
-        """Send the collectives called in this block to ``world`` (from :meth:`current_world`).
+    def pinned(self, world: Any = None) -> Iterator[Any]:
+        """Send the collectives called in this block to ``world`` (from :meth:`current_world`;
+        default: the current one).
 
         A step made of several collectives called at different times (DDP's buckets, FSDP's
         gathers) pins the world group it began in: checking ``epoch`` and then calling a
@@ -202,6 +203,8 @@ class ProcessGroup:
         then run in the new world on this rank alone). Yields ``world``.
         """
         old = self._pinned_world
+        if world is None:
+            world = self.current_world()
         self._pinned_world = world
         try:
             yield world
@@ -447,6 +450,11 @@ class BlockingProcessGroup:
         if not callable(target):
             return target
         return _blocking(self._portal, target)
+
+    def pinned(self, world: Any = None) -> Any:
+        """:meth:`ProcessGroup.pinned` (``with pg.pinned(): ...``); ``world`` as
+        ``current_world()`` returned it, default the current one."""
+        return self._pg.pinned(getattr(world, "_obj", world))
 
     def close(self) -> None:
         """Leave the job, release resources and stop the background loop."""

@@ -431,3 +431,39 @@ def test_faults_that_never_came_due_are_named_at_exit(tmp_path):
         "without it can use at=collective)",
     ]), out.stderr[-3000:]
     assert "fault_injected" in out.stderr and "pause:rank=1" in out.stderr
+
+
+PINNED = textwrap.dedent("""
+    import os, time
+    import numpy as np
+    import rtxnet
+    pg = rtxnet.init()
+    x = np.ones(4, np.float32)
+    with pg.pinned():
+        pg.all_reduce(x)                    # the world of 3
+        if pg.rank == 2:
+            os._exit(0)
+        epoch = pg.epoch
+        deadline = time.monotonic() + 30
+        while pg.epoch == epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            pg.all_reduce(x)
+            print("ran in the new world", flush=True)
+        except rtxnet.PeerLostError as exc:
+            print("pinned raised, lost", exc.ranks, flush=True)
+    y = np.ones(4, np.float32)
+    pg.all_reduce(y)
+    print("after the block: world", pg.world_size, "sum", y[0], flush=True)
+    pg.close()
+""")
+
+
+def test_collectives_in_a_pinned_block_stay_in_the_world_it_began_in(tmp_path):
+    script = tmp_path / "pinned.py"
+    script.write_text(PINNED)
+    out = run(["--nproc", "3", "--min-ranks", "2", str(script)], timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    for r in (0, 1):
+        assert f"[rank{r}] pinned raised, lost [2]" in out.stdout, out.stdout
+        assert f"[rank{r}] after the block: world 2 sum 2.0" in out.stdout, out.stdout
