@@ -200,7 +200,12 @@ class ProcessGroup:
         A step made of several collectives called at different times (DDP's buckets, FSDP's
         gathers) pins the world group it began in: checking ``epoch`` and then calling a
         collective is not atomic (the epoch may move between the two, and the collective would
-        then run in the new world on this rank alone). Yields ``world``.
+        then run in the new world on this rank alone). Yields ``world``. The pin holds for the
+        whole process group (every thread) until the block ends; blocks nest.
+
+        Raises:
+            Nothing itself; collectives called in the block raise ``PeerLostError`` (naming the
+            lost ranks; ``ClosedError`` when nobody was lost) once the membership changed.
         """
         old = self._pinned_world
         if world is None:
