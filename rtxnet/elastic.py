@@ -134,6 +134,9 @@ class FaultTolerance:
         self.load_checkpoint = load_checkpoint
         self._same_step_failures: dict[int, int] = {}
         self._snapshot = pack_state(state.state_dict())
+        # False once this rank's state refused a snapshot (FSDP shards after the world changed):
+        # it then holds no committed state and takes one from a peer or the newest checkpoint.
+        self._holds_state = True
         self._synced_epoch = -1
         self._step_epoch = -1
         self.events: list[dict[str, Any]] = []
@@ -298,6 +301,7 @@ class FaultTolerance:
             self.committed_step = step
             self.step = step + 1
             self._snapshot = pack_state(self.state.state_dict())
+            self._holds_state = True
         else:
             await self._recover(PeerLostError(f"step {step} was not committed (epoch {epoch} -> {self.pg.epoch})"), step)
 
@@ -316,7 +320,7 @@ class FaultTolerance:
             log.warning("step_failed", step=step, error=type(exc).__name__, message=str(exc),
                         committed_step=self.committed_step)
         # Roll back to the last committed state.
-        self.state.load_state_dict(unpack_state(self._snapshot))
+        self._holds_state = self._load_snapshot(self._snapshot, "its own last committed state")
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
             # Nobody was lost (a timeout, a mismatch, a message lost on the way): some ranks may
@@ -361,7 +365,7 @@ class FaultTolerance:
         """Agree on the newest committed state and give it to every member (one collective round)."""
         pg = self.pg
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
-        mine = np.array([self.committed_step], dtype=np.int64)
+        mine = np.array([self.committed_step if self._holds_state else -1], dtype=np.int64)
         steps = np.zeros(world, dtype=np.int64)
         await pg.all_gather(steps, mine)
         best = int(steps.max())
@@ -388,12 +392,23 @@ class FaultTolerance:
             if rank != src:
                 blob = np.empty(int(n[0]), dtype=np.uint8)
             await pg.broadcast(blob, src)
-            if rank != src:
+            loaded = True
+            if steps[rank] != best:     # a rank already at ``best`` keeps its own state
                 self._snapshot = blob.tobytes()
-                self.state.load_state_dict(unpack_state(self._snapshot))
-                log.info("state_synced", source=src, step=best, nbytes=int(n[0]))
+                loaded = self._load_snapshot(self._snapshot, f"the state of rank {src}")
+                if loaded:
+                    log.info("state_synced", source=src, step=best, nbytes=int(n[0]))
+            # Every rank must hold the same state now; a state that cannot be loaded in this
+            # world (FSDP: a rank's shards fit only its own rank and world size) sends every
+            # rank to the newest checkpoint.
+            oks = np.zeros(world, dtype=np.int64)
+            await pg.all_gather(oks, np.array([int(loaded)], dtype=np.int64))
+            if not oks.all():
+                best = await self._fall_back_to_checkpoint(np.flatnonzero(oks == 0).tolist(), src,
+                                                            job_committed, world)
         self.committed_step = best
         self.step = best + 1
+        self._holds_state = True
         self._synced_epoch = epoch
         if hasattr(self.state, "on_world"):
             self.state.on_world(rank, world)
@@ -421,6 +436,30 @@ class FaultTolerance:
         log.warning("restored_from_checkpoint", step=info["step"], committed_step=held,
                     root=info["root"], job_committed_step=job_committed)
         return held
+
+    def _load_snapshot(self, blob: bytes, what: str) -> bool:
+        """Load ``blob`` into the state; False (logged) when the state refuses it."""
+        try:
+            self.state.load_state_dict(unpack_state(blob))
+            return True
+        except Exception as exc:   # noqa: BLE001 - the user's loader: any refusal means "cannot"
+            log.warning("state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
+                        world_size=self.pg.world_size, rank=self.pg.rank)
+            return False
+
+    async def _fall_back_to_checkpoint(self, refused: list[int], src: int, job_committed: int,
+                                       world: int) -> int:
+        """Every rank loads the newest checkpoint: ranks ``refused`` could not load the state of
+        rank ``src``. Returns the step the checkpoint holds."""
+        restored = await self._restore_checkpoint(-1, job_committed)
+        if restored is None:
+            raise RtxError(
+                f"ranks {refused} could not load the committed state of rank {src} in this world "
+                f"(world_size {world}; see the state_load_refused log line) and no "
+                f"checkpoint can replace it: with FSDP a lost rank's shards are gone with it; "
+                f"save checkpoints with rtxnet.checkpoint and pass FaultTolerance(load_checkpoint=)")
+        self._snapshot = pack_state(self.state.state_dict())
+        return restored
 
     async def _restored_event(self, job_committed: int, held: int, epoch: int, world: int) -> None:
         now = time.monotonic()

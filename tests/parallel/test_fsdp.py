@@ -113,3 +113,24 @@ def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
             {"step": 2, "error": "ConfigError", "world_size": 2, "names_sizes": True}], r
         assert r["fault_world"] == 2 and r["fault_layout_world"] == 2
         assert r["fault_rel"] < TOL, r
+
+
+def test_fault_tolerance_restores_sharded_state_from_the_checkpoint(tmp_path):
+    # Rank 1 dies at step 10; its shards are gone, the survivor's cannot be rolled back in a
+    # world of 1 (FSDP refuses them), so once the replacement is in both load checkpoint 8 and
+    # finish: the parameters still equal one process (SGD with momentum, restored from the
+    # checkpoint). Before: the survivor crashed on the refused roll-back (a traceback, and its
+    # restart spent), and only the restarted pair found the checkpoint.
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--max-restarts", "1",
+         "--faults", "kill:rank=1:step=10", str(Path(__file__).parent / "fsdp_ft_worker.py"),
+         str(tmp_path), "14"],
+        capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in res:
+        assert r["steps"] == 14 and r["world_size"] == 2, r
+        assert r["rel"] < TOL, r
+    assert "rank 0 exited" not in proc.stderr, proc.stderr[-5000:]     # the survivor lived on
+    assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr

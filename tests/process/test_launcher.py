@@ -467,3 +467,45 @@ def test_collectives_in_a_pinned_block_stay_in_the_world_it_began_in(tmp_path):
     for r in (0, 1):
         assert f"[rank{r}] pinned raised, lost [2]" in out.stdout, out.stdout
         assert f"[rank{r}] after the block: world 2 sum 2.0" in out.stdout, out.stdout
+
+
+REFUSING_STATE = textwrap.dedent("""
+    import os
+    import rtxnet
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=1.0, op_s=20, rendezvous_s=60))
+    me = os.environ["RANK"]
+
+    class State:                         # a state only its own launch rank can load (as FSDP's)
+        value = 0
+        def state_dict(self):
+            return {"value": self.value, "owner": me}
+        def load_state_dict(self, s):
+            if s["owner"] != me:
+                raise ValueError(f"state of launch rank {s['owner']} given to launch rank {me}")
+            self.value = s["value"]
+
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state)
+    try:
+        while ft.step < 6:
+            with ft.guard() as step:
+                state.value += 1
+    except rtxnet.RtxError as exc:
+        print("stopped:", exc, flush=True)
+        raise SystemExit(3)
+""")
+
+
+def test_a_state_that_cannot_load_a_peers_snapshot_stops_with_the_reason(tmp_path):
+    # The replacement of rank 2 cannot load rank 0's state and there is no checkpoint: every rank
+    # stops with one error naming the rank that refused, instead of training on mixed states.
+    script = tmp_path / "refusing.py"
+    script.write_text(REFUSING_STATE)
+    out = run(["--nproc", "3", "--max-restarts", "1", "--faults", "kill:rank=2:step=3", str(script)],
+              timeout=80)
+    assert out.returncode == 3, out.stdout + out.stderr[-3000:]
+    for r in range(3):
+        assert (f"[rank{r}] stopped: ranks [2] could not load the committed state of rank 0 in this "
+                f"world (world_size 3; see the state_load_refused log line) and no checkpoint can "
+                f"replace it") in out.stdout, out.stdout
+    assert "state of launch rank 0 given to launch rank 2" in out.stderr

@@ -1,0 +1,87 @@
+"""A rank of the FSDP + FaultTolerance test, run under ``python -m rtxnet.launcher``.
+
+    fsdp_ft_worker.py OUT_DIR STEPS
+
+Trains a small MLP with FSDP (SGD with momentum) inside ``FaultTolerance`` steps, saving a sharded
+checkpoint every 4 steps. The state ``FaultTolerance`` keeps is the rank's shards, which fit only
+this rank and world size: when a rank is lost, the survivor's roll-back is refused (world 1),
+and once the replacement is in, every rank loads the newest checkpoint. Every rank also trains
+the single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import rtxnet
+import rtxnet.checkpoint as ckpt
+from rtxnet.parallel.fsdp import FullyShardedDataParallel
+from tests.procs import leave_together
+
+B = 8   # global batch
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def main() -> int:
+    out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=2.0, op_s=30, rendezvous_s=120))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B * steps, 6, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    # init_sync=False: a replacement must not broadcast while the others sync (same seed anyway)
+    model = FullyShardedDataParallel(make_net(), pg, init_sync=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    class State:
+        step = 0
+
+        def state_dict(self):
+            return {"model": model.sharded_state_dict(), "opt": opt.state_dict(), "step": self.step}
+
+        def load_state_dict(self, s):
+            model.load_sharded_state_dict(s["model"])     # ConfigError at another world size
+            opt.load_state_dict(s["opt"])
+            self.step = s["step"]
+
+    state = State()
+
+    def load_checkpoint(step: int, root: str) -> None:
+        state.load_state_dict(ckpt.load(root, step, rank=pg.rank))
+
+    ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=load_checkpoint)
+    while ft.step < steps:
+        with ft.guard() as step:
+            if step > 0 and step % 4 == 0:
+                ckpt.save(out / "ckpt", step, state.state_dict(), pg=pg)
+            lo = step * B + pg.rank * (B // pg.world_size)
+            xb, yb = x[lo:lo + B // pg.world_size], y[lo:lo + B // pg.world_size]
+            opt.zero_grad()
+            ((model(xb) - yb) ** 2).mean().backward()
+            opt.step()
+            state.step = step + 1
+    ref = make_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for s in range(steps):
+        ref_opt.zero_grad()
+        ((ref(x[s * B:(s + 1) * B]) - y[s * B:(s + 1) * B]) ** 2).mean().backward()
+        ref_opt.step()
+    full = model.full_state_dict(rank0_only=False)
+    rel = max(float((full[k] - v).norm() / v.norm()) for k, v in ref.state_dict().items())
+    res = {"rank": pg.rank, "world_size": pg.world_size, "steps": state.step, "rel": rel,
+           "events": [e["event"] for e in ft.events], "report": ft.report()}
+    (out / f"rank{pg.rank}.json").write_text(json.dumps(res))
+    leave_together(pg, "fsdp-ft", pg.rank)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
