@@ -129,6 +129,10 @@ class FaultTolerance:
             raise ConfigError(f"start_step({start_step}) must be >= 0")
         self.step = start_step  # the next step to run
         self.committed_step = start_step - 1
+        # (epoch, rank, world_size) of the last step this rank committed: every rank that voted
+        # for it has the same epoch and world, whatever the world did since (a handshake at the
+        # end of training can wait for exactly those ranks). None before the first commit.
+        self.committed_world: tuple[int, int, int] | None = None
         self.max_step_retries = max_step_retries
         self._delays_recorded: set[int] = set()   # delay faults already claimed in the store
         self.load_checkpoint = load_checkpoint
@@ -279,7 +283,8 @@ class FaultTolerance:
 
     async def _end(self, step: int) -> None:
         self.pg._pinned_world = None
-        epoch = self.pg.epoch
+        m = self.pg.membership          # read once: epoch, rank and world of this vote agree
+        epoch = m.epoch
         if epoch != self._step_epoch:
             await self._recover(PeerLostError(f"membership changed during step {step} (epoch {self._step_epoch} -> {epoch})"), step)
             return
@@ -298,6 +303,7 @@ class FaultTolerance:
                          "time_to_recover_s": None if injected is None else round(t0 + waited - injected, 4)})
         if committed:
             self._same_step_failures.pop(step, None)
+            self.committed_world = (m.epoch, m.rank, m.world_size)
             self.committed_step = step
             self.step = step + 1
             self._snapshot = pack_state(self.state.state_dict())

@@ -64,6 +64,7 @@ class Portal:
 
     def __init__(self) -> None:
         self.loop = _new_loop()
+        self._stopped = False
         ready = threading.Event()
 
         def run() -> None:
@@ -75,7 +76,20 @@ class Portal:
         self.thread.start()
         ready.wait()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped or self.loop.is_closed()
+
+    def check_open(self) -> None:
+        """Raises ``ClosedError`` once :meth:`stop` was called (the process group was closed)."""
+        if self.stopped:
+            from transport.errors import ClosedError
+
+            raise ClosedError("the process group is closed (close() was called); create a new one "
+                              "with rtxnet.init()")
+
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        self.check_open()
         if threading.current_thread() is self.thread:
             raise RuntimeError("the blocking API was called from inside rtxnet's own event loop")
         return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
@@ -84,6 +98,7 @@ class Portal:
         return self.submit(fn, *args, **kwargs).result()
 
     def stop(self) -> None:
+        self._stopped = True
         if self.loop.is_closed():
             return
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -462,7 +462,10 @@ class BlockingProcessGroup:
         return self._pg.pinned(getattr(world, "_obj", world))
 
     def close(self) -> None:
-        """Leave the job, release resources and stop the background loop."""
+        """Leave the job, release resources and stop the background loop. A second call does
+        nothing; any other call after it raises ``ClosedError``."""
+        if self._portal.stopped:
+            return
         try:
             self._portal.call(self._pg.aclose)
         finally:
@@ -487,6 +490,7 @@ class _BlockingProxy:
 
 def _blocking(portal: Portal, fn: Any) -> Any:
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        portal.check_open()
         result = fn(*args, **kwargs)
         if not asyncio.iscoroutine(result):
             return _wrap(portal, result)

@@ -509,3 +509,27 @@ def test_a_state_that_cannot_load_a_peers_snapshot_stops_with_the_reason(tmp_pat
                 f"world (world_size 3; see the state_load_refused log line) and no checkpoint can "
                 f"replace it") in out.stdout, out.stdout
     assert "state of launch rank 0 given to launch rank 2" in out.stderr
+
+
+def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
+    # Before: RuntimeError("Event loop is closed") from every call, the second close() included.
+    script = tmp_path / "closed.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, rtxnet
+        pg = rtxnet.init()
+        pg.close()
+        pg.close()
+        for what, call in [("all_reduce", lambda: pg.all_reduce(np.ones(2, np.float32))),
+                           ("store.set", lambda: pg.store.set("k", b"v")), ("barrier", pg.barrier)]:
+            try:
+                call()
+            except rtxnet.ClosedError as exc:
+                print(what, "ClosedError:", exc, flush=True)
+    """))
+    out = run(["--nproc", "2", str(script)], timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in (0, 1):
+        for what in ("all_reduce", "store.set", "barrier"):
+            assert (f"[rank{r}] {what} ClosedError: the process group is closed (close() was "
+                    f"called); create a new one with rtxnet.init()") in out.stdout, out.stdout
+    assert "never awaited" not in out.stderr, out.stderr[-3000:]
