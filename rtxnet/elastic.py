@@ -79,7 +79,9 @@ class FaultTolerance:
         pg: the process group, blocking (:func:`rtxnet.init`) or async (:func:`rtxnet.connect`).
         state: the training state: ``state_dict()`` and ``load_state_dict(d)``; optionally
             ``on_world(rank, world_size)``.
-        min_world_size: smallest world to go on with; default ``RTXNET_MIN_RANKS`` or 1.
+        min_world_size: smallest world to go on with; default the ``min_ranks`` the process
+            group joined with (``rtxnet.init(min_ranks=)``, else ``RTXNET_MIN_RANKS``, else the
+            world size).
         rejoin_window_s: how long to wait for replacements while the world is below
             ``min_world_size``, seconds.
         commit_timeout_s: deadline of a step's vote; default the group's op timeout.
@@ -114,8 +116,9 @@ class FaultTolerance:
             self._portal = None
             self.pg = pg
         self.state = state
-        env_min = os.environ.get("RTXNET_MIN_RANKS")
-        self.min_world_size = min_world_size if min_world_size is not None else int(env_min or 1)
+        if min_world_size is None:
+            min_world_size = getattr(self.pg.agent, "min_ranks", None) or int(os.environ.get("RTXNET_MIN_RANKS") or 1)
+        self.min_world_size = min_world_size
         if self.min_world_size < 1:
             raise ConfigError(f"min_world_size({self.min_world_size}) must be >= 1")
         if rejoin_window_s <= 0:
