@@ -235,8 +235,8 @@ class FaultTolerance:
                     f"{after}, training resumed with {e['world_size']} ranks at step "
                     f"{e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "commit_stall":
-                lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s for the coordinator; "
-                             f"steps lost: 0")
+                lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s (the coordinator "
+                             f"away, or a peer late); steps lost: 0")
         if not any(e["event"] in ("recovered", "restored", "commit_stall") for e in self.events):
             lines.append("no failure seen by this rank")
         return lines
