@@ -329,6 +329,9 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         faults = parse_plan(args.plan)
     except ValueError as exc:
         ap.error(f"--plan: {exc}")
+    if not faults:
+        ap.error(f"--plan {args.plan!r} has no fault: faultrun is for running a script under faults "
+                 f"(run it with rtxnet-run for none)")
     for f in faults:
         if f.rank is not None and f.rank >= args.nproc:
             ap.error(f"--plan: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
