@@ -331,7 +331,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--plan: {exc}")
     if not faults:
         ap.error(f"--plan {args.plan!r} has no fault: faultrun is for running a script under faults "
-                 f"(run it with rtxnet-run for none)")
+                 f"(without faults, launch the script directly)")
     for f in faults:
         if f.rank is not None and f.rank >= args.nproc:
             ap.error(f"--plan: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
