@@ -518,8 +518,13 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:   # Ctrl-C of rtxnet-run reaches every rank: one line, not a traceback
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # No interpreter teardown: rtxnet's loop thread and torch's threads may be mid-call, and
+        # C++ destructors racing them aborted a rank once in 9 Ctrl-Cs ("terminate called
+        # without an active exception", exit 134). The coordinator sees the rank go at once and
+        # rtxnet-run removes its shared memory.
+        os._exit(130)
     except rtxnet.JobFinishedError as exc:
         # A replacement that arrived after the others finished (rtxnet.init refused it): the
         # job's result stands and this rank has nothing to add.
