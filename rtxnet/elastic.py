@@ -362,7 +362,8 @@ class FaultTolerance:
                 raise RendezvousError(
                     f"world_size({self.pg.world_size}) < min_world_size({self.min_world_size}) after "
                     f"waiting rejoin_window_s({self.rejoin_window_s}) for replacements; let the job "
-                    f"go on with fewer ranks (rtxnet-run --min-ranks) or restart lost ones "
+                    f"go on with fewer ranks (rtxnet-run --min-ranks, or RTXNET_MIN_RANKS for "
+                    f"ranks started by hand) or restart lost ones "
                     f"(--max-restarts)")
             log.info("waiting_for_ranks", world_size=self.pg.world_size, min_world_size=self.min_world_size)
             try:
