@@ -86,10 +86,8 @@ class LateLaunch:
 
     def __getattr__(self, name: str):
         if name == self._name and self.armed is not None:
-            deadline = time.monotonic() + 30
-            while self._pg.epoch == self.armed and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.armed = None
+            armed, self.armed = self.armed, None
+            wait_until(lambda: self._pg.epoch != armed, 30, f"epoch past {armed}")
         return getattr(self._pg, name)
 
 

@@ -77,6 +77,19 @@ LOSS = torch.nn.functional.cross_entropy
 BUCKETS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)   # several buckets on a tiny model
 
 
+def lockstep(ref, ref_opt, model, opt, x, y, B: int, lo: int, n: int, steps: int) -> None:
+    """``steps`` optimizer steps of ``ref`` on whole batches of ``B`` and, in the same order, of
+    ``model`` on this rank's slice ``[lo, lo + n)`` of each batch."""
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        ref_opt.zero_grad()
+        LOSS(ref(xb), yb).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        LOSS(model(xb[lo:lo + n]), yb[lo:lo + n]).backward()
+        opt.step()
+
+
 def equivalence_avg(pg, steps=5, per_rank=4, device="cpu"):
     """DDP (AVG) against one process on the whole global batch, on ``device`` (the GPU test
     runs it on CUDA)."""
@@ -89,14 +102,7 @@ def equivalence_avg(pg, steps=5, per_rank=4, device="cpu"):
     ddp = DistributedDataParallel(net, pg, **BUCKETS)
     init_same = rel(flat_params(net), flat_params(make_net(1).to(device)))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
-    for s in range(steps):
-        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-        ref_opt.zero_grad()
-        LOSS(ref(xb), yb).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        LOSS(ddp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
-        opt.step()
+    lockstep(ref, ref_opt, ddp, opt, x, y, B, r * per_rank, per_rank, steps)
     return {"avg_rel": rel(flat_params(net), flat_params(ref)), "avg_buckets": len(ddp.buckets),
             "avg_sum": float(flat_params(net).double().sum()), "init_broadcast_rel": init_same,
             "avg_bucket_devices": sorted({str(b.flat.device) for b in ddp._buckets}),

@@ -42,6 +42,7 @@ import rtxnet
 import rtxnet.checkpoint as ckpt
 from rtxnet.parallel.fsdp import FullyShardedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
+from tests.parallel.ddp_worker import lockstep
 from tests.procs import LateLaunch, leave_together
 
 D_IN, D_H, D_OUT = 12, 24, 5
@@ -94,19 +95,6 @@ def sd_rel(a: dict, b: dict) -> float:
     if list(a) != list(b):
         return float("inf")
     return max(rel(a[k], b[k]) for k in a)
-
-
-def lockstep(ref, ref_opt, model, opt, x, y, B: int, lo: int, n: int, steps: int) -> None:
-    """``steps`` optimizer steps of ``ref`` on whole batches of ``B`` and, in the same order, of
-    ``model`` on this rank's slice ``[lo, lo + n)`` of each batch."""
-    for s in range(steps):
-        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-        ref_opt.zero_grad()
-        LOSS(ref(xb), yb).backward()
-        ref_opt.step()
-        opt.zero_grad()
-        LOSS(model(xb[lo:lo + n]), yb[lo:lo + n]).backward()
-        opt.step()
 
 
 def grad_rel(fsdp: FullyShardedDataParallel, ref: torch.nn.Module) -> float:
