@@ -25,7 +25,8 @@ strings, lists, tuples and dicts only (:func:`capture_rng` turns the RNG states 
 Loading at another world size: :func:`load` returns the shard of ``rank`` if the checkpoint has
 one, else rank 0's. Data-parallel state (model, optimizer, step, sampler position) is replicated,
 so any shard serves; per-rank RNG streams of ranks that did not exist are rank 0's, which a script
-may re-seed with its rank.
+may re-seed with its rank. Sharded state (FSDP) needs every rank's shard: :func:`load_all` returns
+them in rank order, for ``FullyShardedDataParallel.load_sharded_state_dicts``.
 
 Errors (from the tree in ``transport/errors.py``)::
 
@@ -62,6 +63,7 @@ __all__ = [
     "capture_rng",
     "latest",
     "load",
+    "load_all",
     "read_manifest",
     "restore_rng",
     "save",
@@ -406,6 +408,55 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True) -> int | None
     return None
 
 
+def _resolve_step(root: str | os.PathLike, step: int | None) -> int:
+    if step is None:
+        step = latest(root)
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint under {root}")
+    return _check_step(step)
+
+
+def _load_shard(root: str | os.PathLike, step: int, m: dict[str, Any], shard: int) -> dict[str, Any]:
+    name = f"rank-{shard}.pt"
+    if name not in m["files"]:
+        raise CheckpointCorruptError(f"{step_dir(root, step) / MANIFEST} lists no {name}",
+                                     path=step_dir(root, step) / MANIFEST, step=step)
+    data = _read_verified(step_dir(root, step) / name, m["files"][name], step)
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str, Any]]:
+    """Every rank's shard of one checkpoint, in rank order: what sharded state (FSDP's
+    ``load_sharded_state_dicts``) needs to resume at another world size. Not a collective.
+
+    Args:
+        root: checkpoint folder.
+        step: the step; ``None`` takes :func:`latest`.
+
+    Returns:
+        ``states[q]`` is the state saved rank ``q`` passed to :func:`save`, for ``q`` in
+        ``range(saved world size)``, each with ``"_checkpoint"`` as :func:`load` gives it
+        (``shard_rank`` = ``q``, ``resharded`` False). Every shard is read and verified; memory is
+        the whole checkpoint.
+
+    Raises:
+        CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed.
+        CheckpointCorruptError: a shard's size or SHA-256 differs from the manifest (names the
+            file).
+    """
+    step = _resolve_step(root, step)
+    m = read_manifest(root, step)
+    saved_world = int(m["world_size"])
+    out = []
+    for q in range(saved_world):
+        state = _load_shard(root, step, m, q)
+        state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": q,
+                                "resharded": False}
+        out.append(state)
+    log.info("checkpoint_loaded_all", step=step, saved_world_size=saved_world)
+    return out
+
+
 def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None = None,
          pg: Any = None) -> dict[str, Any]:
     """Load the shard of ``rank`` (or rank 0's, when the checkpoint had fewer ranks).
@@ -425,23 +476,13 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
         CheckpointCorruptError: the shard's size or SHA-256 differs from the manifest (names the
             file); such a checkpoint is never loaded.
     """
-    if step is None:
-        step = latest(root)
-        if step is None:
-            raise CheckpointError(f"no committed checkpoint under {root}")
-    step = _check_step(step)
+    step = _resolve_step(root, step)
     if rank is None:
         rank = pg.rank if pg is not None else 0
     m = read_manifest(root, step)
     saved_world = int(m["world_size"])
     shard = rank if rank < saved_world else 0
-    name = f"rank-{shard}.pt"
-    if name not in m["files"]:
-        raise CheckpointCorruptError(f"{step_dir(root, step) / MANIFEST} lists no {name}",
-                                     path=step_dir(root, step) / MANIFEST, step=step)
-    path = step_dir(root, step) / name
-    data = _read_verified(path, m["files"][name], step)
-    state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    state = _load_shard(root, step, m, shard)
     state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": shard,
                             "resharded": shard != rank}
     log.info("checkpoint_loaded", step=step, shard_rank=shard, saved_world_size=saved_world)

@@ -79,8 +79,11 @@ it. The user reloads from a checkpoint: :meth:`FullyShardedDataParallel.load_ful
 (every rank passes the same full state dict, e.g. from :meth:`full_state_dict` saved earlier)
 re-lays the shards out for the current world, keeping the same ``Parameter`` objects but resized,
 so the optimizer state of the old layout must be dropped (build a new optimizer, or
-``optimizer.state.clear()``). :meth:`load_sharded_state_dict` loads per-rank shards
-(``rtxnet.checkpoint``) only at the world size and rank they were saved with. If the world changes
+``optimizer.state.clear()``). :meth:`load_sharded_state_dict` loads this rank's own shards
+only at the world size and rank they were saved with; :meth:`load_sharded_state_dicts` takes every
+saved rank's shards of one save (``rtxnet.checkpoint.load_all``) and reshards them for any world,
+and :meth:`reshard_optimizer_state_dict` does the same for the optimizer's state, so a sharded
+checkpoint of 4 ranks resumes on 3 with its Adam moments. If the world changes
 during a step (the epoch moves), the next collective is not started and ``PeerLostError`` is
 raised, as DDP does.
 """
@@ -88,7 +91,7 @@ raised, as DDP does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -560,8 +563,9 @@ class FullyShardedDataParallel(torch.nn.Module):
                 f"the shards are laid out for world_size({self.world_size}) rank({self.rank}) but "
                 f"the group now has world_size({world}) rank({rank}); reload the state: "
                 "load_full_state_dict(full_state) on every rank (re-lays the shards out for this "
-                "world; drop the optimizer's state), or load_sharded_state_dict() saved at this "
-                "world size")
+                "world; drop the optimizer's state), load_sharded_state_dicts(every saved rank's "
+                "shards) with reshard_optimizer_state_dict, or load_sharded_state_dict() saved at "
+                "this world size")
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole module's state dict, gathered: the keys ``module.state_dict()`` had before
@@ -661,17 +665,26 @@ class FullyShardedDataParallel(torch.nn.Module):
                     lo, hi = max(s.offset, lo_r), min(s.offset + s.numel, lo_r + S)
                     if lo < hi:
                         new[lo - lo_r:hi - lo_r] = g.shard[lo - lo_r:hi - lo_r]
-                if relayout:
-                    g.shard.data = new
-                    g.shard.grad = None
-                else:
-                    g.shard.copy_(new)
+            self._set_shard(g, new, relayout)
         rest = {k: v for k, v in state_dict.items() if k in repl}
         if rest:
             self.module.load_state_dict(rest, strict=False)
         if relayout:
-            log.info("fsdp_relayout", world_size=world, previous=self.world_size, rank=rank)
-            self.rank, self.world_size = rank, world
+            self._laid_out(rank, world)
+
+    @staticmethod
+    def _set_shard(g: _FlatGroup, new: torch.Tensor, relayout: bool) -> None:
+        """Put ``new`` ``[S]`` in as ``g``'s shard: the same Parameter, resized when re-laid out."""
+        with torch.no_grad():
+            if relayout:
+                g.shard.data = new
+                g.shard.grad = None
+            else:
+                g.shard.copy_(new)
+
+    def _laid_out(self, rank: int, world: int) -> None:
+        log.info("fsdp_relayout", world_size=world, previous=self.world_size, rank=rank)
+        self.rank, self.world_size = rank, world
 
     def _layout(self) -> list[list[Any]]:
         return [[g.name, g.numel, [f for s in g.slots for f in s.fqns]] for g in self._groups]
@@ -696,7 +709,7 @@ class FullyShardedDataParallel(torch.nn.Module):
 
         Raises:
             ConfigError: not such a dict, or saved at another world size, rank or layout (names
-                both); load a full state dict instead to change the world size.
+                both); to change the world size use :meth:`load_sharded_state_dicts`.
         """
         if not isinstance(state, dict) or state.get("format") != FSDP_STATE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -705,8 +718,9 @@ class FullyShardedDataParallel(torch.nn.Module):
         if (state["world_size"], state["rank"]) != (world, rank) or (world, rank) != (self.world_size, self.rank):
             raise ConfigError(
                 f"load_sharded_state_dict: saved at world_size({state['world_size']}) "
-                f"rank({state['rank']}), the group has world_size({world}) rank({rank}); load a "
-                "full state dict (load_full_state_dict) to change the world size")
+                f"rank({state['rank']}), the group has world_size({world}) rank({rank}); to change "
+                "the world size load every saved rank's shards (load_sharded_state_dicts, "
+                "rtxnet.checkpoint.load_all) or a full state dict (load_full_state_dict)")
         if state["layout"] != self._layout():
             raise ConfigError(f"load_sharded_state_dict: saved layout {state['layout']} differs "
                               f"from this module's {self._layout()}")
@@ -717,6 +731,136 @@ class FullyShardedDataParallel(torch.nn.Module):
                 g.shard.copy_(state["shards"][g.name])
         self.module.load_state_dict(state["replicated"], strict=False)
 
+    def load_sharded_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Load one save's :meth:`sharded_state_dict` of **every** saved rank, at any world size,
+        re-laid out for the group's current world, in place (not a collective; each rank passes
+        the same list). The way back into a smaller or larger world from a sharded checkpoint
+        (``rtxnet.checkpoint.load_all``), as ``torch.distributed.checkpoint`` reshards on load.
+
+        Each flat parameter is rebuilt from the saved shards (concatenated in rank order, the
+        saved padding dropped: ``T`` elements), padded for the current world ``W`` and cut to this
+        rank's ``[S]``. When the world size or this rank's rank differs from the layout, the shards
+        are the same ``Parameter`` objects resized and their gradients cleared; load the
+        optimizer's state with :meth:`reshard_optimizer_state_dict`. Replicated state (buffers,
+        frozen parameters) comes from saved rank 0. Memory: one flat parameter's ``[T]`` at a time
+        besides the saved shards.
+
+        Args:
+            states: ``states[q]`` is what saved rank ``q`` returned from :meth:`sharded_state_dict`,
+                for ``q`` in ``range(saved world size)``; extra keys (``"_checkpoint"``) are
+                ignored.
+
+        Raises:
+            ConfigError: ``states`` is not a non-empty list of such dicts; a dict's format, rank
+                or world size does not fit its place in the list (names both); a saved layout
+                differs from this module's; a saved shard has the wrong size or dtype (names the
+                flat parameter, the saved rank and both sizes).
+        """
+        if not isinstance(states, (list, tuple)) or not states:
+            raise ConfigError("load_sharded_state_dicts: states must be a non-empty list of every "
+                              f"saved rank's sharded_state_dict(), got {type(states).__name__}"
+                              + (" of length 0" if isinstance(states, (list, tuple)) else ""))
+        saved_world = len(states)
+        for q, st in enumerate(states):
+            if not isinstance(st, dict) or st.get("format") != FSDP_STATE_FORMAT:
+                got = st.get("format") if isinstance(st, dict) else type(st).__name__
+                raise ConfigError(f"load_sharded_state_dicts: states[{q}] has format {got!r}, "
+                                  f"expected {FSDP_STATE_FORMAT!r}")
+            if (st["world_size"], st["rank"]) != (saved_world, q):
+                raise ConfigError(
+                    f"load_sharded_state_dicts: states[{q}] was saved by world_size"
+                    f"({st['world_size']}) rank({st['rank']}), but a list of {saved_world} needs "
+                    f"world_size({saved_world}) rank({q}): pass every saved rank's state, in rank order")
+            if st["layout"] != self._layout():
+                raise ConfigError(f"load_sharded_state_dicts: states[{q}]'s layout {st['layout']} "
+                                  f"differs from this module's {self._layout()}")
+        rank, world = _rank_world(self._pg)
+        relayout = (world, rank) != (self.world_size, self.rank)
+        shards = {}
+        for g in self._groups:
+            want = g.shard_numel(saved_world)
+            parts = []
+            for q, st in enumerate(states):
+                t = st["shards"].get(g.name)
+                if not isinstance(t, torch.Tensor) or t.shape != (want,) or t.dtype != g.dtype:
+                    got = (f"{_dtype_name(t.dtype)}{list(t.shape)}" if isinstance(t, torch.Tensor)
+                           else type(t).__name__)
+                    raise ConfigError(f"load_sharded_state_dicts: {g.name} of saved rank {q} is "
+                                      f"{got}, expected {_dtype_name(g.dtype)}[{want}]")
+                parts.append(t)
+            shards[g] = _reshard(torch.cat(parts), g, world, rank)
+        if self._live or self._pending or self._backward_open:
+            self.reset()
+        for g, new in shards.items():
+            self._set_shard(g, new, relayout)
+        self.module.load_state_dict(states[0]["replicated"], strict=False)
+        if relayout:
+            self._laid_out(rank, world)
+
+    def reshard_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                     states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """``optimizer``'s state dict for this rank and the current layout, built from every saved
+        rank's ``optimizer.state_dict()`` of one save (in rank order): pass the result to
+        ``optimizer.load_state_dict``. Not a collective; nothing is changed in place.
+
+        Call it after :meth:`load_sharded_state_dicts` of the same save (the shards must already
+        be laid out for the current world), with an optimizer built over this wrapper's
+        parameters in the same order as the saved one. For each of the optimizer's parameters
+        that is a shard, every per-parameter state tensor of the saved shard's shape ``[S_old]``
+        (SGD's ``momentum_buffer``, Adam's ``exp_avg`` and ``exp_avg_sq``) is resharded like the
+        shard itself; other values (Adam's ``step``, scalars) and ``param_groups`` are saved rank
+        0's, as data parallel ranks step alike. Parameters that are not shards keep rank 0's state.
+
+        Args:
+            optimizer: the optimizer to load into (read for its parameters only).
+            states: ``states[q]`` is saved rank ``q``'s ``optimizer.state_dict()``.
+
+        Returns:
+            ``{"state": {index: {name: value}}, "param_groups": [...]}``; new tensors for the
+            resharded entries.
+
+        Raises:
+            ConfigError: ``states`` is not a non-empty list of optimizer state dicts; their
+                parameter count differs from ``optimizer``'s (names both); a saved rank lacks a
+                state entry rank 0 has, or has it at another size (names the parameter index, the
+                entry, the rank and both sizes).
+        """
+        if not isinstance(states, (list, tuple)) or not states or not all(
+                isinstance(st, dict) and "state" in st and "param_groups" in st for st in states):
+            raise ConfigError("reshard_optimizer_state_dict: states must be a non-empty list of "
+                              "every saved rank's optimizer.state_dict()")
+        saved_world = len(states)
+        params = [p for grp in optimizer.param_groups for p in grp["params"]]
+        base = states[0]
+        n_saved = sum(len(grp["params"]) for grp in base["param_groups"])
+        if n_saved != len(params):
+            raise ConfigError(f"reshard_optimizer_state_dict: the saved optimizer had {n_saved} "
+                              f"parameters, this one has {len(params)}")
+        by_id = {id(g.shard): g for g in self._groups}
+        rank, world = self.rank, self.world_size
+        out: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(params):
+            if i not in base["state"]:
+                continue
+            g = by_id.get(id(p))
+            entry = {}
+            for k, v in base["state"][i].items():
+                if (g is None or not isinstance(v, torch.Tensor) or v.dim() != 1
+                        or v.numel() != g.shard_numel(saved_world)):
+                    entry[k] = v
+                    continue
+                parts = []
+                for q, st in enumerate(states):
+                    t = st["state"].get(i, {}).get(k)
+                    if not isinstance(t, torch.Tensor) or t.shape != v.shape:
+                        got = list(t.shape) if isinstance(t, torch.Tensor) else t
+                        raise ConfigError(f"reshard_optimizer_state_dict: parameter {i}'s {k!r} of "
+                                          f"saved rank {q} is {got}, rank 0's is {list(v.shape)}")
+                    parts.append(t)
+                entry[k] = _reshard(torch.cat(parts), g, world, rank, dtype=v.dtype)
+            out[i] = entry
+        return {"state": out, "param_groups": base["param_groups"]}
+
     def remove_hooks(self) -> None:
         """Detach the forward hooks (the wrapper stops gathering; the module is unusable)."""
         for h in self._handles:
@@ -725,6 +869,18 @@ class FullyShardedDataParallel(torch.nn.Module):
 
 
 _SAVED = object()   # marks a saved tensor that views a gathered buffer
+
+
+def _reshard(saved: torch.Tensor, g: _FlatGroup, world: int, rank: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rank ``rank``'s ``[S]`` for ``world``, from the saved shards concatenated in rank order
+    (the old layout's padded flat: its first ``T`` elements are the data)."""
+    S = g.shard_numel(world)
+    new = torch.zeros(S, dtype=dtype or g.dtype)
+    lo, hi = rank * S, min((rank + 1) * S, g.numel)
+    if lo < hi:
+        new[:hi - lo] = saved[lo:hi]
+    return new
 
 
 def _check_cpu(module: torch.nn.Module) -> None:

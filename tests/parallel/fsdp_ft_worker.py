@@ -4,9 +4,10 @@
 
 Trains a small MLP with FSDP (SGD with momentum) inside ``FaultTolerance`` steps, saving a sharded
 checkpoint every 4 steps. The state ``FaultTolerance`` keeps is the rank's shards, which fit only
-this rank and world size: when a rank is lost, the survivor's roll-back is refused (world 1),
-and once the replacement is in, every rank loads the newest checkpoint. Every rank also trains
-the single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.json``.
+this rank and world size: when a rank is lost, the survivor's roll-back is refused (world 1), and
+every rank of the new world (with a replacement, or the survivor alone) loads the newest
+checkpoint, every saved rank's shards and momentum resharded for it. Every rank also trains the
+single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def main() -> int:
     state = State()
 
     def load_checkpoint(step: int, root: str) -> None:
-        state.load_state_dict(ckpt.load(root, step, rank=pg.rank))
+        # every saved rank's shards, resharded for this world (the same or a smaller one)
+        saved = ckpt.load_all(root, step)
+        model.load_sharded_state_dicts([s["model"] for s in saved])
+        opt.load_state_dict(model.reshard_optimizer_state_dict(opt, [s["opt"] for s in saved]))
+        state.step = saved[0]["step"]
 
     ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=load_checkpoint)
     while ft.step < steps:

@@ -19,6 +19,9 @@ Scenarios (basic):
     state       full_state_dict (rank 0 only and everywhere), load_full_state_dict into a fresh
                 wrapper, sharded_state_dict through rtxnet.checkpoint, and, on ranks 0 and 1, load
                 at world size 2 (pg.new_group) followed by training that still matches one process.
+    resharded   a sharded checkpoint of 3 ranks (shards and Adam moments) resumed by ranks 0 and 1 as
+                a world of 2 (load_all, load_sharded_state_dicts, reshard_optimizer_state_dict), and
+                trained on: still one process's parameters.
     errors      bad arguments: ConfigError naming the value.
 Scenario (fault):
     fault       the last rank dies at the start of step 2's backward; the survivors' backward raises
@@ -237,6 +240,42 @@ def state(pg, out: Path, steps=2, per_rank=3):
     return res
 
 
+def resharded(pg, out: Path, steps=2, B=6):
+    """3 ranks train with Adam and save a sharded checkpoint (shards + Adam moments); ranks 0 and
+    1 resume it as a world of 2 (load_all, load_sharded_state_dicts, reshard_optimizer_state_dict)
+    and train on, against one process that never stopped."""
+    r = pg.rank
+    x, y = data(B * 2 * steps, seed=11)
+    ref = make_net(8)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    three = FullyShardedDataParallel(make_net(8), pg, wrap=[Block], init_sync=False)
+    opt = torch.optim.Adam(three.parameters(), lr=0.01)
+    n = B // pg.world_size
+    lockstep(ref, ref_opt, three, opt, x, y, B, r * n, n, steps)
+    ckpt.save(out / "ckpt-reshard", steps, {"model": three.sharded_state_dict(),
+                                            "opt": opt.state_dict()}, pg=pg)
+    if r > 1:
+        return {}
+    sub = pg.new_group([0, 1])
+    states = ckpt.load_all(out / "ckpt-reshard")
+    two = FullyShardedDataParallel(make_net(90 + r), sub, wrap=[Block], init_sync=False)
+    res = {}
+    try:
+        two.load_sharded_state_dicts([s["model"] for s in reversed(states)])
+    except rtxnet.ConfigError as exc:
+        res["reshard_wrong_order_error"] = str(exc)
+    two.load_sharded_state_dicts([s["model"] for s in states])
+    opt2 = torch.optim.Adam(two.parameters(), lr=0.01)
+    opt2.load_state_dict(two.reshard_optimizer_state_dict(opt2, [s["opt"] for s in states]))
+    res["reshard_loaded_rel"] = sd_rel(two.full_state_dict(rank0_only=False), ref.state_dict())
+    n = B // two.world_size
+    lockstep(ref, ref_opt, two, opt2, x[B * steps:], y[B * steps:], B, two.rank * n, n, steps)
+    res.update({"reshard_saved_world": len(states), "reshard_world": two.world_size,
+                "reshard_stored_numel": two.shard_numel(),
+                "reshard_rel": sd_rel(two.full_state_dict(rank0_only=False), ref.state_dict())})
+    return res
+
+
 def errors(pg):
     res = {}
     cases = {
@@ -323,7 +362,8 @@ def main() -> int:
     res: dict = {"rank": rank, "world_size": pg.world_size}
     took = {"init": time.perf_counter() - t_start}
     for name, fn in (("avg_sgd", avg_sgd), ("sum_adam", sum_adam), ("size_adam", size_adam),
-                     ("state", lambda pg: state(pg, out)), ("errors", errors)):
+                     ("state", lambda pg: state(pg, out)),
+                     ("resharded", lambda pg: resharded(pg, out)), ("errors", errors)):
         t0 = time.perf_counter()
         res.update(fn(pg))
         took[name] = round(time.perf_counter() - t0, 3)

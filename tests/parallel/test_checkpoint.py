@@ -78,6 +78,25 @@ def test_loading_at_another_world_size_reshards_ddp_state(two_ranks):
         assert s["sampler"] == states[0]["sampler"] and s["step"] == 3
 
 
+def test_load_all_reads_every_saved_rank_in_order_and_refuses_a_corrupt_one(two_ranks, tmp_path):
+    root, _ = two_ranks
+    states = checkpoint.load_all(root, 3)
+    assert [s["_checkpoint"]["shard_rank"] for s in states] == [0, 1]
+    assert [s["_checkpoint"]["world_size"] for s in states] == [2, 2]
+    for k, s in enumerate(states):
+        one = checkpoint.load(root, 3, rank=k)
+        assert one["sampler"] == s["sampler"] and one["step"] == s["step"] == 3
+    assert [s["_checkpoint"]["step"] for s in checkpoint.load_all(root)] == [3, 3]   # latest
+    shutil.copytree(root / "step-3", tmp_path / "step-3")
+    shard = tmp_path / "step-3" / "rank-1.pt"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointCorruptError, match="rank-1.pt") as info:
+        checkpoint.load_all(tmp_path, 3)
+    assert info.value.path == shard
+    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        checkpoint.load_all(tmp_path / "nothing")
+
+
 def test_resaving_a_step_with_fewer_ranks_removes_the_shards_it_does_not_list(two_ranks, tmp_path):
     root, _ = two_ranks
     shutil.copytree(root / "step-3", tmp_path / "step-3")      # saved by 2 ranks

@@ -94,6 +94,15 @@ def test_state_dicts_round_trip_and_load_at_another_world_size(basic):
         assert err and "world_size(3)" in err and "world_size(2)" in err, r
 
 
+def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_adam_state(basic):
+    for r in basic[:2]:
+        assert r["reshard_saved_world"] == 3 and r["reshard_world"] == 2, r
+        assert r["reshard_loaded_rel"] < TOL, r     # the shards as saved, re-laid out
+        assert r["reshard_rel"] < TOL, r            # Adam's moments too: one process after 2 more steps
+        err = r["reshard_wrong_order_error"]
+        assert "states[0]" in err and "rank(2)" in err and "rank(0)" in err, err
+
+
 def test_bad_arguments_get_errors_naming_the_value(basic):
     r = basic[0]
     assert "wrap('blocks')" in r["err_wrap_str"]
@@ -115,22 +124,28 @@ def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
         assert r["fault_rel"] < TOL, r
 
 
-def test_fault_tolerance_restores_sharded_state_from_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("after", ["replaced", "shrunk"])
+def test_fault_tolerance_restores_sharded_state_from_the_checkpoint(tmp_path, after):
     # Rank 1 dies at step 10; its shards are gone, the survivor's cannot be rolled back in a
-    # world of 1 (FSDP refuses them), so once the replacement is in both load checkpoint 8 and
-    # finish: the parameters still equal one process (SGD with momentum, restored from the
-    # checkpoint). Before: the survivor crashed on the refused roll-back (a traceback, and its
-    # restart spent), and only the restarted pair found the checkpoint.
+    # world of 1 (FSDP refuses them), so the new world loads checkpoint 8, every saved rank's
+    # shards and momentum resharded for it: both ranks once the replacement is in, or the
+    # survivor alone. The parameters still equal one process (SGD with momentum). Before: the
+    # survivor crashed on the refused roll-back (a traceback, and its restart spent); alone, it
+    # could not load the checkpoint of 2 ranks at all.
+    world = 2 if after == "replaced" else 1
+    opts = ["--max-restarts", "1"] if after == "replaced" else ["--min-ranks", "1"]
     proc = subprocess.run(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--max-restarts", "1",
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", *opts,
          "--faults", "kill:rank=1:step=10", str(Path(__file__).parent / "fsdp_ft_worker.py"),
          str(tmp_path), "14"],
         capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    res = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(res) == world, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in res:
-        assert r["steps"] == 14 and r["world_size"] == 2, r
+        assert r["steps"] == 14 and r["world_size"] == world, r
         assert r["rel"] < TOL, r
     assert "rank 0 exited" not in proc.stderr, proc.stderr[-5000:]     # the survivor lived on
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
+    # with a replacement every rank ends well; shrunk, the killed rank's 137 is the exit code
+    assert proc.returncode == (0 if after == "replaced" else 137), proc.stderr[-3000:]
