@@ -490,7 +490,8 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_reply(identity, msg, job, **body))
         elif msg["identity"] in job.pending:
             job.pending[msg["identity"]].last_seen = now
-            actions.append(_reply(identity, msg, job, state="pending"))
+            actions.append(_reply(identity, msg, job, state="pending", joined=len(job.pending),
+                                  min_ranks=job.min_ranks, max_ranks=job.max_ranks))
         elif msg["identity"] in job.fenced:
             actions.append(_reply(identity, msg, job, state="fenced"))
         else:

@@ -38,6 +38,7 @@ __all__ = ["Agent", "Membership"]
 log = structlog.get_logger(__name__)
 
 FULL_RETRY_TIMEOUTS = 3   # how long a replacement asks a full job again, in heartbeat timeouts
+WAITING_LOG_S = 10.0      # a rendezvous that has not formed is reported this often
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class Agent:
         self.last_heartbeat_ok: float | None = None
         # loop time of the first unanswered heartbeat of the current silence (None: answered)
         self._unreachable_since: float | None = None
+        # loop times of the first "pending" heartbeat answer of this rendezvous, and the last report
+        self._waiting_since: float | None = None
+        self._waiting_logged = 0.0
         self._listeners: list[Listener] = []
         self._changed = asyncio.Event()
         self._client: ControlClient | None = None
@@ -317,6 +321,10 @@ class Agent:
             state = body.get("state")
             if state == "member" and "view" in body:
                 self._apply_epoch(body["view"])
+            if state != "pending":
+                self._waiting_since = None
+            if state == "pending":
+                self._log_waiting(body, loop.time())
             elif state == "fenced":
                 self._fence("the coordinator declared this rank lost")
             elif state == "unknown":
@@ -330,6 +338,22 @@ class Agent:
                 elif not self.fenced:
                     self._fence("the coordinator does not know this rank (job ended?)")
             await asyncio.sleep(max(0.0, interval - (loop.time() - sent_at)))
+
+    def _log_waiting(self, body: dict[str, Any], now: float) -> None:
+        """Every ``WAITING_LOG_S`` (a quarter of a shorter rendezvous timeout) of a rendezvous
+        that has not formed, say how many are missing (as torchrun's "waiting for rendezvous"), so a
+        rank started without its peers is not silent until its rendezvous timeout."""
+        if self._waiting_since is None:
+            self._waiting_since = self._waiting_logged = now
+            return
+        if now - self._waiting_logged < min(WAITING_LOG_S, self.timeouts.rendezvous_s / 4):
+            return
+        self._waiting_logged = now
+        joined, lo = body.get("joined"), body.get("min_ranks")
+        log.warning("rendezvous_waiting", job=self.job, waited_s=round(now - self._waiting_since),
+                    joined=joined, min_ranks=lo, max_ranks=body.get("max_ranks"),
+                    missing=(lo - joined) if isinstance(joined, int) and isinstance(lo, int) else None,
+                    gives_up_after_s=self.timeouts.rendezvous_s)
 
     # ------------------------------------------------------------------------------------------
     # key-value store

@@ -26,7 +26,8 @@ Message types and their meaning:
   arrives later as an ``epoch`` push.
 - ``heartbeat``: "I am alive"; answered with the job's epoch and this agent's standing (``member``,
   ``pending``, ``fenced`` or ``unknown``), so an agent learns that the coordinator restarted or that
-  it was declared lost.
+  it was declared lost; a ``pending`` answer also says how many have ``joined`` the rendezvous and
+  its ``min_ranks`` / ``max_ranks``.
 - ``leave``: orderly exit of a rank; distinct from a crash.
 - ``kv_set`` / ``kv_get`` / ``kv_wait`` / ``kv_cas`` / ``kv_del``: the job's key-value store. A
   ``kv_wait`` reply comes when the key exists or the request's ``timeout_s`` runs out.
