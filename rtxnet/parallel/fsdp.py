@@ -766,13 +766,17 @@ class FullyShardedDataParallel(torch.nn.Module):
                 got = st.get("format") if isinstance(st, dict) else type(st).__name__
                 raise ConfigError(f"load_sharded_state_dicts: states[{q}] has format {got!r}, "
                                   f"expected {FSDP_STATE_FORMAT!r}")
-            if (st["world_size"], st["rank"]) != (saved_world, q):
+            if (st.get("world_size"), st.get("rank")) != (saved_world, q):
                 raise ConfigError(
                     f"load_sharded_state_dicts: states[{q}] was saved by world_size"
-                    f"({st['world_size']}) rank({st['rank']}), but a list of {saved_world} needs "
-                    f"world_size({saved_world}) rank({q}): pass every saved rank's state, in rank order")
-            if st["layout"] != self._layout():
-                raise ConfigError(f"load_sharded_state_dicts: states[{q}]'s layout {st['layout']} "
+                    f"({st.get('world_size')}) rank({st.get('rank')}), but a list of {saved_world} "
+                    f"needs world_size({saved_world}) rank({q}): pass every saved rank's state, in "
+                    "rank order")
+            if not isinstance(st.get("shards"), dict) or not isinstance(st.get("replicated"), dict):
+                raise ConfigError(f"load_sharded_state_dicts: states[{q}] lacks its shards or "
+                                  "replicated state")
+            if st.get("layout") != self._layout():
+                raise ConfigError(f"load_sharded_state_dicts: states[{q}]'s layout {st.get('layout')} "
                                   f"differs from this module's {self._layout()}")
         rank, world = _rank_world(self._pg)
         relayout = (world, rank) != (self.world_size, self.rank)
