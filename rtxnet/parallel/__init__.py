@@ -1,16 +1,17 @@
 """Parallelism strategies for PyTorch modules, one module each: ``ddp``, ``fsdp``, ``tensor``,
-``pipeline``.
+``pipeline``; ``mesh`` lays the ranks out as a grid of subgroups to combine them.
 
 Importing this package imports torch; ``import rtxnet`` alone does not.
 """
 
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
+from .mesh import DeviceMesh
 from .pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 from .tensor import ColumnParallelLinear, RowParallelLinear, shard_mlp
 
 DDP = DistributedDataParallel
 FSDP = FullyShardedDataParallel
 
-__all__ = ["DDP", "DistributedDataParallel", "FSDP", "FullyShardedDataParallel", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["DDP", "DeviceMesh", "DistributedDataParallel", "FSDP", "FullyShardedDataParallel", "ColumnParallelLinear", "RowParallelLinear",
            "shard_mlp", "PipelineStage", "ScheduleGPipe", "Schedule1F1B"]

@@ -138,7 +138,10 @@ class DistributedDataParallel(torch.nn.Module):
         module: a ``torch.nn.Module`` whose parameters and buffers are all on the CPU or all on
             one CUDA device (see "Devices" in the module notes). Parameters with
             ``requires_grad=False`` are not reduced.
-        pg: a :class:`rtxnet.BlockingProcessGroup` (``rtxnet.init()``).
+        pg: a :class:`rtxnet.BlockingProcessGroup` (``rtxnet.init()``), or a subgroup of one
+            (``pg.new_group``, a :class:`rtxnet.parallel.DeviceMesh` dimension: data parallel
+            over that subgroup only, e.g. across tensor-parallel replicas). A subgroup belongs to
+            one epoch: after a membership change its collectives raise ``PeerLostError``.
         bucket_cap_mb: bucket size in MiB (default 25, as torch). Larger buckets mean fewer
             collectives, smaller ones earlier overlap.
         first_bucket_mb: size in MiB of the first bucket (the last layers' gradients, ready first),
@@ -251,7 +254,7 @@ class DistributedDataParallel(torch.nn.Module):
                              "even with an empty batch, or forward under no_sync()/no_grad()")
         # A world of one has nothing to reduce: its gradients are already the result.
         self._sync_armed = (self._require_sync and torch.is_grad_enabled()
-                            and self._pg.world_size > 1)
+                            and _group_size(self._pg) > 1)
         if self._sync_armed and self.broadcast_buffers:
             self._broadcast_buffers()
         return self.module(*args, **kwargs)
@@ -404,7 +407,7 @@ class DistributedDataParallel(torch.nn.Module):
                 # world, and launching the rest in the new one would leave this rank with more
                 # collectives there than ranks that failed sooner. Launch nothing more.
                 if self._round_broken is None:
-                    m = self._pg.membership
+                    m = getattr(self._pg, "membership", None)
                     self._round_broken = PeerLostError(
                         f"membership changed during the gradient synchronisation (epoch "
                         f"{self._round_epoch} -> {self._pg.epoch})",
@@ -430,7 +433,7 @@ class DistributedDataParallel(torch.nn.Module):
                 p.grad.copy_(v)
 
     def _note_world(self) -> None:
-        ws = self._pg.world_size
+        ws = _group_size(self._pg)
         if ws != self._last_world_size:
             if self._last_world_size is not None:
                 log.info("ddp_world_changed", world_size=ws, previous=self._last_world_size,
@@ -463,6 +466,12 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape).to(t.dtype))
                     off += n
+
+
+def _group_size(pg: Any) -> int:
+    """The size of a world group (``world_size``) or of a subgroup (``size``)."""
+    ws = getattr(pg, "world_size", None)
+    return pg.size if ws is None else ws
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

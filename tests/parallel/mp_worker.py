@@ -13,6 +13,9 @@ messages.
 Parts, in this order:
     tp   column-then-row MLP (``shard_mlp``), a column layer with and without ``gather_output``,
          a row layer taking the full input, layers built from sizes under a seed, bad sizes.
+    dpxtp  a (2, 2) ``DeviceMesh`` ("dp", "tp"): the MLP 2-way tensor parallel inside each
+         replica, DDP across the 2 replicas, 3 SGD steps against one process on the global batch;
+         the mesh's groups and coordinates; bad shapes and names.
     pp   GPipe and 1F1B for several micro-batch counts (fewer than the stages included), a
          second step after an optimizer update, bad arguments, a peer that never sends (CollectiveTimeout), and last
          rank 3 dying while rank 2 waits for it (PeerLostError; launch with --min-ranks 3).
@@ -32,6 +35,8 @@ import torch
 import rtxnet
 from rtxnet.parallel import (
     ColumnParallelLinear,
+    DeviceMesh,
+    DistributedDataParallel,
     PipelineStage,
     RowParallelLinear,
     Schedule1F1B,
@@ -169,6 +174,52 @@ def run_tp(pg, pair) -> dict:
     return res
 
 
+# -- hybrid: data parallel x tensor parallel over a device mesh ---------------------------------
+
+def hybrid_case(pg, steps: int = 3, B: int = 8) -> dict:
+    mesh = DeviceMesh(pg, (-1, 2), ("dp", "tp"))
+    tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+    torch.manual_seed(1)
+    ref = MLP()
+    net = shard_mlp(copy.deepcopy(ref), tp, up="fc1", down="fc2")
+    model = DistributedDataParallel(net, dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, y = data((B * steps, D_IN), D_OUT, seed=30)
+    i, n = mesh.get_local_rank("dp"), B // mesh.size("dp")
+    for s in range(steps):
+        ref_opt.zero_grad()
+        LOSS(ref(x[s * B:(s + 1) * B]), y[s * B:(s + 1) * B]).backward()
+        ref_opt.step()
+        lo = s * B + i * n        # this replica's slice; both ranks of a tp group feed the same
+        opt.zero_grad()
+        LOSS(model(x[lo:lo + n]), y[lo:lo + n]).backward()
+        opt.step()
+    h = D_H // mesh.size("tp")
+    t = mesh.get_local_rank("tp")
+    rows = slice(t * h, (t + 1) * h)
+    return {
+        "shape": list(mesh.shape), "coordinate": mesh.get_coordinate(),
+        "tp_ranks": list(tp.ranks), "dp_ranks": list(dp.ranks), "size": mesh.size(),
+        "moved": rel(ref.fc1.weight, _seeded_mlp().fc1.weight),     # training changed them
+        "rel": {"fc1.weight": rel(net.fc1.weight, ref.fc1.weight[rows]),
+                "fc1.bias": rel(net.fc1.bias, ref.fc1.bias[rows]),
+                "fc2.weight": rel(net.fc2.weight, ref.fc2.weight[:, rows]),
+                "fc2.bias": rel(net.fc2.bias, ref.fc2.bias)},
+        "errors": {
+            "product": error_of(lambda: DeviceMesh(pg, (3, 2), ("dp", "tp"))),
+            "not_multiple": error_of(lambda: DeviceMesh(pg, (-1, 3), ("dp", "tp"))),
+            "names": error_of(lambda: DeviceMesh(pg, (2, 2), ("dp", "dp"))),
+            "dim": error_of(lambda: mesh.get_group("pp")),
+        },
+    }
+
+
+def _seeded_mlp() -> MLP:
+    torch.manual_seed(1)
+    return MLP()
+
+
 # -- pipeline parallel --------------------------------------------------------------------------
 
 P_D, P_C, P_B = 6, 4, 24      # width, classes, batch (divisible by 1, 2, 3, 4, 8)
@@ -294,6 +345,7 @@ def main() -> int:
     pair = pg.new_group([0, 1] if pg.rank < 2 else [2, 3])
     res: dict = {"rank": pg.rank, "world_size": pg.world_size}
     res["tp"] = run_tp(pg, pair)
+    res["dpxtp"] = hybrid_case(pg)
     run_pp(pg, pair, out, launch_rank, res)     # rank 3 does not come back
     (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(res))
     # Leave together (as procs.leave_together), over the ranks that survive: 0, 1, 2.

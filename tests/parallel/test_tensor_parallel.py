@@ -72,3 +72,24 @@ def test_bad_sizes_and_inputs_are_refused_naming_the_values(tp):
         assert e["shard_mlp_name"].startswith("ConfigError: shard_mlp: down('nope') is not a submodule")
         assert r["w2/errors"]["column_out_features"].endswith("out_features(9) is not divisible "
                                                               "by the tensor-parallel group size(2)")
+
+
+@pytest.fixture(scope="module")
+def dpxtp(tmp_path_factory) -> list[dict]:
+    return [r["dpxtp"] for r in mp_launch.results(tmp_path_factory)]
+
+
+def test_data_parallel_across_tensor_parallel_replicas_on_a_mesh_matches_one_process(dpxtp):
+    assert [r["coordinate"] for r in dpxtp] == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1},
+                                                {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
+    assert [r["tp_ranks"] for r in dpxtp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp_ranks"] for r in dpxtp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for r in dpxtp:
+        assert r["shape"] == [2, 2] and r["size"] == 4      # -1 resolved from the world size
+        assert r["moved"] > 0.01, r                          # 3 steps changed the weights
+        close(r["rel"])                                      # every slice: one process's
+        e = r["errors"]
+        assert "shape((3, 2))" in e["product"] and "6 ranks" in e["product"] and "size(4)" in e["product"], e
+        assert "not a multiple of 3" in e["not_multiple"], e
+        assert "('dp', 'dp')" in e["names"], e
+        assert "'pp'" in e["dim"] and "['dp', 'tp']" in e["dim"], e
