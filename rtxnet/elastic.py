@@ -23,6 +23,10 @@ coordinator for a fresh epoch with the same members, which realigns every rank's
 snapshot, waits (up to ``rejoin_window_s``) until the world has at least ``min_world_size`` ranks,
 and the loop simply runs the step again. Other exceptions propagate unchanged.
 
+State that differs per rank (FSDP shards) cannot come from one peer: with ``sharded_state=True``
+each rank's committed state is also kept by its ring successor, and after a membership change every
+rank gets every committed rank's state and reshards it (``state.load_state_dicts``).
+
 ``state`` may also define ``on_world(rank, world_size)``, called after every sync (e.g. to re-split
 a sampler), and the guard records failure and recovery events with detection latency, time to
 recover and steps lost in :attr:`FaultTolerance.events` (a process started after every rank
@@ -33,6 +37,7 @@ since the last injected fault).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -61,6 +66,9 @@ from .statesync import pack_state, unpack_state
 __all__ = ["FaultTolerance", "Stateful", "RECOVERABLE"]
 
 log = structlog.get_logger(__name__)
+
+# p2p tags of the sharded-state ring exchange (size, then blob)
+_RING_TAG = 0x52494E47
 
 # Errors a step can die of that re-forming the group answers.
 RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
@@ -97,9 +105,21 @@ class FaultTolerance:
         max_step_retries: how often one step may fail without a membership change before the
             error is raised instead of retried: such a failure, e.g. a
             :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
+        sharded_state: the state differs per rank (FSDP shards, tensor-parallel slices), so no
+            single rank can hand it to the others. Each rank then also keeps its ring
+            predecessor's committed state (rank ``r`` holds rank ``r - 1``'s, mod the world size),
+            sent peer to peer before every vote, so one lost rank (or any lost ranks that are not
+            ring neighbours) costs at most the step that failed, as with replicated state. After
+            a membership change every rank receives every committed rank's state and calls
+            ``state.load_state_dicts(states)`` (``states[q]``: the state of rank ``q`` of the world
+            that committed, any world size: reshard there; FSDP's ``load_sharded_state_dicts``).
+            When two neighbours are lost, the newest checkpoint is loaded instead. Costs per step:
+            sending and receiving one rank's state (a point-to-point message each way); memory: two
+            ranks' states besides the live one (three while the vote runs).
 
     Raises:
-        ConfigError: ``min_world_size`` < 1 or ``rejoin_window_s`` <= 0 (names the value).
+        ConfigError: ``min_world_size`` < 1 or ``rejoin_window_s`` <= 0 (names the value); with
+            ``sharded_state``, a state without ``load_state_dicts``.
         RendezvousError (from ``guard``/``aguard``): the world stayed below ``min_world_size``
             for ``rejoin_window_s`` after a loss (no replacement came).
     """
@@ -108,7 +128,8 @@ class FaultTolerance:
                  min_world_size: int | None = None, rejoin_window_s: float = 60.0,
                  commit_timeout_s: float | None = None, faults: Injector | None | str = "env",
                  start_step: int = 0, max_step_retries: int = 3,
-                 load_checkpoint: Callable[[int, str], None] | None = None):
+                 load_checkpoint: Callable[[int, str], None] | None = None,
+                 sharded_state: bool = False):
         if isinstance(pg, BlockingProcessGroup):
             self._portal = pg._portal
             self.pg = pg.async_pg
@@ -139,6 +160,15 @@ class FaultTolerance:
         self.max_step_retries = max_step_retries
         self._delays_recorded: set[int] = set()   # delay faults already claimed in the store
         self.load_checkpoint = load_checkpoint
+        self.sharded_state = bool(sharded_state)
+        if self.sharded_state and not callable(getattr(state, "load_state_dicts", None)):
+            raise ConfigError(f"sharded_state=True needs state.load_state_dicts(states), which "
+                              f"{type(state).__name__} lacks: it loads every committed rank's state "
+                              "(in rank order, any world size) into this rank's")
+        # sharded_state: the committed states this rank holds, {"step", "epoch", "world",
+        # "blobs": {rank in that world: blob}} (its own and its ring predecessor's); None before
+        # the first sync
+        self._ring: dict[str, Any] | None = None
         self._same_step_failures: dict[int, int] = {}
         self._snapshot = pack_state(state.state_dict())
         # False once this rank's state refused a snapshot (FSDP shards after the world changed):
@@ -291,6 +321,17 @@ class FaultTolerance:
         if epoch != self._step_epoch:
             await self._recover(PeerLostError(f"membership changed during step {step} (epoch {self._step_epoch} -> {epoch})"), step)
             return
+        pending = None
+        if self.sharded_state:
+            # before the vote: if the step commits, the predecessor's state of it is here already
+            try:
+                self.pg._pinned_world = self.pg.engine.world if self.pg.engine is not None else None
+                pending = await self._ring_exchange(m.rank, m.world_size)
+            except RECOVERABLE as exc:
+                await self._recover(exc, step)
+                return
+            finally:
+                self.pg._pinned_world = None
         t0 = time.monotonic()
         try:
             committed = await self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s)
@@ -309,7 +350,11 @@ class FaultTolerance:
             self.committed_world = (m.epoch, m.rank, m.world_size)
             self.committed_step = step
             self.step = step + 1
-            self._snapshot = pack_state(self.state.state_dict())
+            if pending is not None:
+                self._snapshot = pending[m.rank]
+                self._ring = {"step": step, "epoch": epoch, "world": m.world_size, "blobs": pending}
+            else:
+                self._snapshot = pack_state(self.state.state_dict())
             self._holds_state = True
         else:
             await self._recover(PeerLostError(f"step {step} was not committed (epoch {epoch} -> {self.pg.epoch})"), step)
@@ -329,7 +374,8 @@ class FaultTolerance:
             log.warning("step_failed", step=step, error=type(exc).__name__, message=str(exc),
                         committed_step=self.committed_step)
         # Roll back to the last committed state.
-        self._holds_state = self._load_snapshot(self._snapshot, "its own last committed state")
+        self._holds_state = self._load_snapshot(self._snapshot, "its own last committed state",
+                                                quiet=self.sharded_state)
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
             # Nobody was lost (a timeout, a mismatch, a message lost on the way): some ranks may
@@ -375,6 +421,10 @@ class FaultTolerance:
         """Agree on the newest committed state and give it to every member (one collective round)."""
         pg = self.pg
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
+        if self.sharded_state:
+            best = await self._sync_sharded(pg.membership.committed_step)
+            self._synced(best, epoch, rank, world, "sharded")
+            return
         mine = np.array([self.committed_step if self._holds_state else -1], dtype=np.int64)
         steps = np.zeros(world, dtype=np.int64)
         await pg.all_gather(steps, mine)
@@ -416,6 +466,9 @@ class FaultTolerance:
             if not oks.all():
                 best = await self._fall_back_to_checkpoint(np.flatnonzero(oks == 0).tolist(), src,
                                                             job_committed, world)
+        self._synced(best, epoch, rank, world, src)
+
+    def _synced(self, best: int, epoch: int, rank: int, world: int, src: Any) -> None:
         self.committed_step = best
         self.step = best + 1
         self._holds_state = True
@@ -447,15 +500,99 @@ class FaultTolerance:
                     root=info["root"], job_committed_step=job_committed)
         return held
 
-    def _load_snapshot(self, blob: bytes, what: str) -> bool:
-        """Load ``blob`` into the state; False (logged) when the state refuses it."""
+    def _load_snapshot(self, blob: bytes, what: str, quiet: bool = False) -> bool:
+        """Load ``blob`` into the state; False (logged) when the state refuses it. ``quiet``: a
+        refusal is expected (sharded state after the world changed: the sync reshards it)."""
         try:
             self.state.load_state_dict(unpack_state(blob))
             return True
         except Exception as exc:   # noqa: BLE001 - the user's loader: any refusal means "cannot"
-            log.warning("state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
-                        world_size=self.pg.world_size, rank=self.pg.rank)
+            (log.info if quiet else log.warning)(
+                "state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
+                world_size=self.pg.world_size, rank=self.pg.rank)
             return False
+
+    async def _ring_exchange(self, rank: int, world: int) -> dict[int, bytes]:
+        """Send this rank's state to its ring successor and take its predecessor's (sharded
+        state); returns ``{rank: own blob, predecessor: its blob}``."""
+        own = pack_state(self.state.state_dict())
+        if world == 1:
+            return {rank: own}
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        n_in = np.zeros(1, dtype=np.int64)
+        await asyncio.gather(self.pg.send(np.array([len(own)], dtype=np.int64), nxt, tag=_RING_TAG),
+                             self.pg.recv(n_in, prv, tag=_RING_TAG))
+        got = np.empty(int(n_in[0]), dtype=np.uint8)
+        await asyncio.gather(self.pg.send(np.frombuffer(own, dtype=np.uint8), nxt, tag=_RING_TAG + 1),
+                             self.pg.recv(got, prv, tag=_RING_TAG + 1))
+        return {rank: own, prv: got.tobytes()}
+
+    async def _sync_sharded(self, job_committed: int) -> int:
+        """The sync of ``sharded_state``: every rank gets every committed rank's state (held by
+        its owner or its ring successor) and reshards it with ``state.load_state_dicts``, or all
+        load the newest checkpoint when some rank's state is gone. Returns the committed step."""
+        pg = self.pg
+        epoch, rank, world = pg.epoch, pg.rank, pg.world_size
+        ring = self._ring
+        if ring is None:     # a fresh process: its state as built, nothing committed
+            mine = [0, self.committed_step, -1, world, rank, -1]
+        else:
+            own = next(iter(ring["blobs"]))
+            pred = next((k for k in ring["blobs"] if k != own), -1)
+            mine = [1, ring["step"], ring["epoch"], ring["world"], own, pred]
+        rows = np.zeros((world, 6), dtype=np.int64)
+        await pg.all_gather(rows, np.array(mine, dtype=np.int64))
+        fresh = not rows[:, 0].any()
+        in_place, covered, holders = fresh, False, {}
+        if fresh:
+            best = int(rows[:, 1].max())
+        else:
+            best = int(rows[rows[:, 0] == 1, 1].max())
+            at_best = [q for q in range(world) if rows[q, 0] and rows[q, 1] == best]
+            e0 = rows[at_best[0], 2]
+            at_best = [q for q in at_best if rows[q, 2] == e0]
+            old_world = int(rows[at_best[0], 3])
+            for col in (4, 5):       # owners first, then ring successors
+                for q in at_best:
+                    if rows[q, col] >= 0:
+                        holders.setdefault(int(rows[q, col]), q)
+            covered = all(k in holders for k in range(old_world))
+            in_place = covered and old_world == world and len(at_best) == world and all(
+                rows[q, 4] == q for q in range(world))
+        source = "in place" if in_place else "ring"
+        if best < job_committed or not covered and not fresh:
+            restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
+            if restored is not None:
+                best, source = restored, "checkpoint"
+                if self._open_failure is None:
+                    await self._restored_event(job_committed, restored, epoch, world)
+            elif not covered and not fresh:
+                lost = sorted(set(range(old_world)) - set(holders))
+                raise RtxError(
+                    f"the committed state of ranks {lost} (of the world of {old_world} that "
+                    f"committed step {best}) is gone: each rank's state lives on that rank and its "
+                    "ring successor, and both were lost; no checkpoint can replace it (save "
+                    "checkpoints with rtxnet.checkpoint and pass FaultTolerance(load_checkpoint=))")
+        if source == "ring":
+            states = []
+            for k in range(old_world):
+                src = holders[k]
+                blob = ring["blobs"].get(k) if ring is not None and src == rank else None
+                n = np.array([0 if blob is None else len(blob)], dtype=np.int64)
+                await pg.broadcast(n, src)
+                buf = (np.frombuffer(blob, dtype=np.uint8).copy() if blob is not None
+                       else np.empty(int(n[0]), dtype=np.uint8))
+                await pg.broadcast(buf, src)
+                states.append(unpack_state(buf.tobytes()))
+            self.state.load_state_dicts(states)
+            log.warning("state_resharded", step=best, saved_world_size=old_world, world_size=world,
+                     sources={k: holders[k] for k in range(old_world)})
+        if source != "in place" or ring is None:
+            # a new world, a checkpoint or the first sync: this world's ring of the committed state
+            blobs = await self._ring_exchange(rank, world)
+            self._snapshot = blobs[rank]
+            self._ring = {"step": best, "epoch": epoch, "world": world, "blobs": blobs}
+        return best
 
     async def _fall_back_to_checkpoint(self, refused: list[int], src: int, job_committed: int,
                                        world: int) -> int:
@@ -467,7 +604,9 @@ class FaultTolerance:
                 f"ranks {refused} could not load the committed state of rank {src} in this world "
                 f"(world_size {world}; see the state_load_refused log line) and no "
                 f"checkpoint can replace it: with FSDP a lost rank's shards are gone with it; "
-                f"save checkpoints with rtxnet.checkpoint and pass FaultTolerance(load_checkpoint=)")
+                f"pass FaultTolerance(sharded_state=True) (each rank's state also kept by its ring "
+                f"successor), and save checkpoints with rtxnet.checkpoint with "
+                f"FaultTolerance(load_checkpoint=)")
         self._snapshot = pack_state(self.state.state_dict())
         return restored
 

@@ -1,6 +1,6 @@
 """A rank of the FSDP + FaultTolerance test, run under ``python -m rtxnet.launcher``.
 
-    fsdp_ft_worker.py OUT_DIR STEPS
+    fsdp_ft_worker.py OUT_DIR STEPS [checkpoint|memory]
 
 Trains a small MLP with FSDP (SGD with momentum) inside ``FaultTolerance`` steps, saving a sharded
 checkpoint every 4 steps. The state ``FaultTolerance`` keeps is the rank's shards, which fit only
@@ -8,6 +8,10 @@ this rank and world size: when a rank is lost, the survivor's roll-back is refus
 every rank of the new world (with a replacement, or the survivor alone) loads the newest
 checkpoint, every saved rank's shards and momentum resharded for it. Every rank also trains the
 single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.json``.
+
+``memory``: ``FaultTolerance(sharded_state=True)``: each rank also holds its ring predecessor's
+committed shards, so the new world reshards the committed state of the step before the failure
+from memory (no checkpoint loaded, one step lost).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import rtxnet.checkpoint as ckpt
 from rtxnet.parallel.fsdp import FullyShardedDataParallel
 from tests.procs import leave_together
 
-B = 8   # global batch
+B = 12   # global batch: divisible by worlds of 1, 2 and 3
 
 
 def make_net() -> torch.nn.Module:
@@ -33,6 +37,7 @@ def make_net() -> torch.nn.Module:
 
 def main() -> int:
     out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    memory = sys.argv[3:] == ["memory"]
     torch.set_num_threads(1)
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=2.0, op_s=30, rendezvous_s=120))
     g = torch.Generator().manual_seed(1)
@@ -53,16 +58,18 @@ def main() -> int:
             opt.load_state_dict(s["opt"])
             self.step = s["step"]
 
+        def load_state_dicts(self, saved):
+            # every saved rank's shards, resharded for this world (the same or a smaller one)
+            model.load_sharded_state_dicts([s["model"] for s in saved])
+            opt.load_state_dict(model.reshard_optimizer_state_dict(opt, [s["opt"] for s in saved]))
+            self.step = saved[0]["step"]
+
     state = State()
 
     def load_checkpoint(step: int, root: str) -> None:
-        # every saved rank's shards, resharded for this world (the same or a smaller one)
-        saved = ckpt.load_all(root, step)
-        model.load_sharded_state_dicts([s["model"] for s in saved])
-        opt.load_state_dict(model.reshard_optimizer_state_dict(opt, [s["opt"] for s in saved]))
-        state.step = saved[0]["step"]
+        state.load_state_dicts(ckpt.load_all(root, step))
 
-    ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=load_checkpoint)
+    ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=load_checkpoint, sharded_state=memory)
     while ft.step < steps:
         with ft.guard() as step:
             if step > 0 and step % 4 == 0:

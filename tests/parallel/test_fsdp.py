@@ -124,20 +124,25 @@ def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
         assert r["fault_rel"] < TOL, r
 
 
-@pytest.mark.parametrize("after", ["replaced", "shrunk"])
-def test_fault_tolerance_restores_sharded_state_from_the_checkpoint(tmp_path, after):
-    # Rank 1 dies at step 10; its shards are gone, the survivor's cannot be rolled back in a
-    # world of 1 (FSDP refuses them), so the new world loads checkpoint 8, every saved rank's
-    # shards and momentum resharded for it: both ranks once the replacement is in, or the
-    # survivor alone. The parameters still equal one process (SGD with momentum). Before: the
-    # survivor crashed on the refused roll-back (a traceback, and its restart spent); alone, it
-    # could not load the checkpoint of 2 ranks at all.
-    world = 2 if after == "replaced" else 1
-    opts = ["--max-restarts", "1"] if after == "replaced" else ["--min-ranks", "1"]
+@pytest.mark.parametrize("mode, after", [("checkpoint", "shrunk"), ("memory", "replaced"),
+                                         ("memory", "shrunk")])
+def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
+    # Rank 1 dies at step 10; its shards are gone with it, the survivor's own cannot be rolled
+    # back in a world of 1 (FSDP refuses them). "checkpoint": the new world loads checkpoint 8,
+    # every saved rank's shards and momentum resharded for it (3 steps lost). "memory"
+    # (sharded_state=True): the survivor holds rank 1's committed shards too, and the new world
+    # reshards step 9's state from memory (1 step lost, no checkpoint loaded): with the
+    # replacement, 2 ranks from the survivor's two; shrunk, 3 ranks to 2, rank 1's shards from
+    # its ring successor (old rank 2). The parameters still equal one process (SGD with
+    # momentum). Before: the survivor crashed on the refused roll-back; alone, it could not load
+    # the checkpoint of 2 ranks at all.
+    nproc = 3 if (mode, after) == ("memory", "shrunk") else 2
+    world = nproc if after == "replaced" else nproc - 1
+    opts = ["--max-restarts", "1"] if after == "replaced" else ["--min-ranks", str(nproc - 1)]
     proc = subprocess.run(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", *opts,
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), *opts,
          "--faults", "kill:rank=1:step=10", str(Path(__file__).parent / "fsdp_ft_worker.py"),
-         str(tmp_path), "14"],
+         str(tmp_path), "14", mode],
         capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
     res = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert len(res) == world, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -146,6 +151,13 @@ def test_fault_tolerance_restores_sharded_state_from_the_checkpoint(tmp_path, af
         assert r["rel"] < TOL, r
     assert "rank 0 exited" not in proc.stderr, proc.stderr[-5000:]     # the survivor lived on
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
-    assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
+    lost = "steps lost: 1" if mode == "memory" else "steps lost: 3"
+    assert lost in res[0]["report"][-1], res[0]["report"]
+    if mode == "memory":
+        assert "restored_from_checkpoint" not in proc.stderr and "state_resharded" in proc.stderr
+        if nproc == 3:   # old ranks 0 and 2 from themselves (now 0 and 1), old rank 1 from old 2
+            assert "sources={0: 0, 1: 1, 2: 1}" in proc.stderr, proc.stderr[-5000:]
+    else:
+        assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
     # with a replacement every rank ends well; shrunk, the killed rank's 137 is the exit code
     assert proc.returncode == (0 if after == "replaced" else 137), proc.stderr[-3000:]
