@@ -2,6 +2,7 @@
 
     rtxnet-run --nproc 4 examples/train_digits.py --out OUTDIR [--steps N] [--checkpoint-every N]
                                                   [--resume] [--device {cpu,cuda}] [--rejoin-window S]
+                                                  [--strategy {ddp,fsdp}]
 
 The data set ships inside scikit-learn (``sklearn.datasets.load_digits``: 1797 images of 8x8
 pixels, 10 classes; no download). A fixed stratified split keeps 25 % for testing. Every step
@@ -20,6 +21,12 @@ data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller 
 Every ``--checkpoint-every`` steps a sharded checkpoint is committed under ``OUTDIR/checkpoints``;
 ``--resume`` starts from the newest intact one. A bad ``--out`` (not creatable, not writable) or a
 ``--global-batch`` above the 1347 training samples stops every rank with one line before it joins.
+
+``--strategy fsdp`` shards the model and Adam's state over the ranks instead
+(:class:`rtxnet.parallel.FullyShardedDataParallel`, CPU only) and runs ``FaultTolerance`` with
+``sharded_state=True``: each rank's committed shards are also kept by its ring successor, so a lost
+rank still costs one step; the state is resharded for whatever world goes on, and checkpoints hold
+one shard per rank (``--resume`` reshards them for any world size too).
 
 ``--device cuda`` puts each rank's model and batches on GPU ``LOCAL_RANK % torch.cuda.device_count()``
 (several ranks may share one GPU: rtxnet's GPU collectives then move gradients over CUDA IPC).
@@ -66,7 +73,7 @@ try:
 
     import rtxnet
     from rtxnet import checkpoint
-    from rtxnet.parallel import DistributedDataParallel
+    from rtxnet.parallel import DistributedDataParallel, FullyShardedDataParallel
     from rtxnet.sampler import ElasticDistributedSampler
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -106,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate, finite and > 0 (default 2e-3)")
     p.add_argument("--hidden", type=int, default=128, help=f"hidden width, 1..{MAX_HIDDEN} (default 128)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                   help="ddp (default: every rank holds the model) or fsdp (sharded; CPU only)")
     p.add_argument("--rejoin-window", type=float, default=60.0,
                    help="seconds to wait for replacements while the world is below --min-ranks (default 60)")
     a = p.parse_args(argv)
@@ -118,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--lr must be a finite number > 0, got {a.lr}")
     if not 0 < a.rejoin_window < math.inf:
         p.error(f"--rejoin-window must be a finite number of seconds > 0, got {a.rejoin_window}")
+    if a.strategy == "fsdp" and a.device != "cpu":
+        p.error(f"--strategy fsdp runs on the CPU only, got --device {a.device}")
     return a
 
 
@@ -207,8 +218,10 @@ class TrainState:
         self.pg = pg
         # init_sync=False: replicas start equal (same seed) and FaultTolerance syncs the state at
         # its first step, which is also where a replacement rank joining mid-run meets the others.
-        self.model = DistributedDataParallel(make_model(args.hidden).to(device), pg,
-                                             reduce_op=rtxnet.ReduceOp.SUM, init_sync=False)
+        self.sharded = args.strategy == "fsdp"
+        wrapper = FullyShardedDataParallel if self.sharded else DistributedDataParallel
+        self.model = wrapper(make_model(args.hidden).to(device), pg,
+                             reduce_op=rtxnet.ReduceOp.SUM, init_sync=False)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         self.sampler = ElasticDistributedSampler(n_train, args.global_batch, rank=pg.rank,
                                                  world_size=pg.world_size, seed=args.seed)
@@ -217,13 +230,33 @@ class TrainState:
         torch.manual_seed(args.seed + 1000 * pg.rank)   # per-rank stream for anything random later
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        model = self.model.sharded_state_dict() if self.sharded else self.model.state_dict()
+        return {"model": model, "optimizer": self.optimizer.state_dict(),
                 "sampler": self.sampler.state_dict(), "step": self.step,
                 "rng": checkpoint.capture_rng(), "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.sharded:     # this rank's own shards, at the world size they were taken in
+            self.model.load_sharded_state_dict(state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._load_replicated(state)
+
+    def load_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        """FSDP: every rank's state of one committed step or checkpoint, in rank order, resharded
+        for this world (FaultTolerance(sharded_state=True) and the checkpoint loaders call it)."""
+        self.model.load_sharded_state_dicts([s["model"] for s in states])
+        self.optimizer.load_state_dict(self.model.reshard_optimizer_state_dict(
+            self.optimizer, [s["optimizer"] for s in states]))
+        # sampler, step and history are the same on every rank; the RNG streams are per rank
+        # (a rank number the saved world did not have keeps its own)
+        rest = {k: v for k, v in states[0].items() if k != "rng"}
+        if self.pg.rank < len(states) and "rng" in states[self.pg.rank]:
+            rest["rng"] = states[self.pg.rank]["rng"]
+        self._load_replicated(rest)
+
+    def _load_replicated(self, state: dict[str, Any]) -> None:
         self.optimizer.zero_grad(set_to_none=True)      # drop gradients of a half-done step
         self.sampler.load_state_dict(state["sampler"])
         self.sampler.set_world(self.pg.rank, self.pg.world_size)
@@ -260,28 +293,30 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         log.info("device", device=str(device), name=torch.cuda.get_device_name(device))
     state = TrainState(pg, args, len(xtr), device)
+
+    def load_checkpoint(step: int, root: str | Path) -> None:
+        # --resume, and FaultTolerance when no live rank holds the last committed state
+        if state.sharded:    # every saved rank's shards, resharded for this world
+            state.load_state_dicts(checkpoint.load_all(root, step))
+            return
+        loaded = checkpoint.load(root, step, rank=pg.rank)
+        if loaded["_checkpoint"]["resharded"]:
+            loaded.pop("rng")                 # rank 0's RNG streams: keep this rank's own
+        state.load_state_dict(loaded)
+
     resumed_from = None
     if args.resume:
         latest = checkpoint.latest(ckpt_dir)
         if latest is None:
             log.warning("resume_no_checkpoint", folder=str(ckpt_dir))
         else:
-            loaded = checkpoint.load(ckpt_dir, latest, pg=pg)
-            if loaded["_checkpoint"]["resharded"]:
-                loaded.pop("rng")                 # rank 0's RNG streams: keep this rank's own
-            state.load_state_dict(loaded)
+            load_checkpoint(latest, ckpt_dir)
             resumed_from = state.step
             log.info("resumed", step=state.step, checkpoint=latest)
 
-    def load_checkpoint(step: int, root: str) -> None:
-        # Used only when no live rank holds the last committed state (every rank restarted).
-        loaded = checkpoint.load(root, step, rank=pg.rank)
-        if loaded["_checkpoint"]["resharded"]:
-            loaded.pop("rng")
-        state.load_state_dict(loaded)
-
     ft = rtxnet.FaultTolerance(pg, state, start_step=state.step,   # continue the step count
-                               load_checkpoint=load_checkpoint, rejoin_window_s=args.rejoin_window)
+                               load_checkpoint=load_checkpoint, rejoin_window_s=args.rejoin_window,
+                               sharded_state=state.sharded)
     loss_fn = torch.nn.functional.cross_entropy
     loss_sum = torch.zeros(1, device=device)
 
@@ -343,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         except (rtxnet.RtxError, OSError) as exc:
             log.warning("final_checkpoint_failed", error=str(exc))
 
-    with torch.no_grad():
-        acc = float((state.model.module(xte).argmax(1) == yte).float().mean())
+    with torch.no_grad():   # FSDP: a forward gathers the shards (every rank runs it)
+        model = state.model if state.sharded else state.model.module
+        acc = float((model(xte).argmax(1) == yte).float().mean())
     if rank0.is_me():   # asked once, now: rank 0 of the epoch the run ended in writes everything
         out.mkdir(parents=True, exist_ok=True)   # the process that made it may be gone
         events = _events(ft.events)

@@ -65,13 +65,19 @@ def test_killed_rank_replaced_gives_the_fault_free_parameters(fault_free, tmp_pa
         assert rel <= 1e-5, (k, rel)
 
 
-def test_continuing_with_three_ranks_keeps_accuracy(fault_free, tmp_path):
+def test_fsdp_continuing_with_three_ranks_loses_one_step_and_keeps_accuracy(fault_free, tmp_path):
+    # --strategy fsdp: the killed rank's shards come from its ring successor and are resharded
+    # for 3 ranks (DDP going on with fewer ranks: test_rank0_killed...[survivors])
     _, ref = fault_free
-    run = train(tmp_path, "--min-ranks", "3", "--faults", "kill:rank=2:step=30")
+    run = train(tmp_path, "--min-ranks", "3", "--faults", "kill:rank=2:step=30",
+                script_args=("--strategy", "fsdp"))
     # The launcher reports the killed rank's code; the job itself finished on three ranks.
     assert run["rc"] == 137, run["stderr"][-4000:]
-    assert run["metrics"]["world_size_end"] == 3
+    assert run["metrics"]["world_size_end"] == 3 and run["metrics"]["steps"] == 300
+    assert "steps lost: 1" in run["stdout"] and "state_resharded" in run["stderr"], run["stdout"]
     assert abs(run["metrics"]["test_accuracy"] - ref["metrics"]["test_accuracy"]) <= 0.005
+    shards = sorted(p.name for p in (tmp_path / "checkpoints" / "step-300").glob("rank-*.pt"))
+    assert shards == ["rank-0.pt", "rank-1.pt", "rank-2.pt"], shards   # one per rank, resharded
 
 
 def test_every_rank_killed_restarts_from_the_journaled_checkpoint(tmp_path):
@@ -165,7 +171,8 @@ def _train_digits_module():
     (["--out", "x", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
     (["--out", "x", "--hidden", "100000000"], "--hidden must be in 1..65536, got 100000000"),
     (["--out", "x", "--rejoin-window", "0"], "--rejoin-window must be a finite number of seconds > 0, got 0.0"),
-], ids=["empty-out", "lr-nan", "lr-negative", "lr-inf", "hidden-huge", "rejoin-window-0"])
+    (["--out", "x", "--strategy", "fsdp", "--device", "cuda"], "--strategy fsdp runs on the CPU only, got --device cuda"),
+], ids=["empty-out", "lr-nan", "lr-negative", "lr-inf", "hidden-huge", "rejoin-window-0", "fsdp-cuda"])
 def test_bad_arguments_are_refused_naming_the_value(args, says, capsys):
     with pytest.raises(SystemExit) as exc:
         _train_digits_module().parse_args(args)
