@@ -23,7 +23,8 @@
 #      then read the summary at the end of output_tail; the files above come back from $OUT.
 #   A rerun of a part: GPU_CHECK_STEPS="tests bench" (any of: tests digits bench), and
 #   GPU_CHECK_BENCH_ARGS="--max-bytes 256MiB" (extra bench arguments), GPU_CHECK_PYTEST_ARGS
-#   (e.g. "-k ipc"), GPU_CHECK_BUDGET_S (default 290).
+#   (e.g. "-k ipc"), GPU_CHECK_BUDGET_S (default 250: with the kill graces and the
+#   summary the run stays within 5 minutes).
 # Off the GPU host (a dry run): PYTHON=.venv/bin/python bash tools/gpu_check.sh /tmp/x  gets
 # through installation and pytest (GPU tests skip), skips the GPU steps and exits 3.
 set -uo pipefail
@@ -39,7 +40,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
 STEPS=${GPU_CHECK_STEPS:-tests digits bench}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-290}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-250}
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
 TEE_PID=$!
@@ -85,14 +86,14 @@ if ((${#missing[@]})); then
   done
   if ((${#files[@]})); then
     echo "installing into $SITE: ${files[*]##*/}"
-    timeout -k 5 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    timeout -k 3 40 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$SITE" "${files[@]}" || echo "pip install failed (exit $?)"
   fi
 else
   echo "nothing to install: pyzmq, structlog, pytest-asyncio, ml_dtypes, psutil and typing_extensions import"
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-timeout -k 5 60 "$PY" - <<'EOF'
+timeout -k 3 30 "$PY" - <<'EOF'
 import importlib, sys
 print("python", sys.version.split()[0], sys.executable)
 bad = []
@@ -115,12 +116,12 @@ EOF
 # -- 2. What the machine is ---------------------------------------------------------------------
 say "GPU, driver, CUDA, NCCL"
 if command -v nvidia-smi >/dev/null; then
-  timeout -k 2 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total,pci.bus_id,uuid \
+  timeout -k 2 15 nvidia-smi --query-gpu=index,name,driver_version,memory.total,pci.bus_id,uuid \
     --format=csv || echo "nvidia-smi failed"
 else
   echo "nvidia-smi: not found"
 fi
-timeout -k 5 60 "$PY" - <<'EOF'
+timeout -k 3 40 "$PY" - <<'EOF'
 from rtxnet.collectives.gpu import cupy_available
 ok, why = cupy_available()
 print("cupy_available:", ok, why)
@@ -146,32 +147,33 @@ except Exception as exc:
     print(f"torch: {type(exc).__name__}: {exc}")
 EOF
 say "rtxnet topology"
-timeout -k 2 30 "$PY" -m rtxnet.cli topology || echo "rtxnet topology failed (exit $?)"
-timeout -k 2 30 "$PY" -m rtxnet.cli topology --json >"$OUTDIR/topology.json" 2>/dev/null
+timeout -k 2 20 "$PY" -m rtxnet.cli topology || echo "rtxnet topology failed (exit $?)"
+timeout -k 2 20 "$PY" -m rtxnet.cli topology --json >"$OUTDIR/topology.json" 2>/dev/null
 CUDA_OK=0
-if timeout -k 5 60 "$PY" -c "import sys; from rtxnet.collectives.gpu import cupy_available as c; sys.exit(0 if c()[0] else 1)"; then
+if timeout -k 3 30 "$PY" -c "import sys; from rtxnet.collectives.gpu import cupy_available as c; sys.exit(0 if c()[0] else 1)"; then
   CUDA_OK=1
 fi
 
 # -- 2b. One line per CUDA/CuPy/NCCL call the GPU path makes (pinpoints an API failure) ----------
 if ((CUDA_OK)); then
-  say "gpu_smoke (timeout 60s)"
-  timeout -s INT -k 5 60 "$PY" tools/gpu_smoke.py 2>&1 | tee "$OUTDIR/gpu_smoke.log"
+  say "gpu_smoke (timeout 45s)"
+  timeout -s INT -k 3 45 "$PY" tools/gpu_smoke.py 2>&1 | tee "$OUTDIR/gpu_smoke.log"
 fi
 
 # -- 3. Tests -------------------------------------------------------------------------------------
 if want tests; then
-  t=$(allot 160 105)
+  t=$(allot 170 90)
   # the collectives, fault, NCCL, DDP and topology tests first, verbose (a stopped run still
   # shows what passed); the large kernel matrix after, in what time is left, on the device only
-  # (its "host" executor and the nvcc checks run in CI; a -k in GPU_CHECK_PYTEST_ARGS replaces
-  # that filter)
-  t1=$((t * 65 / 100))
+  # (its "host" executor and the compile checks run in CI, and every kernel the device tests run
+  # is compiled there by NVRTC anyway; a -k in GPU_CHECK_PYTEST_ARGS replaces that filter). The
+  # kernel matrix is a sample when time runs out: its being stopped does not fail the step.
+  t1=$((t * 75 / 100))
   t2=$((t - t1))
   : >"$OUTDIR/gpu_tests.log"
   say "pytest tests/gpu, integration (timeout ${t1}s)"
   # shellcheck disable=SC2086
-  timeout -s INT -k 10 "$t1" "$PY" -m pytest tests/gpu/test_ipc.py tests/gpu/test_ipc_fault.py \
+  timeout -s INT -k 5 "$t1" "$PY" -m pytest tests/gpu/test_ipc.py tests/gpu/test_ipc_fault.py \
     tests/gpu/test_group_nccl.py tests/gpu/test_nccl_unit.py tests/gpu/test_ddp_gpu.py tests/gpu/test_topology_gpu.py \
     -v --maxfail=5 --timeout 120 -p no:cacheprovider -rfEs ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
     | tee -a "$OUTDIR/gpu_tests.log"
@@ -179,11 +181,14 @@ if want tests; then
   ((rc1 == 124)) && echo "pytest (integration) ran past its ${t1}s and was stopped"
   say "pytest tests/gpu, kernels (timeout ${t2}s)"
   # shellcheck disable=SC2086
-  timeout -s INT -k 10 "$t2" "$PY" -m pytest tests/gpu/test_kernels.py tests/gpu/test_kernels_compile.py \
+  timeout -s INT -k 5 "$t2" "$PY" -m pytest tests/gpu/test_kernels.py \
     -q --maxfail=5 --timeout 120 -p no:cacheprovider -rfEs -k "not host and not assembles" ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 \
     | tee -a "$OUTDIR/gpu_tests.log"
   rc2=${PIPESTATUS[0]}
-  ((rc2 == 124)) && echo "pytest (kernels) ran past its ${t2}s and was stopped"
+  if ((rc2 == 124)); then
+    echo "pytest (kernels) ran past its ${t2}s and was stopped (not a failure: what ran is in the log)"
+    rc2=0
+  fi
   rc=$rc1
   ((rc == 0)) && rc=$rc2
   RESULT[tests]=$rc
@@ -192,10 +197,10 @@ fi
 # -- 4. The digits example on the GPU, with a rank killed ---------------------------------------
 if want digits; then
   if ((CUDA_OK)); then
-    t=$(allot 55 50)
+    t=$(allot 55 45)
     say "train_digits --device cuda, 4 ranks on one GPU, kill:rank=2:step=30 (timeout ${t}s)"
     DIGITS_OUT=$(mktemp -d /tmp/rtxnet-digits.XXXXXX)
-    timeout -k 10 "$t" "$PY" -m rtxnet.launcher --nproc 4 --max-restarts 1 \
+    timeout -k 5 "$t" "$PY" -m rtxnet.launcher --nproc 4 --max-restarts 1 \
       --faults "kill:rank=2:step=30" examples/train_digits.py --out "$DIGITS_OUT" --device cuda \
       --steps 80 --checkpoint-every 40 2>&1 | tee "$OUTDIR/digits.log" \
       | grep -E '^\[rank0\] (recovery|test_accuracy)|^\[rtxnet-run\]|Traceback|Error:|error:'
@@ -211,10 +216,10 @@ fi
 # -- 5. Benchmark ---------------------------------------------------------------------------------
 if want bench; then
   if ((CUDA_OK)); then
-    t=$(allot 100 5)
+    t=$(allot 100 10)
     say "bench: tools/bench/collectives.py --device cuda (timeout ${t}s)"
     # shellcheck disable=SC2086
-    timeout -k 10 "$t" "$PY" tools/bench/collectives.py --device cuda --ranks 2 4 \
+    timeout -k 5 "$t" "$PY" tools/bench/collectives.py --device cuda --ranks 2 4 \
       --out "$OUTDIR/gpu_bench.json" ${GPU_CHECK_BENCH_ARGS:-}
     RESULT[bench]=$?
   else

@@ -84,17 +84,27 @@ class GpuBuffer:
         if dt is None:
             raise ValueError(f"dtype {t.dtype} is not supported by rtxnet collectives")
         src = t.detach()
+        self.device = int(t.device.index if t.device.index is not None else torch.cuda.current_device())
+        self.stream = producer_stream(t)
         if not src.is_contiguous():
-            scratch = src.contiguous()
+            # the copy in and the write-back on the producer's stream, which rtxnet's stream
+            # waits for (the loop thread's current stream is not ordered with it)
+            user = src      # bound now: ``src`` is the scratch copy below
+            on = torch.cuda.ExternalStream(self.stream, device=t.device)
+            with torch.cuda.stream(on):
+                scratch = src.contiguous()
+
+            def commit() -> None:
+                with torch.cuda.stream(on):
+                    user.copy_(scratch)
+
             self._scratch = scratch
-            self._commit = lambda: src.copy_(scratch)
+            self._commit = commit
             src = scratch
         self.ptr = int(src.data_ptr()) if src.numel() else 0
         self.dtype = dt
         self.size = int(src.numel())
         self.shape = tuple(t.shape)
-        self.device = int(t.device.index if t.device.index is not None else torch.cuda.current_device())
-        self.stream = producer_stream(t)
 
     def _from_cupy(self, t, readonly: bool) -> None:
         import cupy
@@ -106,16 +116,27 @@ class GpuBuffer:
             except Exception as exc:  # noqa: BLE001 - BufferError/TypeError from the producer
                 raise ValueError(f"cannot view {type(t).__name__} as a CUDA array: {exc}") from exc
         self.dtype = np.dtype(a.dtype)
+        self.device = int(a.device.id)
+        self.stream = producer_stream(a)
         if not a.flags.c_contiguous:
-            scratch = cupy.ascontiguousarray(a)
+            from rtxnet.collectives.gpu.stream import foreign_stream
+
+            # on the producer's stream, as for torch tensors above
+            user = a        # bound now: ``a`` is the scratch copy below
+            on = foreign_stream(self.stream, self.device)
+            with cupy.cuda.Device(self.device), on:
+                scratch = cupy.ascontiguousarray(a)
+
+            def commit() -> None:
+                with cupy.cuda.Device(self.device), on:
+                    user[...] = scratch
+
             self._scratch = scratch
-            self._commit = lambda: a.__setitem__(Ellipsis, scratch)
+            self._commit = commit
             a = scratch
         self.ptr = int(a.data.ptr) if a.size else 0
         self.size = int(a.size)
         self.shape = tuple(a.shape)
-        self.device = int(a.device.id)
-        self.stream = producer_stream(a)
 
     @property
     def nbytes(self) -> int:

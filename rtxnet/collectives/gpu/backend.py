@@ -468,5 +468,7 @@ class GpuGroup:
         import cupy
 
         dt = np.dtype(np.uint16) if dtype == BFLOAT16 else dtype
-        with self.stream.use():
+        # allocated with rtxnet's stream current: CuPy's pool hands a freed block out again only
+        # to work on that stream, so copies still queued out of it cannot see it reused
+        with self.stream.use(), self.stream.stream:
             return cupy.empty(max(count, 1), dt)

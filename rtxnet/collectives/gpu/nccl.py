@@ -297,8 +297,10 @@ class NcclState:
         try:
             uid = uid_from_bytes(await self._share_uid(op))
             await _until_done(op, _in_thread(lambda: self._init_comm(uid)))
-        except nccl.NcclError as exc:
-            self.abort(f"init failed: {exc}")
+        except (nccl.NcclError, KeyError) as exc:
+            # KeyError: CuPy builds an NcclError's message from a table of the older codes, so
+            # a newer status (ncclRemoteError, ncclInProgress) fails inside its constructor
+            self.abort(f"init failed: {exc!r}")
             if getattr(exc, "status", None) == _INVALID_USAGE:
                 raise NcclUnavailableError(
                     f"ncclCommInitRank failed on group {g.gid!r} rank {g.rank}: {exc}; at init "

@@ -90,7 +90,9 @@ def foreign_stream(ptr: int, device: int):
     s = _foreign.get((ptr, device))
     if s is None:
         if hasattr(cupy.cuda.Stream, "from_external"):
-            s = cupy.cuda.Stream.from_external(_StreamProto(ptr))
+            # from_external records the current device as the stream's: make it ``device``
+            with cupy.cuda.Device(device):
+                s = cupy.cuda.Stream.from_external(_StreamProto(ptr))
         else:  # pragma: no cover - CuPy 13
             s = cupy.cuda.ExternalStream(ptr, device)
         _foreign[(ptr, device)] = s
