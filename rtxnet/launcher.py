@@ -239,6 +239,9 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._signal, sig)
         if self.address:
+            if a.journal is not None:
+                _say(f"--journal {a.journal} ignored: the coordinator at {self.address} keeps its own "
+                     "journal (--journal is for the coordinator this command starts)")
             await _probe_coordinator(self.address)
         else:
             journal = a.journal
