@@ -14,6 +14,12 @@ import contextlib
 from typing import Any
 
 
+def group_size(pg: Any) -> int:
+    """The size of a world group (``world_size``) or of a subgroup (``size``)."""
+    ws = getattr(pg, "world_size", None)
+    return int(pg.size if ws is None else ws)
+
+
 class StepWorld:
     """The world group of the current step of ``pg`` (a process group, blocking or async, or a
     subgroup: a subgroup belongs to one epoch already and is used as it is)."""

@@ -66,7 +66,7 @@ import torch
 from rtxnet.collectives import ReduceOp
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld
+from ._world import StepWorld, group_size
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
@@ -254,7 +254,7 @@ class DistributedDataParallel(torch.nn.Module):
                              "even with an empty batch, or forward under no_sync()/no_grad()")
         # A world of one has nothing to reduce: its gradients are already the result.
         self._sync_armed = (self._require_sync and torch.is_grad_enabled()
-                            and _group_size(self._pg) > 1)
+                            and group_size(self._pg) > 1)
         if self._sync_armed and self.broadcast_buffers:
             self._broadcast_buffers()
         return self.module(*args, **kwargs)
@@ -433,7 +433,7 @@ class DistributedDataParallel(torch.nn.Module):
                 p.grad.copy_(v)
 
     def _note_world(self) -> None:
-        ws = _group_size(self._pg)
+        ws = group_size(self._pg)
         if ws != self._last_world_size:
             if self._last_world_size is not None:
                 log.info("ddp_world_changed", world_size=ws, previous=self._last_world_size,
@@ -466,12 +466,6 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape).to(t.dtype))
                     off += n
-
-
-def _group_size(pg: Any) -> int:
-    """The size of a world group (``world_size``) or of a subgroup (``size``)."""
-    ws = getattr(pg, "world_size", None)
-    return pg.size if ws is None else ws
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

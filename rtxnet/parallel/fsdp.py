@@ -100,7 +100,7 @@ import torch
 from rtxnet.collectives import ReduceOp
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld
+from ._world import StepWorld, group_size
 
 __all__ = ["FullyShardedDataParallel", "FSDP_STATE_FORMAT"]
 
@@ -113,10 +113,7 @@ WrapPolicy = Iterable[type] | int | Callable[[torch.nn.Module, str], bool] | Non
 
 def _rank_world(pg: Any) -> tuple[int, int]:
     """``(rank, world size)`` of a world group (``world_size``) or a subgroup (``size``)."""
-    ws = getattr(pg, "world_size", None)
-    if ws is None:
-        ws = pg.size
-    return int(pg.rank), int(ws)
+    return int(pg.rank), group_size(pg)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -29,6 +29,8 @@ from typing import Any
 
 from transport.errors import ConfigError
 
+from ._world import group_size
+
 __all__ = ["DeviceMesh"]
 
 
@@ -70,8 +72,7 @@ class DeviceMesh:
                 or len(set(dim_names)) != len(dim_names)):
             raise ConfigError(f"DeviceMesh dim_names({dim_names!r}) must be {len(shape)} distinct, "
                               f"non-empty strings, one per dimension of shape({tuple(shape)!r})")
-        world_size = getattr(pg, "world_size", None)
-        size = pg.size if world_size is None else world_size
+        size = group_size(pg)
         known = math.prod(n for n in shape if n != -1)
         if -1 in shape:
             if size % known:
@@ -86,7 +87,7 @@ class DeviceMesh:
         self.epoch = pg.epoch
         self._rank = pg.rank
         # a subgroup's new_group takes world ranks: map grid positions (group ranks) to them
-        ranks = getattr(pg, "ranks", None) if world_size is None else None
+        ranks = getattr(pg, "ranks", None) if getattr(pg, "world_size", None) is None else None
         self._coord = _unravel(self._rank, self.shape)
         self._groups: dict[str, Any] = {}
         for d, name in enumerate(self.dim_names):
