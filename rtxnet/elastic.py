@@ -443,21 +443,13 @@ class FaultTolerance:
                     # committed state was gone (all killed and restarted, say). Say so.
                     await self._restored_event(job_committed, restored, epoch, world)
         if not np.all(steps == best):
-            if rank == src:
-                blob = np.frombuffer(self._snapshot, dtype=np.uint8).copy()
-                n = np.array([blob.size], dtype=np.int64)
-            else:
-                n = np.zeros(1, dtype=np.int64)
-            await pg.broadcast(n, src)
-            if rank != src:
-                blob = np.empty(int(n[0]), dtype=np.uint8)
-            await pg.broadcast(blob, src)
+            blob = await self._broadcast_bytes(self._snapshot if rank == src else None, src)
             loaded = True
             if steps[rank] != best:     # a rank already at ``best`` keeps its own state
-                self._snapshot = blob.tobytes()
+                self._snapshot = blob
                 loaded = self._load_snapshot(self._snapshot, f"the state of rank {src}")
                 if loaded:
-                    log.info("state_synced", source=src, step=best, nbytes=int(n[0]))
+                    log.info("state_synced", source=src, step=best, nbytes=len(blob))
             # Every rank must hold the same state now; a state that cannot be loaded in this
             # world (FSDP: a rank's shards fit only its own rank and world size) sends every
             # rank to the newest checkpoint.
@@ -511,6 +503,15 @@ class FaultTolerance:
                 "state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
                 world_size=self.pg.world_size, rank=self.pg.rank)
             return False
+
+    async def _broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """``data`` of rank ``src`` (None elsewhere) on every rank: its length, then its bytes."""
+        n = np.array([0 if data is None else len(data)], dtype=np.int64)
+        await self.pg.broadcast(n, src)
+        buf = (np.frombuffer(data, dtype=np.uint8).copy() if data is not None
+               else np.empty(int(n[0]), dtype=np.uint8))
+        await self.pg.broadcast(buf, src)
+        return data if data is not None else buf.tobytes()
 
     async def _ring_exchange(self, rank: int, world: int) -> dict[int, bytes]:
         """Send this rank's state to its ring successor and take its predecessor's (sharded
@@ -577,13 +578,8 @@ class FaultTolerance:
             states = []
             for k in range(old_world):
                 src = holders[k]
-                blob = ring["blobs"].get(k) if ring is not None and src == rank else None
-                n = np.array([0 if blob is None else len(blob)], dtype=np.int64)
-                await pg.broadcast(n, src)
-                buf = (np.frombuffer(blob, dtype=np.uint8).copy() if blob is not None
-                       else np.empty(int(n[0]), dtype=np.uint8))
-                await pg.broadcast(buf, src)
-                states.append(unpack_state(buf.tobytes()))
+                mine = ring["blobs"].get(k) if ring is not None and src == rank else None
+                states.append(unpack_state(await self._broadcast_bytes(mine, src)))
             self.state.load_state_dicts(states)
             log.warning("state_resharded", step=best, saved_world_size=old_world, world_size=world,
                      sources={k: holders[k] for k in range(old_world)})
