@@ -640,6 +640,10 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         job = state.jobs[job_id]
     if msg["token"] != job.token:
         return refuse("RendezvousError", f"wrong token for job {job_id!r}")
+    if (min_r, max_r) != (job.min_ranks, job.max_ranks):
+        return refuse("ConfigError", f"job {job_id!r} has min_ranks({job.min_ranks}) max_ranks({job.max_ranks}), "
+                      f"but this rank ({ident}) asks for min_ranks({min_r}) max_ranks({max_r}): start every rank "
+                      f"of a job with the same bounds (RTXNET_WORLD_SIZE, RTXNET_MIN_RANKS, RTXNET_MAX_RANKS)")
     other = state.where.get(ident)
     if other is not None and other != job_id:
         return refuse("RendezvousError", f"identity {ident!r} already belongs to job {other!r}")

@@ -73,7 +73,7 @@ try:
 
     import rtxnet
     from rtxnet import checkpoint
-    from rtxnet.parallel import DistributedDataParallel, FullyShardedDataParallel
+    from rtxnet.parallel import DistributedDataParallel, FSDPState, FullyShardedDataParallel
     from rtxnet.sampler import ElasticDistributedSampler
 except KeyboardInterrupt:
     if __name__ != "__main__":
@@ -223,6 +223,8 @@ class TrainState:
         self.model = wrapper(make_model(args.hidden).to(device), pg,
                              reduce_op=rtxnet.ReduceOp.SUM, init_sync=False)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        # FSDP: the shards and the optimizer's sharded moments, resharded on load at any world size
+        self.fsdp = FSDPState(self.model, self.optimizer) if self.sharded else None
         self.sampler = ElasticDistributedSampler(n_train, args.global_batch, rank=pg.rank,
                                                  world_size=pg.world_size, seed=args.seed)
         self.step = 0                            # steps completed
@@ -230,25 +232,25 @@ class TrainState:
         torch.manual_seed(args.seed + 1000 * pg.rank)   # per-rank stream for anything random later
 
     def state_dict(self) -> dict[str, Any]:
-        model = self.model.sharded_state_dict() if self.sharded else self.model.state_dict()
-        return {"model": model, "optimizer": self.optimizer.state_dict(),
-                "sampler": self.sampler.state_dict(), "step": self.step,
+        if self.fsdp is not None:    # {"model": shards, "optimizer": ..., "step"}
+            state = self.fsdp.state_dict()
+        else:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {**state, "sampler": self.sampler.state_dict(), "step": self.step,
                 "rng": checkpoint.capture_rng(), "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sharded:     # this rank's own shards, at the world size they were taken in
-            self.model.load_sharded_state_dict(state["model"])
+        if self.fsdp is not None:    # this rank's own shards, at the world size they were taken in
+            self.fsdp.load_state_dict(state)
         else:
             self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self._load_replicated(state)
 
     def load_state_dicts(self, states: list[dict[str, Any]]) -> None:
         """FSDP: every rank's state of one committed step or checkpoint, in rank order, resharded
         for this world (FaultTolerance(sharded_state=True) and the checkpoint loaders call it)."""
-        self.model.load_sharded_state_dicts([s["model"] for s in states])
-        self.optimizer.load_state_dict(self.model.reshard_optimizer_state_dict(
-            self.optimizer, [s["optimizer"] for s in states]))
+        self.fsdp.load_state_dicts(states)
         # sampler, step and history are the same on every rank; the RNG streams are per rank
         # (a rank number the saved world did not have keeps its own)
         rest = {k: v for k, v in states[0].items() if k != "rng"}

@@ -177,6 +177,13 @@ class Agent:
     async def _send_join(self) -> None:
         self._joining = True
         mute_left = self._muted_until - time.monotonic()
+        if mute_left == float("inf") and self.membership is not None:
+            # Cut off for good: a real rank that can never reach the coordinator could not join
+            # again either; rejoining would only be fenced again a heartbeat timeout later.
+            raise RendezvousError(
+                f"rank {self.membership.rank} of job {self.job!r} was declared lost and cannot "
+                f"rejoin: its heartbeats are stopped for good by fault injection "
+                f"(drop-heartbeats without seconds=)")
         if 0 < mute_left < float("inf"):
             # A rank cut off by fault injection (muted heartbeats, simulated partition) could not
             # reach the coordinator either: it (re)joins once that is over, not into a new epoch
@@ -426,10 +433,17 @@ class Agent:
                 self._fence(str(exc))
                 return {"committed": False, "step": step, "reason": str(exc)}
 
-    async def reform(self, reason: str) -> int:
-        """Ask for a new epoch with the same members (see ``reform`` in :mod:`transport.wire`);
-        returns the job's epoch after the request."""
-        return (await self._request("reform", identity=self.identity, reason=reason[:500]))["epoch"]
+    async def reform(self, reason: str, epoch: int | None = None) -> int:
+        """Ask for a new epoch with the same members (see ``reform`` in :mod:`transport.wire`)
+        in place of ``epoch`` (default: this rank's current one): only a request naming the
+        job's current epoch acts, so a rank that asks after another rank's reform already moved
+        it on opens no second epoch. Returns the job's epoch after the request."""
+        if self._closed or self._client is None:
+            raise ClosedError("agent is closed" if self._closed else "agent has not joined")
+        body = await self._client.request(
+            "reform", job=self.job, epoch=self.epoch if epoch is None else int(epoch),
+            deadline_s=self.timeouts.request_s, identity=self.identity, reason=reason[:500])
+        return body["epoch"]
 
     async def status(self) -> list[dict[str, Any]]:
         return (await self._request("status"))["jobs"]

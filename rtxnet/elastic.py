@@ -89,7 +89,7 @@ class FaultTolerance:
             ``on_world(rank, world_size)``.
         min_world_size: smallest world to go on with; default the ``min_ranks`` the process
             group joined with (``rtxnet.init(min_ranks=)``, else ``RTXNET_MIN_RANKS``, else the
-            world size).
+            world size); not below it (collectives refuse a world below ``min_ranks``).
         rejoin_window_s: how long to wait for replacements while the world is below
             ``min_world_size``, seconds.
         commit_timeout_s: deadline of a step's vote; default the group's op timeout.
@@ -118,7 +118,8 @@ class FaultTolerance:
             ranks' states besides the live one (three while the vote runs).
 
     Raises:
-        ConfigError: ``min_world_size`` < 1 or ``rejoin_window_s`` <= 0 (names the value); with
+        ConfigError: ``min_world_size`` < 1 or below the group's ``min_ranks``, or
+            ``rejoin_window_s`` <= 0 (names the value); with
             ``sharded_state``, a state without ``load_state_dicts``.
         RendezvousError (from ``guard``/``aguard``): the world stayed below ``min_world_size``
             for ``rejoin_window_s`` after a loss (no replacement came).
@@ -142,6 +143,12 @@ class FaultTolerance:
         self.min_world_size = min_world_size
         if self.min_world_size < 1:
             raise ConfigError(f"min_world_size({self.min_world_size}) must be >= 1")
+        min_ranks = getattr(self.pg.agent, "min_ranks", 1)
+        if self.min_world_size < min_ranks:
+            raise ConfigError(
+                f"min_world_size({self.min_world_size}) < the process group's min_ranks({min_ranks}): "
+                f"collectives refuse a world below min_ranks; lower min_ranks instead (rtxnet-run "
+                f"--min-ranks, RTXNET_MIN_RANKS)")
         if rejoin_window_s <= 0:
             raise ConfigError(f"rejoin_window_s({rejoin_window_s}) must be > 0")
         self.rejoin_window_s = rejoin_window_s
@@ -389,7 +396,8 @@ class FaultTolerance:
                     f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
                 ) from exc
             try:
-                await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}")
+                await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}",
+                                           self._synced_epoch)
             except RtxError as exc2:
                 log.warning("reform_failed", error=str(exc2))
 

@@ -467,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
             for f in parse_plan(plan):
                 if f.rank is not None and f.rank >= args.nproc:
                     errors.append(f"{where}: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
+                if f.kind == "kill-coordinator" and args.coordinator is not None:
+                    errors.append(f"{where}: {f.text!r} kills the coordinator rtxnet-run starts, but "
+                                  f"--coordinator {args.coordinator} is another one (rtxnet-run "
+                                  f"neither kills nor restarts it); drop --coordinator")
         except ValueError as exc:
             errors.append(f"{where}: {exc}")
     errors += _environment_errors()

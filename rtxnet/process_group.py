@@ -177,20 +177,44 @@ class ProcessGroup:
                                     f"{self._agent.epoch}); it must rejoin before any collective")
             if engine is None or engine.world is None:
                 raise ConfigError(f"{name}: the collective engine is not available in this process")
-            target = getattr(self.__dict__.get("_pinned_world") or engine.world, name)
+            pinned = self.__dict__.get("_pinned_world")
+            if pinned is None and not self._agent._closed:   # closed: the call says so
+                self._check_min_ranks(name)
+            target = getattr(pinned or engine.world, name)
             if name in _COUNTED and os.environ.get("RTXNET_FAULTS"):
                 return _with_fault_point(self, target)
             return target
         raise AttributeError(name)
 
+    def _check_min_ranks(self, name: str) -> None:
+        """Refuse a collective in a world that shrank below ``min_ranks``: the job's own bound
+        for the smallest world it may run in (a sum over 2 of 4 ranks is not the sum the script
+        asked for). Above ``min_ranks`` a smaller world is allowed by the job, as torchrun's
+        elastic bounds allow it."""
+        m, lo = self._agent.membership, self._agent.min_ranks
+        if m is not None and m.world_size < lo:
+            raise PeerLostError(
+                f"{name}: the world of epoch {m.epoch} has {m.world_size} rank(s), fewer than "
+                f"min_ranks({lo}) (ranks {list(m.lost)} of the epoch before were lost); no "
+                f"collective runs below min_ranks. rtxnet.FaultTolerance waits for replacements "
+                f"and restores their state; without it, end this process and let rtxnet-run "
+                f"--max-restarts start it again", ranks=m.lost, epoch=m.epoch)
+
     def current_world(self) -> Any:
         """The world group collectives go to now: the pinned one (see :meth:`pinned`), else the
         current epoch's; ``None`` without a collective engine. Its ``epoch`` never changes:
         after a membership change its collectives raise ``PeerLostError`` (``ClosedError`` when
-        nobody was lost) instead of running in the new world."""
+        nobody was lost) instead of running in the new world.
+
+        Raises:
+            PeerLostError: not pinned, and the world shrank below ``min_ranks`` (names the lost
+                ranks); the collectives themselves raise the same."""
         if self._pinned_world is not None:
             return self._pinned_world
-        return None if self._engine is None else self._engine.world
+        if self._engine is None:
+            return None
+        self._check_min_ranks("collectives")
+        return self._engine.world
 
     @contextlib.contextmanager
     def pinned(self, world: Any = None) -> Iterator[Any]:
@@ -230,7 +254,8 @@ class ProcessGroup:
                                         timeout_s=timeout if timeout is not None else self.timeouts.op_s)
         return bool(body["committed"])
 
-    async def reform(self, reason: str = "reform requested", *, timeout: float | None = None) -> int:
+    async def reform(self, reason: str = "reform requested", *, epoch: int | None = None,
+                     timeout: float | None = None) -> int:
         """Open a new epoch with the same members and wait for it; returns the new epoch.
 
         After a ``CollectiveTimeout`` or ``CollectiveMismatchError`` that lost nobody, ranks may
@@ -241,13 +266,22 @@ class ProcessGroup:
         see it get the new epoch pushed. :class:`rtxnet.FaultTolerance` does this by itself.
         Operations in flight on any rank fail with ``ClosedError``.
 
+        Args:
+            reason: logged by the coordinator (first 500 characters).
+            epoch: the epoch the failure happened in: the error's ``epoch`` attribute
+                (``CollectiveTimeout.epoch``, ``CollectiveError.epoch``). Only a request naming
+                the job's current epoch opens a new one, so a rank that calls this after another
+                rank's reform already reached it opens no second epoch. Default: this rank's
+                current epoch (right when no other rank may have reformed meanwhile).
+            timeout: seconds to wait for the new epoch; default the request deadline.
+
         Raises:
             RtxTimeoutError: the new epoch did not arrive within ``timeout`` seconds (default:
                 the request deadline).
             RendezvousError: this rank is no longer a member (it was declared lost).
         """
-        before = self.epoch
-        epoch = await self._agent.reform(reason)
+        before = self.epoch if epoch is None else min(self.epoch, int(epoch))
+        epoch = await self._agent.reform(reason, before)
         m = await self._agent.wait_epoch(max(before, epoch - 1),
                                          timeout_s=timeout if timeout is not None else self.timeouts.request_s)
         return m.epoch

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rtxnet  # noqa: E402
 import rtxnet.checkpoint as ckpt  # noqa: E402
-from rtxnet.parallel.fsdp import FullyShardedDataParallel  # noqa: E402
+from rtxnet.parallel.fsdp import FSDPState, FullyShardedDataParallel  # noqa: E402
 from rtxnet.statesync import pack_state  # noqa: E402
 
 
@@ -55,23 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.batch * 4, args.width, generator=g)
     y = torch.tanh(x.roll(1, dims=1))
 
-    class State:
-        step = 0
-
-        def state_dict(self):
-            return {"model": model.sharded_state_dict(), "opt": opt.state_dict(), "step": self.step}
-
-        def load_state_dict(self, s):
-            model.load_sharded_state_dict(s["model"])
-            opt.load_state_dict(s["opt"])
-            self.step = s["step"]
-
-        def load_state_dicts(self, saved):
-            model.load_sharded_state_dicts([s["model"] for s in saved])
-            opt.load_state_dict(model.reshard_optimizer_state_dict(opt, [s["opt"] for s in saved]))
-            self.step = saved[0]["step"]
-
-    state = State()
+    state = FSDPState(model, opt)
     ft = rtxnet.FaultTolerance(
         pg, state, sharded_state=args.mode == "memory",
         load_checkpoint=lambda step, root: state.load_state_dicts(ckpt.load_all(root, step)))

@@ -7,7 +7,8 @@ epoch and ``{"event": "fenced"}``, each with ``t`` = ``time.monotonic()`` (one c
 process of the host on Linux, so latencies can be measured across processes), and one
 ``{"event": "result", "cmd": ..., ...}`` per command. Commands (one JSON object per line):
 ``kv_set {key, value}``, ``kv_get {key}``, ``kv_wait {keys, timeout}``, ``status``, ``commit
-{step}``, ``rejoin``, ``leave``, ``exit``.
+{step}``, ``rejoin``, ``reform {epoch}``, ``mute {seconds}`` (no heartbeats; ``null``: for good),
+``all_reduce {value}`` (a SUM of 4 float64 ``value``s, result ``sum``), ``leave``, ``exit``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import sys
 import threading
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,6 +87,15 @@ async def main(cfg: dict) -> int:
             elif name == "rejoin":
                 m = await pg.agent.join()
                 emit(event="result", cmd=name, ok=True, epoch=m.epoch, rank=m.rank)
+            elif name == "reform":
+                emit(event="result", cmd=name, ok=True, epoch=await pg.reform("probe", epoch=cmd.get("epoch")))
+            elif name == "mute":
+                pg.agent.mute_heartbeats(cmd.get("seconds"))
+                emit(event="result", cmd=name, ok=True)
+            elif name == "all_reduce":
+                x = np.full(4, float(cmd["value"]))
+                await pg.all_reduce(x, timeout=cmd.get("timeout", 10))
+                emit(event="result", cmd=name, ok=True, sum=float(x[0]), epoch=pg.epoch)
             elif name == "leave":
                 await pg.aclose()
                 emit(event="result", cmd=name, ok=True)

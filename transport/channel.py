@@ -172,9 +172,9 @@ class ControlClient:
         self._check()
         rid = next(self._rid)
         msg = wire.make(mtype, rid=rid, job=job, epoch=epoch, **fields)
+        data = encode(msg, limits=self._limits)   # before the future: an oversize message leaves none behind
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        data = encode(msg, limits=self._limits)
         if mtype in RESEND_ON_RECONNECT:
             self._resend[rid] = [data, self._generation]
         try:

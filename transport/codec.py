@@ -94,7 +94,8 @@ def decode(data: bytes | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
     except msgpack.ExtraData as exc:
         raise ProtocolError("trailing bytes after the message") from exc
     except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ProtocolError(f"malformed message ({n} bytes): {exc}") from exc
+        why = str(exc) or type(exc).__name__   # msgpack's FormatError (reserved byte 0xc1) has no text
+        raise ProtocolError(f"malformed message ({n} bytes): {why}") from exc
 
 
 def peek_fields(data: bytes | memoryview, names: frozenset[str], *, max_entries: int = 64) -> dict[str, Any]:

@@ -120,7 +120,11 @@ class CollectiveTimeout(RtxTimeoutError):
     Attributes:
         ranks: ranks that did not contribute in time, sorted.
         op: name of the collective.
+        epoch: the epoch the collective ran in (``None`` outside a group); pass it to
+            ``ProcessGroup.reform(epoch=)``.
     """
+
+    epoch: int | None = None
 
     def __init__(self, message: str, *, ranks: Iterable[int] = (), op: str | None = None):
         super().__init__(message)
@@ -146,7 +150,14 @@ class JobFullError(RendezvousError):
 
 
 class CollectiveError(RtxError):
-    """A collective failed."""
+    """A collective failed.
+
+    Attributes:
+        epoch: the epoch the collective ran in (``None`` outside a group); pass it to
+            ``ProcessGroup.reform(epoch=)``.
+    """
+
+    epoch: int | None = None
 
 
 class CollectiveMismatchError(CollectiveError):

@@ -268,7 +268,9 @@ class Group:
                     engine._abort_peers(op, err)
                 if op.error is not None and exc is not op.error and not everywhere and not \
                         isinstance(exc, asyncio.CancelledError):
+                    _stamp_epoch(op.error, self.epoch)
                     raise op.error from exc
+                _stamp_epoch(exc, self.epoch)
                 raise
             finally:
                 engine._end_op(op)
@@ -830,6 +832,12 @@ class Group:
         members = sorted((c[1], g) for g, c in colors.items() if c[0] == mine[0])
         ranks = [self.ranks[g] for _, g in members]
         return Group._create(self.engine, f"{self.gid}/{seq_box['seq']}:{mine[0]}", ranks)
+
+
+def _stamp_epoch(exc: BaseException, epoch: int) -> None:
+    """Record on a collective's error the epoch it ran in (what ``reform(epoch=)`` takes)."""
+    if isinstance(exc, (CollectiveError, CollectiveTimeout)) and exc.epoch is None:
+        exc.epoch = epoch
 
 
 def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:

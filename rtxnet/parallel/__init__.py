@@ -5,7 +5,7 @@ Importing this package imports torch; ``import rtxnet`` alone does not.
 """
 
 from .ddp import DistributedDataParallel
-from .fsdp import FullyShardedDataParallel
+from .fsdp import FSDPState, FullyShardedDataParallel
 from .mesh import DeviceMesh
 from .pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 from .tensor import ColumnParallelLinear, RowParallelLinear, shard_mlp
@@ -13,5 +13,5 @@ from .tensor import ColumnParallelLinear, RowParallelLinear, shard_mlp
 DDP = DistributedDataParallel
 FSDP = FullyShardedDataParallel
 
-__all__ = ["DDP", "DeviceMesh", "DistributedDataParallel", "FSDP", "FullyShardedDataParallel", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["DDP", "DeviceMesh", "DistributedDataParallel", "FSDP", "FSDPState", "FullyShardedDataParallel", "ColumnParallelLinear", "RowParallelLinear",
            "shard_mlp", "PipelineStage", "ScheduleGPipe", "Schedule1F1B"]

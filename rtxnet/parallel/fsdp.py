@@ -102,7 +102,7 @@ from transport.errors import ConfigError, PeerLostError
 
 from ._world import StepWorld, group_size
 
-__all__ = ["FullyShardedDataParallel", "FSDP_STATE_FORMAT"]
+__all__ = ["FullyShardedDataParallel", "FSDPState", "FSDP_STATE_FORMAT"]
 
 log = structlog.get_logger(__name__)
 
@@ -867,6 +867,65 @@ class FullyShardedDataParallel(torch.nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class FSDPState:
+    """The training state of an FSDP model and its optimizer, in the shape
+    :class:`rtxnet.FaultTolerance` (also with ``sharded_state=True``) and
+    :mod:`rtxnet.checkpoint` take: ``state_dict()``, ``load_state_dict(d)`` and
+    ``load_state_dicts(ds)``, which reshards every saved rank's state for the current world (the
+    resume of a sharded checkpoint at another world size, or a lost rank's shards rebuilt from
+    its ring copy). Subclass it, or hold one, to add what else a step changes (a sampler, RNG
+    streams).
+
+    Args:
+        model: the :class:`FullyShardedDataParallel` wrapper.
+        optimizer: built over ``model.parameters()`` (so its state is sharded too).
+        step: steps completed; FaultTolerance's training loops set ``state.step = step + 1``.
+
+    ``state_dict()`` is ``{"model": model.sharded_state_dict(), "optimizer":
+    optimizer.state_dict(), "step": int}`` (tensors are the model's copies and the optimizer's
+    own; plain values, so ``torch.load(weights_only=True)`` reads a checkpoint of it).
+    """
+
+    def __init__(self, model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, step: int = 0):
+        if not isinstance(model, FullyShardedDataParallel):
+            raise ConfigError(f"FSDPState: model must be a FullyShardedDataParallel, got {type(model).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.step = int(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.sharded_state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's own state, at the world size and rank it was taken in, in place.
+
+        Raises:
+            ConfigError: saved at another world size or rank, or another layout (names both;
+                :meth:`load_state_dicts` changes the world size).
+        """
+        self.model.load_sharded_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = int(state["step"])
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Every saved rank's state of one committed step or checkpoint, in saved-rank order
+        (``rtxnet.checkpoint.load_all``), resharded for the current world, in place: shards by
+        :meth:`FullyShardedDataParallel.load_sharded_state_dicts`, the optimizer's moments by
+        :meth:`FullyShardedDataParallel.reshard_optimizer_state_dict`, the step from saved rank 0.
+        Gradients left by a failed step are dropped (by :meth:`load_state_dict` too).
+
+        Raises:
+            ConfigError: as the two methods above (a missing or misplaced rank, another layout).
+        """
+        self.model.load_sharded_state_dicts([st["model"] for st in states])
+        self.optimizer.load_state_dict(self.model.reshard_optimizer_state_dict(
+            self.optimizer, [st["optimizer"] for st in states]))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = int(states[0]["step"])
 
 
 _SAVED = object()   # marks a saved tensor that views a gathered buffer

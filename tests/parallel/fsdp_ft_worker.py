@@ -24,7 +24,7 @@ import torch
 
 import rtxnet
 import rtxnet.checkpoint as ckpt
-from rtxnet.parallel.fsdp import FullyShardedDataParallel
+from rtxnet.parallel.fsdp import FSDPState, FullyShardedDataParallel
 from tests.procs import leave_together
 
 B = 12   # global batch: divisible by worlds of 1, 2 and 3
@@ -47,24 +47,7 @@ def main() -> int:
     model = FullyShardedDataParallel(make_net(), pg, init_sync=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    class State:
-        step = 0
-
-        def state_dict(self):
-            return {"model": model.sharded_state_dict(), "opt": opt.state_dict(), "step": self.step}
-
-        def load_state_dict(self, s):
-            model.load_sharded_state_dict(s["model"])     # ConfigError at another world size
-            opt.load_state_dict(s["opt"])
-            self.step = s["step"]
-
-        def load_state_dicts(self, saved):
-            # every saved rank's shards, resharded for this world (the same or a smaller one)
-            model.load_sharded_state_dicts([s["model"] for s in saved])
-            opt.load_state_dict(model.reshard_optimizer_state_dict(opt, [s["opt"] for s in saved]))
-            self.step = saved[0]["step"]
-
-    state = State()
+    state = FSDPState(model, opt)   # load_state_dicts: every saved rank's shards, resharded
 
     def load_checkpoint(step: int, root: str) -> None:
         state.load_state_dicts(ckpt.load_all(root, step))

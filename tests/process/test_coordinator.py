@@ -29,6 +29,17 @@ ROOT = procs.ROOT
 FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "op_s": 5.0, "rendezvous_s": 30.0}
 
 
+def joined(probes, address: str, job: str, n: int, **cfg) -> list:
+    """``n`` probes asking for ranks ``0..n-1`` of ``job`` (fast timeouts unless given), once all
+    have joined."""
+    cfg.setdefault("timeouts", FAST)
+    cfg.setdefault("world_size", None if "min_ranks" in cfg else n)
+    ps = [probes(address, job=job, rank=r, **cfg) for r in range(n)]
+    for p in ps:
+        p.expect("joined")
+    return ps
+
+
 def test_four_agents_rendezvous_share_kv_and_show_in_status(coordinator, probes):
     ps = [probes(coordinator.address, job="four", rank=r, world_size=4) for r in range(4)]
     joined = [p.expect("joined") for p in ps]
@@ -66,6 +77,10 @@ def test_duplicate_rank_claim_is_refused_at_once(coordinator, probes):
     assert a.expect("joined")["world_size"] == 2 and c.expect("joined")["rank"] == 1
     d = probes(coordinator.address, job="dup", world_size=2)
     assert "full" in d.expect("join_failed", timeout=10)["message"]
+    # a rank started with other bounds (RTXNET_WORLD_SIZE=3) is refused at once, naming both
+    e = probes(coordinator.address, job="dup", world_size=3).expect("join_failed", timeout=10)
+    assert e["error"] == "ConfigError" and "has min_ranks(2) max_ranks(2)" in e["message"], e
+    assert "asks for min_ranks(3) max_ranks(3)" in e["message"], e
 
 
 def test_two_jobs_one_ends_without_touching_the_other(coordinator, probes):
@@ -86,19 +101,41 @@ def test_two_jobs_one_ends_without_touching_the_other(coordinator, probes):
 
 
 def test_killed_rank_is_reported_to_every_survivor(coordinator, probes):
-    ps = [probes(coordinator.address, job="k", rank=r, world_size=4, timeouts=FAST) for r in range(4)]
-    for p in ps:
-        p.expect("joined")
+    ps = joined(probes, coordinator.address, "k", 4)
     ps[2].signal(signal.SIGKILL)
     for p in (ps[0], ps[1], ps[3]):
         e = p.expect("epoch", timeout=10)
         assert e["lost"] == [2] and e["reason"] == "lost" and e["world_size"] == 3 and e["epoch"] == 1
 
 
+def test_collectives_run_in_a_smaller_world_only_down_to_min_ranks(coordinator, probes):
+    ps = joined(probes, coordinator.address, "m", 3, min_ranks=2, max_ranks=3, last_call_s=30)
+    ps[2].signal(signal.SIGKILL)
+    for p in ps[:2]:
+        assert p.expect("epoch", timeout=10)["world_size"] == 2
+        p.submit("all_reduce", value=p is ps[1] and 2 or 1)
+    for p in ps[:2]:   # 2 ranks >= min_ranks(2): the job allows this world
+        r = p.expect("result", cmd="all_reduce")
+        assert r["ok"] and r["sum"] == 3.0 and r["epoch"] == 1, r
+    ps[1].signal(signal.SIGKILL)
+    assert ps[0].expect("epoch", timeout=10)["world_size"] == 1
+    r = ps[0].cmd("all_reduce", value=1)   # below min_ranks: refused, not a "sum" of one rank
+    assert not r["ok"] and r["error"] == "PeerLostError", r
+    assert "the world of epoch 2 has 1 rank(s), fewer than min_ranks(2) (ranks [1]" in r["message"], r
+
+
+def test_a_rank_muted_for_good_is_refused_when_it_would_rejoin(coordinator, probes):
+    # (drop-heartbeats without seconds=): rejoining would only be fenced again, over and over
+    ps = joined(probes, coordinator.address, "mute", 2)
+    assert ps[1].cmd("mute", seconds=None)["ok"]
+    assert ps[0].expect("epoch", timeout=10)["lost"] == [1]
+    r = ps[1].cmd("rejoin")
+    assert not r["ok"] and r["error"] == "RendezvousError", r
+    assert "heartbeats are stopped for good by fault injection" in r["message"], r
+
+
 def test_frozen_rank_is_declared_lost_then_fenced_when_it_wakes(coordinator, probes):
-    ps = [probes(coordinator.address, job="s", rank=r, world_size=3, timeouts=FAST) for r in range(3)]
-    for p in ps:
-        p.expect("joined")
+    ps = joined(probes, coordinator.address, "s", 3)
     ps[1].signal(signal.SIGSTOP)
     try:
         e = ps[0].expect("epoch", timeout=10)
@@ -113,9 +150,7 @@ def test_frozen_rank_is_declared_lost_then_fenced_when_it_wakes(coordinator, pro
 
 
 def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
-    ps = [probes(coordinator.address, job="r", rank=r, world_size=3, timeouts=FAST) for r in range(3)]
-    for p in ps:
-        p.expect("joined")
+    ps = joined(probes, coordinator.address, "r", 3)
     ps[0].cmd("kv_set", key="before", value="crash")
     coordinator.kill(signal.SIGKILL)
     coordinator.start()  # same port, same journal
@@ -173,9 +208,7 @@ def test_a_request_in_flight_when_the_coordinator_dies_is_answered_by_its_restar
     """Rank 0 waits on a key; the daemon is SIGKILLed (its kv_wait dies with it) and restarted;
     rank 1 sets the key. The request goes again over the new connection and is answered at once,
     not after its own deadline (30 s here)."""
-    ps = [probes(coordinator.address, job="inflight", rank=r, world_size=2, timeouts=FAST) for r in range(2)]
-    for p in ps:
-        p.expect("joined")
+    ps = joined(probes, coordinator.address, "inflight", 2)
     ps[0].submit("kv_wait", keys=["late"], timeout=30)
     time.sleep(0.5)                          # the wait is parked in the daemon
     coordinator.kill(signal.SIGKILL)

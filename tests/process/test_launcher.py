@@ -119,7 +119,7 @@ def test_a_rank_failed_for_good_above_min_ranks_leaves_the_others_running(tmp_pa
 
 
 REFORM = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     import numpy as np
     import rtxnet
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10,
@@ -129,12 +129,17 @@ REFORM = textwrap.dedent("""
     if me == 0:
         try:                                   # rank 1 is not there: this one times out alone
             pg.all_reduce(x, timeout=1.0)
-        except rtxnet.CollectiveTimeout:
-            pg.store.set("timed-out", "1")
+        except rtxnet.CollectiveTimeout as exc:
+            failed_in = exc.epoch
+        pg.reform("rank 0 timed out alone", epoch=failed_in)
+        pg.store.set("reformed", str(pg.epoch))
     else:
-        pg.store.wait(["timed-out"], timeout=30)
-    if sys.argv[1] == "reform":
-        pg.reform("rank 0 timed out alone")
+        # as if it had failed in epoch 0 too, but asks late: rank 0's reform reached it first
+        pg.store.wait(["reformed"], timeout=30)
+        while pg.epoch == 0:
+            time.sleep(0.01)
+        late = {"epoch": 0} if sys.argv[1] == "failed-epoch" else {}
+        pg.reform("rank 1 asks late", **late)   # naming epoch 0: no second epoch
     x = np.full(4, me + 1.0)
     try:
         pg.all_reduce(x, timeout=5.0)
@@ -148,11 +153,12 @@ REFORM = textwrap.dedent("""
 
 
 def test_reform_puts_ranks_back_in_step_after_a_lone_timeout(tmp_path):
-    # Without the reform (argument "none"), both ranks' next all_reduce fails: one operation
-    # apart, they wait on different operations.
+    # Without the reform both ranks' next all_reduce fails: one operation apart, they wait on
+    # different operations. Rank 1 reforms after rank 0's new epoch reached it, naming the epoch
+    # of the failure: one new epoch, not two (with argument "current" it names epoch 1 and opens 2).
     script = tmp_path / "reform.py"
     script.write_text(REFORM)
-    out = run(["--nproc", "2", str(script), "reform"], timeout=60)
+    out = run(["--nproc", "2", str(script), "failed-epoch"], timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "[rank0] sum 3.0 epoch 1" in out.stdout and "[rank1] sum 3.0 epoch 1" in out.stdout, out.stdout
 
@@ -227,11 +233,12 @@ def test_a_line_longer_than_a_pipe_buffer_does_not_stall_a_rank(tmp_path):
 
 
 def test_more_arguments_are_checked(tmp_path):
-    out = run(["--nproc", "2", "--coordinator", "tcp://127.0.0.1:70000", "--faults", "kill:rank=4:step=1",
-               "--job", "", str(tmp_path)])
+    out = run(["--nproc", "2", "--coordinator", "tcp://127.0.0.1:70000", "--faults",
+               "kill:rank=4:step=1;kill-coordinator:step=2", "--job", "", str(tmp_path)])
     assert out.returncode == 2
     for text in ("port '70000' is not in 0..65535", "names rank 4, but --nproc is 2", "--job must not be empty",
-                 "is not a file"):
+                 "is not a file", "'kill-coordinator:step=2' kills the coordinator rtxnet-run starts, "
+                 "but --coordinator tcp://127.0.0.1:70000 is another one"):
         assert text in out.stderr, out.stderr
 
 
