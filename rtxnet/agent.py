@@ -384,6 +384,28 @@ class Agent:
     async def kv_del(self, key: str) -> bool:
         return (await self._request("kv_del", key=key))["deleted"]
 
+    def check_coordinator(self, what: str) -> None:
+        """Raise when the coordinator has answered no heartbeat for ``Timeouts.coordinator_s``.
+
+        Raises:
+            CoordinatorLostError: names ``what`` was being done, the address and the silence;
+                the coordinator died (and was not restarted on its journal in time) or this rank
+                is cut off from it (a network partition: the others, on the coordinator's side,
+                go on without this rank).
+        """
+        since = self._unreachable_since
+        if since is None:
+            return
+        silent = asyncio.get_running_loop().time() - since
+        if silent > self.timeouts.coordinator_s:
+            raise CoordinatorLostError(
+                f"{what}: the coordinator at {self.coordinator} has answered no heartbeat for "
+                f"{silent:.0f} s (coordinator_s={self.timeouts.coordinator_s:g}): it is gone, or this "
+                f"rank is cut off from it (a network partition; the ranks it still reaches go on "
+                f"without this one), so no step can be committed; a coordinator restarted on the "
+                f"same journal within coordinator_s is reconnected to without loss (rtxnet-run "
+                f"restarts its own)", address=self.coordinator, silent_s=silent)
+
     async def commit(self, step: int, *, ok: bool = True, metadata: dict | None = None,
                      timeout_s: float) -> dict[str, Any]:
         """Vote on ``step``; returns the coordinator's decision ``{committed, step, reason}``.
@@ -406,18 +428,12 @@ class Agent:
             if remaining <= 0:
                 raise RtxTimeoutError(f"commit of step {step}: no decision within {timeout_s:g} s")
             since = self._unreachable_since
-            silent = 0.0 if since is None else loop.time() - since
-            if silent > self.timeouts.coordinator_s:
-                raise CoordinatorLostError(
-                    f"commit of step {step}: the coordinator at {self.coordinator} has answered no "
-                    f"heartbeat for {silent:.0f} s (coordinator_s={self.timeouts.coordinator_s:g}), "
-                    f"so no step can be committed; a coordinator restarted on the same journal "
-                    f"within coordinator_s is reconnected to without loss (rtxnet-run restarts its "
-                    f"own)", address=self.coordinator, silent_s=silent)
+            self.check_coordinator(f"commit of step {step}")
             if self.epoch != epoch:
                 return {"committed": False, "step": step, "reason": f"epoch changed {epoch} -> {self.epoch}"}
             wait_s = min(attempt_s, remaining)
             if since is not None:   # look again when the silence would pass coordinator_s
+                silent = loop.time() - since
                 wait_s = min(wait_s, max(0.5, self.timeouts.coordinator_s - silent + 0.1))
             try:
                 if self._closed or self._client is None:

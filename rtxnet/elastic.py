@@ -389,6 +389,9 @@ class FaultTolerance:
             # have completed an operation that others did not, so their sequence numbers no longer
             # agree. Ask for a fresh epoch with the same members: every rank's in-flight work fails,
             # all roll back to the committed state and re-sync, in step again.
+            # A rank cut off from the coordinator cannot be re-formed (nor learn that the others
+            # moved on without it): say so instead of retrying the step into a wall.
+            self.pg.agent.check_coordinator(f"step {step} failed ({type(exc).__name__})")
             self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
             if n > self.max_step_retries:
                 raise RtxError(

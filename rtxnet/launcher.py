@@ -2,6 +2,12 @@
 
     rtxnet-run --nproc 4 [--coordinator ADDR] [--job ID] [--max-restarts K] script.py [args...]
 
+Several hosts (nodes), as torchrun's ``--nnodes``/``--node-rank``: run ``rtxnet-coordinator`` on
+one host, then on each of the N hosts ``rtxnet-run --nnodes N --node-rank K --nproc P
+--coordinator ADDR --job ID script.py`` (the same ADDR and ID everywhere). Node K starts launch
+ranks ``K*P .. K*P+P-1`` of a world of ``N*P``; each rank's data sockets listen on
+``--bind-host`` (default: this host's address on the route to the coordinator).
+
 Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them. Every line a rank
 prints is prefixed with ``[rankN]``. SIGINT and SIGTERM are forwarded to the ranks. A rank that
@@ -124,7 +130,12 @@ async def _pump(stream: asyncio.StreamReader, prefix: bytes, out) -> None:
 class Launcher:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.slots = [_Slot(r) for r in range(args.nproc)]
+        self.total = args.nnodes * args.nproc       # ranks of the job, every node's
+        first = args.node_rank * args.nproc
+        self.slots = [_Slot(first + r) for r in range(args.nproc)]
+        # the data sockets' address: loopback on one node, else routable from the other nodes
+        self.bind_host = args.bind_host or (
+            _route_address(args.coordinator) if args.nnodes > 1 else None)
         self.coordinator_proc: asyncio.subprocess.Process | None = None
         self.address = args.coordinator
         self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
@@ -146,17 +157,20 @@ class Launcher:
             "RTXNET_COORDINATOR": self.address,
             "RTXNET_JOB": self.job,
             "RTXNET_RANK": str(slot.rank),
-            "RTXNET_WORLD_SIZE": str(a.nproc),
-            "RTXNET_MIN_RANKS": str(a.min_ranks or a.nproc),
-            "RTXNET_MAX_RANKS": str(a.nproc),
+            "RTXNET_WORLD_SIZE": str(self.total),
+            "RTXNET_MIN_RANKS": str(a.min_ranks or self.total),
+            "RTXNET_MAX_RANKS": str(self.total),
             "RTXNET_RESTART_COUNT": str(slot.restarts),
             "RTXNET_REJOIN": "1" if slot.restarts else "0",
             "RANK": str(slot.rank),
-            "WORLD_SIZE": str(a.nproc),
-            "LOCAL_RANK": str(slot.rank),
+            "WORLD_SIZE": str(self.total),
+            "LOCAL_RANK": str(slot.rank - a.node_rank * a.nproc),
             "LOCAL_WORLD_SIZE": str(a.nproc),
+            "GROUP_RANK": str(a.node_rank),
             "PYTHONUNBUFFERED": "1",
         })
+        if self.bind_host is not None:
+            env["RTXNET_BIND_HOST"] = self.bind_host
         if a.faults:
             env["RTXNET_FAULTS"] = a.faults
         if self.coordinator_proc is not None:
@@ -205,8 +219,8 @@ class Launcher:
             return
         a = self.args
         lost = [s.rank for s in self.slots if s.returncode not in (0, None)]
-        left = a.nproc - len(lost)
-        min_ranks = a.min_ranks or a.nproc
+        left = self.total - len(lost)    # (this node's failures; other nodes' launchers see theirs)
+        min_ranks = a.min_ranks or self.total
         if left >= min_ranks:
             return
         running = [s for s in self.slots if s.proc is not None and s.returncode is None]
@@ -251,7 +265,12 @@ class Launcher:
                 journal, extra=self._coordinator_args())
             _say(f"coordinator {self.address} (journal {journal}, pid {self.coordinator_proc.pid})")
             self._supervisor = asyncio.ensure_future(self._supervise_coordinator(journal))
-        _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
+        if a.nnodes > 1:
+            _say(f"job {self.job}: node {a.node_rank} of {a.nnodes}: starting ranks "
+                 f"{self.slots[0].rank}..{self.slots[-1].rank} of {self.total} of {a.script} "
+                 f"(data sockets on {self.bind_host})")
+        else:
+            _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
         try:
             for slot in self.slots:
                 if self.stopping:
@@ -355,6 +374,39 @@ async def _probe_coordinator(address: str) -> None:
                            f"started") from None
 
 
+def _bind_host_error(host: str) -> str | None:
+    """Why the ranks could not listen on ``host`` (not an IP address, not one of this host's),
+    or None."""
+    import ipaddress
+    import socket
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"--bind-host must be an IP address of this host, got {host!r}"
+    try:
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError as exc:
+        return f"--bind-host {host}: the ranks could not listen there ({exc.strerror or exc})"
+    if ip.is_unspecified:
+        return (f"--bind-host {host} is not an address other nodes can reach (every interface); "
+                f"give this host's own address")
+    return None
+
+
+def _route_address(coordinator: str) -> str:
+    """This host's address on the route to ``coordinator`` (``tcp://HOST:PORT``): what the other
+    nodes can reach this one at, found by connecting a UDP socket (nothing is sent)."""
+    import socket
+
+    host = coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 def _outcome(slots, max_restarts: int, code: int) -> str:
     """The last line of a run with a failure: which ranks ended well, which failed, and why the
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
@@ -385,6 +437,15 @@ def _say(text: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rtxnet-run", description="Launch N ranks of a training script under rtxnet.")
     p.add_argument("--nproc", type=int, required=True, help="number of ranks to start on this host")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts the job runs on, each with its own rtxnet-run (default 1); with more "
+                        "than one, --coordinator and --job are required")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index in 0..nnodes-1: it starts launch ranks "
+                        "node_rank*nproc .. node_rank*nproc+nproc-1 (default 0)")
+    p.add_argument("--bind-host", default=None,
+                   help="address the ranks' data sockets listen on (default: 127.0.0.1 on one node; "
+                        "with --nnodes > 1, this host's address on the route to the coordinator)")
     p.add_argument("--coordinator", default=None, help="address of a running coordinator (default: start one)")
     p.add_argument("--journal", default=None, help="journal folder for the coordinator this command starts")
     p.add_argument("--job", default=None, help="job id (default: a fresh random one)")
@@ -450,8 +511,21 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(f"--coordinator: {exc}")
     if args.max_restarts < 0:
         errors.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.min_ranks is not None and not (1 <= args.min_ranks <= args.nproc):
-        errors.append(f"--min-ranks must be in 1..nproc({args.nproc}), got {args.min_ranks}")
+    total = args.nproc * max(1, args.nnodes)
+    if not 1 <= args.nnodes <= MAX_NPROC:
+        errors.append(f"--nnodes must be in 1..{MAX_NPROC}, got {args.nnodes}")
+    elif not 0 <= args.node_rank < args.nnodes:
+        errors.append(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
+    elif args.nnodes > 1 and (args.coordinator is None or args.job is None):
+        errors.append(f"--nnodes {args.nnodes} needs --coordinator ADDR (an rtxnet-coordinator every "
+                      f"node reaches) and --job ID, the same on every node")
+    if args.bind_host is not None:
+        bad = _bind_host_error(args.bind_host)
+        if bad:
+            errors.append(bad)
+    if args.min_ranks is not None and not (1 <= args.min_ranks <= total):
+        what = f"nproc({args.nproc})" if args.nnodes == 1 else f"nnodes*nproc({total})"
+        errors.append(f"--min-ranks must be in 1..{what}, got {args.min_ranks}")
     if not os.path.exists(args.script):
         errors.append(f"script {args.script!r} does not exist")
     elif not os.path.isfile(args.script):
@@ -465,8 +539,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             for f in parse_plan(plan):
-                if f.rank is not None and f.rank >= args.nproc:
-                    errors.append(f"{where}: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
+                if f.rank is not None and f.rank >= total:
+                    errors.append(f"{where}: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}"
+                                  + (f" on {args.nnodes} nodes" if args.nnodes > 1 else ""))
                 if f.kind == "kill-coordinator" and args.coordinator is not None:
                     errors.append(f"{where}: {f.text!r} kills the coordinator rtxnet-run starts, but "
                                   f"--coordinator {args.coordinator} is another one (rtxnet-run "

@@ -123,20 +123,24 @@ def ranks(argv: list[str], world: int, address: str, job: str, *, min_ranks: int
 
 
 class Coordinator:
-    """``python -m coordinator`` on 127.0.0.1 with a port chosen at run time."""
+    """``python -m coordinator`` on ``host`` (default 127.0.0.1) with a port chosen at run time;
+    ``prefix`` goes before the command (``["ip", "netns", "exec", NS]``: in a network namespace)."""
 
-    def __init__(self, journal: Path, *, port: int = 0, extra: list[str] | None = None):
+    def __init__(self, journal: Path, *, port: int = 0, extra: list[str] | None = None,
+                 host: str = "127.0.0.1", prefix: list[str] | None = None):
         self.journal = Path(journal)
         self.extra = extra or []
         self.port = port
+        self.host = host
+        self.prefix = prefix or []
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "--bind", f"tcp://127.0.0.1:{self.port}", "--journal",
-             str(self.journal), *self.extra],
+            [*self.prefix, sys.executable, "-m", "coordinator", "--bind", f"tcp://{self.host}:{self.port}",
+             "--journal", str(self.journal), *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
         )
         line = self.proc.stdout.readline().decode().strip()

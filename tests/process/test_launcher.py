@@ -32,12 +32,20 @@ def test_demo_runs_four_ranks_with_prefixed_output():
         assert f"[rank{r}] rank={r} world_size=4 epoch=0" in out.stdout
 
 
-def test_torch_style_variables_are_set(tmp_path):
+def test_torch_style_variables_are_set(tmp_path, coordinator):
     script = tmp_path / "env.py"
-    script.write_text("import os\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'], os.environ['RTXNET_JOB'])\n")
+    script.write_text("import os\nprint(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                      "'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'RTXNET_JOB', 'RTXNET_WORLD_SIZE', "
+                      "'RTXNET_MIN_RANKS')), os.environ.get('RTXNET_BIND_HOST'))\n")
     out = run(["--nproc", "2", "--job", "envjob", str(script)])
     assert out.returncode == 0, out.stderr
-    assert "[rank0] 0 2 0 envjob" in out.stdout and "[rank1] 1 2 1 envjob" in out.stdout
+    assert "[rank0] 0 2 0 2 0 envjob 2 2 None" in out.stdout and "[rank1] 1 2 1 2 0 envjob 2 2 None" in out.stdout
+    # the second of three nodes: launch ranks 2 and 3 of 6, data sockets on the route to ADDR
+    out = run(["--nnodes", "3", "--node-rank", "1", "--nproc", "2", "--min-ranks", "4", "--coordinator",
+               coordinator.address, "--job", "envjob", str(script)])
+    assert out.returncode == 0, out.stderr
+    for r in (2, 3):
+        assert f"[rank{r}] {r} 6 {r - 2} 2 1 envjob 6 4 127.0.0.1" in out.stdout, out.stdout
 
 
 CRASH_ONCE = textwrap.dedent("""
@@ -240,6 +248,18 @@ def test_more_arguments_are_checked(tmp_path):
                  "is not a file", "'kill-coordinator:step=2' kills the coordinator rtxnet-run starts, "
                  "but --coordinator tcp://127.0.0.1:70000 is another one"):
         assert text in out.stderr, out.stderr
+    for args, text in [
+        (["--nnodes", "2"], "--nnodes 2 needs --coordinator ADDR (an rtxnet-coordinator every node "
+                            "reaches) and --job ID, the same on every node"),
+        (["--nnodes", "0"], "--nnodes must be in 1..1024, got 0"),
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in 0..1 (--nnodes 2), got 2"),
+        (["--nnodes", "2", "--min-ranks", "5"], "--min-ranks must be in 1..nnodes*nproc(4), got 5"),
+        (["--bind-host", "0.0.0.0"], "--bind-host 0.0.0.0 is not an address other nodes can reach"),
+        (["--bind-host", "192.0.2.7"], "--bind-host 192.0.2.7: the ranks could not listen there"),
+        (["--bind-host", "eth0"], "--bind-host must be an IP address of this host, got 'eth0'"),
+    ]:
+        out = run(["--nproc", "2", *args, "examples/rendezvous_demo.py"])
+        assert out.returncode == 2 and f"rtxnet-run: {text}" in out.stderr, (args, out.stderr)
 
 
 LEAVES_A_CHILD = textwrap.dedent("""
