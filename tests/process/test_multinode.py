@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,53 +24,32 @@ import pytest
 
 sys.path.insert(0, str(procs.ROOT / "tools"))
 import ft_workload  # noqa: E402
+import netns  # noqa: E402
+from netns import ADDRS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-ADDRS = ("10.201.0.1", "10.201.0.2")
 # fast failure detection; the op timeout bounds how long the cut-off side waits on its peers
 TIMEOUTS = {"RTXNET_HEARTBEAT_INTERVAL": "0.1", "RTXNET_HEARTBEAT_TIMEOUT": "1", "RTXNET_OP_TIMEOUT": "4",
             "RTXNET_COORDINATOR_TIMEOUT": "3", "RTXNET_RENDEZVOUS_TIMEOUT": "60"}
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-
-
 @pytest.fixture
 def hosts():
-    """Two namespaces ``(a, b)`` with ``ADDRS`` on a veth pair between them, loopback up."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 (ip netns) to make two hosts")
-    tag = f"{os.getpid()}{time.monotonic_ns() % 10000}"
-    ns = (f"rtx{tag}a", f"rtx{tag}b")
-    veth = (f"rv{tag}"[:13] + "a", f"rv{tag}"[:13] + "b")
-    made = []
+    """Two hosts (tools/netns.py): namespaces joined by a veth pair, removed at the end."""
     try:
-        for n in ns:
-            r = _ip("netns", "add", n)
-            if r.returncode != 0:
-                pytest.skip(f"cannot create a network namespace: {r.stderr.strip()}")
-            made.append(n)
-        steps = [("link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1], "netns", ns[1])]
-        for n, v, a in zip(ns, veth, ADDRS, strict=True):
-            steps += [("-n", n, "addr", "add", f"{a}/24", "dev", v), ("-n", n, "link", "set", v, "up"),
-                      ("-n", n, "link", "set", "lo", "up")]
-        for st in steps:
-            r = _ip(*st)
-            assert r.returncode == 0, f"ip {' '.join(st)}: {r.stderr}"
-        yield ns, veth
-    finally:
-        for n in made:
-            _ip("netns", "del", n)
+        with netns.two_hosts() as h:
+            yield h
+    except netns.Unavailable as exc:
+        pytest.skip(str(exc))
 
 
-def _launch(ns: str, node: int, address: str, job: str, out: Path, steps: int, *extra: str) -> subprocess.Popen:
+def _launch(hosts, node: int, address: str, job: str, out: Path, steps: int, *extra: str) -> subprocess.Popen:
     env = procs.env(RTXNET_HOST=f"node{node}", **TIMEOUTS)
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank",
-         str(node), "--nproc", "2", "--coordinator", address, "--job", job, *extra, "tools/ft_workload.py",
-         "--steps", str(steps), "--step-sleep", "0.01", "--out", str(out)],
+    return hosts.popen(
+        node, [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc",
+               "2", "--coordinator", address, "--job", job, *extra, "tools/ft_workload.py", "--steps", str(steps),
+               "--step-sleep", "0.01", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=procs.ROOT)
 
 
@@ -81,7 +59,7 @@ def _finish(p: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         os.kill(p.pid, signal.SIGKILL)     # the ranks get SIGTERM with it (PR_SET_PDEATHSIG)
         out, err = p.communicate(timeout=20)
-        raise AssertionError(f"launcher {p.args[3]} still running after {timeout} s:\n{err[-4000:]}") from None
+        raise AssertionError(f"launcher {p.args[3:]} still running after {timeout} s:\n{err[-4000:]}") from None
     return p.returncode, out, err
 
 
@@ -89,8 +67,8 @@ def _results(out: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted(out.glob("final-*.json"))]
 
 
-def _committed(ns: str, address: str, job: str) -> int:
-    r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "rtxnet.cli", "status", "--json",
+def _committed(hosts, address: str, job: str) -> int:
+    r = subprocess.run([*hosts.prefix(0), sys.executable, "-m", "rtxnet.cli", "status", "--json",
                         "--coordinator", address], capture_output=True, text=True, timeout=30,
                        env=procs.env(), cwd=procs.ROOT)
     jobs = json.loads(r.stdout) if r.returncode == 0 else []
@@ -98,11 +76,10 @@ def _committed(ns: str, address: str, job: str) -> int:
 
 
 def test_two_nodes_train_to_the_one_right_answer(hosts, tmp_path):
-    (a, b), _ = hosts
-    coord = procs.Coordinator(tmp_path / "journal", host=ADDRS[0], prefix=["ip", "netns", "exec", a])
+    coord = procs.Coordinator(tmp_path / "journal", host=ADDRS[0], prefix=hosts.prefix(0))
     launchers = []
     try:
-        launchers = [_launch(ns, k, coord.address, "two-nodes", tmp_path / "out", 40) for k, ns in enumerate((a, b))]
+        launchers = [_launch(hosts, k, coord.address, "two-nodes", tmp_path / "out", 40) for k in (0, 1)]
         done = [_finish(p, 90) for p in launchers]
     finally:
         for p in launchers:
@@ -120,19 +97,18 @@ def test_two_nodes_train_to_the_one_right_answer(hosts, tmp_path):
 
 
 def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, tmp_path):
-    (a, b), (_, veth_b) = hosts
-    coord = procs.Coordinator(tmp_path / "journal", host=ADDRS[0], prefix=["ip", "netns", "exec", a])
+    coord = procs.Coordinator(tmp_path / "journal", host=ADDRS[0], prefix=hosts.prefix(0))
     launchers = []
     steps = 400
     try:
-        launchers = [_launch(ns, k, coord.address, "cut", tmp_path / "out", steps, "--min-ranks", "2")
-                     for k, ns in enumerate((a, b))]
+        launchers = [_launch(hosts, k, coord.address, "cut", tmp_path / "out", steps, "--min-ranks", "2")
+                     for k in (0, 1)]
         deadline = time.monotonic() + 60
-        while _committed(a, coord.address, "cut") < 20:    # training is under way on all 4
+        while _committed(hosts, coord.address, "cut") < 20:    # training is under way on all 4
             assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), \
                 [p.communicate(timeout=20)[1][-3000:] for p in launchers if p.poll() is not None]
             time.sleep(0.2)
-        assert _ip("-n", b, "link", "set", veth_b, "down").returncode == 0
+        hosts.link(1, up=False)
         cut = time.monotonic()
         rc_b, _, err_b = _finish(launchers[1], 60)
         b_gone_s = time.monotonic() - cut
@@ -150,7 +126,10 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
     assert {r["sha256"] for r in res} == {ft_workload.reference(steps, 1024)}, res
     for r in res:   # (a commit_stall event may come too: a slow vote on a loaded machine)
         failure, recovered = [e for e in r["events"] if e["event"] in ("failure", "recovered")]
-        assert failure["lost"] == [2, 3] and recovered["steps_lost"] == 1, r["events"]
+        # the two are declared lost together or one heartbeat check apart (two epochs; ranks are
+        # renumbered at each, so the second may be "2" again): one recovery either way
+        assert set(failure["lost"]) <= {2, 3} and len(recovered["lost"]) == 2, r["events"]
+        assert recovered["steps_lost"] == 1, r["events"]
     # the cut-off side cannot reach the coordinator: each of its ranks stops with one clear error
     # within the op timeout plus a little, instead of retrying the step into a wall
     assert rc_b != 0 and b_gone_s < 30, (rc_b, b_gone_s, err_b[-3000:])
