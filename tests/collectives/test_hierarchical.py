@@ -50,6 +50,28 @@ def test_hierarchical_equals_flat():
         assert [c[0] for c in res[r]] == [c[0] for c in res[0]]
 
 
+async def default_choice(engine):
+    """Which all_reduces of the default choice went hierarchical (its host groups appear)."""
+    w = engine.world
+    seen = []
+    for n in (1000, 100_000):                   # 4 KB, and 400 KB > 64 KiB
+        x = np.full(n, w.rank + 1.0, np.float32)
+        await w.all_reduce(x)
+        seen.append((w._host_groups_cache is not None, float(x[0])))
+    return seen
+
+
+def test_several_hosts_sharing_ranks_default_to_hierarchical_above_64_kib():
+    # small arrays: one round; larger ones: hierarchical (fewer bytes across hosts than a ring)
+    res = run_world(5, default_choice, hosts=HOSTS)
+    for r in range(5):
+        assert res[r] == [(False, 15.0), (True, 15.0)], (r, res[r])
+    # one rank per host: hierarchical would be the flat ring, so it is not chosen
+    res = run_world(3, default_choice, hosts={0: "a", 1: "b", 2: "c"})
+    for r in range(3):
+        assert res[r] == [(False, 6.0), (False, 6.0)], (r, res[r])
+
+
 async def hier_kill(engine):
     w = engine.world
     x = np.ones(10, np.float32)

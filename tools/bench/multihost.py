@@ -1,0 +1,214 @@
+"""All-reduce across two hosts on a rate-limited link: flat ring against hierarchical.
+
+    sudo python tools/bench/multihost.py [--rate 1gbit] [--sizes 1MiB 4MiB 16MiB 64MiB] \\
+        [--json out/multihost.json]
+
+Two hosts are two network namespaces joined by a veth pair whose each direction is limited to
+``--rate`` by a token bucket (tools/netns.py), as a NIC's line rate would; each host runs
+``rtxnet-run --nnodes 2 --node-rank K --nproc 2`` (2 x 2 ranks, the coordinator on host 0). For
+each size (float32 SUM, timed iterations after warm-up, each started after a barrier; an
+iteration's time is the slowest rank's; the median is reported) the ranks all-reduce with
+``algorithm="ring"`` (the flat ring over all four ranks, over the bulk TCP streams), with
+``"hierarchical"`` (shared memory within each host, a ring of the two hosts' first ranks across
+the link, broadcast back) and with the default choice (hierarchical above 64 KiB on hosts that
+share ranks; ``ran`` in the JSON). Sizes of a few MiB or less partly ride the token bucket's
+1 MB burst and may beat the bound.
+
+Anchor, measured in the same run: the link rate, one TCP stream from host 0 to host 1 (256 MiB,
+``link_gbps``). The bound each algorithm cannot beat follows from the bytes it must put on the
+busier direction of the link for an array of S bytes over n = 4 ranks on 2 hosts: the flat ring
+[h0 r0, h0 r1, h1 r2, h1 r3] crosses the link once each way, with ``2(n-1)/n * S = 1.5 S`` on each
+crossing (reduce-scatter then all-gather, nccl's ring); hierarchical sends the hosts' partial sums
+over a ring of 2, ``S`` each way. So ``time >= 1.5 S / link`` (ring) and ``S / link``
+(hierarchical), and each row carries ``frac_of_bound`` (bound time / measured time).
+
+Output: a table, and JSON rows ``{algorithm, ran, nbytes, time_s, algbw_gbps, busbw_gbps, bound_s,
+frac_of_bound, ok}`` plus ``link_gbps`` and ``rate``. Needs root (namespaces and tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT))
+
+ALGORITHMS = ("ring", "hierarchical", "default")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    for unit in ("GiB", "MiB", "KiB", "B"):
+        if text.endswith(unit) and text[:-len(unit)].isdigit():
+            return int(text[:-len(unit)]) * _UNITS[unit]
+    raise argparse.ArgumentTypeError(f"bad size {text!r}; e.g. 1MiB 64MiB")
+
+
+# -- rank side (run by rtxnet-run on each host) ---------------------------------------------------
+
+def rank_main(sizes: list[int], out: str, iters: int) -> int:
+    import rtxnet
+
+    pg = rtxnet.init()
+    rows = []
+    for algo in ALGORITHMS:
+        kw = {} if algo == "default" else {"algorithm": algo}
+        for nbytes in sizes:
+            x = np.full(nbytes // 4, pg.rank + 1.0, np.float32)
+            pg.all_reduce(x, **kw)
+            ok = bool(np.all(x == sum(range(1, pg.world_size + 1))))
+            times = []
+            for i in range(iters + 2):
+                pg.barrier()
+                t0 = time.perf_counter()
+                pg.all_reduce(x, **kw)
+                t = np.array([time.perf_counter() - t0])
+                pg.all_reduce(t, op=rtxnet.ReduceOp.MAX)   # the slowest rank's
+                if i >= 2:
+                    times.append(float(t[0]))
+            flags = np.array([1.0 if ok else 0.0])
+            pg.all_reduce(flags, op=rtxnet.ReduceOp.MIN)
+            rows.append({"algorithm": algo, "nbytes": nbytes, "time_s": statistics.median(times),
+                         "times_s": times, "ok": bool(flags[0] == 1.0)})
+    if pg.rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    pg.barrier()
+    pg.close()
+    return 0
+
+
+# -- the link's own rate ---------------------------------------------------------------------------
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 0)); s.listen(1); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); n = 0; buf = bytearray(1 << 20); t0 = None
+while True:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    t0 = t0 or time.perf_counter(); n += k
+print(n, time.perf_counter() - t0, flush=True)
+"""
+
+_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+block = b"x" * (1 << 20)
+for _ in range(int(sys.argv[3])):
+    c.sendall(block)
+c.close()
+"""
+
+
+def link_rate(hosts, mib: int = 256) -> float:
+    """Bytes/s of one TCP stream from host 0 to host 1 (the receiver's clock, from its first byte)."""
+    sink = hosts.popen(1, [sys.executable, "-c", _SINK, hosts.addrs[1]], stdout=subprocess.PIPE, text=True)
+    try:
+        port = sink.stdout.readline().strip()
+        src = hosts.popen(0, [sys.executable, "-c", _SOURCE, hosts.addrs[1], port, str(mib)])
+        src.wait(120)
+        n, secs = sink.stdout.readline().split()
+        sink.wait(30)
+    finally:
+        for p in (sink,):
+            if p.poll() is None:
+                p.kill()
+    return int(n) / float(secs)
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+def run(rate: str, sizes: list[int], iters: int) -> dict:
+    import netns
+
+    from tests import procs
+
+    with netns.two_hosts(rate=rate) as hosts, tempfile.TemporaryDirectory(prefix="rtxnet-mh-") as tmp:
+        link = link_rate(hosts)
+        coord = procs.Coordinator(Path(tmp) / "journal", host=hosts.addrs[0], prefix=hosts.prefix(0))
+        out = Path(tmp) / "rows.json"
+        launchers = []
+        try:
+            for k in (0, 1):
+                env = procs.env(RTXNET_HOST=f"node{k}")
+                launchers.append(hosts.popen(
+                    k, [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(k),
+                        "--nproc", "2", "--coordinator", coord.address, "--job", "multihost-bench",
+                        __file__, "--rank-side", "--out", str(out), "--iters", str(iters),
+                        "--sizes", *[f"{s}B" for s in sizes]],
+                    env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            errs = [p.communicate(timeout=1500)[1] for p in launchers]
+            for p, err in zip(launchers, errs, strict=True):
+                if p.returncode != 0:
+                    raise RuntimeError(f"a launcher exited {p.returncode}:\n{err[-3000:]}")
+        finally:
+            for p in launchers:
+                if p.poll() is None:
+                    p.kill()
+            coord.kill()
+        rows = json.loads(out.read_text())
+    from rtxnet.collectives.group import SMALL_MAX_NBYTES
+
+    for r in rows:
+        s, t = r["nbytes"], r["time_s"]
+        r["algbw_gbps"] = s / t / 1e9
+        r["busbw_gbps"] = r["algbw_gbps"] * 2 * 3 / 4
+        # what the default chose: hierarchical above 64 KiB on hosts that share ranks (this set-up)
+        r["ran"] = r["algorithm"] if r["algorithm"] != "default" else (
+            "hierarchical" if s > SMALL_MAX_NBYTES else "direct")
+        crossing = 1.0 if r["ran"] == "hierarchical" else 1.5
+        r["bound_s"] = crossing * s / link
+        r["frac_of_bound"] = r["bound_s"] / t
+    return {"rate": rate, "link_gbps": link / 1e9, "ranks": 4, "hosts": 2, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", default="1gbit", help="tc rate of each direction of the link (default 1gbit)")
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20])
+    ap.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
+    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.iters < 1:
+        ap.error(f"--iters must be >= 1, got {args.iters}")
+    if args.rank_side:
+        return rank_main(args.sizes, args.out, args.iters)
+    import netns
+
+    try:
+        res = run(args.rate, args.sizes, args.iters)
+    except netns.Unavailable as exc:
+        print(f"multihost: {exc}", file=sys.stderr)
+        return 2
+    print(f"2 hosts x 2 ranks, link {args.rate} each way: measured {res['link_gbps']:.3f} GB/s "
+          f"(one TCP stream)")
+    print(f"{'algorithm':>13} {'ran':>13} {'size':>8} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+          f"{'bound ms':>9} {'of bound':>9} {'ok':>4}")
+    for r in res["rows"]:
+        print(f"{r['algorithm']:>13} {r['ran']:>13} {r['nbytes'] >> 20:>5}MiB {r['time_s'] * 1e3:9.1f} "
+              f"{r['algbw_gbps']:11.3f} {r['busbw_gbps']:11.3f} {r['bound_s'] * 1e3:9.1f} "
+              f"{r['frac_of_bound']:9.2f} {'yes' if r['ok'] else 'NO':>4}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0 if all(r["ok"] for r in res["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
