@@ -43,7 +43,7 @@ import torch
 
 import rtxnet
 import rtxnet.checkpoint as ckpt
-from rtxnet.parallel.fsdp import FullyShardedDataParallel
+from rtxnet.parallel.fsdp import FSDPState, FullyShardedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
 from tests.parallel.ddp_worker import lockstep
 from tests.procs import LateLaunch, leave_together
@@ -252,8 +252,7 @@ def resharded(pg, out: Path, steps=2, B=6):
     opt = torch.optim.Adam(three.parameters(), lr=0.01)
     n = B // pg.world_size
     lockstep(ref, ref_opt, three, opt, x, y, B, r * n, n, steps)
-    ckpt.save(out / "ckpt-reshard", steps, {"model": three.sharded_state_dict(),
-                                            "opt": opt.state_dict()}, pg=pg)
+    ckpt.save(out / "ckpt-reshard", steps, FSDPState(three, opt, steps).state_dict(), pg=pg)
     if r > 1:
         return {}
     sub = pg.new_group([0, 1])
@@ -264,9 +263,10 @@ def resharded(pg, out: Path, steps=2, B=6):
         two.load_sharded_state_dicts([s["model"] for s in reversed(states)])
     except rtxnet.ConfigError as exc:
         res["reshard_wrong_order_error"] = str(exc)
-    two.load_sharded_state_dicts([s["model"] for s in states])
     opt2 = torch.optim.Adam(two.parameters(), lr=0.01)
-    opt2.load_state_dict(two.reshard_optimizer_state_dict(opt2, [s["opt"] for s in states]))
+    state2 = FSDPState(two, opt2)
+    state2.load_state_dicts(states)   # shards and Adam's moments resharded for 2 ranks
+    res["reshard_step"] = state2.step
     res["reshard_loaded_rel"] = sd_rel(two.full_state_dict(rank0_only=False), ref.state_dict())
     n = B // two.world_size
     lockstep(ref, ref_opt, two, opt2, x[B * steps:], y[B * steps:], B, two.rank * n, n, steps)
@@ -284,6 +284,7 @@ def errors(pg):
         "reduce_op": lambda: FullyShardedDataParallel(make_net(5), pg, reduce_op=rtxnet.ReduceOp.MAX),
         "timeout": lambda: FullyShardedDataParallel(make_net(5), pg, timeout_s=-1),
         "module": lambda: FullyShardedDataParallel("net", pg),
+        "state": lambda: FSDPState(make_net(5), None),
     }
     for name, fn in cases.items():
         try:

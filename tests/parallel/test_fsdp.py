@@ -99,6 +99,7 @@ def test_a_sharded_checkpoint_of_three_ranks_resumes_on_two_with_its_adam_state(
         assert r["reshard_saved_world"] == 3 and r["reshard_world"] == 2, r
         assert r["reshard_loaded_rel"] < TOL, r     # the shards as saved, re-laid out
         assert r["reshard_rel"] < TOL, r            # Adam's moments too: one process after 2 more steps
+        assert r["reshard_step"] == 2, r            # FSDPState's step, from saved rank 0
         err = r["reshard_wrong_order_error"]
         assert "states[0]" in err and "rank(2)" in err and "rank(0)" in err, err
 
@@ -110,6 +111,7 @@ def test_bad_arguments_get_errors_naming_the_value(basic):
     assert "ReduceOp.MAX" in r["err_reduce_op"]
     assert "timeout_s(-1)" in r["err_timeout"]
     assert "got str" in r["err_module"]
+    assert "FSDPState: model must be a FullyShardedDataParallel, got Net" in r["err_state"], r["err_state"]
     assert "head.weight" in r["err_shape"] and "(3, 3)" in r["err_shape"] and "(5, 24)" in r["err_shape"]
 
 
