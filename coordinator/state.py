@@ -466,7 +466,13 @@ def _reply_raw(job: Job, ident: str, rid: int, **body: Any) -> Send:
 def _request(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     t = msg["t"]
     if t == "status":
-        actions.append(_reply(identity, msg, None, jobs=_status(state, now)))
+        # finished job ids (they cannot be used again): the one asked about, or the newest ones
+        if msg["job"]:
+            fin = {msg["job"]: state.finished[msg["job"]]} if msg["job"] in state.finished else {}
+        else:
+            fin = dict(list(state.finished.items())[-STATUS_FINISHED:])
+        actions.append(_reply(identity, msg, None, jobs=_status(state, now), finished=fin,
+                              finished_total=len(state.finished)))
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
@@ -477,6 +483,15 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_reply(identity, msg, None, state="unknown", epoch=-1))
         else:
             actions.append(_error(identity, msg, "RendezvousError", f"unknown job {msg['job']!r}"))
+        return
+    if msg.get("token", "") != job.token:
+        actions.append(_error(identity, msg, "RendezvousError", f"{t}: wrong token for job {job.job!r}"))
+        return
+    if t in ("heartbeat", "leave", "reform") and msg["identity"] != identity:
+        actions.append(_not_yours(identity, msg))
+        return
+    if t.startswith("kv_") and "" in (msg["keys"] if t == "kv_wait" else [msg["key"]]):
+        actions.append(_error(identity, msg, "ConfigError", f"{t}: a store key must not be empty"))
         return
     if t == "heartbeat":
         member = job.member_by_identity(msg["identity"])
@@ -572,10 +587,21 @@ def _bad_duration(msg: dict, name: str) -> str | None:
     return None
 
 
+def _not_yours(identity: str, msg: dict) -> Send:
+    """The refusal of a request that names an agent other than the connection it came on (each
+    agent's ZeroMQ routing id is its identity): a client speaks only for itself."""
+    return _error(identity, msg, "RendezvousError",
+                  f"{msg['t']}: identity {msg['identity']!r} is not this connection's ({identity!r}); "
+                  f"a client acts only for itself")
+
+
 def _commit(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     bad = _bad_duration(msg, "timeout_s")
     if bad:
         actions.append(_error(identity, msg, "ConfigError", bad))
+        return
+    if msg["identity"] != identity:
+        actions.append(_not_yours(identity, msg))
         return
     member = job.member_by_identity(msg["identity"])
     if member is None:
@@ -614,6 +640,8 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
 
     if not job_id:
         return refuse("ConfigError", "job id must not be empty")
+    if ident != identity:
+        return actions.append(_not_yours(identity, msg))
     min_r, max_r = msg["min_ranks"], msg["max_ranks"]
     if not (1 <= min_r <= max_r):
         return refuse("ConfigError", f"need 1 <= min_ranks({min_r}) <= max_ranks({max_r})")
@@ -692,12 +720,16 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         actions.append(_epoch_push(job, m.identity, [], [new_rank], "joined"))
 
 
+STATUS_FINISHED = 20   # finished job ids a status lists (the newest)
+
+
 def _status(state: State, now: float) -> list[dict[str, Any]]:
     out = []
     for job in state.jobs.values():
         out.append({
             "job": job.job,
-            "state": "running" if job.formed else "rendezvous",
+            # "crashed": formed, every member lost; kept for restarted ranks (dead_job_ttl_s)
+            "state": ("running" if job.members else "crashed") if job.formed else "rendezvous",
             "epoch": job.epoch,
             "world_size": len(job.members),
             "min_ranks": job.min_ranks,

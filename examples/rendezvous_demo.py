@@ -13,7 +13,11 @@ import rtxnet
 
 
 def main() -> int:
-    pg = rtxnet.init()
+    try:
+        pg = rtxnet.init()
+    except rtxnet.RtxError as exc:   # refused or timed out: one line, not a traceback
+        print(f"rendezvous_demo: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     rank, world_size, epoch = pg.rank, pg.world_size, pg.epoch
     try:
         pg.store.set(f"pid/{rank}", str(os.getpid()))

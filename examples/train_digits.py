@@ -19,7 +19,8 @@ data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller 
 ``--max-restarts`` to let a replacement rejoin; below ``--min-ranks`` the survivors wait
 ``--rejoin-window`` seconds for one, then stop with one ``error: RendezvousError: ...`` line).
 Every ``--checkpoint-every`` steps a sharded checkpoint is committed under ``OUTDIR/checkpoints``;
-``--resume`` starts from the newest intact one. A bad ``--out`` (not creatable, not writable) or a
+``--resume`` starts from the newest intact one (with none intact among step folders that exist,
+every rank stops with one line before joining, exit code 2; with no step folder it starts afresh). A bad ``--out`` (not creatable, not writable) or a
 ``--global-batch`` above the 1347 training samples stops every rank with one line before it joins.
 
 ``--strategy fsdp`` shards the model and Adam's state over the ranks instead
@@ -289,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_digits: --global-batch must be at most the {len(xtr)} training samples, "
               f"got {args.global_batch}", file=sys.stderr)
         return 2
+    resume_step = checkpoint.latest(ckpt_dir) if args.resume else None
+    if args.resume and resume_step is None and any(ckpt_dir.glob("step-*")):
+        # step folders, none intact: starting afresh would overwrite them; say so instead
+        print(f"train_digits: --resume: no intact checkpoint in {ckpt_dir} (its step folders lack "
+              f"a manifest or fail their checksums); without --resume training starts afresh and "
+              f"replaces them", file=sys.stderr)
+        return 2
     pg = rtxnet.init()
     structlog.contextvars.bind_contextvars(rank=pg.rank)   # kept current by RankZeroOutput.is_me
 
@@ -308,13 +316,12 @@ def main(argv: list[str] | None = None) -> int:
 
     resumed_from = None
     if args.resume:
-        latest = checkpoint.latest(ckpt_dir)
-        if latest is None:
+        if resume_step is None:    # no step folder at all: nothing to resume, a fresh start
             log.warning("resume_no_checkpoint", folder=str(ckpt_dir))
         else:
-            load_checkpoint(latest, ckpt_dir)
+            load_checkpoint(resume_step, ckpt_dir)
             resumed_from = state.step
-            log.info("resumed", step=state.step, checkpoint=latest)
+            log.info("resumed", step=state.step, checkpoint=resume_step)
 
     ft = rtxnet.FaultTolerance(pg, state, start_step=state.step,   # continue the step count
                                load_checkpoint=load_checkpoint, rejoin_window_s=args.rejoin_window,

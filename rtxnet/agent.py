@@ -249,7 +249,8 @@ class Agent:
         if self._closed or self._client is None:
             raise ClosedError("agent is closed" if self._closed else "agent has not joined")
         return await self._client.request(mtype, job=self.job, epoch=self.epoch,
-                                          deadline_s=deadline_s or self.timeouts.request_s, **fields)
+                                          deadline_s=deadline_s or self.timeouts.request_s,
+                                          **{"token": self.token, **fields})
 
     async def _on_push(self, msg: dict[str, Any]) -> None:
         if msg["job"] != self.job:
@@ -439,7 +440,7 @@ class Agent:
                 if self._closed or self._client is None:
                     raise ClosedError("agent is closed")
                 return await self._client.request(
-                    "commit", job=self.job, epoch=epoch, deadline_s=wait_s + 0.5,
+                    "commit", job=self.job, epoch=epoch, deadline_s=wait_s + 0.5, token=self.token,
                     identity=self.identity, step=int(step), ok=bool(ok), metadata=metadata or {},
                     timeout_s=float(wait_s))
             except RtxTimeoutError:
@@ -458,7 +459,8 @@ class Agent:
             raise ClosedError("agent is closed" if self._closed else "agent has not joined")
         body = await self._client.request(
             "reform", job=self.job, epoch=self.epoch if epoch is None else int(epoch),
-            deadline_s=self.timeouts.request_s, identity=self.identity, reason=reason[:500])
+            deadline_s=self.timeouts.request_s, token=self.token, identity=self.identity,
+            reason=reason[:500])
         return body["epoch"]
 
     async def status(self) -> list[dict[str, Any]]:

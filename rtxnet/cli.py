@@ -3,8 +3,11 @@
     rtxnet status [--coordinator ADDR] [--json] [--timeout S]
     rtxnet topology [--json]
 
-``status`` prints every job on the coordinator: state, epoch, world size, last committed step and,
-per member, rank, host, pid and heartbeat age. ADDR defaults to ``RTXNET_COORDINATOR`` or
+``status`` prints every job on the coordinator: state (``rendezvous``, ``running``, or ``crashed``:
+every rank lost, kept for restarted ranks), epoch, world size, last committed step and, per member,
+rank, host, pid and heartbeat age; then the newest finished job ids, which cannot be used again
+(``--json``: entries ``{"job", "state": "finished", "committed_step", "members": []}`` after the
+jobs). ADDR defaults to ``RTXNET_COORDINATOR`` or
 ``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time; 2 for a bad
 argument (``S`` must be a finite number of seconds > 0) or address.
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import sys
 import uuid
@@ -30,19 +32,25 @@ from transport.errors import ConnectError, RtxError
 __all__ = ["main"]
 
 
-async def _status(address: str, timeout_s: float) -> list[dict]:
+async def _status(address: str, timeout_s: float, job: str = "") -> dict:
+    """The coordinator's status reply: ``{"jobs": [...], "finished": {job: last committed step},
+    "finished_total": n}`` (``finished``: ``job`` only when given, else the newest ids)."""
     client = ControlClient(address, f"rtxnet-status/{os.getpid()}/{uuid.uuid4().hex[:8]}")
     try:
-        body = await client.request("status", job="", epoch=-1, deadline_s=timeout_s)
+        body = await client.request("status", job=job, epoch=-1, deadline_s=timeout_s)
     finally:
         await client.aclose()
-    return body["jobs"]
+    body.setdefault("finished", {})
+    return body
 
 
-def _render(jobs: list[dict]) -> str:
-    if not jobs:
-        return "no jobs"
-    lines = []
+def _render(status: dict) -> str:
+    jobs, finished = status["jobs"], status["finished"]
+    lines = [] if jobs else ["no jobs"]
+    if finished:
+        more = status.get("finished_total", len(finished)) - len(finished)
+        lines.append(f"finished (ids not reusable){f', newest {len(finished)} of {len(finished) + more}' if more else ''}: "
+                     + ", ".join(f"{j} (last committed step {s})" for j, s in finished.items()))
     for j in jobs:
         lines.append(
             f"job {j['job']}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
@@ -63,8 +71,8 @@ def _seconds(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < v < math.inf:   # NaN fails too
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds > 0")
+    if not 0 < v <= 3600:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 3600]")
     return v
 
 
@@ -90,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         return _print(json.dumps(topo, indent=2) if args.json else render_topology(topo))
     if args.cmd == "status":
         try:
-            jobs = asyncio.run(_status(args.coordinator, args.timeout))
+            status = asyncio.run(_status(args.coordinator, args.timeout))
         except ConnectError as exc:
             print(f"rtxnet status: {exc}", file=sys.stderr)
             return 2
         except RtxError as exc:
             print(f"rtxnet status: {exc}", file=sys.stderr)
             return 1
-        return _print(json.dumps(jobs, indent=2) if args.json else _render(jobs))
+        if args.json:
+            fin = [{"job": j, "state": "finished", "committed_step": s, "members": []}
+                   for j, s in status["finished"].items()]
+            return _print(json.dumps(status["jobs"] + fin, indent=2))
+        return _print(_render(status))
     return 2  # pragma: no cover
 
 

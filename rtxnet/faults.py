@@ -174,6 +174,8 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
                     raise ValueError(f"{part!r}: {k}={v!r} is not an integer") from None
                 if args[k] < 0:
                     raise ValueError(f"{part!r}: {k}={v!r} must not be negative")
+                if k == "collective" and args[k] == 0:   # counted from 1: the first is collective=1
+                    raise ValueError(f"{part!r}: collective={v!r} must be >= 1 (the first collective is 1)")
             elif k in _FLOAT_FIELDS:
                 args[k] = _number(k, v, part)
             else:

@@ -22,7 +22,9 @@ the first rank whose last process failed (128+N for signal N).
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
 and stopped at the end. With ``--coordinator ADDR``, that coordinator must answer a ``status``
-request within a few seconds before any rank starts (else exit code 1, naming ADDR).
+request within a few seconds before any rank starts (else exit code 1, naming ADDR). A ``--job``
+that has finished on the coordinator (or in the ``--journal`` given) is refused before any rank
+starts, exit code 2: a job id is not reused.
 
 Before anything starts, the arguments and what every rank would read from the environment
 (``RTXNET_FAULTS``, the ``RTXNET_*`` timeouts, ``RTXNET_LAST_CALL``) are checked: each problem is
@@ -256,13 +258,19 @@ class Launcher:
             if a.journal is not None:
                 _say(f"--journal {a.journal} ignored: the coordinator at {self.address} keeps its own "
                      "journal (--journal is for the coordinator this command starts)")
-            await _probe_coordinator(self.address)
+            await _probe_coordinator(self.address, a.job)
         else:
             journal = a.journal
             if journal is None:
                 self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
             self.coordinator_proc, self.address = await start_coordinator(
                 journal, extra=self._coordinator_args())
+            if a.job and a.journal:   # a journal of earlier runs may hold the id as finished
+                try:
+                    await _probe_coordinator(self.address, a.job)
+                except RuntimeError:
+                    await self._shutdown()
+                    raise
             _say(f"coordinator {self.address} (journal {journal}, pid {self.coordinator_proc.pid})")
             self._supervisor = asyncio.ensure_future(self._supervise_coordinator(journal))
         if a.nnodes > 1:
@@ -353,25 +361,36 @@ class Launcher:
             shutil.rmtree(self.tmp_journal, ignore_errors=True)
 
 
-async def _probe_coordinator(address: str) -> None:
-    """Ask the coordinator at ``address`` for its status, as ``rtxnet status`` does.
+class JobIdTaken(RuntimeError):
+    """``--job`` names a job that has finished on the coordinator (exit code 2)."""
+
+
+async def _probe_coordinator(address: str, job: str | None) -> None:
+    """Ask the coordinator at ``address`` for its status, as ``rtxnet status`` does, and whether
+    ``job`` (when given) has finished there: a finished job id is never reused (its ranks would
+    be told the job is over and exit 0 with nothing trained).
 
     Raises:
-        RuntimeError: no answer within ``_PROBE_S`` (or another transport error); one line that
-            names ``address``.
+        RuntimeError: no answer within ``_PROBE_S`` (or another transport error), or ``job`` has
+            finished; one line that names ``address``.
     """
     from transport.errors import RtxError, RtxTimeoutError
 
     from .cli import _status
 
     try:
-        await _status(address, _PROBE_S)
+        status = await _status(address, _PROBE_S, job or "")
     except RtxTimeoutError:
         raise RuntimeError(f"the coordinator at {address} did not answer within {_PROBE_S:g} s "
                            f"(is it running, and is --coordinator right?); no rank was started") from None
     except RtxError as exc:
         raise RuntimeError(f"the coordinator at {address} cannot be reached: {exc}; no rank was "
                            f"started") from None
+    if job and job in status["finished"]:
+        raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} (last committed "
+                           f"step {status['finished'][job]}); a job id is not reused: give a new --job "
+                           f"(to continue its training, e.g. from its checkpoints, under a new id); "
+                           f"no rank was started")
 
 
 def _bind_host_error(host: str) -> str | None:
@@ -570,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 128 + signal.Signals[launcher.stop_signal].value
         print(f"rtxnet-run: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, JobIdTaken) else 1
 
 
 if __name__ == "__main__":

@@ -306,6 +306,13 @@ class ProcessGroup:
 
 
 def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s) -> dict[str, Any]:
+    for name, v in (("rank", rank), ("world_size", world_size), ("min_ranks", min_ranks),
+                    ("max_ranks", max_ranks)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
+    for name, v in (("coordinator", coordinator), ("job", job), ("token", token)):
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"{name} must be a str, got {v!r} ({type(v).__name__})")
     coordinator = coordinator or os.environ.get("RTXNET_COORDINATOR")
     if not coordinator:
         raise ConfigError("no coordinator address: pass coordinator= or set RTXNET_COORDINATOR (rtxnet-run sets it)")
@@ -338,7 +345,14 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
         return None
     host = bind_host or os.environ.get("RTXNET_BIND_HOST", "127.0.0.1")
     shm = os.environ.get("RTXNET_SHM", "1") not in ("0", "false")
-    return await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm)
+    import zmq
+
+    try:
+        return await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm)
+    except (OSError, ValueError, zmq.ZMQError) as exc:
+        where = "bind_host" if bind_host else "RTXNET_BIND_HOST"
+        raise ConfigError(f"{where}={host!r}: this rank cannot listen there ({exc}); give an "
+                          f"address of this host") from exc
 
 
 def _wire_engine(agent: Agent, engine: Any) -> None:
@@ -367,6 +381,8 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
         from transport.logconfig import configure_logging
 
         configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL", "warning"))
+    if timeouts is not None and not isinstance(timeouts, Timeouts):
+        raise ConfigError(f"timeouts must be an rtxnet.Timeouts, got {timeouts!r} ({type(timeouts).__name__})")
     timeouts = timeouts or Timeouts.from_env()
     if info is None:
         from .topology import agent_info
@@ -440,7 +456,9 @@ class connect:  # noqa: N801 - used like a function: `await connect()` / `async 
         timeouts: :class:`Timeouts`; default from ``RTXNET_*`` variables.
 
     Raises:
-        ConfigError: missing or contradictory settings (names the values).
+        ConfigError: missing, mistyped or contradictory settings, a ``bind_host`` /
+            ``RTXNET_BIND_HOST`` this host cannot listen on, bounds other than the running job's
+            (names the values).
         RendezvousError: the coordinator refused the join (duplicate rank, job full, wrong token).
         RendezvousTimeout: the world did not form, or reach ``min_ranks``, within
             ``timeouts.rendezvous_s``.

@@ -77,6 +77,9 @@ HEADER: dict[str, tuple[Any, bool]] = {
     "rid": (int, True),
     "job": (str, True),
     "epoch": (int, True),
+    # the job's token on every request of a job (absent: ""); a request whose token is not the
+    # job's is refused, so knowing a job id is not enough to write its store or make it leave
+    "token": (str, False),
 }
 
 MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
@@ -168,9 +171,11 @@ def validate(msg: Any) -> dict[str, Any]:
     v = msg.get("v")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {v!r} is not supported (this side speaks {PROTOCOL_VERSION})")
-    for name, (typ, _) in HEADER.items():
+    for name, (typ, required) in HEADER.items():
         if name not in msg:
-            raise ProtocolError(f"header field {name!r} missing")
+            if required:
+                raise ProtocolError(f"header field {name!r} missing")
+            continue
         _check_type(name, msg[name], typ, "header")
     mtype = msg["t"]
     spec = MESSAGES.get(mtype)

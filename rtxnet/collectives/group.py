@@ -806,9 +806,12 @@ class Group:
         same order. Returns ``None`` on a rank that is not a member. No communication.
 
         Raises:
-            ValueError: duplicate ranks or ranks not in this group.
+            ValueError: duplicate ranks, ranks that are not ints, or ranks not in this group.
         """
         self._check_usable()
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
+        if bad:
+            raise ValueError(f"new_group ranks must be ints, got {bad}")
         rs = sorted(int(r) for r in ranks)
         if len(set(rs)) != len(rs) or not rs:
             raise ValueError(f"new_group ranks must be distinct and non-empty: {list(ranks)}")

@@ -311,6 +311,18 @@ def test_corrupt_journal_stops_the_daemon_naming_file_and_offset(tmp_path, probe
     assert str(seg) in out.stderr and "offset" in out.stderr
 
 
+def test_a_job_token_guards_every_request_not_only_the_join(coordinator, probes):
+    p = probes(coordinator.address, job="tok", world_size=1, token="s3cret")
+    p.expect("joined")
+    assert p.cmd("kv_set", key="k", value="mine")["ok"]      # the agent sends its token each time
+    with procs.dealer(coordinator.address) as d:
+        for rid, mtype, fields in ((1, "kv_set", {"key": "k", "value": b"theirs"}), (2, "kv_get", {"key": "k"})):
+            d.send(encode(wire.make(mtype, rid=rid, job="tok", epoch=0, **fields)))
+            r = decode(d.recv())
+            assert r["t"] == "error" and r["message"] == f"{mtype}: wrong token for job 'tok'", r
+    assert p.cmd("kv_get", key="k")["value"] == "mine"
+
+
 def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordinator, probes):
     """kv_wait and commit with a NaN, infinite or negative ``timeout_s`` would park a waiter that is
     never answered: each gets a ConfigError naming the field and value, and the daemon serves on."""
@@ -367,10 +379,10 @@ def test_daemon_names_a_bad_log_level_from_the_environment(tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith("rtxnet-coordinator: error: RTXNET_LOG_LEVEL='loud'")
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1", "1e308"])
 def test_status_timeout_must_be_finite_and_positive(value):
     out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", "tcp://127.0.0.1:1",
                           f"--timeout={value}"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
-        f"rtxnet status: error: argument --timeout: {value!r} is not a finite number of seconds > 0")
+        f"rtxnet status: error: argument --timeout: {value!r} is not a number of seconds in (0, 3600]")

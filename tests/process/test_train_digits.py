@@ -190,6 +190,20 @@ def test_out_folder_check_names_the_path_and_the_reason(tmp_path):
     assert td.check_out_folder(tmp_path / "new" / "out") is None and (tmp_path / "new" / "out").is_dir()
 
 
+@pytest.mark.timeout(60)
+def test_resume_with_no_intact_checkpoint_stops_before_joining(tmp_path, capsys, monkeypatch):
+    # Before: it warned, trained from step 0 and removed the old shards at its first save.
+    td = _train_digits_module()
+    half = tmp_path / "out" / "checkpoints" / "step-100"
+    half.mkdir(parents=True)
+    (half / "rank-0.pt").write_bytes(b"half-written")           # no manifest: not committed
+    monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)     # it must not get as far as joining
+    assert td.main(["--out", str(tmp_path / "out"), "--resume"]) == 2
+    assert (f"train_digits: --resume: no intact checkpoint in {tmp_path / 'out' / 'checkpoints'} "
+            "(its step folders lack a manifest") in capsys.readouterr().err
+    assert (half / "rank-0.pt").exists()
+
+
 def _refused_by_every_rank(run: dict, line: str) -> None:
     # Each rank refuses by itself, unless the launcher stopped it first: once one rank failed
     # for good, fewer than --min-ranks are left and rtxnet-run SIGTERMs the others at once.

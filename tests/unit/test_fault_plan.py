@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(30)
     ("drop-heartbeats:rank=3:after=-1s", "after='-1s' must be a finite number of seconds in 0..3600"),
     ("drop-heartbeats:rank=3:after=inf", "after='inf' must be a finite number of seconds in 0..3600"),
     ("pause:rank=1:step=2:seconds=soon", "seconds='soon' is not a number"),
+    ("kill:rank=1:at=collective:collective=0", "collective='0' must be >= 1 (the first collective is 1)"),
 ])
 def test_a_duration_must_be_finite_and_in_range(plan, text):
     with pytest.raises(ValueError) as info:

@@ -49,6 +49,8 @@ class Harness:
 
     def req(self, sender: str, mtype: str, job: str = "j", epoch: int = -1, **fields) -> list[Send]:
         self.rid += 1
+        if mtype != "status":
+            fields.setdefault("token", "t")   # the job token every request carries (join's too)
         msg = wire.validate(wire.make(mtype, rid=self.rid, job=job, epoch=epoch, **fields))
         return self.run(Request(sender, msg))
 
@@ -117,6 +119,29 @@ def test_wrong_token_and_bad_bounds_refused():
     assert err["error"] == "ConfigError" and "min_ranks(3)" in err["message"]
     err = errors(h.join("d", job="k", rank=7, min_ranks=1, max_ranks=2))[0]
     assert "rank 7" in err["message"]
+
+
+def test_a_request_needs_the_job_token_and_speaks_only_for_its_own_connection():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    # the token of the job on every request, not only on the join
+    err = errors(h.req("a", "kv_set", epoch=0, key="k", value=b"v", token="guess"))
+    assert err[0]["error"] == "RendezvousError" and err[0]["message"] == "kv_set: wrong token for job 'j'"
+    assert errors(h.req("a", "kv_get", epoch=0, key="k", token=""))
+    # a client cannot make another agent leave, vote or heartbeat for it (its routing id is "x")
+    for mtype, fields in (("leave", {}), ("heartbeat", {}), ("reform", {"reason": "r"}),
+                          ("commit", {"step": 1, "ok": True, "timeout_s": 1.0})):
+        err = errors(h.req("x", mtype, epoch=0, identity="b", **fields))
+        assert err and f"{mtype}: identity 'b' is not this connection's ('x')" in err[0]["message"], err
+    assert not pushes(h.tick(0.1)) and h.state.jobs["j"].epoch == 0   # nobody left
+    sends = h.req("z", "join", job="other", identity="w", token="t", rank=None, min_ranks=1, max_ranks=1,
+                  last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1)
+    assert "join: identity 'w' is not this connection's ('z')" in errors(sends)[0]["message"]
+    # empty store keys
+    for mtype, fields in (("kv_set", {"key": "", "value": b"v"}), ("kv_wait", {"keys": ["k", ""], "timeout_s": 1.0})):
+        err = errors(h.req("a", mtype, epoch=0, **fields))
+        assert err and err[0]["message"] == f"{mtype}: a store key must not be empty", err
 
 
 def test_missed_heartbeats_open_a_new_epoch_naming_the_lost_rank():
@@ -237,7 +262,7 @@ def test_replaying_the_records_rebuilds_the_same_journaled_state():
     assert snapshot(restore(packed, 5.0)) == snapshot(h.state)
     # After a restart every member gets a fresh grace period and is still recognised.
     restored = restore(packed, 5.0)
-    _, acts = step(restored, Request("a", wire.make("heartbeat", rid=1, job="j", epoch=1, identity="a")), 5.1)
+    _, acts = step(restored, Request("a", wire.make("heartbeat", rid=1, job="j", epoch=1, identity="a", token="t")), 5.1)
     assert acts[0].msg["body"]["state"] == "member"
 
 
