@@ -86,6 +86,10 @@ class Job:
     empty_since: float | None = None
     # Not journaled: waiters are agents' open requests, which they repeat after a restart.
     kv_waiters: list[tuple[str, int, list[str], float]] = field(default_factory=list)
+    # Not journaled: when the last step decision came and the mean time between decisions, so a
+    # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
+    last_commit_at: float | None = None
+    commit_period_s: float | None = None
     votes: dict[int, dict[int, bool]] = field(default_factory=dict)  # step -> rank -> ok
     commit_waiters: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
     vote_metadata: dict[int, dict] = field(default_factory=dict)
@@ -352,6 +356,12 @@ def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None
         late = [r for r, m in job.members.items() if now - m.last_seen > job.heartbeat_timeout_s]
         if late:
             _lose(state, job, late, now, actions, reason="lost")
+        for ident, m in list(job.pending.items()):   # joiners waiting for a step boundary
+            if now - m.last_seen > job.heartbeat_timeout_s:
+                del job.pending[ident]
+                state.where.pop(ident, None)
+        if job.pending and not _defer_join(job, now):
+            _admit(state, job, now, actions)   # no step decision came in time (or a rank was lost)
         if job.members or job.pending:
             job.empty_since = None
         elif job.empty_since is None:
@@ -621,14 +631,23 @@ def _commit(state: State, job: Job, identity: str, msg: dict, now: float, action
     job.commit_waiters.setdefault(step_no, []).append((identity, msg["rid"], now + float(msg["timeout_s"])))
     if set(votes) >= set(job.members):
         ok = all(votes[r] for r in job.members)
+        failed = sorted(r for r in job.members if not votes[r])
+        waiters = job.commit_waiters.pop(step_no, [])
+        job.votes.pop(step_no, None)
         if ok:
             _record(state, actions, {"k": "commit", "job": job.job, "step": step_no, "epoch": job.epoch,
                                      "metadata": job.vote_metadata.pop(step_no, {})}, now)
-        failed = sorted(r for r in job.members if not votes[r])
-        for ident, rid, _ in job.commit_waiters.pop(step_no, []):
+        if job.last_commit_at is not None:
+            dt = now - job.last_commit_at
+            job.commit_period_s = dt if job.commit_period_s is None else 0.7 * job.commit_period_s + 0.3 * dt
+        job.last_commit_at = now
+        if job.pending:
+            # Joiners waited for this step boundary: the new epoch reaches every member before
+            # its vote's answer (one connection, in order), so the next step starts in it.
+            _admit(state, job, now, actions)
+        for ident, rid, _ in waiters:
             actions.append(_reply_raw(job, ident, rid, committed=ok, step=step_no, failed=failed,
                                       reason="" if ok else f"ranks {failed} voted failure"))
-        job.votes.pop(step_no, None)
 
 
 def _join(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
@@ -706,18 +725,51 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     # Ranks of a running job are dense (renumbered at every loss): a requested rank is honoured
     # only if it is the free one, else the joiner gets the free one; it is not refused (a
     # restarted process cannot get back a rank that renumbering gave to a survivor).
-    if len(job.members) >= job.max_ranks:
+    if len(job.members) + len(job.pending) >= job.max_ranks or ident in job.pending:
+        if ident in job.pending:   # a repeated join while it waits for its step boundary
+            job.pending[ident].last_seen = now
+            actions.append(_reply(identity, msg, job, state="pending"))
+            return
         return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
-    new_rank = rank if rank is not None and rank == len(job.members) else len(job.members)
-    members = {r: m.public() for r, m in job.members.items()}
-    members[new_rank] = newcomer.public()
     job.pending[ident] = newcomer
+    state.where[ident] = job_id
     actions.append(_reply(identity, msg, job, state="pending"))
-    _record(state, actions, {"k": "epoch", "job": job_id, "epoch": job.epoch + 1, "members": members,
-                             "unfenced": [ident]}, now)
-    _fail_commit_waiters(job, actions, f"epoch changed: rank {new_rank} joined")
+    if not _defer_join(job, now):
+        _admit(state, job, now, actions)
+
+
+def _join_window_s(job: Job) -> float:
+    """How long a joiner of a job that commits steps waits for the next step decision: three
+    mean step periods, at least the heartbeat timeout."""
+    return max(job.heartbeat_timeout_s, 3 * (job.commit_period_s or 0.0))
+
+
+def _defer_join(job: Job, now: float) -> bool:
+    """Whether joiners of the running ``job`` wait for its next step decision: the members are
+    committing steps (a decision within :func:`_join_window_s`) and can go on without them
+    (``min_ranks`` present). A new epoch in the middle of a step fails the step on every member
+    (ClosedError: redone after a rollback); at the decision it costs nothing."""
+    return (len(job.members) >= job.min_ranks and job.last_commit_at is not None
+            and now - job.last_commit_at <= _join_window_s(job))
+
+
+def _admit(state: State, job: Job, now: float, actions: list[Action]) -> None:
+    """Open one epoch adding every waiting joiner of the running ``job`` (a requested rank is
+    honoured if it is the next free one; ranks stay dense) and push it to every member."""
+    members = {r: m.public() for r, m in job.members.items()}
+    added = []
+    for m in sorted(job.pending.values(), key=lambda m: m.joined_at):
+        r = len(members)
+        members[r] = m.public()
+        added.append(r)
+    if not added:
+        return
+    _record(state, actions, {"k": "epoch", "job": job.job, "epoch": job.epoch + 1, "members": members,
+                             "unfenced": [members[r]["identity"] for r in added]}, now)
+    _fail_commit_waiters(job, actions, f"epoch changed: rank{'s' if len(added) > 1 else ''} "
+                                       f"{', '.join(map(str, added))} joined")
     for m in job.members.values():
-        actions.append(_epoch_push(job, m.identity, [], [new_rank], "joined"))
+        actions.append(_epoch_push(job, m.identity, [], added, "joined"))
 
 
 STATUS_FINISHED = 20   # finished job ids a status lists (the newest)

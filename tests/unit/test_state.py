@@ -204,6 +204,42 @@ def test_replacement_joins_running_job_at_next_rank():
     assert members[0]["identity"] == "b" and members[1]["identity"] == "e" and ep["e"]["world_size"] == 2
 
 
+def test_a_joiner_of_a_job_that_commits_steps_is_admitted_at_the_next_step_decision():
+    # A new epoch in the middle of a step would fail that step on every member; at the vote's
+    # decision it costs nothing: the push goes out before the vote's answer.
+    h = Harness()
+    for who in ("a", "b"):
+        h.join(who, min_ranks=2, max_ranks=4)
+    for step_no in (1, 2):      # steps 0.2 s apart
+        for who in ("a", "b"):
+            h.clock.now += 0.1
+            h.req(who, "heartbeat", epoch=0, identity=who)
+            h.req(who, "commit", epoch=0, identity=who, step=step_no, ok=True, timeout_s=5.0)
+    sends = h.join("c", min_ranks=2, max_ranks=4)
+    assert not pushes(sends) and sends[0].msg["body"]["state"] == "pending"
+    assert not pushes(h.tick(0.05))
+    h.req("a", "commit", epoch=0, identity="a", step=3, ok=True, timeout_s=5.0)
+    sends = h.req("b", "commit", epoch=0, identity="b", step=3, ok=True, timeout_s=5.0)
+    kinds = [(s.identity, s.msg["t"]) for s in sends]
+    ep = pushes(sends)
+    assert set(ep) == {"a", "b", "c"} and ep["a"]["added"] == [2] and ep["a"]["epoch"] == 1
+    replies = [s.msg["body"] for s in sends if s.msg["t"] == "reply"]
+    assert [r["committed"] for r in replies] == [True, True]        # the step counted
+    for who in ("a", "b"):   # each member gets the new epoch before its vote's answer
+        assert kinds.index((who, "epoch")) < kinds.index((who, "reply")), kinds
+    # no step decision within the window (three step periods, at least the 2 s heartbeat
+    # timeout): the clock admits the joiner instead
+    sends = h.join("d", min_ranks=2, max_ranks=4)
+    assert not pushes(sends)
+    for _ in range(4):
+        h.clock.now += 0.5
+        for who in ("a", "b", "c", "d"):
+            h.req(who, "heartbeat", epoch=1, identity=who)
+        assert not pushes(h.tick(0.0))
+    ep = pushes(h.tick(0.6))          # 2.1 s since the last decision
+    assert set(ep) == {"a", "b", "c", "d"} and ep["d"]["added"] == [3] and ep["d"]["epoch"] == 2, ep
+
+
 def test_kv_set_get_wait_cas_delete():
     h = Harness()
     h.join("a", min_ranks=1, max_ranks=1)
