@@ -26,7 +26,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from transport import wire
+from transport.codec import DEFAULT_LIMITS
 
 __all__ = [
     "Member",
@@ -481,8 +484,14 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             fin = {msg["job"]: state.finished[msg["job"]]} if msg["job"] in state.finished else {}
         else:
             fin = dict(list(state.finished.items())[-STATUS_FINISHED:])
-        actions.append(_reply(identity, msg, None, jobs=_status(state, now), finished=fin,
-                              finished_total=len(state.finished)))
+        jobs = _status(state, now)
+        omitted = _nbytes(jobs) > STATUS_MAX_NBYTES
+        if omitted:
+            for j in jobs:
+                for m in j["members"]:
+                    m["info"] = {}
+        actions.append(_reply(identity, msg, None, jobs=jobs, finished=fin,
+                              finished_total=len(state.finished), info_omitted=omitted))
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
@@ -670,8 +679,13 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if not (math.isfinite(msg["heartbeat_timeout_s"]) and math.isfinite(msg["last_call_s"])):
         return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) and "
                       f"last_call_s({msg['last_call_s']}) must be finite")
-    if msg["heartbeat_timeout_s"] <= 0 or msg["last_call_s"] < 0:
-        return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) must be > 0 and last_call_s({msg['last_call_s']}) >= 0")
+    if not (0 < msg["heartbeat_timeout_s"] <= MAX_SECONDS and 0 <= msg["last_call_s"] <= MAX_SECONDS):
+        return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) must be in "
+                      f"(0, {MAX_SECONDS:g}] and last_call_s({msg['last_call_s']}) in [0, {MAX_SECONDS:g}]")
+    info_nbytes = _nbytes(msg.get("info") or {})
+    if info_nbytes > MAX_INFO_NBYTES:
+        return refuse("ConfigError", f"join.info is {info_nbytes} bytes encoded, more than the "
+                      f"{MAX_INFO_NBYTES} a member may publish (it is in every status answer)")
     rank = msg["rank"]
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
@@ -773,6 +787,15 @@ def _admit(state: State, job: Job, now: float, actions: list[Action]) -> None:
 
 
 STATUS_FINISHED = 20   # finished job ids a status lists (the newest)
+MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
+MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
+# a status answer above this leaves the members' info out (it must fit one message)
+STATUS_MAX_NBYTES = DEFAULT_LIMITS.max_message_nbytes // 2
+
+
+def _nbytes(obj: Any) -> int:
+    """Encoded size of ``obj`` (msgpack, as the wire carries it), bytes."""
+    return len(msgpack.packb(obj, use_bin_type=True))
 
 
 def _status(state: State, now: float) -> list[dict[str, Any]]:

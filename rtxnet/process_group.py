@@ -195,7 +195,7 @@ class ProcessGroup:
         if m is not None and m.world_size < lo:
             raise PeerLostError(
                 f"{name}: the world of epoch {m.epoch} has {m.world_size} rank(s), fewer than "
-                f"min_ranks({lo}) (ranks {list(m.lost)} of the epoch before were lost); no "
+                f"min_ranks({lo}) (ranks {list(m.lost)} of the epoch before were lost or left); no "
                 f"collective runs below min_ranks. rtxnet.FaultTolerance waits for replacements "
                 f"and restores their state; without it, end this process and let rtxnet-run "
                 f"--max-restarts start it again", ranks=m.lost, epoch=m.epoch)

@@ -240,6 +240,26 @@ def test_a_joiner_of_a_job_that_commits_steps_is_admitted_at_the_next_step_decis
     assert set(ep) == {"a", "b", "c", "d"} and ep["d"]["added"] == [3] and ep["d"]["epoch"] == 2, ep
 
 
+def test_a_join_may_not_publish_more_than_status_can_carry(monkeypatch):
+    import coordinator.state as st
+
+    h = Harness()
+    err = errors(h.join("a", hb=1e9))
+    assert err and "heartbeat_timeout_s(1000000000.0) must be in (0, 3600]" in err[0]["message"], err
+    sends = h.req("b", "join", job="j", identity="b", token="t", rank=None, min_ranks=1, max_ranks=2,
+                  last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1,
+                  info={"x": "y" * (17 * 1024)})
+    assert "join.info is 17" in errors(sends)[0]["message"] and "more than the 16384" in errors(sends)[0]["message"]
+    h.req("c", "join", job="j", identity="c", token="t", rank=None, min_ranks=1, max_ranks=1,
+          last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1,
+          info={"x": "y" * 2000})
+    body = h.req("c", "status")[0].msg["body"]
+    assert body["jobs"][0]["members"][0]["info"] == {"x": "y" * 2000} and not body["info_omitted"]
+    monkeypatch.setattr(st, "STATUS_MAX_NBYTES", 1000)   # many members' info: left out, not an error
+    body = h.req("c", "status")[0].msg["body"]
+    assert body["jobs"][0]["members"][0]["info"] == {} and body["info_omitted"]
+
+
 def test_kv_set_get_wait_cas_delete():
     h = Harness()
     h.join("a", min_ranks=1, max_ranks=1)
