@@ -3,7 +3,8 @@
     rtxnet-coordinator --bind tcp://0.0.0.0:29600 --journal DIR
 
 On start it replays the journal in ``DIR`` and prints one line ``RTXNET_COORDINATOR=<address>`` on
-stdout (useful with port 0); logs go to stderr. SIGINT/SIGTERM stop it after the current batch.
+stdout (useful with port 0; bound to every interface, ``0.0.0.0``, it prints this host's address on
+its default route, which other hosts can connect to); logs go to stderr. SIGINT/SIGTERM stop it after the current batch.
 Exit codes: 0 after a signal, 2 for bad arguments (usage and one line naming the bad value, from
 argparse, before anything starts), 3 for a corrupt journal, 4 if it cannot bind.
 """
@@ -102,6 +103,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _reachable(address: str) -> str:
+    """``address`` as other hosts connect to it: a wildcard host (``0.0.0.0``, ``*``, ``::``) is
+    replaced by this host's address on its default route (found by connecting a UDP socket;
+    nothing is sent), or its hostname when it has no route."""
+    import socket
+
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    host = host.strip("[]")
+    if host not in ("0.0.0.0", "*", "::"):
+        return address
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 9))
+            ip = s.getsockname()[0]
+    except OSError:
+        ip = socket.gethostname()
+    return f"tcp://{ip}:{port}"
+
+
 async def _amain(args: argparse.Namespace) -> int:
     coord = Coordinator(args.bind, args.journal, tick_s=args.tick, snapshot_every=args.snapshot_every,
                         dead_job_ttl_s=args.dead_job_ttl)
@@ -119,8 +139,9 @@ async def _amain(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, coord.stop)
-    print(f"RTXNET_COORDINATOR={address}", flush=True)
-    log.info("coordinator_started", address=address, journal=args.journal)
+    reach = _reachable(address)
+    print(f"RTXNET_COORDINATOR={reach}", flush=True)
+    log.info("coordinator_started", address=address, reachable_at=reach, journal=args.journal)
     try:
         await coord.serve()
     finally:

@@ -311,6 +311,15 @@ def test_corrupt_journal_stops_the_daemon_naming_file_and_offset(tmp_path, probe
     assert str(seg) in out.stderr and "offset" in out.stderr
 
 
+def test_bound_to_every_interface_it_prints_an_address_others_can_connect_to(tmp_path):
+    c = procs.Coordinator(tmp_path / "journal", host="0.0.0.0")
+    try:
+        assert "0.0.0.0" not in c.address, c.address
+        assert coordinator_jobs(c.address) == []       # answers there
+    finally:
+        c.stop()
+
+
 def test_a_job_token_guards_every_request_not_only_the_join(coordinator, probes):
     p = probes(coordinator.address, job="tok", world_size=1, token="s3cret")
     p.expect("joined")
