@@ -81,9 +81,10 @@ _SPILL_ALLOWED = {"rtx_reduce_float64_avg_s8": 32}
 
 
 @pytest.mark.timeout(240)
-# sm_90: the smallest bucket, the one with the one allowed spill, the most registers (4 sits
-# between 2 and 8); sm_80: the float16 PTX and the most registers
-@pytest.mark.parametrize(("arch", "bucket"), [("sm_90", 2), ("sm_90", 8), ("sm_90", 16), ("sm_80", 16)])
+# sm_90: the bucket with the one allowed spill and the one with the most registers (2 and 4
+# need fewer: ptxas spilled nothing there when they were checked, and the suite's time is
+# bounded); sm_80: the float16 PTX and the most registers
+@pytest.mark.parametrize(("arch", "bucket"), [("sm_90", 8), ("sm_90", 16), ("sm_80", 16)])
 def test_every_kernel_assembles_without_spills(tmp_path, arch, bucket):
     """nvcc (NVRTC's front end, then ptxas, as the driver's JIT would) builds every (dtype, op)
     kernel of a source bucket: the inline PTX of float16 is valid for the architecture, the
