@@ -436,6 +436,8 @@ class Agent:
             if since is not None:   # look again when the silence would pass coordinator_s
                 silent = loop.time() - since
                 wait_s = min(wait_s, max(0.5, self.timeouts.coordinator_s - silent + 0.1))
+            else:   # a silence may begin meanwhile: look again within half of coordinator_s
+                wait_s = min(wait_s, max(0.5, self.timeouts.coordinator_s / 2))
             try:
                 if self._closed or self._client is None:
                     raise ClosedError("agent is closed")
