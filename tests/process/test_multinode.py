@@ -136,3 +136,50 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
     for r in (2, 3):
         assert f"[rank{r}] transport.errors.CoordinatorLostError: step" in err_b, err_b[-3000:]
     assert "this rank is cut off from it (a network partition" in err_b, err_b[-3000:]
+
+
+def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
+    """Host 1's launcher is SIGKILLed (its ranks die with it: a host lost), the other host goes
+    on as a world of 2; host 1 is started again with the same command and its two new ranks
+    join at a step decision: one step redone in all, the exact answer on all four. On loopback
+    (RTXNET_HOST tells the hosts apart), so it runs without root too."""
+    coord = procs.Coordinator(tmp_path / "journal")
+    steps, launchers = 500, []
+
+    def launch(node: int) -> subprocess.Popen:
+        env = procs.env(RTXNET_HOST=f"node{node}", **TIMEOUTS)
+        return subprocess.Popen(
+            [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc", "2",
+             "--min-ranks", "2", "--coordinator", coord.address, "--job", "host-back", "tools/ft_workload.py",
+             "--steps", str(steps), "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=procs.ROOT)
+
+    def committed() -> int:
+        return max([j["committed_step"] for j in procs.coordinator_jobs(coord.address) if j["job"] == "host-back"]
+                   or [-1])
+
+    try:
+        launchers = [launch(0), launch(1)]
+        procs.wait_until(lambda: committed() >= 20, 60, "20 committed steps")
+        os.kill(launchers[1].pid, signal.SIGKILL)
+        launchers[1].communicate(timeout=20)
+        at = committed()
+        procs.wait_until(lambda: committed() >= at + 20, 60, "20 more steps on host 0 alone")
+        launchers.append(launch(1))
+        done = [_finish(launchers[0], 90), _finish(launchers[2], 90)]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+        coord.kill()
+    for rc, _, err in done:
+        assert rc == 0, err[-4000:]
+    res = _results(tmp_path / "out")
+    assert sorted(r["rank"] for r in res) == [0, 1, 2, 3] and {r["world_size"] for r in res} == {4}, res
+    assert {r["sha256"] for r in res} == {ft_workload.reference(steps, 1024)}, res
+    for r in res:
+        kinds = [e["event"] for e in r["events"] if e["event"] != "commit_stall"]
+        # host 0's ranks: the loss only (the comeback joined at a step boundary, no ClosedError);
+        # the new ranks: nothing failed for them
+        assert kinds == (["failure", "recovered"] if r["rank"] < 2 else []), r["events"]
+        assert all(e["steps_lost"] == 1 for e in r["events"] if e["event"] == "recovered"), r["events"]
