@@ -66,6 +66,10 @@ __all__ = ["Group", "ALGORITHMS", "SMALL_MAX_NBYTES", "SHM_MIN_NBYTES"]
 log = structlog.get_logger(__name__)
 
 SMALL_MAX_NBYTES = 64 * 1024      # all_reduce up to this size: "direct" (<= 8 ranks)
+# hierarchical all_reduce of CPU arrays from twice this size runs as a pipeline of chunks of about
+# this size, at most PIPELINE_MAX_CHUNKS (tools/bench/multihost.py)
+PIPELINE_CHUNK_NBYTES = 4 << 20
+PIPELINE_MAX_CHUNKS = 8
 SHM_MIN_NBYTES = 64 * 1024        # same-host operations from this size: "shm"
 _DIRECT_MAX_RANKS = 8
 ALGORITHMS = {
@@ -299,8 +303,9 @@ class Group:
                 ``"nccl"`` or ``"hierarchical"``. Default for CPU arrays above 64 KiB in a
                 group on several hosts with two or more of its ranks on one host:
                 ``"hierarchical"``, whose bytes across hosts are 1 array each way against the flat
-                ring's 2(n-1)/n (tools/bench/multihost.py: 20% faster at 16 MiB over a 1 Gbit/s
-                link, 2 x 2 ranks); float16/bfloat16 then round at each of its stages.
+                ring's 2(n-1)/n (tools/bench/multihost.py, 2 x 2 ranks over a 1 Gbit/s link:
+                149 ms against the ring's 208 ms at 16 MiB, pipelined in 4 MiB chunks from
+                8 MiB); float16/bfloat16 then round at each of its stages.
 
         Returns:
             ``tensor``.
@@ -784,13 +789,19 @@ class Group:
         gpu = is_gpu_array(tensor)
         intra, leaders = self._host_groups()
         sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+        buf = None if gpu else Buffer(tensor)
+        k = 0 if buf is None else min(PIPELINE_MAX_CHUNKS, buf.size * buf.dtype.itemsize // PIPELINE_CHUNK_NBYTES)
 
         async def body(op: Op):
-            await intra.reduce(tensor, 0, sub, timeout=timeout)
-            if leaders is not None:
-                await leaders.all_reduce(tensor, sub, timeout=timeout,
-                                         algorithm="nccl" if gpu else None)
-            await intra.broadcast(tensor, 0, timeout=timeout)
+            if k >= 2:     # same size on every rank, so the same k
+                await _pipelined_hierarchical(intra, leaders, np.array_split(buf.flat, k), sub, timeout)
+                buf.commit()
+            else:
+                await intra.reduce(tensor, 0, sub, timeout=timeout)
+                if leaders is not None:
+                    await leaders.all_reduce(tensor, sub, timeout=timeout,
+                                             algorithm="nccl" if gpu else None)
+                await intra.broadcast(tensor, 0, timeout=timeout)
             if rop is ReduceOp.AVG:
                 _divide_in_place(tensor, self.size)
             return tensor
@@ -854,6 +865,34 @@ class Group:
         members = sorted((c[1], g) for g, c in colors.items() if c[0] == mine[0])
         ranks = [self.ranks[g] for _, g in members]
         return Group._create(self.engine, f"{self.gid}/{seq_box['seq']}:{mine[0]}", ranks)
+
+
+async def _pipelined_hierarchical(intra: Group, leaders: Group | None, chunks: list, rop: ReduceOp,
+                                  timeout: float | None) -> None:
+    """Hierarchical all_reduce of CPU ``chunks`` (views of one flat array, in place) as a
+    pipeline: while the hosts' first ranks all-reduce chunk i across hosts, chunk i+1 is reduced
+    within each host, and the broadcasts back overlap the last chunks' exchange, so the time is
+    about the slowest stage's, not the three stages' sum.
+
+    Every rank queues its host group's operations in one order, reduce 0..k-1 then broadcast
+    0..k-1 (a group runs its operations in call order; the first rank calls broadcast i once
+    chunk i is all-reduced, which happens in chunk order). On a failure the rest are cancelled
+    and the first error is raised."""
+    tasks = [asyncio.ensure_future(intra.reduce(c, 0, rop, timeout=timeout)) for c in chunks]
+    try:
+        if leaders is None:
+            tasks += [asyncio.ensure_future(intra.broadcast(c, 0, timeout=timeout)) for c in chunks]
+        else:
+            for i, c in enumerate(chunks):
+                await tasks[i]
+                await leaders.all_reduce(c, rop, timeout=timeout)
+                tasks.append(asyncio.ensure_future(intra.broadcast(c, 0, timeout=timeout)))
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _stamp_epoch(exc: BaseException, epoch: int) -> None:
