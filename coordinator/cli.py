@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 def _reachable(address: str) -> str:
     """``address`` as other hosts connect to it: a wildcard host (``0.0.0.0``, ``*``, ``::``) is
     replaced by this host's address on its default route (found by connecting a UDP socket;
-    nothing is sent), or its hostname when it has no route."""
+    nothing is sent), else by a non-loopback address its hostname resolves to; with neither, the
+    address is kept (it serves this host) and a warning says so."""
     import socket
 
     host, port = address.split("://", 1)[1].rsplit(":", 1)
@@ -116,10 +117,19 @@ def _reachable(address: str) -> str:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("10.255.255.255", 9))
-            ip = s.getsockname()[0]
-    except OSError:
-        ip = socket.gethostname()
-    return f"tcp://{ip}:{port}"
+            return f"tcp://{s.getsockname()[0]}:{port}"
+    except OSError:   # no default route: an address the hostname resolves to, not a loopback one
+        try:
+            infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+        except OSError:
+            infos = []
+        for *_, sockaddr in infos:
+            if not sockaddr[0].startswith("127."):
+                return f"tcp://{sockaddr[0]}:{port}"
+    log.warning("no_reachable_address", bind=address,
+                hint="no route and no non-loopback address for this host; other hosts need --bind "
+                     "with an interface address")
+    return address
 
 
 async def _amain(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ cost more than it buys); it is otherwise pure.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,7 @@ class Job:
     # Not journaled: when the last step decision came and the mean time between decisions, so a
     # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
     last_commit_at: float | None = None
+    last_refusal: str = ""   # the last join refused for other bounds (told to waiting ranks)
     commit_period_s: float | None = None
     votes: dict[int, dict[int, bool]] = field(default_factory=dict)  # step -> rank -> ok
     commit_waiters: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
@@ -525,7 +527,8 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         elif msg["identity"] in job.pending:
             job.pending[msg["identity"]].last_seen = now
             actions.append(_reply(identity, msg, job, state="pending", joined=len(job.pending),
-                                  min_ranks=job.min_ranks, max_ranks=job.max_ranks))
+                                  min_ranks=job.min_ranks, max_ranks=job.max_ranks,
+                                  refused=job.last_refusal))
         elif msg["identity"] in job.fenced:
             actions.append(_reply(identity, msg, job, state="fenced"))
         else:
@@ -673,6 +676,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     min_r, max_r = msg["min_ranks"], msg["max_ranks"]
     if not (1 <= min_r <= max_r):
         return refuse("ConfigError", f"need 1 <= min_ranks({min_r}) <= max_ranks({max_r})")
+    if max_r > MAX_RANKS:
+        return refuse("ConfigError", f"max_ranks({max_r}) is above the {MAX_RANKS} ranks a job may have")
+    if msg["endpoint"] and not _ENDPOINT.fullmatch(msg["endpoint"]):
+        # every member connects to it: one that cannot be parsed would break the others' views
+        return refuse("ConfigError", f"endpoint {msg['endpoint'][:100]!r} is not tcp://HOST:PORT[?bulk=PORT]")
     if len(job_id) > MAX_JOB_ID or len(ident) > MAX_JOB_ID:
         return refuse("ConfigError", f"job id and identity must be at most {MAX_JOB_ID} characters "
                       f"(got {len(job_id)} and {len(ident)})")
@@ -702,6 +710,10 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if msg["token"] != job.token:
         return refuse("RendezvousError", f"wrong token for job {job_id!r}")
     if (min_r, max_r) != (job.min_ranks, job.max_ranks):
+        # the ranks waiting for it hear of it too (their "rendezvous_waiting" lines), instead of
+        # waiting out their rendezvous timeout for a rank that will never come
+        job.last_refusal = (f"a rank on {msg['host'][:64]} (pid {msg['pid']}) asking for min_ranks({min_r}) "
+                            f"max_ranks({max_r}) was refused")
         return refuse("ConfigError", f"job {job_id!r} has min_ranks({job.min_ranks}) max_ranks({job.max_ranks}), "
                       f"but this rank ({ident}) asks for min_ranks({min_r}) max_ranks({max_r}): start every rank "
                       f"of a job with the same bounds (RTXNET_WORLD_SIZE, RTXNET_MIN_RANKS, RTXNET_MAX_RANKS)")
@@ -787,6 +799,8 @@ def _admit(state: State, job: Job, now: float, actions: list[Action]) -> None:
 
 
 STATUS_FINISHED = 20   # finished job ids a status lists (the newest)
+MAX_RANKS = 65536      # ranks of one job
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(\?bulk=\d{1,5})?")
 MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
 MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
 # a status answer above this leaves the members' info out (it must fit one message)

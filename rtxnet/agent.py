@@ -358,10 +358,11 @@ class Agent:
             return
         self._waiting_logged = now
         joined, lo = body.get("joined"), body.get("min_ranks")
+        extra = {"refused": body["refused"]} if body.get("refused") else {}
         log.warning("rendezvous_waiting", job=self.job, waited_s=round(now - self._waiting_since),
                     joined=joined, min_ranks=lo, max_ranks=body.get("max_ranks"),
                     missing=(lo - joined) if isinstance(joined, int) and isinstance(lo, int) else None,
-                    gives_up_after_s=self.timeouts.rendezvous_s)
+                    gives_up_after_s=self.timeouts.rendezvous_s, **extra)
 
     # ------------------------------------------------------------------------------------------
     # key-value store

@@ -26,6 +26,8 @@ import os
 import sys
 import uuid
 
+import structlog
+
 from transport.channel import ControlClient
 from transport.errors import ConnectError, RtxError
 
@@ -87,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     tp = sub.add_parser("topology", help="show this machine's host identity, CPUs and GPUs (NVML)")
     tp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
+    if not structlog.is_configured():
+        # stdout is the answer (``--json`` is parsed by scripts): library logs go to stderr, and
+        # only warnings (a reconnect notice is not news to someone asking for a status)
+        from transport.logconfig import configure_logging
+
+        try:
+            configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL") or "warning")
+        except ValueError as exc:
+            print(f"rtxnet: RTXNET_LOG_LEVEL: {exc}", file=sys.stderr)
+            return 2
     if args.cmd == "topology":
         from .topology import local_topology, render_topology
 

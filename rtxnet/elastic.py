@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -118,8 +119,10 @@ class FaultTolerance:
             ranks' states besides the live one (three while the vote runs).
 
     Raises:
-        ConfigError: ``min_world_size`` < 1 or below the group's ``min_ranks``, or
-            ``rejoin_window_s`` <= 0 (names the value); with
+        ConfigError: ``pg`` is not a process group, ``state`` lacks ``state_dict`` /
+            ``load_state_dict``, ``min_world_size`` < 1, below the group's ``min_ranks`` or above
+            its ``max_ranks``, ``rejoin_window_s`` / ``commit_timeout_s`` not a finite positive
+            number, ``load_checkpoint`` not callable, a mistyped int (names the value); with
             ``sharded_state``, a state without ``load_state_dicts``.
         RendezvousError (from ``guard``/``aguard``): the world stayed below ``min_world_size``
             for ``rejoin_window_s`` after a loss (no replacement came).
@@ -134,9 +137,26 @@ class FaultTolerance:
         if isinstance(pg, BlockingProcessGroup):
             self._portal = pg._portal
             self.pg = pg.async_pg
-        else:
+        elif isinstance(pg, ProcessGroup):
             self._portal = None
             self.pg = pg
+        else:
+            raise ConfigError(f"FaultTolerance: pg must be the process group of rtxnet.init() or "
+                              f"rtxnet.connect(), got {type(pg).__name__}")
+        if not (callable(getattr(state, "state_dict", None)) and callable(getattr(state, "load_state_dict", None))):
+            raise ConfigError(f"FaultTolerance: state must have state_dict() and load_state_dict(d), "
+                              f"got {type(state).__name__}")
+        for name, v in (("min_world_size", min_world_size), ("start_step", start_step),
+                        ("max_step_retries", max_step_retries)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
+        for name, v in (("rejoin_window_s", rejoin_window_s), ("commit_timeout_s", commit_timeout_s)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not 0 < v < math.inf):
+                raise ConfigError(f"{name} must be a finite number of seconds > 0, got {v!r}")
+        if load_checkpoint is not None and not callable(load_checkpoint):
+            raise ConfigError(f"load_checkpoint must be a function (step, root) or None, got "
+                              f"{type(load_checkpoint).__name__}")
         self.state = state
         if min_world_size is None:
             min_world_size = getattr(self.pg.agent, "min_ranks", None) or int(os.environ.get("RTXNET_MIN_RANKS") or 1)
@@ -149,8 +169,12 @@ class FaultTolerance:
                 f"min_world_size({self.min_world_size}) < the process group's min_ranks({min_ranks}): "
                 f"collectives refuse a world below min_ranks; lower min_ranks instead (rtxnet-run "
                 f"--min-ranks, RTXNET_MIN_RANKS)")
-        if rejoin_window_s <= 0:
-            raise ConfigError(f"rejoin_window_s({rejoin_window_s}) must be > 0")
+        max_ranks = getattr(self.pg.agent, "max_ranks", None)
+        if max_ranks is not None and self.min_world_size > max_ranks:
+            raise ConfigError(f"min_world_size({self.min_world_size}) > the process group's "
+                              f"max_ranks({max_ranks}): the world can never be that large")
+        if max_step_retries < 0:
+            raise ConfigError(f"max_step_retries({max_step_retries}) must be >= 0")
         self.rejoin_window_s = rejoin_window_s
         self.commit_timeout_s = commit_timeout_s or self.pg.timeouts.op_s
         self.injector = _faults.current() if faults == "env" else faults

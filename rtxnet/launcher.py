@@ -263,8 +263,13 @@ class Launcher:
             journal = a.journal
             if journal is None:
                 self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
-            self.coordinator_proc, self.address = await start_coordinator(
-                journal, extra=self._coordinator_args())
+            try:
+                self.coordinator_proc, self.address = await start_coordinator(
+                    journal, extra=self._coordinator_args())
+            except RuntimeError:
+                if self.tmp_journal:
+                    shutil.rmtree(self.tmp_journal, ignore_errors=True)
+                raise
             if a.job and a.journal:   # a journal of earlier runs may hold the id as finished
                 try:
                     await _probe_coordinator(self.address, a.job)
@@ -278,7 +283,7 @@ class Launcher:
                  f"{self.slots[0].rank}..{self.slots[-1].rank} of {self.total} of {a.script} "
                  f"(data sockets on {self.bind_host})")
         else:
-            _say(f"job {self.job}: starting {a.nproc} ranks of {a.script}")
+            _say(f"job {self.job}: starting {a.nproc} rank{'s' if a.nproc > 1 else ''} of {a.script}")
         try:
             for slot in self.slots:
                 if self.stopping:
@@ -433,7 +438,8 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     ok = [s.rank for s in slots if s.returncode == 0]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None)]
-    return (f"{'ranks ' + ', '.join(map(str, ok)) if ok else 'no rank'} exited 0; rank{'s' if len(bad) > 1 else ''} "
+    ok_text = (f"rank{'s' if len(ok) > 1 else ''} {', '.join(map(str, ok))}" if ok else "no rank")
+    return (f"{ok_text} exited 0; rank{'s' if len(bad) > 1 else ''} "
             f"{', '.join(bad)} failed. Exit code {code}: the first failing rank's (0 only when "
             f"every rank's last process exited 0)")
 
@@ -485,8 +491,9 @@ _TIMEOUT_VARS = ("RTXNET_HEARTBEAT_INTERVAL", "RTXNET_HEARTBEAT_TIMEOUT", "RTXNE
 def _environment_errors() -> list[str]:
     """What every rank would refuse in the environment it inherits, found once, here: the
     timeouts (parsed and checked by :meth:`rtxnet.Timeouts.from_env`, as a rank's ``init`` does
-    when it is given no ``Timeouts``) and ``RTXNET_LAST_CALL`` (the coordinator refuses a join whose
-    ``last_call_s`` is negative or not finite)."""
+    when it is given no ``Timeouts``), ``RTXNET_LAST_CALL`` (the coordinator refuses a join whose
+    ``last_call_s`` is negative or not finite), ``RTXNET_LOG_LEVEL``, ``RTXNET_HOST`` (too long
+    for an identity) and ``RTXNET_BIND_HOST`` (an address the ranks could not listen on)."""
     from transport.errors import ConfigError
 
     from .config import Timeouts, env_float
@@ -502,6 +509,20 @@ def _environment_errors() -> list[str]:
         last_call = env_float("RTXNET_LAST_CALL", 0.0)
     except ConfigError as exc:
         errors.append(str(exc))
+    level = os.environ.get("RTXNET_LOG_LEVEL")
+    if level and level.lower() not in ("debug", "info", "warning", "error"):
+        errors.append(f"RTXNET_LOG_LEVEL={level!r} is not one of debug, info, warning, error")
+    try:
+        from .topology import host_id
+
+        host_id()
+    except ConfigError as exc:
+        errors.append(str(exc))
+    bind = os.environ.get("RTXNET_BIND_HOST")
+    if bind:
+        bad = _bind_host_error(bind)
+        if bad:
+            errors.append(bad.replace("--bind-host", "RTXNET_BIND_HOST", 1))
     else:
         if not 0 <= last_call < math.inf:
             errors.append(f"RTXNET_LAST_CALL={os.environ['RTXNET_LAST_CALL']!r} must be a finite "

@@ -193,9 +193,11 @@ class ProcessGroup:
         elastic bounds allow it."""
         m, lo = self._agent.membership, self._agent.min_ranks
         if m is not None and m.world_size < lo:
+            gone = (f"ranks {list(m.lost)} of the epoch before were lost or left" if m.lost else
+                    "ranks were lost or left in an earlier epoch")
             raise PeerLostError(
                 f"{name}: the world of epoch {m.epoch} has {m.world_size} rank(s), fewer than "
-                f"min_ranks({lo}) (ranks {list(m.lost)} of the epoch before were lost or left); no "
+                f"min_ranks({lo}) ({gone}); no "
                 f"collective runs below min_ranks. rtxnet.FaultTolerance waits for replacements "
                 f"and restores their state; without it, end this process and let rtxnet-run "
                 f"--max-restarts start it again", ranks=m.lost, epoch=m.epoch)
@@ -276,11 +278,16 @@ class ProcessGroup:
             timeout: seconds to wait for the new epoch; default the request deadline.
 
         Raises:
+            ValueError: ``epoch`` is not an int in ``0..pg.epoch``.
             RtxTimeoutError: the new epoch did not arrive within ``timeout`` seconds (default:
                 the request deadline).
             RendezvousError: this rank is no longer a member (it was declared lost).
         """
-        before = self.epoch if epoch is None else min(self.epoch, int(epoch))
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)
+                                  or not 0 <= epoch <= self.epoch):
+            raise ValueError(f"reform: epoch must be an epoch this rank was in, 0..{self.epoch}, "
+                             f"got {epoch!r}")
+        before = self.epoch if epoch is None else epoch
         epoch = await self._agent.reform(reason, before)
         m = await self._agent.wait_epoch(max(before, epoch - 1),
                                          timeout_s=timeout if timeout is not None else self.timeouts.request_s)
@@ -313,6 +320,10 @@ def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, l
     for name, v in (("coordinator", coordinator), ("job", job), ("token", token)):
         if v is not None and not isinstance(v, str):
             raise ConfigError(f"{name} must be a str, got {v!r} ({type(v).__name__})")
+    if job is not None and not job.strip():
+        raise ConfigError(f"job must not be empty, got {job!r}")
+    if last_call_s is not None and (isinstance(last_call_s, bool) or not isinstance(last_call_s, (int, float))):
+        raise ConfigError(f"last_call_s must be a number of seconds, got {last_call_s!r} ({type(last_call_s).__name__})")
     coordinator = coordinator or os.environ.get("RTXNET_COORDINATOR")
     if not coordinator:
         raise ConfigError("no coordinator address: pass coordinator= or set RTXNET_COORDINATOR (rtxnet-run sets it)")

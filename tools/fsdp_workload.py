@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     state = FSDPState(model, opt)
     ft = rtxnet.FaultTolerance(
         pg, state, sharded_state=args.mode == "memory",
-        load_checkpoint=lambda step, root: state.load_state_dicts(ckpt.load_all(root, step)))
+        load_checkpoint=lambda step, root: state.load_state_dicts(ckpt.load_all(root, step), step=step))
     starts: list[float] = []
     while ft.step < args.steps:
         with ft.guard() as step:

@@ -72,6 +72,9 @@ def main() -> int:
         # a replacement that arrived after the others finished: their result stands
         print(f"this rank came back after the job finished: {exc}", file=sys.stderr)
         return 0
+    except rtxnet.RtxError as exc:   # refused (wrong token, other bounds) or timed out: one line
+        print(f"ft_workload: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     state = State(args.dim)
     ft = rtxnet.FaultTolerance(pg, state, rejoin_window_s=args.rejoin_window)
     started = time.monotonic()

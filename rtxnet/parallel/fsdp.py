@@ -911,16 +911,34 @@ class FSDPState:
         self.optimizer.zero_grad(set_to_none=True)
         self.step = int(state["step"])
 
-    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+    def load_state_dicts(self, states: Sequence[dict[str, Any]], *, step: int | None = None) -> None:
         """Every saved rank's state of one committed step or checkpoint, in saved-rank order
         (``rtxnet.checkpoint.load_all``), resharded for the current world, in place: shards by
         :meth:`FullyShardedDataParallel.load_sharded_state_dicts`, the optimizer's moments by
         :meth:`FullyShardedDataParallel.reshard_optimizer_state_dict`, the step from saved rank 0.
         Gradients left by a failed step are dropped (by :meth:`load_state_dict` too).
 
+        Args:
+            states: ``states[q]`` is saved rank ``q``'s :meth:`state_dict`.
+            step: the checkpoint's step, when loading one: the state must hold that many steps
+                (a checkpoint of step N is saved at the start of step N, before it changes
+                anything; one saved after the step ran would repeat it on resume).
+
         Raises:
-            ConfigError: as the two methods above (a missing or misplaced rank, another layout).
+            ConfigError: not such dicts (names the missing key); the saved ``step`` differs from
+                ``step`` (names both); as the two methods above (a missing or misplaced rank,
+                another layout).
         """
+        for q, st in enumerate(states):
+            missing = [k for k in ("model", "optimizer", "step") if not isinstance(st, dict) or k not in st]
+            if missing:
+                raise ConfigError(f"FSDPState.load_state_dicts: states[{q}] lacks {missing} (save "
+                                  f"FSDPState.state_dict(), not a dict of your own)")
+        if step is not None and int(states[0]["step"]) != int(step):
+            raise ConfigError(
+                f"FSDPState.load_state_dicts: the checkpoint of step {step} holds step "
+                f"{states[0]['step']}: save it at the start of step {step}, before the step "
+                f"changes the state (saved after it, resuming would run a step twice)")
         self.model.load_sharded_state_dicts([st["model"] for st in states])
         self.optimizer.load_state_dict(self.model.reshard_optimizer_state_dict(
             self.optimizer, [st["optimizer"] for st in states]))

@@ -50,7 +50,7 @@ def main() -> int:
     state = FSDPState(model, opt)   # load_state_dicts: every saved rank's shards, resharded
 
     def load_checkpoint(step: int, root: str) -> None:
-        state.load_state_dicts(ckpt.load_all(root, step))
+        state.load_state_dicts(ckpt.load_all(root, step), step=step)
 
     ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=load_checkpoint, sharded_state=memory)
     while ft.step < steps:

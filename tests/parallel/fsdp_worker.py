@@ -265,7 +265,11 @@ def resharded(pg, out: Path, steps=2, B=6):
         res["reshard_wrong_order_error"] = str(exc)
     opt2 = torch.optim.Adam(two.parameters(), lr=0.01)
     state2 = FSDPState(two, opt2)
-    state2.load_state_dicts(states)   # shards and Adam's moments resharded for 2 ranks
+    try:     # a checkpoint whose state holds another step than its own number: refused
+        state2.load_state_dicts(states, step=steps + 1)
+    except rtxnet.ConfigError as exc:
+        res["reshard_step_error"] = str(exc)
+    state2.load_state_dicts(states, step=steps)   # shards and Adam's moments resharded for 2 ranks
     res["reshard_step"] = state2.step
     res["reshard_loaded_rel"] = sd_rel(two.full_state_dict(rank0_only=False), ref.state_dict())
     n = B // two.world_size

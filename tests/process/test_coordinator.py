@@ -59,12 +59,17 @@ def test_four_agents_rendezvous_share_kv_and_show_in_status(coordinator, probes)
 def test_a_rank_alone_says_who_is_missing_then_times_out_naming_the_bounds(coordinator, probes):
     p = probes(coordinator.address, job="alone", world_size=3,
                timeouts={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.5, "op_s": 1.0,
-                         "rendezvous_s": 2.0})
+                         "rendezvous_s": 4.0})
+    wait_pending(coordinator.address, "alone", 1)
+    # a rank started with another world size is refused, and the waiting one hears of it
+    other = probes(coordinator.address, job="alone", world_size=4).expect("join_failed", timeout=10)
+    assert other["error"] == "ConfigError", other
     failed = p.expect("join_failed", timeout=15)
     assert failed["error"] == "RendezvousTimeout", failed
-    assert "did not form within 2 s (min_ranks=3, max_ranks=3" in failed["message"], failed
-    # reported every 0.5 s (a quarter of the timeout) while it waited, with the count
+    assert "did not form within 4 s (min_ranks=3, max_ranks=3" in failed["message"], failed
+    # reported every second (a quarter of the timeout) while it waited, with the count
     assert "rendezvous_waiting" in p.log and "missing=2" in p.log and "joined=1" in p.log, p.log
+    assert "asking for min_ranks(4) max_ranks(4) was refused" in p.log, p.log
 
 
 def test_duplicate_rank_claim_is_refused_at_once(coordinator, probes):

@@ -84,7 +84,7 @@ def test_exit_code_is_the_first_failing_ranks(tmp_path):
     out = run(["--nproc", "3", "--min-ranks", "1", str(script)])
     assert out.returncode == 5, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert ("ranks 0 exited 0; ranks 1 (exit 5, restarted 0 of 0 times), 2 (exit 6, restarted 0 of "
+    assert ("rank 0 exited 0; ranks 1 (exit 5, restarted 0 of 0 times), 2 (exit 6, restarted 0 of "
             "0 times) failed. Exit code 5: the first failing rank's") in last, last
 
 
@@ -353,6 +353,9 @@ MARKS_START = "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']
     ([], {"RTXNET_OP_TIMEOUT": "nan"}, "op_s(nan) must be a finite positive number of seconds (from RTXNET_OP_TIMEOUT='nan')"),
     ([], {"RTXNET_HEARTBEAT_TIMEOUT": "90"}, "timeouts must satisfy heartbeat_interval_s < heartbeat_timeout_s < op_s"),
     ([], {"RTXNET_LAST_CALL": "inf"}, "RTXNET_LAST_CALL='inf' must be a finite number of seconds >= 0"),
+    ([], {"RTXNET_LOG_LEVEL": "loud"}, "RTXNET_LOG_LEVEL='loud' is not one of debug, info, warning, error"),
+    ([], {"RTXNET_BIND_HOST": "192.0.2.77"}, "RTXNET_BIND_HOST 192.0.2.77: the ranks could not listen there"),
+    ([], {"RTXNET_HOST": "h" * 300}, "is 300 bytes; at most 128 (it is part of the rank's ZeroMQ identity)"),
 ])
 def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(tmp_path, args, env, line):
     script = tmp_path / "marks.py"

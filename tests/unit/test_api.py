@@ -134,3 +134,37 @@ def test_zmq_context_is_never_shared_with_a_forked_child():
             os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(r, 1) == b"1"
+
+
+def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
+    # Before: NaN or a str rejoin window, a non-callable load_checkpoint or an impossible
+    # min_world_size were taken, and failed only in the middle of a recovery.
+    class State:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, d):
+            pass
+
+    pg = rtxnet.init(coordinator.address, job="ft-args", world_size=1)
+    try:
+        for args, kw, text in [
+            ((pg, None), {}, "state must have state_dict() and load_state_dict(d), got NoneType"),
+            (("pg", State()), {}, "pg must be the process group of rtxnet.init() or rtxnet.connect(), got str"),
+            ((pg, State()), {"rejoin_window_s": float("nan")}, "rejoin_window_s must be a finite number of seconds > 0, got nan"),
+            ((pg, State()), {"rejoin_window_s": "5"}, "rejoin_window_s must be a finite number of seconds > 0, got '5'"),
+            ((pg, State()), {"commit_timeout_s": float("inf")}, "commit_timeout_s must be a finite number"),
+            ((pg, State()), {"load_checkpoint": 5}, "load_checkpoint must be a function (step, root) or None, got int"),
+            ((pg, State()), {"min_world_size": 9}, "min_world_size(9) > the process group's max_ranks(1)"),
+            ((pg, State()), {"start_step": 1.5}, "start_step must be an int, got 1.5"),
+        ]:
+            with pytest.raises(rtxnet.ConfigError) as info:
+                rtxnet.FaultTolerance(*args, **kw)
+            assert text in str(info.value), (kw, str(info.value))
+        assert rtxnet.FaultTolerance(pg, State()).step == 0
+        for bad in (99, -5, "x"):   # an epoch this rank was never in opens nothing
+            with pytest.raises(ValueError, match=f"reform: epoch must be an epoch this rank was in, 0..0, got {bad!r}"):
+                pg.reform(epoch=bad)
+        assert pg.reform(epoch=0) == 1 and pg.epoch == 1
+    finally:
+        pg.close()

@@ -240,6 +240,19 @@ def test_a_joiner_of_a_job_that_commits_steps_is_admitted_at_the_next_step_decis
     assert set(ep) == {"a", "b", "c", "d"} and ep["d"]["added"] == [3] and ep["d"]["epoch"] == 2, ep
 
 
+def test_a_join_with_an_endpoint_others_cannot_parse_or_absurd_bounds_is_refused():
+    h = Harness()
+    base = dict(job="j", token="t", rank=None, min_ranks=1, last_call_s=0.0, heartbeat_timeout_s=2.0,
+                host="h", pid=1)
+    sends = h.req("a", "join", identity="a", max_ranks=10**12, endpoint="tcp://h:1", **base)
+    assert "max_ranks(1000000000000) is above the 65536 ranks a job may have" in errors(sends)[0]["message"]
+    sends = h.req("a", "join", identity="a", max_ranks=2, endpoint="junk", **base)
+    assert "endpoint 'junk' is not tcp://HOST:PORT[?bulk=PORT]" in errors(sends)[0]["message"]
+    for ok in ("tcp://10.0.0.1:5000?bulk=5001", "tcp://[::1]:7", "tcp://host-1.example:9"):
+        assert not errors(h.req(f"x{len(ok)}", "join", identity=f"x{len(ok)}", max_ranks=4, endpoint=ok,
+                                **base)), ok
+
+
 def test_a_join_may_not_publish_more_than_status_can_carry(monkeypatch):
     import coordinator.state as st
 
