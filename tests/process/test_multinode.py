@@ -45,12 +45,22 @@ def hosts():
 
 
 def _launch(hosts, node: int, address: str, job: str, out: Path, steps: int, *extra: str) -> subprocess.Popen:
+    """Host ``node``'s launcher of 2 ranks of ft_workload (in its namespace; ``hosts`` None: on
+    this machine's loopback, told apart by ``RTXNET_HOST`` only)."""
     env = procs.env(RTXNET_HOST=f"node{node}", **TIMEOUTS)
-    return hosts.popen(
-        node, [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc",
-               "2", "--coordinator", address, "--job", job, *extra, "tools/ft_workload.py", "--steps", str(steps),
-               "--step-sleep", "0.01", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=procs.ROOT)
+    argv = [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc", "2",
+            "--coordinator", address, "--job", job, *extra, "tools/ft_workload.py", "--steps", str(steps),
+            "--step-sleep", "0.01", "--out", str(out)]
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=procs.ROOT)
+    return subprocess.Popen(argv, **kw) if hosts is None else hosts.popen(node, argv, **kw)
+
+
+def _stop(launchers: list[subprocess.Popen], coord: procs.Coordinator) -> None:
+    """SIGKILL the launchers still running (their ranks get SIGTERM with them) and the daemon."""
+    for p in launchers:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+    coord.kill()
 
 
 def _finish(p: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
@@ -82,10 +92,7 @@ def test_two_nodes_train_to_the_one_right_answer(hosts, tmp_path):
         launchers = [_launch(hosts, k, coord.address, "two-nodes", tmp_path / "out", 40) for k in (0, 1)]
         done = [_finish(p, 90) for p in launchers]
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-        coord.kill()
+        _stop(launchers, coord)
     for rc, _, err in done:
         assert rc == 0, err[-4000:]
     # each node's ranks listen on its own address, and the ranks are numbered across the nodes
@@ -114,10 +121,7 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
         b_gone_s = time.monotonic() - cut
         rc_a, _, err_a = _finish(launchers[0], 90)
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-        coord.kill()
+        _stop(launchers, coord)
     # the coordinator's side lost the other node's two ranks, went on as a world of 2 (>= --min-ranks)
     # and ended with the right answer, one step redone
     assert rc_a == 0, err_a[-4000:]
@@ -133,8 +137,8 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
     # the cut-off side cannot reach the coordinator: each of its ranks stops with one clear error
     # within the op timeout plus a little, instead of retrying the step into a wall
     assert rc_b != 0 and b_gone_s < 30, (rc_b, b_gone_s, err_b[-3000:])
-    for r in (2, 3):
-        assert f"[rank{r}] transport.errors.CoordinatorLostError: step" in err_b, err_b[-3000:]
+    for r in (2, 3):   # from its failed step, or from its vote if the cut came during one
+        assert f"[rank{r}] transport.errors.CoordinatorLostError: " in err_b, err_b[-3000:]
     assert "this rank is cut off from it (a network partition" in err_b, err_b[-3000:]
 
 
@@ -147,12 +151,7 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
     steps, launchers = 500, []
 
     def launch(node: int) -> subprocess.Popen:
-        env = procs.env(RTXNET_HOST=f"node{node}", **TIMEOUTS)
-        return subprocess.Popen(
-            [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc", "2",
-             "--min-ranks", "2", "--coordinator", coord.address, "--job", "host-back", "tools/ft_workload.py",
-             "--steps", str(steps), "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=procs.ROOT)
+        return _launch(None, node, coord.address, "host-back", tmp_path / "out", steps, "--min-ranks", "2")
 
     def committed() -> int:
         return max([j["committed_step"] for j in procs.coordinator_jobs(coord.address) if j["job"] == "host-back"]
@@ -168,10 +167,7 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
         launchers.append(launch(1))
         done = [_finish(launchers[0], 90), _finish(launchers[2], 90)]
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
-        coord.kill()
+        _stop(launchers, coord)
     for rc, _, err in done:
         assert rc == 0, err[-4000:]
     res = _results(tmp_path / "out")
