@@ -21,15 +21,15 @@ import sys
 
 import structlog
 
+from transport.channel import route_address
 from transport.errors import ConnectError, JournalCorruptError, JournalError
-from transport.logconfig import configure_logging
+from transport.logconfig import LOG_LEVELS, configure_logging
 
 from .server import Coordinator
 
 log = structlog.get_logger("coordinator")
 
 DEFAULT_BIND = "tcp://0.0.0.0:29600"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 # The tick is how often heartbeat silences, kv_wait and commit deadlines and last-call windows are
 # checked, so it adds up to one tick to every such decision. Above 1 s it would swamp the default
 # heartbeat_timeout (2 s, ../shared/DESIGN.md) in loss detection; below 1 ms the serve loop spins.
@@ -115,9 +115,7 @@ def _reachable(address: str) -> str:
     if host not in ("0.0.0.0", "*", "::"):
         return address
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 9))
-            return f"tcp://{s.getsockname()[0]}:{port}"
+        return f"tcp://{route_address('10.255.255.255')}:{port}"   # any address off this host
     except OSError:   # no default route: an address the hostname resolves to, not a loopback one
         try:
             infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)

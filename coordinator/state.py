@@ -751,11 +751,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     # Ranks of a running job are dense (renumbered at every loss): a requested rank is honoured
     # only if it is the free one, else the joiner gets the free one; it is not refused (a
     # restarted process cannot get back a rank that renumbering gave to a survivor).
-    if len(job.members) + len(job.pending) >= job.max_ranks or ident in job.pending:
-        if ident in job.pending:   # a repeated join while it waits for its step boundary
-            job.pending[ident].last_seen = now
-            actions.append(_reply(identity, msg, job, state="pending"))
-            return
+    if ident in job.pending:   # a repeated join while it waits for its step boundary
+        job.pending[ident].last_seen = now
+        actions.append(_reply(identity, msg, job, state="pending"))
+        return
+    if len(job.members) + len(job.pending) >= job.max_ranks:
         return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
     job.pending[ident] = newcomer
     state.where[ident] = job_id

@@ -245,10 +245,12 @@ class Agent:
             timeout_s=timeout_s, what=f"no epoch after {after}")
 
     # ------------------------------------------------------------------------------------------
-    async def _request(self, mtype: str, *, deadline_s: float | None = None, **fields: Any) -> dict[str, Any]:
+    async def _request(self, mtype: str, *, deadline_s: float | None = None, epoch: int | None = None,
+                       **fields: Any) -> dict[str, Any]:
+        """Send ``mtype`` with this agent's job, token and epoch (``epoch`` names another)."""
         if self._closed or self._client is None:
             raise ClosedError("agent is closed" if self._closed else "agent has not joined")
-        return await self._client.request(mtype, job=self.job, epoch=self.epoch,
+        return await self._client.request(mtype, job=self.job, epoch=self.epoch if epoch is None else epoch,
                                           deadline_s=deadline_s or self.timeouts.request_s,
                                           **{"token": self.token, **fields})
 
@@ -440,12 +442,9 @@ class Agent:
             else:   # a silence may begin meanwhile: look again within half of coordinator_s
                 wait_s = min(wait_s, max(0.5, self.timeouts.coordinator_s / 2))
             try:
-                if self._closed or self._client is None:
-                    raise ClosedError("agent is closed")
-                return await self._client.request(
-                    "commit", job=self.job, epoch=epoch, deadline_s=wait_s + 0.5, token=self.token,
-                    identity=self.identity, step=int(step), ok=bool(ok), metadata=metadata or {},
-                    timeout_s=float(wait_s))
+                return await self._request(
+                    "commit", epoch=epoch, deadline_s=wait_s + 0.5, identity=self.identity,
+                    step=int(step), ok=bool(ok), metadata=metadata or {}, timeout_s=float(wait_s))
             except RtxTimeoutError:
                 continue
             except RendezvousError as exc:
@@ -458,12 +457,8 @@ class Agent:
         in place of ``epoch`` (default: this rank's current one): only a request naming the
         job's current epoch acts, so a rank that asks after another rank's reform already moved
         it on opens no second epoch. Returns the job's epoch after the request."""
-        if self._closed or self._client is None:
-            raise ClosedError("agent is closed" if self._closed else "agent has not joined")
-        body = await self._client.request(
-            "reform", job=self.job, epoch=self.epoch if epoch is None else int(epoch),
-            deadline_s=self.timeouts.request_s, token=self.token, identity=self.identity,
-            reason=reason[:500])
+        body = await self._request("reform", epoch=None if epoch is None else int(epoch),
+                                   identity=self.identity, reason=reason[:500])
         return body["epoch"]
 
     async def status(self) -> list[dict[str, Any]]:

@@ -398,37 +398,33 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
                            f"no rank was started")
 
 
-def _bind_host_error(host: str) -> str | None:
+def _bind_host_error(host: str, name: str = "--bind-host") -> str | None:
     """Why the ranks could not listen on ``host`` (not an IP address, not one of this host's),
-    or None."""
+    or None; ``name`` is where the value came from."""
     import ipaddress
     import socket
 
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return f"--bind-host must be an IP address of this host, got {host!r}"
+        return f"{name} must be an IP address of this host, got {host!r}"
     try:
         with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
     except OSError as exc:
-        return f"--bind-host {host}: the ranks could not listen there ({exc.strerror or exc})"
+        return f"{name} {host}: the ranks could not listen there ({exc.strerror or exc})"
     if ip.is_unspecified:
-        return (f"--bind-host {host} is not an address other nodes can reach (every interface); "
+        return (f"{name} {host} is not an address other nodes can reach (every interface); "
                 f"give this host's own address")
     return None
 
 
 def _route_address(coordinator: str) -> str:
     """This host's address on the route to ``coordinator`` (``tcp://HOST:PORT``): what the other
-    nodes can reach this one at, found by connecting a UDP socket (nothing is sent)."""
-    import socket
+    nodes can reach this one at."""
+    from transport.channel import route_address
 
-    host = coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
+    return route_address(coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]"))
 
 
 def _outcome(slots, max_restarts: int, code: int) -> str:
@@ -509,9 +505,11 @@ def _environment_errors() -> list[str]:
         last_call = env_float("RTXNET_LAST_CALL", 0.0)
     except ConfigError as exc:
         errors.append(str(exc))
+    from transport.logconfig import LOG_LEVELS
+
     level = os.environ.get("RTXNET_LOG_LEVEL")
-    if level and level.lower() not in ("debug", "info", "warning", "error"):
-        errors.append(f"RTXNET_LOG_LEVEL={level!r} is not one of debug, info, warning, error")
+    if level and level.lower() not in LOG_LEVELS:
+        errors.append(f"RTXNET_LOG_LEVEL={level!r} is not one of {', '.join(LOG_LEVELS)}")
     try:
         from .topology import host_id
 
@@ -520,9 +518,9 @@ def _environment_errors() -> list[str]:
         errors.append(str(exc))
     bind = os.environ.get("RTXNET_BIND_HOST")
     if bind:
-        bad = _bind_host_error(bind)
+        bad = _bind_host_error(bind, "RTXNET_BIND_HOST")
         if bad:
-            errors.append(bad.replace("--bind-host", "RTXNET_BIND_HOST", 1))
+            errors.append(bad)
     else:
         if not 0 <= last_call < math.inf:
             errors.append(f"RTXNET_LAST_CALL={os.environ['RTXNET_LAST_CALL']!r} must be a finite "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -59,6 +60,19 @@ def check_address(address: str) -> str:
     if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
         raise ValueError(f"{address!r}: port {port!r} is not in 0..65535")
     return address
+
+
+def route_address(host: str) -> str:
+    """This host's own address on its route to ``host`` (an IP or name), found by connecting a
+    UDP socket, which sends nothing: the address other hosts reach this one at.
+
+    Raises:
+        OSError: no route to ``host`` (or it does not resolve).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def process_context() -> zmq.asyncio.Context:

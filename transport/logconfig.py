@@ -13,7 +13,9 @@ import sys
 
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "LOG_LEVELS"]
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def configure_logging(*, level: str | None = None, json: bool | None = None) -> None:
@@ -28,7 +30,7 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
         json = os.environ.get("RTXNET_LOG_JSON", "") not in ("", "0", "false")
     lvl = getattr(logging, level.upper(), None)
     if not isinstance(lvl, int):
-        raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
+        raise ValueError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

@@ -110,11 +110,10 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
     try:
         launchers = [_launch(hosts, k, coord.address, "cut", tmp_path / "out", steps, "--min-ranks", "2")
                      for k in (0, 1)]
-        deadline = time.monotonic() + 60
-        while _committed(hosts, coord.address, "cut") < 20:    # training is under way on all 4
-            assert time.monotonic() < deadline and all(p.poll() is None for p in launchers), \
-                [p.communicate(timeout=20)[1][-3000:] for p in launchers if p.poll() is not None]
-            time.sleep(0.2)
+        procs.wait_until(lambda: _committed(hosts, coord.address, "cut") >= 20 or any(
+            p.poll() is not None for p in launchers), 60, "training under way on all 4")
+        assert all(p.poll() is None for p in launchers), \
+            [p.communicate(timeout=20)[1][-3000:] for p in launchers if p.poll() is not None]
         hosts.link(1, up=False)
         cut = time.monotonic()
         rc_b, _, err_b = _finish(launchers[1], 60)
