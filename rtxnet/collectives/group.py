@@ -145,7 +145,7 @@ class Group:
         self._shm = shmops.ShmState(engine) if engine.shm_enabled and self.same_host else None
         self._gpu_state = None
         self._host_groups_cache = None
-        self._hosts_shared_cache: bool | None = None
+        self._by_host_cache: dict | None = None
         engine._groups.append(self)
         return self
 
@@ -756,27 +756,28 @@ class Group:
 
     # -- hierarchical all_reduce (CPU and GPU arrays) ------------------------------------------
 
+    def _by_host(self) -> dict:
+        """This group's world ranks by host (``WorldView.hosts``: the agents' ``RTXNET_HOST`` or
+        hostname), hosts in order of their first rank; made once per group."""
+        if self._by_host_cache is None:
+            hosts = self.engine.view.hosts
+            self._by_host_cache = {}
+            for r in self.ranks:
+                self._by_host_cache.setdefault(hosts.get(r), []).append(r)
+        return self._by_host_cache
+
     def _hosts_shared(self) -> bool:
         """Whether the group spans several hosts and some host has two or more of its ranks (then
         hierarchical all_reduce sends fewer bytes across hosts than a flat ring; with one rank
         per host it is the flat ring)."""
-        if self._hosts_shared_cache is None:
-            hosts = self.engine.view.hosts
-            count: dict = {}
-            for r in self.ranks:
-                count[hosts.get(r)] = count.get(hosts.get(r), 0) + 1
-            self._hosts_shared_cache = len(count) > 1 and max(count.values()) > 1
-        return self._hosts_shared_cache
+        by_host = self._by_host()
+        return len(by_host) > 1 and max(map(len, by_host.values())) > 1
 
     def _host_groups(self) -> tuple[Group, Group | None]:
-        """``(this host's ranks, the hosts' first ranks or None here)``, made once per group.
-        Hosts are those in ``WorldView.hosts`` (the agents' ``RTXNET_HOST`` or hostname)."""
+        """``(this host's ranks, the hosts' first ranks or None here)``, made once per group."""
         if self._host_groups_cache is None:
-            hosts = self.engine.view.hosts
-            by_host: dict = {}
-            for r in self.ranks:
-                by_host.setdefault(hosts.get(r), []).append(r)
-            mine = by_host[hosts.get(self.ranks[self.rank])]
+            by_host = self._by_host()
+            mine = by_host[self.engine.view.hosts.get(self.ranks[self.rank])]
             intra = self.new_group(mine)
             leaders = self.new_group(sorted(v[0] for v in by_host.values()))
             self._host_groups_cache = (intra, leaders)
