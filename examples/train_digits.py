@@ -513,7 +513,8 @@ class _LineStream:
 
 def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keep = ("event", "step", "failed_step", "resumed_step", "steps_lost", "error", "lost",
-            "world_size", "time_to_recover_s", "detection_latency_s")
+            "lost_launch", "added", "added_launch", "epoch", "world_size", "time_to_recover_s",
+            "detection_latency_s")
     return [{k: e[k] for k in keep if k in e} for e in raw]
 
 
@@ -547,10 +548,13 @@ def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], 
         elif e["event"] == "restored":
             x, style, label = e["resumed_step"], dict(color="tab:purple", ls="--", lw=1.2), "restored"
             text = f"from checkpoint, failed at {e.get('failed_step')}"
+        elif e["event"] == "joined":
+            x, style, label = e["step"], dict(color="tab:blue", ls=":", lw=1.2), "rank joined"
+            text = f"+{len(e['added'])} rank{'s' if len(e['added']) > 1 else ''}, world {e['world_size']}"
         else:
             continue
         ax.axvline(x, label=None if label in labelled else label, **style)
-        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12 if label == "failure" else -24),
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, {"failure": -12, "rank joined": -36}.get(label, -24)),
                     textcoords="offset points", fontsize=8, color=style["color"])
         labelled.add(label)
     ax.set_xlabel("step")

@@ -211,6 +211,12 @@ class FaultTolerance:
         self._open_failure: dict[str, Any] | None = None
         self._epoch_seen: dict[int, float] = {}
         self._epoch_lost: dict[int, list[int]] = {}   # epoch -> ranks its membership lost
+        # epoch -> the launch ranks (rtxnet-run's RANK, stable across epochs) its membership lost;
+        # None where a lost rank's launch rank is unknown (ranks started by hand, an epoch missed)
+        self._epoch_lost_launch: dict[int, list[int] | None] = {}
+        self._launch_of: dict[int, dict[int, int | None]] = {}  # epoch -> {rank: launch rank}
+        if self.pg.agent.membership is not None:   # the epoch this rank joined in
+            self._note_launch_ranks(self.pg.agent.membership)
         self.pg.agent.add_listener(self._on_epoch)
 
     # ---------------------------------------------------------------------------------------------
@@ -273,7 +279,12 @@ class FaultTolerance:
                 lines.append(f"fault {f.text!r}: not injected")
         for e in self.events:
             if e["event"] == "recovered":
-                if len(e.get("losses", ())) > 1:
+                if e.get("fenced"):
+                    lost = "this rank was declared lost (frozen or cut off) and rejoined"
+                elif e.get("lost_launch"):
+                    lost = f"lost launch rank{'s' if len(e['lost_launch']) > 1 else ''} " + \
+                        ", ".join(map(str, e["lost_launch"]))
+                elif len(e.get("losses", ())) > 1:
                     lost = "lost ranks " + " then ".join(f"{x['ranks']} (epoch {x['epoch']})"
                                                          for x in e["losses"])
                 else:
@@ -295,6 +306,8 @@ class FaultTolerance:
                     f"{e['failed_step'] - 1}): restored the checkpoint of step {e['resumed_step']}"
                     f"{after}, training resumed with {e['world_size']} ranks at step "
                     f"{e['resumed_step']}; steps lost: {e['steps_lost']}")
+            elif e["event"] == "joined":
+                lines.append(describe_join(e))
             elif e["event"] == "commit_stall":
                 lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s (the coordinator "
                              f"away, or a peer late); steps lost: 0")
@@ -323,8 +336,25 @@ class FaultTolerance:
             self._epoch_seen[-1] = now
         else:
             self._epoch_seen[membership.epoch] = now
+            epoch = membership.epoch
+            self._note_launch_ranks(membership)
+            before = self._launch_of.get(epoch - 1, {})
             if membership.lost:
-                self._epoch_lost[membership.epoch] = list(membership.lost)
+                self._epoch_lost[epoch] = list(membership.lost)
+                named = [before.get(r) for r in membership.lost]
+                self._epoch_lost_launch[epoch] = None if None in named else named
+            if membership.added and reason == "joined" and membership.rank not in membership.added:
+                # (a joiner's own recovery or start says it joined; the members report the join)
+                added = [self._launch_of[epoch].get(r) for r in membership.added]
+                self._event({"event": "joined", "epoch": epoch, "added": list(membership.added),
+                             "added_launch": None if None in added else added,
+                             "world_size": membership.world_size, "step": self.step})
+            for old in [e for e in self._launch_of if e < epoch - 1]:
+                del self._launch_of[old]
+
+    def _note_launch_ranks(self, membership) -> None:
+        self._launch_of[membership.epoch] = {r: (m.get("info") or {}).get("launch_rank")
+                                             for r, m in (membership.members or {}).items()}
 
     async def _begin(self) -> int:
         while True:
@@ -399,6 +429,8 @@ class FaultTolerance:
             self._open_failure = {
                 "event": "failure", "step": step, "error": type(exc).__name__, "message": str(exc),
                 "lost": list(getattr(exc, "ranks", [])), "epoch": self._synced_epoch,
+                # this rank itself was declared lost (frozen, cut off) and must rejoin
+                "fenced": bool(self.pg.agent.fenced),
                 "t_detected": detected, "t_caught": now, "committed_step": self.committed_step,
             }
             self._event(dict(self._open_failure))
@@ -675,6 +707,8 @@ class FaultTolerance:
             "error": f["error"],
             "lost": [r for x in losses for r in x["ranks"]] if losses else f["lost"],
             "losses": losses,
+            "lost_launch": self._lost_launch(f, losses),
+            "fenced": f.get("fenced", False),
             "epoch": self.pg.epoch,
             "world_size": self.pg.world_size,
             "t_detected": f["t_detected"],
@@ -685,6 +719,15 @@ class FaultTolerance:
         }
         self._event(rec)
         log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
+
+    def _lost_launch(self, failure: dict[str, Any], losses: list[dict[str, Any]]) -> list[int] | None:
+        """The launch ranks a failure lost, sorted; None if any is unknown."""
+        if losses:
+            named = [self._epoch_lost_launch.get(x["epoch"]) for x in losses]
+            return None if None in named else sorted(r for x in named for r in x)
+        at = self._launch_of.get(failure["epoch"], {})
+        named = [at.get(r) for r in failure["lost"]]
+        return None if None in named else sorted(named)
 
     def _event(self, rec: dict[str, Any]) -> None:
         """Keep ``rec`` and, when ``RTXNET_METRICS_DIR`` is set, append it to this process's
@@ -752,6 +795,14 @@ class FaultTolerance:
             self._delays_recorded.add(rec["index"])
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped
+
+
+def describe_join(e: dict[str, Any]) -> str:
+    """One line for a ``joined`` event: ``epoch 4: launch rank 3 joined at step 65; world of 4``
+    (launch ranks when every joiner has one, else ranks numbered as of that epoch)."""
+    ranks, kind = (e["added_launch"], "launch rank") if e.get("added_launch") else (e["added"], "rank")
+    return (f"epoch {e['epoch']}: {kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            f"joined at step {e['step']}; world of {e['world_size']}")
 
 
 def _fault_where(at: str, step: int | None, collective: int | None) -> str:

@@ -399,6 +399,11 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
         from .topology import agent_info
 
         info = {"topology": agent_info()}
+        launch = os.environ.get("RTXNET_RANK", "")
+        if launch.isdigit():
+            # the rank rtxnet-run started this process as: stable across epochs (renumbering)
+            # and restarts, so a lost rank can be named the way the launcher named it
+            info["launch_rank"] = int(launch)
     engine = await _make_engine(timeouts, bind_host)
     agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)
     from . import faults

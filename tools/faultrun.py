@@ -63,7 +63,8 @@ def summarize(events: list[dict], output: str = "") -> dict:
         latency (a rank frozen by ``pause`` detects its own fencing only when it wakes: the
         worst would be the pause, not the job's detection), the worst time to recover and steps
         lost over the ranks. ``stalls``: per step whose vote waited, the
-        longest wait, longest first. ``unrecovered``: failures a process recorded but never recovered
+        longest wait, longest first. ``joins``: per epoch that admitted ranks, who (launch ranks
+        when known), at which step, and the world size then. ``unrecovered``: failures a process recorded but never recovered
         from (it crashed or was killed first). Then, from ``output`` (see :func:`scan_output`):
         ``rank_exits``, ``coordinator_exits``, ``restores``, ``state_lost`` and ``below_min_ranks``.
     """
@@ -80,6 +81,9 @@ def summarize(events: list[dict], output: str = "") -> dict:
             "error": es[0]["error"],
             "lost": es[0]["lost"],
             "losses": es[0].get("losses") or [],
+            "lost_launch": es[0].get("lost_launch"),
+            # launch ranks that were declared lost themselves (frozen, cut off) and rejoined
+            "fenced": sorted(e.get("launch_rank") for e in es if e.get("fenced")),
             "ranks_reporting": len(es),
             "detection_latency_s": min(det) if det else None,
             "time_to_recover_s": max(e["time_to_recover_s"] for e in es),
@@ -89,6 +93,13 @@ def summarize(events: list[dict], output: str = "") -> dict:
     for e in stalls:
         if e["step"] not in by_step or e["seconds"] > by_step[e["step"]]["seconds"]:
             by_step[e["step"]] = e
+    joins: dict[int, dict] = {}   # epoch -> one record (every member of the epoch writes one)
+    for e in events:
+        if e["event"] == "joined":
+            joins.setdefault(e["epoch"], {"epoch": e["epoch"], "added": e["added"],
+                                          "added_launch": e.get("added_launch"),
+                                          "world_size": e["world_size"], "step": e["step"]})
+    out["joins"] = [joins[k] for k in sorted(joins)]
     out["stalls"] = [{"step": e["step"], "seconds": e["seconds"], "time_to_recover_s": e["time_to_recover_s"]}
                      for e in sorted(by_step.values(), key=lambda e: -e["seconds"])]
     # A process's events come in order: each "failure" is closed by the next "recovered".
@@ -256,11 +267,18 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
 
 def report(summary: dict) -> list[str]:
     """The summary as lines for people; a line starting with ``FAILED`` fails the check."""
+    from rtxnet.elastic import describe_join
     from rtxnet.launcher import signal_suffix
 
-    lines = []
+    by_epoch = []   # (epoch, line): recoveries and joins in the order they happened
     for r in summary["recoveries"]:
-        if len(r.get("losses") or []) > 1:
+        if r.get("lost_launch"):
+            lost = (f"lost launch rank{'s' if len(r['lost_launch']) > 1 else ''} "
+                    f"{', '.join(map(str, r['lost_launch']))}")
+        elif r.get("fenced") and r["ranks_reporting"] == len(r["fenced"]):
+            lost = (f"launch rank{'s' if len(r['fenced']) > 1 else ''} {', '.join(map(str, r['fenced']))} "
+                    f"declared lost (frozen or cut off), rejoined")
+        elif len(r.get("losses") or []) > 1:
             # ranks are renumbered at every epoch: "[1, 1]" would read as one rank twice
             lost = "lost " + ", then ".join(
                 f"rank{'s' if len(x['ranks']) > 1 else ''} {', '.join(map(str, x['ranks']))} "
@@ -269,8 +287,10 @@ def report(summary: dict) -> list[str]:
             lost = f"lost ranks {r['lost']}" if r["lost"] else "no rank lost"
         det = ("" if r["detection_latency_s"] is None
                else f"detected after {r['detection_latency_s'] * 1000:.0f} ms, ")
-        lines.append(f"epoch {r['epoch']}: {r['error']} ({lost}): {det}recovered after "
-                     f"{r['time_to_recover_s'] * 1000:.0f} ms, steps lost {r['steps_lost']}")
+        by_epoch.append((r["epoch"], f"epoch {r['epoch']}: {r['error']} ({lost}): {det}recovered after "
+                                     f"{r['time_to_recover_s'] * 1000:.0f} ms, steps lost {r['steps_lost']}"))
+    by_epoch += [(j["epoch"], describe_join(j)) for j in summary.get("joins", [])]
+    lines = [line for _, line in sorted(by_epoch, key=lambda x: x[0])]
     for s in summary["stalls"]:
         lines.append(f"a step's vote waited {s['seconds']:.2f} s at step {s['step']} (the coordinator away, "
                      f"or a peer late); no step lost")

@@ -287,6 +287,21 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
         {"event": "recovered", "pid": 12, "epoch": 7, "error": "PeerLostError", "lost": [1, 1],
          "losses": [{"epoch": 6, "ranks": [1]}, {"epoch": 7, "ranks": [1]}],
          "detection_latency_s": 0.1, "time_to_recover_s": 0.5, "steps_lost": 1},
+        # the same losses named by launch rank (the ranks were started by rtxnet-run)
+        {"event": "recovered", "pid": 12, "epoch": 9, "error": "PeerLostError", "lost": [2, 2],
+         "losses": [{"epoch": 8, "ranks": [2]}, {"epoch": 9, "ranks": [2]}], "lost_launch": [2, 3],
+         "detection_latency_s": 0.1, "time_to_recover_s": 0.5, "steps_lost": 1},
+        # a replacement's join, written by each member of the epoch: one line
+        {"event": "joined", "pid": 12, "epoch": 10, "added": [2], "added_launch": [3], "world_size": 3,
+         "step": 60},
+        {"event": "joined", "pid": 13, "epoch": 10, "added": [2], "added_launch": [3], "world_size": 3,
+         "step": 60},
+        {"event": "joined", "pid": 12, "epoch": 11, "added": [3, 4], "added_launch": None,
+         "world_size": 5, "step": 70},
+        # a frozen rank woke up fenced out and rejoined: it alone reports that epoch's recovery
+        {"event": "recovered", "pid": 14, "launch_rank": 4, "epoch": 12, "error": "PeerLostError",
+         "lost": [], "lost_launch": [], "fenced": True, "detection_latency_s": 2.5,
+         "time_to_recover_s": 2.6, "steps_lost": 0},
     ]
     s = faultrun.summarize(events, out)
     assert [(x["rank"], x["code"], x["restart"]) for x in s["rank_exits"]] == [
@@ -303,6 +318,12 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
     assert "epoch 4: CollectiveTimeout (no rank lost): recovered after 1500 ms, steps lost 1" in lines
     assert ("epoch 7: PeerLostError (lost rank 1 (numbered as of epoch 5), then rank 1 (numbered as of "
             "epoch 6)): detected after 100 ms, recovered after 500 ms, steps lost 1") in lines
+    assert ("epoch 9: PeerLostError (lost launch ranks 2, 3): detected after 100 ms, recovered after "
+            "500 ms, steps lost 1") in lines
+    assert ("epoch 12: PeerLostError (launch rank 4 declared lost (frozen or cut off), rejoined): "
+            "detected after 2500 ms, recovered after 2600 ms, steps lost 0") in lines
+    assert [x for x in lines if "joined at step" in x] == ["epoch 10: launch rank 3 joined at step 60; world of 3",
+                                                   "epoch 11: ranks 3, 4 joined at step 70; world of 5"]
     assert "rank 1 exited with code 1; not restarted" in lines
     assert "the coordinator exited with code 137, SIGKILL" in lines
     assert ("the job could not go on: rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than "

@@ -113,7 +113,14 @@ def test_rank0_killed_the_new_rank0_writes_every_output(tmp_path, mode):
     m = run["metrics"]
     assert m is not None, run["stderr"][-4000:]
     assert m["steps"] == 20 and [h[0] for h in m["loss_history"]] == list(range(20))
-    assert [e["event"] for e in m["events"]] == ["failure", "recovered"] and m["events"][0]["lost"] == [0]
+    events = [e for e in m["events"] if e["event"] != "joined"]
+    assert [e["event"] for e in events] == ["failure", "recovered"] and events[0]["lost"] == [0]
+    assert events[1]["lost_launch"] == [0], events
+    joins = [e for e in m["events"] if e["event"] == "joined"]
+    if mode[0] == "--max-restarts":    # the replacement runs as launch rank 0 again
+        assert [e["added_launch"] for e in joins] == [[0]] and joins[0]["world_size"] == 3, m["events"]
+    else:
+        assert joins == [], m["events"]
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     acc = [line for line in run["stdout"].splitlines() if "test_accuracy=" in line]
     assert acc == [f"[rank1] test_accuracy={m['test_accuracy']:.4f}"], run["stdout"]

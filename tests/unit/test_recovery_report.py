@@ -12,21 +12,29 @@ from rtxnet.elastic import FaultTolerance
 pytestmark = pytest.mark.timeout(10)
 
 
-def _membership(epoch: int, lost: tuple[int, ...]) -> Membership:
-    return Membership(job="j", epoch=epoch, rank=0, world_size=2, members={}, lost=lost, added=(),
-                      reason="lost", committed_step=5)
+def _membership(epoch: int, lost: tuple[int, ...], launch: list[int | None] = (), added=(),
+                reason="lost") -> Membership:
+    members = {r: {"info": {} if x is None else {"launch_rank": x}} for r, x in enumerate(launch)}
+    return Membership(job="j", epoch=epoch, rank=0, world_size=len(members), members=members,
+                      lost=lost, added=added, reason=reason, committed_step=5)
+
+
+def _ft() -> FaultTolerance:
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.events, ft._epoch_seen, ft._epoch_lost = [], {}, {}
+    ft._epoch_lost_launch, ft._launch_of = {}, {}
+    ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
+    ft.injector = None
+    return ft
 
 
 def test_every_loss_while_a_failure_is_open_is_recorded_and_reported():
-    ft = FaultTolerance.__new__(FaultTolerance)
-    ft.events, ft._epoch_seen, ft._epoch_lost = [], {}, {}
-    ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
-    ft.injector = None
-    ft._on_epoch(_membership(1, ()), "formed")           # before the failure: not counted
+    ft = _ft()
+    ft._on_epoch(_membership(1, (), [None, 1, 2, 3]), "formed")   # before the failure: not counted
     ft._open_failure = {"step": 6, "error": "PeerLostError", "lost": [0, 2], "epoch": 1,
                         "t_detected": 0.0}
-    ft._on_epoch(_membership(2, (0, 2)), "lost")          # ranks 0 and 2 together
-    ft._on_epoch(_membership(3, (1,)), "lost")            # then rank 1 (of epoch 2's numbering)
+    ft._on_epoch(_membership(2, (0, 2), [1, 3]), "lost")          # ranks 0 and 2 together
+    ft._on_epoch(_membership(3, (1,), [1]), "lost")               # then rank 1 (of epoch 2's numbering)
 
     class Store:
         async def get(self, key):
@@ -45,9 +53,39 @@ def test_every_loss_while_a_failure_is_open_is_recorded_and_reported():
     rec = ft.events[-1]
     assert rec["lost"] == [0, 2, 1]
     assert rec["losses"] == [{"epoch": 2, "ranks": [0, 2]}, {"epoch": 3, "ranks": [1]}]
+    assert rec["lost_launch"] is None      # epoch 1's rank 0 was started by hand: no launch rank
 
     async def report():
         return await ft.areport()
 
     lines = asyncio.run(report())
     assert "lost ranks [0, 2] (epoch 2) then [1] (epoch 3)" in lines[-1], lines
+
+
+def test_lost_and_joined_ranks_are_named_by_launch_rank():
+    # Launch ranks 2 then 3 lost in two epochs: both are "rank 2" in their epoch's numbering.
+    ft = _ft()
+    ft._on_epoch(_membership(1, (), [0, 1, 2, 3]), "formed")
+    ft._open_failure = {"step": 6, "error": "PeerLostError", "lost": [2], "epoch": 1, "t_detected": 0.0}
+    ft._on_epoch(_membership(2, (2,), [0, 1, 3]), "lost")
+    ft._on_epoch(_membership(3, (2,), [0, 1]), "lost")
+
+    class PG:
+        epoch, world_size, store = 3, 2, None
+
+    ft.pg = PG()
+
+    async def no_injection(t):
+        return None
+
+    ft._injection_time = no_injection
+    asyncio.run(ft._close_failure())
+    rec = ft.events[-1]
+    assert rec["lost"] == [2, 2] and rec["lost_launch"] == [2, 3]
+    ft._on_epoch(_membership(4, (), [0, 1, 3], added=(2,), reason="joined"), "joined")
+    joined = ft.events[-1]
+    assert joined["event"] == "joined" and joined["added"] == [2] and joined["added_launch"] == [3]
+    assert joined["world_size"] == 3 and joined["step"] == 6
+    lines = asyncio.run(ft.areport())
+    assert "(PeerLostError, lost launch ranks 2, 3)" in lines[0], lines
+    assert lines[1] == "epoch 4: launch rank 3 joined at step 6; world of 3", lines
