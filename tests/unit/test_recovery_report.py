@@ -28,6 +28,26 @@ def _ft() -> FaultTolerance:
     return ft
 
 
+def _close(ft: FaultTolerance, world_size: int) -> dict:
+    """Close ``ft``'s open failure in epoch 3 (no injection time known); returns its record."""
+    class Store:
+        async def get(self, key):
+            return None
+
+    class PG:
+        epoch, store = 3, Store()
+
+    ft.pg = PG()
+    ft.pg.world_size = world_size
+
+    async def no_injection(t):
+        return None
+
+    ft._injection_time = no_injection
+    asyncio.run(ft._close_failure())
+    return ft.events[-1]
+
+
 def test_every_loss_while_a_failure_is_open_is_recorded_and_reported():
     ft = _ft()
     ft._on_epoch(_membership(1, (), [None, 1, 2, 3]), "formed")   # before the failure: not counted
@@ -35,30 +55,12 @@ def test_every_loss_while_a_failure_is_open_is_recorded_and_reported():
                         "t_detected": 0.0}
     ft._on_epoch(_membership(2, (0, 2), [1, 3]), "lost")          # ranks 0 and 2 together
     ft._on_epoch(_membership(3, (1,), [1]), "lost")               # then rank 1 (of epoch 2's numbering)
-
-    class Store:
-        async def get(self, key):
-            return None
-
-    class PG:
-        epoch, world_size, store = 3, 1, Store()
-
-    ft.pg = PG()
-
-    async def no_injection(t):
-        return None
-
-    ft._injection_time = no_injection
-    asyncio.run(ft._close_failure())
-    rec = ft.events[-1]
+    rec = _close(ft, 1)
     assert rec["lost"] == [0, 2, 1]
     assert rec["losses"] == [{"epoch": 2, "ranks": [0, 2]}, {"epoch": 3, "ranks": [1]}]
     assert rec["lost_launch"] is None      # epoch 1's rank 0 was started by hand: no launch rank
 
-    async def report():
-        return await ft.areport()
-
-    lines = asyncio.run(report())
+    lines = asyncio.run(ft.areport())
     assert "lost ranks [0, 2] (epoch 2) then [1] (epoch 3)" in lines[-1], lines
 
 
@@ -69,18 +71,7 @@ def test_lost_and_joined_ranks_are_named_by_launch_rank():
     ft._open_failure = {"step": 6, "error": "PeerLostError", "lost": [2], "epoch": 1, "t_detected": 0.0}
     ft._on_epoch(_membership(2, (2,), [0, 1, 3]), "lost")
     ft._on_epoch(_membership(3, (2,), [0, 1]), "lost")
-
-    class PG:
-        epoch, world_size, store = 3, 2, None
-
-    ft.pg = PG()
-
-    async def no_injection(t):
-        return None
-
-    ft._injection_time = no_injection
-    asyncio.run(ft._close_failure())
-    rec = ft.events[-1]
+    rec = _close(ft, 2)
     assert rec["lost"] == [2, 2] and rec["lost_launch"] == [2, 3]
     ft._on_epoch(_membership(4, (), [0, 1, 3], added=(2,), reason="joined"), "joined")
     joined = ft.events[-1]
