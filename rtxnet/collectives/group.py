@@ -20,7 +20,10 @@ Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen 
                      from ``BULK_MIN_NBYTES`` over dedicated TCP streams received in place
                      (:mod:`transport.bulk`, Linux), else over ZeroMQ. broadcast (from
                      ``BULK_MIN_NBYTES``, when "shm" does not apply) as a pipelined chain from
-                     the root around the ring, on the same streams.
+                     the root around the ring, on the same streams. all_gather and
+                     reduce_scatter as the ring's two halves (the default from
+                     ``BULK_MIN_NBYTES`` of the W arrays for a group on several hosts whose
+                     members all have a bulk stream).
 ``"shm"``            same-host ranks: each copies its input once into its shared-memory segment,
                      reduces its 1/W chunk reading the peers' segments, then copies the others'
                      reduced chunks (see :mod:`rtxnet.collectives.shared_memory`).
@@ -51,7 +54,12 @@ from rtxnet.collectives.reduce_ops import (
     finish,
     reduce_into,
 )
-from rtxnet.collectives.ring import chain_broadcast, ring_all_reduce, ring_all_reduce_bulk
+from rtxnet.collectives.ring import (
+    chain_broadcast,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from transport.errors import (
     ClosedError,
     CollectiveError,
@@ -75,8 +83,8 @@ _DIRECT_MAX_RANKS = 8
 ALGORITHMS = {
     "all_reduce": ("direct", "recursive_doubling", "ring", "shm"),
     "broadcast": ("direct", "ring", "shm"),
-    "all_gather": ("direct", "shm"),
-    "reduce_scatter": ("direct", "shm"),
+    "all_gather": ("direct", "ring", "shm"),
+    "reduce_scatter": ("direct", "ring", "shm"),
 }
 
 
@@ -221,9 +229,24 @@ class Group:
             return "ring"
         if opname == "broadcast" and nbytes >= ring_mod.BULK_MIN_NBYTES and self.size > 1:
             return "ring"
+        if (opname in ("all_gather", "reduce_scatter") and nbytes >= ring_mod.BULK_MIN_NBYTES
+                and len(self._by_host()) > 1 and self.engine.bulk_ok(self)):
+            # across hosts: the ring crosses each host boundary once each way with (W-1)/W of
+            # the data, where direct sends every rank's part to every remote rank (a host of P
+            # ranks puts P x remote ranks parts on its link: tools/bench/multihost.py --op
+            # all_gather); received in place, no fresh ZeroMQ message per part. Within one
+            # host without "shm", direct (W-1 sends at once) was as fast or faster with 4 ranks
+            # on 2 cores (tools/bench/collectives.py --no-shm --algorithm direct/ring).
+            return "ring"
         if opname == "all_reduce" and self.size > _DIRECT_MAX_RANKS:
             return "recursive_doubling"
         return "direct"
+
+    def _ring_bulk(self, nbytes: int) -> bool:
+        """Whether a ring of ``nbytes`` (the working array) goes over the bulk TCP streams:
+        every member has one and the array is at least ``ring.BULK_MIN_NBYTES`` (smaller ones
+        go as ZeroMQ messages). Same answer on every member."""
+        return nbytes >= ring_mod.BULK_MIN_NBYTES and self.engine.bulk_ok(self)
 
     def _sig(self, name, algo, rop=None, root=None, dtype=None, numel=None, shape=None,
              splits=None) -> list:
@@ -330,7 +353,6 @@ class Group:
         sig = self._sig("all_reduce", algo, rop, None, buf.dtype, buf.size, buf.shape)
         flat, dtype, n, N = buf.flat, buf.dtype, self.size, buf.size
         accdt = acc_dtype(dtype)
-        engine = self.engine
 
         async def body(op: Op):
             if algo == "local":
@@ -345,10 +367,8 @@ class Group:
             else:
                 await op.hello(sig)
                 acc = flat if accdt == dtype else await off_loop(nbytes, flat.astype, accdt)
-                if algo == "ring" and acc.nbytes >= ring_mod.BULK_MIN_NBYTES and engine.bulk_ok(self):
-                    await ring_all_reduce_bulk(op, acc, rop)
-                elif algo == "ring":
-                    await ring_all_reduce(op, acc, rop)
+                if algo == "ring":
+                    await ring_all_reduce(op, acc, rop, bulk=self._ring_bulk(acc.nbytes))
                 else:
                     acc = await recursive_doubling_all_reduce(op, acc, rop)
                     await off_loop(acc.nbytes, finish, rop, acc, n)
@@ -461,6 +481,12 @@ class Group:
         async def body(op: Op):
             if algo == "shm":
                 await shmops.all_gather(op, self._shm, sig, ib.flat, slots)
+            elif algo == "ring":
+                await op.hello(sig)
+                r = self.rank
+                await ring_all_gather(op, [ib.flat if k == r else slots[k] for k in range(n)],
+                                      bulk=self._ring_bulk(n * N * dtype.itemsize))
+                await off_loop(N * dtype.itemsize, copy_pairs, [(slots[r], ib.flat)])
             else:
                 got = await op.hello(sig, None, lambda g: ib.flat) if algo != "local" else {}
                 pairs = [(slots[k], ib.flat if k == self.rank else _view(got[k][1], dtype, N))
@@ -506,6 +532,17 @@ class Group:
                 np.copyto(ob.flat, chunks[0])
             elif algo == "shm":
                 await shmops.reduce_scatter(op, self._shm, sig, chunks, ob.flat, rop)
+            elif algo == "ring":
+                await op.hello(sig)
+                accdt = acc_dtype(dtype)
+                acc = np.empty(n * N, accdt)   # scratch: pages touched only where written
+                parts = [acc[k * N:(k + 1) * N] for k in range(n)]
+                direct = accdt == dtype        # this rank's chunk reduced into the output itself
+                if direct:
+                    parts[r] = ob.flat
+                await ring_reduce_scatter(op, chunks, parts, rop, bulk=self._ring_bulk(acc.nbytes))
+                if not direct:
+                    await off_loop(N * dtype.itemsize, _copy_cast, ob.flat, parts[r])
             else:
                 got = await op.hello(sig, None, lambda g: chunks[g])
                 xs = [chunks[r] if g == r else _view(got[g][1], dtype, N) for g in range(n)]
@@ -904,6 +941,7 @@ def _stamp_epoch(exc: BaseException, epoch: int) -> None:
 
 def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
+
 
 
 def _divide_in_place(tensor, n: int) -> None:

@@ -1,4 +1,5 @@
-"""Ring all-reduce: reduce-scatter then all-gather around the ring, in pipelined blocks.
+"""Ring all-reduce: reduce-scatter then all-gather around the ring, in pipelined blocks; the
+ring reduce-scatter and all-gather are its two halves (one schedule, :func:`_ring_schedule`).
 
 Shapes legend: ``acc_N`` the working array of N elements (accumulation dtype), split into W
 chunks by element (chunk c = ``[c*N//W, (c+1)*N//W)``), each cut into blocks (``block_nbytes``).
@@ -14,21 +15,23 @@ Block size: a quarter of a chunk, within [``MIN_BLOCK_NBYTES``, ``MAX_BLOCK_NBYT
 2 ranks: 94 ms against 64 ms, medians of 4 alternated runs); 256 KiB blocks were slower still,
 16 MiB ones page-faulted more (each zmq message is a fresh allocation) and pipelined less.
 
-``ring_all_reduce_bulk`` is the same schedule over the bulk TCP streams of
+``bulk=True`` runs the same schedule over the bulk TCP streams of
 :mod:`transport.bulk`: blocks are received straight into ``acc_N`` (all-gather) or into one reused
 scratch block (reduce-scatter), so no message is allocated and nothing is copied twice. A block
 sent at step t+1 is not overwritten before the send is complete: its chunk is received again only
 at step t+W, from data that went through every rank after this one, the right neighbour included.
+The same holds for the halves: a chunk is received (and changed) at most once per operation.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from rtxnet.collectives.arrays import payload_view
-from rtxnet.collectives.reduce_ops import ReduceOp, combine, finish
+from rtxnet.collectives.arrays import off_loop, payload_view
+from rtxnet.collectives.reduce_ops import ReduceOp, combine, combine2, finish
 
-__all__ = ["ring_all_reduce", "ring_all_reduce_bulk", "chain_broadcast", "block_nbytes",
+__all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+           "chain_broadcast", "block_nbytes",
            "MIN_BLOCK_NBYTES", "MAX_BLOCK_NBYTES", "BULK_MIN_NBYTES"]
 
 MIN_BLOCK_NBYTES = 1 << 20
@@ -47,62 +50,99 @@ def _blocks(lo: int, hi: int, blk: int) -> list[tuple[int, int]]:
     return [(s, min(s + blk, hi)) for s in range(lo, hi, blk)]
 
 
-def _ring_plan(op, acc_N: np.ndarray) -> tuple[int, int, int, int, list[list[tuple[int, int]]], int]:
-    """``(n, r, right, left, chunk_blocks, blk)``: chunk ``c`` of ``acc_N`` is cut in blocks of
-    ``blk`` elements, ``chunk_blocks[c]`` lists their ``(lo, hi)`` bounds."""
+async def _ring_schedule(op, parts: list[np.ndarray], rop: ReduceOp | None, *, shift: int,
+                         nsteps: int, nreduce: int, bulk: bool,
+                         sources: list[np.ndarray] | None = None) -> None:
+    """The ring's steps over ``parts`` (W contiguous chunks of one dtype, chunk c's elements):
+    first send chunk ``(r - shift) mod W``; step t receives chunk ``(r - t - 1 - shift) mod W``
+    from the left neighbour, reduces it into the part (t < ``nreduce``; ``finish`` at the last
+    such step) or copies it, and forwards it at step t+1 (t+1 < ``nsteps``). Blocks of 1-4 MiB
+    (:func:`block_nbytes` of the largest part) pipeline each step. With ``sources`` (W chunks
+    like ``parts``, read only) the first send reads ``sources`` and a reduction writes
+    ``part = source (op) received`` (no copy of the input into ``parts`` beforehand).
+
+    all-reduce: shift 0, 2(W-1) steps, W-1 reducing; reduce-scatter (rank r ends with chunk r):
+    shift 1, W-1 steps, all reducing; all-gather (rank r starts with chunk r): shift 0, W-1
+    steps, none reducing.
+    """
     n, r = op.n, op.r
+    right, left = (r + 1) % n, (r - 1) % n
+    dtype = parts[0].dtype
+    blk = max(1, block_nbytes(max(p.nbytes for p in parts)) // dtype.itemsize)
+    blocks = [_blocks(0, p.size, blk) for p in parts]
+    send = op.bulk_send if bulk else op.send
+    scratch_B = np.empty(blk, dtype) if bulk and nreduce else None
+    first = (r - shift) % n
+    if sources is not None:
+        # what goes around is in the parts' dtype (float32 for float16 input): cast the first
+        # chunk into its part (otherwise unused) unless the dtypes agree
+        if sources[first].dtype == dtype:
+            parts = [*parts[:first], sources[first], *parts[first + 1:]]
+        else:
+            await off_loop(parts[first].nbytes, _cast_into, parts[first], sources[first])
+    for b, (lo, hi) in enumerate(blocks[first]):
+        send(right, b, parts[first][lo:hi])
+    for t in range(nsteps):
+        c = (r - t - 1 - shift) % n
+        for b, (lo, hi) in enumerate(blocks[c]):
+            seg, tag = parts[c][lo:hi], t * _STEP_STRIDE + b
+            if t < nreduce:
+                if bulk:
+                    x = scratch_B[:hi - lo]
+                    await op.bulk_recv_into(left, tag, x)
+                else:
+                    _, payload = await op.recv(left, tag)
+                    x = payload_view(payload, dtype, hi - lo)
+                if sources is None:
+                    combine(rop, seg, x)
+                else:
+                    combine2(rop, seg, sources[c][lo:hi], x)
+                if t == nreduce - 1:
+                    finish(rop, seg, n)
+            elif bulk:
+                await op.bulk_recv_into(left, tag, seg)
+            else:
+                _, payload = await op.recv(left, tag)
+                seg[...] = payload_view(payload, dtype, hi - lo)
+            if t + 1 < nsteps:
+                send(right, (t + 1) * _STEP_STRIDE + b, seg)
+    await (op.bulk_flush() if bulk else op.flush())
+
+
+def _cast_into(dst: np.ndarray, src: np.ndarray) -> None:
+    np.copyto(dst, src, casting="unsafe")
+
+
+def _split(acc_N: np.ndarray, n: int) -> list[np.ndarray]:
     N = acc_N.size
-    bounds = [c * N // n for c in range(n + 1)]
-    blk = max(1, block_nbytes((N // n) * acc_N.itemsize) // acc_N.itemsize)
-    chunk_blocks = [_blocks(bounds[c], bounds[c + 1], blk) for c in range(n)]
-    return n, r, (r + 1) % n, (r - 1) % n, chunk_blocks, blk
+    return [acc_N[c * N // n:(c + 1) * N // n] for c in range(n)]
 
 
-async def ring_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
-    """All-reduce ``acc_N`` in place over ``op``'s group (AVG division included)."""
-    n, r, right, left, chunk_blocks, _ = _ring_plan(op, acc_N)
-    last = 2 * (n - 1)
-    for b, (lo, hi) in enumerate(chunk_blocks[r]):
-        op.send(right, b, acc_N[lo:hi])
-    for t in range(last):
-        c = (r - t - 1) % n
-        for b, (lo, hi) in enumerate(chunk_blocks[c]):
-            _, payload = await op.recv(left, t * _STEP_STRIDE + b)
-            x = payload_view(payload, acc_N.dtype, hi - lo)
-            seg = acc_N[lo:hi]
-            if t < n - 1:
-                combine(rop, seg, x)
-                if t == n - 2:
-                    finish(rop, seg, n)
-            else:
-                seg[...] = x
-            if t + 1 < last:
-                op.send(right, (t + 1) * _STEP_STRIDE + b, seg)
-    await op.flush()
+async def ring_all_reduce(op, acc_N: np.ndarray, rop: ReduceOp, *, bulk: bool = False) -> None:
+    """All-reduce contiguous ``acc_N`` in place over ``op``'s group (AVG division included);
+    ``bulk``: over the bulk TCP streams, else over ZeroMQ messages."""
+    n = op.n
+    await _ring_schedule(op, _split(acc_N, n), rop, shift=0, nsteps=2 * (n - 1), nreduce=n - 1,
+                         bulk=bulk)
 
 
-async def ring_all_reduce_bulk(op, acc_N: np.ndarray, rop: ReduceOp) -> None:
-    """``ring_all_reduce`` over the bulk streams; ``acc_N`` must be contiguous."""
-    n, r, right, left, chunk_blocks, blk = _ring_plan(op, acc_N)
-    scratch_B = np.empty(blk, acc_N.dtype)
-    last = 2 * (n - 1)
-    for b, (lo, hi) in enumerate(chunk_blocks[r]):
-        op.bulk_send(right, b, acc_N[lo:hi])
-    for t in range(last):
-        c = (r - t - 1) % n
-        for b, (lo, hi) in enumerate(chunk_blocks[c]):
-            seg = acc_N[lo:hi]
-            if t < n - 1:
-                x = scratch_B[:hi - lo]
-                await op.bulk_recv_into(left, t * _STEP_STRIDE + b, x)
-                combine(rop, seg, x)
-                if t == n - 2:
-                    finish(rop, seg, n)
-            else:
-                await op.bulk_recv_into(left, t * _STEP_STRIDE + b, seg)
-            if t + 1 < last:
-                op.bulk_send(right, (t + 1) * _STEP_STRIDE + b, seg)
-    await op.bulk_flush()
+async def ring_reduce_scatter(op, chunks: list[np.ndarray], parts: list[np.ndarray], rop: ReduceOp,
+                              *, bulk: bool) -> None:
+    """Reduce-scatter around the ring: ``chunks[k]`` (this rank's input for rank k, contiguous,
+    read only) reduced over the group lands in ``parts[r]`` (AVG divided); the other ``parts``
+    (the accumulation dtype, contiguous, ``parts[(r-1) mod W]`` unused) are scratch. Each rank
+    sends and receives (W-1)/W of the input, as nccl's ring."""
+    n = op.n
+    await _ring_schedule(op, parts, rop, shift=1, nsteps=n - 1, nreduce=n - 1, bulk=bulk,
+                         sources=chunks)
+
+
+async def ring_all_gather(op, parts: list[np.ndarray], *, bulk: bool) -> None:
+    """All-gather around the ring: ``parts[k]`` (contiguous, writable but for this rank's own)
+    receives rank k's chunk; ``parts[r]`` is read only. Each rank sends and receives W-1
+    chunks, forwarding each block as it lands."""
+    n = op.n
+    await _ring_schedule(op, parts, None, shift=0, nsteps=n - 1, nreduce=0, bulk=bulk)
 
 
 async def chain_broadcast(op, flat: np.ndarray, src: int, *, bulk: bool) -> None:

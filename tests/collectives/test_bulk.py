@@ -73,6 +73,57 @@ def test_bulk_ring_matches_reference(n):
         assert links == 1   # one stream, to the right neighbour
 
 
+async def bulk_halves_reference(engine):
+    """all_gather and reduce_scatter as the ring's halves over the bulk streams, in many blocks
+    (the last one short), against NumPy; list and flat arguments, a non-contiguous output."""
+    from .reference import close, make, reduce_ref
+
+    _small_blocks()
+    g = engine.world
+    n, r = g.size, g.rank
+    fails = []
+    for dtype, N, op in (("float32", 100_003, ReduceOp.SUM), ("float16", 50_001, ReduceOp.AVG),
+                         ("bfloat16", 30_000, ReduceOp.SUM), ("int64", 20_001, ReduceOp.MAX),
+                         ("bool", 40_000, ReduceOp.MAX), ("float64", 3, ReduceOp.MIN)):
+        xs = [make(k, "ag", (N,), dtype) for k in range(n)]
+        flat = np.zeros(n * N, xs[0].dtype)
+        await g.all_gather(flat, xs[r], algorithm="ring")
+        if not close(flat, np.concatenate(xs), dtype):
+            fails.append(("all_gather", dtype, N))
+        outs = [np.zeros(2 * N, xs[0].dtype)[::2] for _ in range(n)]     # strided: scratch + commit
+        await g.all_gather(outs, xs[r], algorithm="ring")
+        if not all(close(outs[k], xs[k], dtype) for k in range(n)):
+            fails.append(("all_gather strided", dtype, N))
+        ins = [[make(k, f"rs{j}", (N,), dtype, op) for j in range(n)] for k in range(n)]
+        want = reduce_ref([ins[k][r] for k in range(n)], op, dtype)
+        out = np.zeros(N, xs[0].dtype)
+        await g.reduce_scatter(out, ins[r], op, algorithm="ring")
+        if not close(out, want, dtype):
+            fails.append(("reduce_scatter", dtype, N))
+        before = np.concatenate(ins[r])
+        flat_in = before.copy()
+        await g.reduce_scatter(out, flat_in, op, algorithm="ring")
+        if not close(out, want, dtype) or not np.array_equal(flat_in, before):
+            fails.append(("reduce_scatter flat (input kept)", dtype, N))
+    # the default picks the ring (bulk streams up, above BULK_MIN_NBYTES, no shm across hosts)
+    if g._choose("all_gather", n * 4000, None) != "ring" or g._choose("reduce_scatter", 4000, None) != "ring":
+        fails.append("the default is not the ring")
+    x = np.full(1000, r, np.float32)
+    flat = np.zeros(n * 1000, np.float32)
+    await g.all_gather(flat, x)
+    if not np.array_equal(flat, np.repeat(np.arange(n, dtype=np.float32), 1000)):
+        fails.append("default all_gather")
+    return fails, _bulk_links_used(engine)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_bulk_ring_all_gather_and_reduce_scatter_match_reference(n):
+    for fails, links in run_world(n, bulk_halves_reference, hosts={r: f"h{r}" for r in range(n)},
+                                  timeout_s=150):
+        assert fails == []
+        assert links == 1   # one stream, to the right neighbour
+
+
 async def many_epochs(engine, epochs):
     _small_blocks()
     v0 = engine.view

@@ -54,26 +54,27 @@ async def every_case(engine, sizes, algorithms):
             await g.reduce(x, n - 1, op)
             check(f"reduce {dtype} {N}", x, reduce_ref(xs, op, dtype) if r == n - 1 else xs[r],
                   dtype)
-            # all_gather, list and flat
-            xs = [make(k, "ag", shape, dtype) for k in range(n)]
-            outs = [np.zeros(shape, dt) for _ in range(n)]
-            await g.all_gather(outs, xs[r])
-            for k in range(n):
-                check(f"all_gather list {dtype} {N} [{k}]", outs[k], xs[k], dtype)
-            flat = np.zeros((n,) + shape, dt)
-            await g.all_gather(flat, xs[r])
-            check(f"all_gather flat {dtype} {N}", flat, np.stack(xs), dtype)
-            # reduce_scatter, list and flat
-            for op in ops_for(dtype)[:2]:
-                ins = [[make(k, f"rs{j}|{op.name}", shape, dtype, op) for j in range(n)]
-                       for k in range(n)]
-                out = np.zeros(shape, dt)
-                await g.reduce_scatter(out, ins[r], op)
-                want = reduce_ref([ins[k][r] for k in range(n)], op, dtype)
-                check(f"reduce_scatter list {dtype} {N} {op.name}", out, want, dtype)
-                out2 = np.zeros(shape, dt)
-                await g.reduce_scatter(out2, np.concatenate([a.ravel() for a in ins[r]]), op)
-                check(f"reduce_scatter flat {dtype} {N} {op.name}", out2, want, dtype)
+            # all_gather and reduce_scatter, list and flat, by each of their algorithms asked for
+            for algo in [a for a in algorithms if a in (None, "direct", "ring", "shm")]:
+                xs = [make(k, f"ag{algo}", shape, dtype) for k in range(n)]
+                outs = [np.zeros(shape, dt) for _ in range(n)]
+                await g.all_gather(outs, xs[r], algorithm=algo)
+                for k in range(n):
+                    check(f"all_gather list {dtype} {N} {algo} [{k}]", outs[k], xs[k], dtype)
+                flat = np.zeros((n,) + shape, dt)
+                await g.all_gather(flat, xs[r], algorithm=algo)
+                check(f"all_gather flat {dtype} {N} {algo}", flat, np.stack(xs), dtype)
+                for op in ops_for(dtype)[:2]:
+                    ins = [[make(k, f"rs{j}|{op.name}{algo}", shape, dtype, op) for j in range(n)]
+                           for k in range(n)]
+                    out = np.zeros(shape, dt)
+                    await g.reduce_scatter(out, ins[r], op, algorithm=algo)
+                    want = reduce_ref([ins[k][r] for k in range(n)], op, dtype)
+                    check(f"reduce_scatter list {dtype} {N} {op.name} {algo}", out, want, dtype)
+                    out2 = np.zeros(shape, dt)
+                    await g.reduce_scatter(out2, np.concatenate([a.ravel() for a in ins[r]]), op,
+                                           algorithm=algo)
+                    check(f"reduce_scatter flat {dtype} {N} {op.name} {algo}", out2, want, dtype)
             # gather / scatter
             xs = [make(k, "ga", shape, dtype) for k in range(n)]
             gl = [np.zeros(shape, dt) for _ in range(n)] if r == 0 else None

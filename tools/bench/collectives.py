@@ -111,27 +111,28 @@ def elems(op: str, nbytes: int, n: int) -> tuple[int, int]:
 
 # -- rtxnet ---------------------------------------------------------------------------------------
 
-async def rtxnet_rank(engine, ops, sizes):
+async def rtxnet_rank(engine, ops, sizes, algorithm=None):
     import asyncio
 
     g = engine.world
     n = g.size
+    algo = {"algorithm": algorithm}
     rows = []
     for op in ops:
         for nbytes in sizes:
             per, actual = elems(op, nbytes, n)
             if op == "all_reduce" or op == "broadcast":
                 x = np.zeros(per, np.float32)
-                call = (lambda x=x: g.all_reduce(x)) if op == "all_reduce" else \
-                    (lambda x=x: g.broadcast(x, 0))
+                call = (lambda x=x: g.all_reduce(x, **algo)) if op == "all_reduce" else \
+                    (lambda x=x: g.broadcast(x, 0, **algo))
             elif op == "all_gather":
                 x = np.zeros(per, np.float32)
                 out = np.empty(per * n, np.float32)
-                call = lambda out=out, x=x: g.all_gather(out, x)  # noqa: E731
+                call = lambda out=out, x=x: g.all_gather(out, x, **algo)  # noqa: E731
             else:
                 x = np.zeros(per * n, np.float32)
                 out = np.empty(per, np.float32)
-                call = lambda out=out, x=x: g.reduce_scatter(out, x)  # noqa: E731
+                call = lambda out=out, x=x: g.reduce_scatter(out, x, **algo)  # noqa: E731
             warm, iters = iterations(actual)
             for _ in range(warm):
                 await call()
@@ -146,10 +147,10 @@ async def rtxnet_rank(engine, ops, sizes):
     return rows
 
 
-def run_rtxnet(n, ops, sizes, shm):
+def run_rtxnet(n, ops, sizes, shm, algorithm=None):
     from tests.collectives.harness import run_world
 
-    results = run_world(n, rtxnet_rank, ops, sizes, shm=shm, timeout_s=3600,
+    results = run_world(n, rtxnet_rank, ops, sizes, algorithm, shm=shm, timeout_s=3600,
                         default_timeout_s=120)
     return _merge(results)
 
@@ -490,6 +491,9 @@ def main(argv=None):
     p.add_argument("--compare", choices=["gloo", "none"], default=None,
                    help="gloo (default on cpu) or none (the only choice on cuda)")
     p.add_argument("--no-shm", action="store_true", help="rtxnet over TCP only")
+    p.add_argument("--algorithm", default=None,
+                   help="cpu: force rtxnet's algorithm for every op (e.g. direct, ring, shm; "
+                        "rtxnet.collectives.ALGORITHMS lists each op's); default: rtxnet's choice")
     p.add_argument("--repeat", type=int, default=1,
                    help="alternate rtxnet and gloo this many times; report the median")
     p.add_argument("--json", "--out", dest="json", help="write JSON rows here")
@@ -511,6 +515,15 @@ def main(argv=None):
         p.error("--compare gloo is for --device cpu; on cuda the anchor is the copy rate")
     if args.repeat < 1:
         p.error(f"--repeat({args.repeat}) must be >= 1")
+    if args.algorithm is not None:
+        from rtxnet.collectives import ALGORITHMS
+
+        if cuda:
+            p.error("--algorithm is for --device cpu")
+        bad = [op for op in args.ops if args.algorithm not in ALGORITHMS[op]]
+        if bad:
+            allowed = "; ".join(f"{op}: {', '.join(ALGORITHMS[op])}" for op in bad)
+            p.error(f"--algorithm {args.algorithm!r} does not apply to {', '.join(bad)} ({allowed})")
     if cuda:
         rows = run_cuda(args)
     else:
@@ -562,12 +575,12 @@ def run_cuda(args) -> list[dict]:
 
 def run_cpu(args) -> list[dict]:
     rows = []
-    transport = "tcp" if args.no_shm else "shm"
+    transport = ("tcp" if args.no_shm else "shm") + (f"/{args.algorithm}" if args.algorithm else "")
     for n in args.ranks:
         ours, theirs = [], []
         for k in range(args.repeat):
             t0 = time.perf_counter()
-            ours.append(run_rtxnet(n, args.ops, args.sizes, not args.no_shm))
+            ours.append(run_rtxnet(n, args.ops, args.sizes, not args.no_shm, args.algorithm))
             print(f"rtxnet n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr)
             if args.compare == "gloo":

@@ -1,7 +1,8 @@
-"""All-reduce across two hosts on a rate-limited link: flat ring against hierarchical.
+"""All-reduce across two hosts on a rate-limited link: flat ring against hierarchical (and
+all_gather / reduce_scatter: direct against the ring).
 
-    sudo python tools/bench/multihost.py [--rate 1gbit] [--sizes 1MiB 4MiB 16MiB 64MiB] \\
-        [--json out/multihost.json]
+    sudo python tools/bench/multihost.py [--op all_reduce] [--rate 1gbit] \\
+        [--sizes 1MiB 4MiB 16MiB 64MiB] [--json out/multihost.json]
 
 Two hosts are two network namespaces joined by a veth pair whose each direction is limited to
 ``--rate`` by a token bucket (tools/netns.py), as a NIC's line rate would; each host runs
@@ -23,7 +24,12 @@ over a ring of 2, ``S`` each way. So ``time >= 1.5 S / link`` (ring) and ``S / l
 (hierarchical), and each row carries ``frac_of_bound`` (bound time / measured time).
 
 Output: a table, and JSON rows ``{algorithm, ran, nbytes, time_s, algbw_gbps, busbw_gbps, bound_s,
-frac_of_bound, ok}`` plus ``link_gbps`` and ``rate``. Needs root (namespaces and tc).
+frac_of_bound, ok}`` plus ``op``, ``link_gbps`` and ``rate``. Needs root (namespaces and tc).
+
+``--op all_gather`` / ``--op reduce_scatter``: S is the gathered output (the scattered input), W
+parts of S/4; ``"direct"`` sends every rank's part to every other rank, so each host puts its 2
+ranks' parts to 2 remote ranks on the link, ``S`` each way; the ring crosses once each way with
+3 of the 4 parts, ``0.75 S``. The default on these hosts is the ring from 1 MiB.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
-ALGORITHMS = ("ring", "hierarchical", "default")
+ALGORITHMS = {"all_reduce": ("ring", "hierarchical", "default"),
+              "all_gather": ("direct", "ring", "default"),
+              "reduce_scatter": ("direct", "ring", "default")}
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -56,22 +64,38 @@ def parse_size(text: str) -> int:
 
 # -- rank side (run by rtxnet-run on each host) ---------------------------------------------------
 
-def rank_main(sizes: list[int], out: str, iters: int) -> int:
+def _op(pg, opname: str, nbytes: int, kw: dict):
+    """``(call, check)`` for one row: ``nbytes`` is the all-reduced array, or all_gather's output
+    (reduce_scatter's input) of W parts."""
+    n, r = pg.world_size, pg.rank
+    if opname == "all_reduce":
+        x = np.full(nbytes // 4, r + 1.0, np.float32)
+        return (lambda: pg.all_reduce(x, **kw)), (lambda: np.all(x == n * (n + 1) / 2))
+    per = nbytes // 4 // n
+    if opname == "all_gather":
+        x, out = np.full(per, r + 1.0, np.float32), np.zeros(per * n, np.float32)
+        return ((lambda: pg.all_gather(out, x, **kw)),
+                (lambda: np.array_equal(out, np.repeat(np.arange(1.0, n + 1, dtype=np.float32), per))))
+    x, out = np.full(per * n, r + 1.0, np.float32), np.zeros(per, np.float32)
+    return (lambda: pg.reduce_scatter(out, x, **kw)), (lambda: np.all(out == n * (n + 1) / 2))
+
+
+def rank_main(opname: str, sizes: list[int], out: str, iters: int) -> int:
     import rtxnet
 
     pg = rtxnet.init()
     rows = []
-    for algo in ALGORITHMS:
+    for algo in ALGORITHMS[opname]:
         kw = {} if algo == "default" else {"algorithm": algo}
         for nbytes in sizes:
-            x = np.full(nbytes // 4, pg.rank + 1.0, np.float32)
-            pg.all_reduce(x, **kw)
-            ok = bool(np.all(x == sum(range(1, pg.world_size + 1))))
+            call, check = _op(pg, opname, nbytes, kw)
+            call()
+            ok = bool(check())
             times = []
             for i in range(iters + 2):
                 pg.barrier()
                 t0 = time.perf_counter()
-                pg.all_reduce(x, **kw)
+                call()
                 t = np.array([time.perf_counter() - t0])
                 pg.all_reduce(t, op=rtxnet.ReduceOp.MAX)   # the slowest rank's
                 if i >= 2:
@@ -130,7 +154,7 @@ def link_rate(hosts, mib: int = 256) -> float:
 
 # -- driver ----------------------------------------------------------------------------------------
 
-def run(rate: str, sizes: list[int], iters: int) -> dict:
+def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce") -> dict:
     import netns
 
     from tests import procs
@@ -146,7 +170,7 @@ def run(rate: str, sizes: list[int], iters: int) -> dict:
                 launchers.append(hosts.popen(
                     k, [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(k),
                         "--nproc", "2", "--coordinator", coord.address, "--job", "multihost-bench",
-                        __file__, "--rank-side", "--out", str(out), "--iters", str(iters),
+                        __file__, "--rank-side", "--op", opname, "--out", str(out), "--iters", str(iters),
                         "--sizes", *[f"{s}B" for s in sizes]],
                     env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
             errs = [p.communicate(timeout=1500)[1] for p in launchers]
@@ -160,22 +184,37 @@ def run(rate: str, sizes: list[int], iters: int) -> dict:
             coord.kill()
         rows = json.loads(out.read_text())
     from rtxnet.collectives.group import SMALL_MAX_NBYTES
+    from rtxnet.collectives.ring import BULK_MIN_NBYTES
 
     for r in rows:
         s, t = r["nbytes"], r["time_s"]
         r["algbw_gbps"] = s / t / 1e9
-        r["busbw_gbps"] = r["algbw_gbps"] * 2 * 3 / 4
-        # what the default chose: hierarchical above 64 KiB on hosts that share ranks (this set-up)
-        r["ran"] = r["algorithm"] if r["algorithm"] != "default" else (
-            "hierarchical" if s > SMALL_MAX_NBYTES else "direct")
-        crossing = 1.0 if r["ran"] == "hierarchical" else 1.5
-        r["bound_s"] = crossing * s / link
+        # nccl-tests: all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, n = 4
+        r["busbw_gbps"] = r["algbw_gbps"] * (2 * 3 / 4 if opname == "all_reduce" else 3 / 4)
+        # what the default chose on these hosts (2 x 2 ranks, bulk streams up)
+        if r["algorithm"] != "default":
+            r["ran"] = r["algorithm"]
+        elif opname == "all_reduce":
+            r["ran"] = "hierarchical" if s > SMALL_MAX_NBYTES else "direct"
+        else:
+            r["ran"] = "ring" if s >= BULK_MIN_NBYTES else "direct"
+        r["bound_s"] = CROSSING[opname][r["ran"]] * s / link
         r["frac_of_bound"] = r["bound_s"] / t
-    return {"rate": rate, "link_gbps": link / 1e9, "ranks": 4, "hosts": 2, "rows": rows}
+    return {"op": opname, "rate": rate, "link_gbps": link / 1e9, "ranks": 4, "hosts": 2, "rows": rows}
+
+
+# bytes on the busier direction of the link per byte of the row's size S, 2 hosts x 2 ranks
+# (see the module docstring)
+CROSSING = {"all_reduce": {"ring": 1.5, "hierarchical": 1.0, "direct": 1.5},
+            "all_gather": {"direct": 1.0, "ring": 0.75},
+            "reduce_scatter": {"direct": 1.0, "ring": 0.75}}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--op", choices=sorted(ALGORITHMS), default="all_reduce",
+                    help="the collective (default all_reduce; sizes are all_gather's output, "
+                         "reduce_scatter's input)")
     ap.add_argument("--rate", default="1gbit", help="tc rate of each direction of the link (default 1gbit)")
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20])
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
@@ -186,15 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.iters < 1:
         ap.error(f"--iters must be >= 1, got {args.iters}")
     if args.rank_side:
-        return rank_main(args.sizes, args.out, args.iters)
+        return rank_main(args.op, args.sizes, args.out, args.iters)
     import netns
 
     try:
-        res = run(args.rate, args.sizes, args.iters)
+        res = run(args.rate, args.sizes, args.iters, args.op)
     except netns.Unavailable as exc:
         print(f"multihost: {exc}", file=sys.stderr)
         return 2
-    print(f"2 hosts x 2 ranks, link {args.rate} each way: measured {res['link_gbps']:.3f} GB/s "
+    print(f"{args.op}, 2 hosts x 2 ranks, link {args.rate} each way: measured {res['link_gbps']:.3f} GB/s "
           f"(one TCP stream)")
     print(f"{'algorithm':>13} {'ran':>13} {'size':>8} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
           f"{'bound ms':>9} {'of bound':>9} {'ok':>4}")
