@@ -22,7 +22,9 @@ import structlog
 from transport.channel import ControlClient
 from transport.errors import (
     ClosedError,
+    ConfigError,
     CoordinatorLostError,
+    JobFinishedError,
     JobFullError,
     RendezvousError,
     RendezvousTimeout,
@@ -119,6 +121,9 @@ class Agent:
         self._joining = False
         self._closed = False
         self._admissions = 0  # memberships accepted so far (a rejoin waits for the next one)
+        # a join sent again by the heartbeat loop was refused for good (the job finished, bad
+        # settings): whoever waits for admission raises it instead of waiting out its timeout
+        self._join_refused: RtxError | None = None
         self._muted_until = 0.0  # fault injection: no heartbeats until this time.monotonic()
 
     # ------------------------------------------------------------------------------------------
@@ -143,10 +148,13 @@ class Agent:
                 RendezvousError) when the job already has max_ranks members.
             RendezvousTimeout: no world within ``timeouts.rendezvous_s``.
             RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
+            JobFinishedError: the job finished before this rank was admitted (a rank that was
+                declared lost asks to rejoin while the others end: it need not wait).
         """
         if self._client is None:
             self._client = ControlClient(self.coordinator, self.identity, self._on_push)
         admissions = self._admissions
+        self._join_refused = None
         await self._join_request()
         if self._hb_task is None:
             self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
@@ -216,6 +224,9 @@ class Agent:
         while not done():
             if self._closed:
                 raise ClosedError("agent closed")
+            if self._join_refused is not None:
+                exc, self._join_refused = self._join_refused, None
+                raise exc
             self._changed.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -343,6 +354,12 @@ class Agent:
                     # journaled): join again.
                     try:
                         await self._send_join()
+                    except (JobFinishedError, ConfigError) as exc:
+                        # final: asking again every heartbeat would only repeat the refusal
+                        log.warning("rejoin_refused", error=str(exc))
+                        self._joining = False
+                        self._join_refused = exc
+                        self._changed.set()
                     except RtxError as exc:
                         log.warning("rejoin_failed", error=str(exc))
                 elif not self.fenced:

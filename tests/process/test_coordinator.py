@@ -245,6 +245,29 @@ def test_a_process_rejoining_a_crashed_job_waits_for_min_ranks(coordinator, prob
     assert ja["world_size"] == jb["world_size"] == 2 and {ja["rank"], jb["rank"]} == {0, 1}
 
 
+def test_a_joiner_still_pending_when_the_job_finishes_gets_job_finished_at_once(coordinator, probes):
+    """A rank (e.g. one fenced by a partition) rejoins a job whose members commit steps: it waits
+    for the next step decision, but the members end and leave instead. Its join must fail with
+    JobFinishedError at its next heartbeat; it used to send the refused join again every
+    heartbeat until its rendezvous timeout (forever under FaultTolerance)."""
+    cfg = dict(min_ranks=2, max_ranks=3, timeouts={**FAST, "rendezvous_s": 60.0})
+    a, b = joined(probes, coordinator.address, "fin", 2, **cfg)
+    for p in (a, b):
+        p.submit("commit", step=0)
+    for p in (a, b):
+        assert p.expect("result", cmd="commit")["committed"] is True
+    c = probes(coordinator.address, job="fin", **cfg)
+    wait_pending(coordinator.address, "fin", 1)           # deferred to the next step decision
+    for p in (a, b):
+        p.submit("leave")
+    for p in (a, b):
+        assert p.expect("result", cmd="leave")["ok"]
+    t0 = time.monotonic()
+    e = c.expect("join_failed", timeout=15)
+    assert e["error"] == "JobFinishedError" and "has finished" in e["message"], e
+    assert time.monotonic() - t0 < 10
+
+
 def test_pending_joiner_survives_coordinator_restart(coordinator, probes):
     a = probes(coordinator.address, job="p", world_size=2, timeouts=FAST)
     wait_pending(coordinator.address, "p", 1)
