@@ -41,6 +41,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -55,7 +56,12 @@ import torch
 
 from rtxnet import faults
 from transport.durable import fsync_dir
-from transport.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from transport.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CollectiveMismatchError,
+    ConfigError,
+)
 
 __all__ = [
     "CheckpointCorruptError",
@@ -76,7 +82,7 @@ log = structlog.get_logger(__name__)
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_STATUS_NBYTES = 256          # ok(1) pad(1) msg_len(2) pad(4) nbytes(8) sha256(32) msg(208)
+_STATUS_NBYTES = 1024         # ok(1) pad(1) msg_len(2) pad(4) nbytes(8) sha256(32) msg(976)
 _MSG_MAX = _STATUS_NBYTES - 48
 
 
@@ -211,6 +217,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             manifest; raised on every rank, ``exc.ranks`` names the failed ranks. The step has no
             manifest afterwards and will not be loaded.
         ConfigError: bad ``step`` or ``keep``.
+        CollectiveMismatchError: the ranks asked for different steps (nothing written).
         PeerLostError, CollectiveTimeout: the group broke during the save; no manifest written.
     """
     step = _check_step(step)
@@ -219,6 +226,16 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     rank, world = _rank_world(pg)
     folder = step_dir(root, step)
     t0 = time.perf_counter()
+    if pg is not None:
+        # every rank saves the same step, or none writes anything (a shard in another step's
+        # folder would leave both steps without a loadable set)
+        steps = np.zeros(world, np.int64)
+        pg.all_gather(steps, np.array([step], np.int64), **_kw(timeout_s))
+        if len(set(steps.tolist())) > 1:
+            by_rank = {k: int(v) for k, v in enumerate(steps)}
+            raise CollectiveMismatchError(
+                f"checkpoint.save: the ranks asked for different steps {by_rank}: every rank of "
+                f"the group saves the same step; nothing was written", field="step", values=by_rank)
 
     # Phase 1: withdraw an old manifest before any shard of this step changes.
     err: BaseException | None = None
@@ -239,6 +256,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         try:
             name = f"rank-{rank}.pt"
             _remove_stale_temps(folder, name)
+            _check_loadable(state, "state")
             buf = io.BytesIO()
             torch.save(state, buf)
             data = buf.getvalue()
@@ -304,6 +322,41 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(Path(root).resolve()),
                                              "world_size": world}))
     return folder
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _check_loadable(v: Any, where: str) -> None:
+    """Refuse, naming where it is, a value ``torch.load(weights_only=True)`` would refuse (NumPy
+    arrays and scalars, arbitrary objects): saved, it would make a checkpoint that no load can
+    read. Containers and tensors are walked; any other leaf is tried on its own.
+
+    Raises:
+        TypeError: names the value's path and type.
+    """
+    if isinstance(v, _PLAIN) or isinstance(v, torch.Tensor):
+        return
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _check_loadable(k, f"{where} key {k!r}")
+            _check_loadable(x, f"{where}[{k!r}]")
+        return
+    if type(v) in (list, tuple, set):
+        for i, x in enumerate(v):
+            _check_loadable(x, f"{where}[{i}]")
+        return
+    buf = io.BytesIO()
+    try:
+        torch.save(v, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - whatever torch refuses, the message names it
+        hint = (" (convert it: torch.from_numpy(a), or .item() / .tolist())"
+                if type(v).__module__ == "numpy" else "")
+        raise TypeError(
+            f"{where} is a {type(v).__module__}.{type(v).__qualname__}, which a checkpoint cannot "
+            f"hold: shards are loaded with torch.load(weights_only=True), which takes tensors, "
+            f"numbers, strings, bytes, None and dicts/lists/tuples of them{hint}") from None
 
 
 def _remove_unlisted_shards(folder: Path, world: int) -> None:
@@ -421,8 +474,16 @@ def _load_shard(root: str | os.PathLike, step: int, m: dict[str, Any], shard: in
     if name not in m["files"]:
         raise CheckpointCorruptError(f"{step_dir(root, step) / MANIFEST} lists no {name}",
                                      path=step_dir(root, step) / MANIFEST, step=step)
-    data = _read_verified(step_dir(root, step) / name, m["files"][name], step)
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    path = step_dir(root, step) / name
+    data = _read_verified(path, m["files"][name], step)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        # intact (its SHA-256 matches) but holding what weights_only refuses: written by another
+        # tool or an older rtxnet that did not check the state at save time
+        raise CheckpointCorruptError(
+            f"{path} is intact but cannot be loaded safely (torch.load(weights_only=True) refused "
+            f"it: {str(exc).splitlines()[0]})", path=path, step=step) from exc
 
 
 def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import rtxnet
@@ -85,6 +86,21 @@ def main() -> int:
     # 4. save over a complete step
     checkpoint.save(root, 1, state(1), pg=pg, keep=2)
     res["steps_after_keep"] = sorted(p.name for p in root.iterdir())
+
+    # 5. a NumPy array (torch.load(weights_only=True) would refuse it): refused at save time
+    try:
+        checkpoint.save(root, 5, {**state(5), "extra": {"mask": np.ones(3)}}, pg=pg)
+        res["numpy_refused"] = "no error"
+    except checkpoint.CheckpointError as exc:
+        res["numpy_refused"] = {"ranks": exc.ranks, "msg": str(exc)}
+
+    # 6. ranks asking for different steps: refused on every rank before anything is written
+    try:
+        checkpoint.save(root, 10 + r, state(10 + r), pg=pg)
+        res["steps_mismatch"] = "no error"
+    except rtxnet.CollectiveMismatchError as exc:
+        res["steps_mismatch"] = {"values": {str(k): v for k, v in exc.values.items()}, "msg": str(exc)}
+    res["steps_after_mismatch"] = sorted(p.name for p in root.iterdir())
     (out / f"ckpt-rank{r}.json").write_text(json.dumps(res))
     leave_together(pg, "ckpt", r)
     return 0

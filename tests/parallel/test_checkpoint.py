@@ -46,11 +46,50 @@ def test_one_rank_failing_fails_the_save_on_every_rank(two_ranks):
     root, res = two_ranks
     for r in res:
         assert r["fail_all"]["ranks"] == [1], r
-        assert "rank 1" in r["fail_all"]["msg"] and "pickle" in r["fail_all"]["msg"]
+        assert "rank 1" in r["fail_all"]["msg"] and "state['oops'] is a builtins.function" in r["fail_all"]["msg"]
         assert r["latest_after_failure"] == 1
     assert not (root / "step-2" / "manifest.json").exists()
     with pytest.raises(CheckpointError, match="never committed"):
         checkpoint.load(root, 2)
+
+
+def test_a_state_no_load_could_read_is_refused_at_save_time_naming_the_key(two_ranks):
+    # torch.load(weights_only=True) refuses NumPy arrays: before, the save succeeded and every
+    # load (and --resume) of that step failed with torch's bare UnpicklingError
+    root, res = two_ranks
+    for r in res:
+        err = r["numpy_refused"]
+        assert err["ranks"] == [0, 1], r
+        assert "state['extra']['mask'] is a numpy.ndarray" in err["msg"] and "torch.from_numpy" in err["msg"]
+    assert not (root / "step-5" / "manifest.json").exists()
+
+
+def test_ranks_saving_different_steps_are_refused_before_anything_is_written(two_ranks):
+    root, res = two_ranks
+    for r in res:
+        assert r["steps_mismatch"]["values"] == {"0": 10, "1": 11}, r
+        assert "different steps" in r["steps_mismatch"]["msg"]
+        assert not any(name in ("step-10", "step-11") for name in r["steps_after_mismatch"]), r
+
+
+def test_an_intact_shard_no_safe_load_can_read_is_named(tmp_path):
+    # a shard written by another tool: its digest matches, but weights_only refuses its content
+    import numpy as np
+
+    checkpoint.save(tmp_path, 4, {"w": torch.ones(2)})
+    shard = tmp_path / "step-4" / "rank-0.pt"
+    import io
+    buf = io.BytesIO()
+    torch.save({"w": np.ones(2)}, buf)
+    shard.write_bytes(buf.getvalue())
+    manifest = json.loads((tmp_path / "step-4" / "manifest.json").read_text())
+    import hashlib
+    manifest["files"]["rank-0.pt"] = {"sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+                                      "nbytes": len(buf.getvalue())}
+    (tmp_path / "step-4" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointCorruptError, match="rank-0.pt is intact but cannot be loaded safely") as ei:
+        checkpoint.load(tmp_path, 4)
+    assert ei.value.path == shard
 
 
 def test_saving_over_a_half_written_step_succeeds(two_ranks):
