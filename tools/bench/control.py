@@ -77,7 +77,8 @@ def bench_detect(coord: Coordinator, sig: int, trials: int) -> dict:
                 victim.signal(signal.SIGKILL)
             victim.proc.wait(10)
             # A replacement joins the running job; wait until every member knows it.
-            fresh = Probe(coord.address, job=job, min_ranks=1, max_ranks=4, timeouts=HB)
+            # (the job's own bounds: a join asking for others is refused with ConfigError)
+            fresh = Probe(coord.address, job=job, world_size=4, timeouts=HB)
             fresh.expect("joined", timeout=60)
             for s in survivors:
                 s.expect("epoch", timeout=30, reason="joined")
