@@ -40,6 +40,13 @@ current world: with the same per-rank batch this equals one process with the glo
 loss) and the result equals one process with the global batch exactly even when ranks hold
 different numbers of samples, e.g. a global batch of 64 over 3 survivors after a failure.
 
+**Several forwards before their backwards.** A backward synchronises the gradients of the
+synchronising forward before it. When a second forward ran before the first backward (micro-
+batches without ``no_sync``), the second backward's gradient would stay on its rank and the
+replicas would diverge (torch DDP lets them): that backward raises ``ConfigError`` instead.
+Accumulate with :meth:`no_sync`, or run all forwards under it and call :meth:`sync_gradients`
+after the last backward (pipeline schedules do this for a replicated stage).
+
 **After a failed step.** When a bucket's all-reduce fails (``PeerLostError`` after a rank died,
 ``CollectiveTimeout``), ``loss.backward()`` raises that error and the module is left usable: the
 next ``forward`` starts a clean round (call :meth:`DistributedDataParallel.reset` to do it
@@ -208,6 +215,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._round_broken: PeerLostError | None = None   # the world changed mid-round
         self._next_launch = 0
         self._last_world_size: int | None = None
+        # synchronising forwards since the last synchronisation, and how many of them were left
+        # with a backward still to come when it ran (two forwards before their backwards)
+        self._armed_since_sync = 0
+        self._late_forwards = 0
         self.last_comm_wait_s = 0.0
         if init_sync:
             self.broadcast_parameters(src=0)
@@ -255,6 +266,9 @@ class DistributedDataParallel(torch.nn.Module):
         # A world of one has nothing to reduce: its gradients are already the result.
         self._sync_armed = (self._require_sync and torch.is_grad_enabled()
                             and group_size(self._pg) > 1)
+        self._late_forwards = 0
+        if self._sync_armed:
+            self._armed_since_sync += 1
         if self._sync_armed and self.broadcast_buffers:
             self._broadcast_buffers()
         return self.module(*args, **kwargs)
@@ -342,6 +356,27 @@ class DistributedDataParallel(torch.nn.Module):
         self._round_open = False
         # A second backward over the same forward (retain_graph) accumulates locally.
         self._sync_armed = False
+        self._late_forwards = max(0, self._armed_since_sync - 1)
+        self._armed_since_sync = 0
+
+    def sync_gradients(self) -> None:
+        """Reduce the gradients accumulated in ``param.grad`` over the group now, in place
+        (blocking): for schedules that run several micro-batches' forwards before their
+        backwards (a pipeline stage; :class:`~rtxnet.parallel.PipelineSchedule` does this
+        itself). Run the forwards under :meth:`no_sync`, every backward, then this. A parameter
+        no rank has a gradient for keeps ``grad = None``. Does nothing in a world of one.
+
+        Raises:
+            ConfigError: a backward's synchronisation is under way.
+            PeerLostError, CollectiveTimeout: as :meth:`finish_gradient_sync`.
+        """
+        if self._round_open:
+            raise ConfigError("sync_gradients: a backward's gradient synchronisation is under way")
+        if group_size(self._pg) <= 1:
+            return
+        self._round_open = True
+        self._round_broken = None
+        self.finish_gradient_sync()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's ``state_dict`` (keys without a ``module.`` prefix)."""
@@ -364,6 +399,17 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync_armed:
+            if self._late_forwards and self._require_sync:
+                # Two forwards ran before their backwards: the first backward synchronised, this
+                # one's gradient would stay on this rank and the replicas would drift apart
+                # (torch DDP does that silently).
+                self._late_forwards = 0
+                raise ConfigError(
+                    "DistributedDataParallel: this backward belongs to a forward that ran before "
+                    "the previous backward synchronised the gradients, so its gradient would stay "
+                    "on this rank and the replicas would diverge. Run every micro-batch but the "
+                    "last under ddp.no_sync() (forward and backward), or all forwards under "
+                    "no_sync() and call ddp.sync_gradients() after the last backward")
             return
         if not self._round_open:
             self._round_open = True

@@ -43,12 +43,19 @@ fail with ``CollectiveTimeout`` within their deadline. After a failure the step'
 partial: zero them before retrying. The number of stages is fixed at construction: a stage whose
 group no longer has ``S`` ranks raises ``ConfigError`` at the next step (re-partition the model).
 
+**Replicated stages.** A stage whose module is a :class:`~rtxnet.parallel.DistributedDataParallel`
+(data parallel across pipeline replicas, e.g. on a :class:`~rtxnet.parallel.DeviceMesh`) runs its
+micro-batches under ``no_sync()`` and reduces the accumulated gradients once with
+``sync_gradients()`` after the last backward: a DDP backward reduces one forward's gradients, and
+the schedules run several forwards before their backwards.
+
 **Devices.** CPU modules and tensors (the group's CPU send/recv). One tensor flows between stages:
 the input of stage 0, each stage's output, and the target of the last stage are single tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +66,7 @@ import torch
 from transport.errors import ConfigError, ProtocolError
 
 from ._world import StepWorld
+from .ddp import DistributedDataParallel
 from .tensor import group_size
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "MAX_NDIM"]
@@ -261,9 +269,16 @@ class PipelineSchedule:
         self._xs, self._ts, self._step_no = xs, ts, step_no
         world = StepWorld(st._pg)      # every send/recv of the step in the world it began in
         world.begin()
+        # A stage replicated by DistributedDataParallel: its micro-batches' gradients accumulate
+        # locally and are reduced once, after the last backward (a DDP backward synchronises only
+        # one forward's gradient; the others' would stay on each replica)
+        ddp = st.module if isinstance(st.module, DistributedDataParallel) else None
         try:
             with world.pinned():
-                self._run(M)
+                with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+                    self._run(M)
+                if ddp is not None:
+                    ddp.sync_gradients()
         except BaseException as exc:
             log.warning("pipeline_step_failed", stage=st.stage_index, step=step_no,
                         error=type(exc).__name__, detail=str(exc))

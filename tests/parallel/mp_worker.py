@@ -269,6 +269,41 @@ def pp_case(pg, S: int, sched_cls, M: int, *, steps: int = 1, seed: int = 20) ->
             "n_grads": len(grads), "trace": " ".join(sched.trace), "peak": sched.peak_in_flight}
 
 
+def dp_pp_case(pg, sched_cls, M: int, steps: int = 2) -> dict:
+    """2 replicas x 2 stages on a mesh: each stage wrapped in DistributedDataParallel over "dp",
+    each replica fed its half of the batch, against one process on the whole batch. Before, a
+    DDP stage reduced only one micro-batch's gradient and the replicas drifted apart (M > 1)."""
+    mesh = DeviceMesh(pg, (-1, 2), ("dp", "pp"))
+    s, i = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    ref = full_model(22)
+    stage = PipelineStage(DistributedDataParallel(stage_of(ref, s, 2), mesh.get_group("dp")),
+                          mesh.get_group("pp"))
+    sched = sched_cls(stage, M, LOSS)
+    n = P_B // 2
+    for k in range(steps):
+        x, y = data((P_B, P_D), P_C, seed=40 + k)
+        ref.zero_grad()
+        stage.module.zero_grad()
+        LOSS(ref(x), y).backward()
+        sched.step(x[i * n:(i + 1) * n] if stage.is_first else None,
+                   y[i * n:(i + 1) * n] if stage.is_last else None)
+        sgd(ref.parameters())
+        sgd(stage.parameters())
+    mine = [p for part in ref[s * 2:(s + 1) * 2] for p in part.parameters()]
+    return {"param": max(rel(p, q) for p, q in zip(stage.parameters(), mine, strict=True))}
+
+
+def ddp_two_forwards_error(pg) -> str:
+    """Two forwards before their backwards without no_sync: the second backward is refused
+    (its gradient would stay on this rank) instead of letting the replicas diverge."""
+    torch.manual_seed(3)
+    m = DistributedDataParallel(torch.nn.Linear(4, 2), pg)
+    x = torch.randn(4, 4)
+    l1, l2 = m(x[:2]).sum(), m(x[2:]).sum()
+    l1.backward()
+    return error_of(l2.backward)
+
+
 def sgd(params, lr: float = 0.3) -> None:
     """Plain SGD by hand: ``torch.optim``'s first use imports torch._dynamo (3 s per rank)."""
     with torch.no_grad():
@@ -346,6 +381,9 @@ def main() -> int:
     res: dict = {"rank": pg.rank, "world_size": pg.world_size}
     res["tp"] = run_tp(pg, pair)
     res["dpxtp"] = hybrid_case(pg)
+    res["dpxpp"] = {f"{name}/M{M}": dp_pp_case(pg, cls, M)
+                    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)) for M in (1, 2, 4)}
+    res["ddp_two_forwards"] = ddp_two_forwards_error(pg)
     run_pp(pg, pair, out, launch_rank, res)     # rank 3 does not come back
     (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(res))
     # Leave together (as procs.leave_together), over the ranks that survive: 0, 1, 2.

@@ -93,3 +93,20 @@ def test_data_parallel_across_tensor_parallel_replicas_on_a_mesh_matches_one_pro
         assert "not a multiple of 3" in e["not_multiple"], e
         assert "('dp', 'dp')" in e["names"], e
         assert "'pp'" in e["dim"] and "['dp', 'tp']" in e["dim"], e
+
+
+def test_ddp_replicated_pipeline_stages_match_one_process_for_every_micro_batch_count(tmp_path_factory):
+    # Before: with 2 or 4 micro-batches a DDP stage reduced one micro-batch's gradient and its
+    # replicas drifted apart (2e-2 from one process); the schedule now reduces once, after the
+    # last backward.
+    for r in mp_launch.results(tmp_path_factory):
+        assert set(r["dpxpp"]) == {f"{s}/M{m}" for s in ("gpipe", "1f1b") for m in (1, 2, 4)}, r["dpxpp"]
+        for case, v in r["dpxpp"].items():
+            assert v["param"] < 1e-5, (case, v)
+
+
+def test_ddp_refuses_the_backward_of_a_second_forward_whose_gradient_would_stay_local(tmp_path_factory):
+    for r in mp_launch.results(tmp_path_factory):
+        e = r["ddp_two_forwards"]
+        assert e.startswith("ConfigError: DistributedDataParallel: this backward belongs to a forward"), e
+        assert "no_sync()" in e and "sync_gradients()" in e, e
