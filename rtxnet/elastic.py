@@ -308,10 +308,13 @@ class FaultTolerance:
                     f"{e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "joined":
                 lines.append(describe_join(e))
+            elif e["event"] == "lost_between_steps":
+                lines.append(describe_loss_between_steps(e))
             elif e["event"] == "commit_stall":
                 lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s (the coordinator "
                              f"away, or a peer late); steps lost: 0")
-        if not any(e["event"] in ("recovered", "restored", "commit_stall") for e in self.events):
+        if not any(e["event"] in ("recovered", "restored", "commit_stall", "lost_between_steps")
+                   for e in self.events):
             lines.append("no failure seen by this rank")
         return lines
 
@@ -364,6 +367,8 @@ class FaultTolerance:
                     log.warning("rejoining", reason="fenced")
                     await agent.join()
                 if self._synced_epoch != self.pg.epoch:
+                    if self._open_failure is None:
+                        self._note_loss_between_steps()
                     await self._wait_world()
                     await self._sync()
                 if self._open_failure is not None:
@@ -694,11 +699,12 @@ class FaultTolerance:
         f = self._open_failure
         self._open_failure = None
         now = time.monotonic()
-        injected = await self._injection_time(f["t_detected"])
         # every loss while the failure was open (several ranks may go in separate epochs), each
         # in the rank numbers of the epoch it was lost from
         losses = [{"epoch": e, "ranks": r} for e, r in sorted(self._epoch_lost.items())
                   if e > f["epoch"]]
+        lost_launch = [self.launch_rank] if f.get("fenced") else self._lost_launch(f, losses)
+        injected = await self._injection_time(f["t_detected"], lost_launch)
         rec = {
             "event": "recovered",
             "failed_step": f["step"],
@@ -707,7 +713,7 @@ class FaultTolerance:
             "error": f["error"],
             "lost": [r for x in losses for r in x["ranks"]] if losses else f["lost"],
             "losses": losses,
-            "lost_launch": self._lost_launch(f, losses),
+            "lost_launch": lost_launch if not f.get("fenced") else [],
             "fenced": f.get("fenced", False),
             "epoch": self.pg.epoch,
             "world_size": self.pg.world_size,
@@ -719,6 +725,21 @@ class FaultTolerance:
         }
         self._event(rec)
         log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
+
+    def _note_loss_between_steps(self) -> None:
+        """Ranks lost after the last step committed and before this one began: no step failed
+        and none is lost, but the world changed; recorded (``lost_between_steps``) so a report
+        shows every loss, not only those that failed a step."""
+        epochs = [e for e in sorted(self._epoch_lost) if e > self._synced_epoch >= 0]
+        if not epochs:
+            return
+        named = [self._epoch_lost_launch.get(e) for e in epochs]
+        rec = {"event": "lost_between_steps", "step": self.step, "epoch": self.pg.epoch,
+               "lost": [r for e in epochs for r in self._epoch_lost[e]],
+               "lost_launch": None if None in named else sorted(r for x in named for r in x),
+               "world_size": self.pg.world_size}
+        self._event(rec)
+        log.warning("lost_between_steps", **{k: v for k, v in rec.items() if k != "event"})
 
     def _lost_launch(self, failure: dict[str, Any], losses: list[dict[str, Any]]) -> list[int] | None:
         """The launch ranks a failure lost, sorted; None if any is unknown."""
@@ -740,9 +761,12 @@ class FaultTolerance:
             with open(os.path.join(folder, f"events-{os.getpid()}.jsonl"), "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
 
-    async def _injection_time(self, detected: float) -> float | None:
+    async def _injection_time(self, detected: float, lost_launch: list[int] | None = None) -> float | None:
         """When the fault that caused this failure was injected (its rank wrote it to the store
-        just before acting; ``time.monotonic`` is one clock for all processes of a host)."""
+        just before acting; ``time.monotonic`` is one clock for all processes of a host): the
+        newest injected before ``detected``; when the failure lost ranks (``lost_launch``, launch
+        ranks), only a fault injected on one of them can have caused it (a ``delay`` on rank 0
+        at step 0 does not explain rank 2 killed from outside at step 278)."""
         inj = self.injector
         if inj is None:
             return None
@@ -755,7 +779,10 @@ class FaultTolerance:
                 return best
             if raw is None:
                 continue
-            t = json.loads(raw)["t"]
+            rec = json.loads(raw)
+            if lost_launch and rec.get("rank") not in lost_launch:
+                continue
+            t = rec["t"]
             if t <= detected + 0.001 and (best is None or t > best):
                 best = t
         return best
@@ -795,6 +822,13 @@ class FaultTolerance:
             self._delays_recorded.add(rec["index"])
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped
+
+
+def describe_loss_between_steps(e: dict[str, Any]) -> str:
+    """One line for a ``lost_between_steps`` event."""
+    ranks, kind = (e["lost_launch"], "launch rank") if e.get("lost_launch") else (e["lost"], "rank")
+    return (f"epoch {e['epoch']}: {kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            f"lost between steps (before step {e['step']}): no step failed; world of {e['world_size']}")
 
 
 def describe_join(e: dict[str, Any]) -> str:

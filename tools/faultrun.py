@@ -64,7 +64,8 @@ def summarize(events: list[dict], output: str = "") -> dict:
         worst would be the pause, not the job's detection), the worst time to recover and steps
         lost over the ranks. ``stalls``: per step whose vote waited, the
         longest wait, longest first. ``joins``: per epoch that admitted ranks, who (launch ranks
-        when known), at which step, and the world size then. ``unrecovered``: failures a process recorded but never recovered
+        when known), at which step, and the world size then. ``lost_between_steps``: per epoch, ranks
+        lost after a step committed and before the next began (no step failed). ``unrecovered``: failures a process recorded but never recovered
         from (it crashed or was killed first). Then, from ``output`` (see :func:`scan_output`):
         ``rank_exits``, ``coordinator_exits``, ``restores``, ``state_lost`` and ``below_min_ranks``.
     """
@@ -100,6 +101,12 @@ def summarize(events: list[dict], output: str = "") -> dict:
                                           "added_launch": e.get("added_launch"),
                                           "world_size": e["world_size"], "step": e["step"]})
     out["joins"] = [joins[k] for k in sorted(joins)]
+    between: dict[int, dict] = {}   # epoch -> one record of a loss between steps
+    for e in events:
+        if e["event"] == "lost_between_steps":
+            between.setdefault(e["epoch"], {k: e.get(k) for k in ("epoch", "step", "lost", "lost_launch",
+                                                                   "world_size")})
+    out["lost_between_steps"] = [between[k] for k in sorted(between)]
     out["stalls"] = [{"step": e["step"], "seconds": e["seconds"], "time_to_recover_s": e["time_to_recover_s"]}
                      for e in sorted(by_step.values(), key=lambda e: -e["seconds"])]
     # A process's events come in order: each "failure" is closed by the next "recovered".
@@ -267,7 +274,7 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
 
 def report(summary: dict) -> list[str]:
     """The summary as lines for people; a line starting with ``FAILED`` fails the check."""
-    from rtxnet.elastic import describe_join
+    from rtxnet.elastic import describe_join, describe_loss_between_steps
     from rtxnet.launcher import signal_suffix
 
     by_epoch = []   # (epoch, line): recoveries and joins in the order they happened
@@ -290,6 +297,7 @@ def report(summary: dict) -> list[str]:
         by_epoch.append((r["epoch"], f"epoch {r['epoch']}: {r['error']} ({lost}): {det}recovered after "
                                      f"{r['time_to_recover_s'] * 1000:.0f} ms, steps lost {r['steps_lost']}"))
     by_epoch += [(j["epoch"], describe_join(j)) for j in summary.get("joins", [])]
+    by_epoch += [(x["epoch"], describe_loss_between_steps(x)) for x in summary.get("lost_between_steps", [])]
     lines = [line for _, line in sorted(by_epoch, key=lambda x: x[0])]
     for s in summary["stalls"]:
         lines.append(f"a step's vote waited {s['seconds']:.2f} s at step {s['step']} (the coordinator away, "

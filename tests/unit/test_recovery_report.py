@@ -40,7 +40,7 @@ def _close(ft: FaultTolerance, world_size: int) -> dict:
     ft.pg = PG()
     ft.pg.world_size = world_size
 
-    async def no_injection(t):
+    async def no_injection(t, lost_launch=None):
         return None
 
     ft._injection_time = no_injection
@@ -80,3 +80,17 @@ def test_lost_and_joined_ranks_are_named_by_launch_rank():
     lines = asyncio.run(ft.areport())
     assert "(PeerLostError, lost launch ranks 2, 3)" in lines[0], lines
     assert lines[1] == "epoch 4: launch rank 3 joined at step 6; world of 3", lines
+
+
+def test_a_loss_between_two_steps_is_reported_though_no_step_failed():
+    ft = _ft()
+    ft._on_epoch(_membership(1, (), [0, 1, 2]), "formed")
+    ft._synced_epoch = 1
+    ft._on_epoch(_membership(2, (1,), [0, 2]), "lost")   # after step 5 committed, before step 6
+    ft.pg = type("PG", (), {"epoch": 2, "world_size": 2, "store": None})()
+    ft._note_loss_between_steps()
+    e = ft.events[-1]
+    assert e["event"] == "lost_between_steps" and e["lost"] == [1] and e["lost_launch"] == [1]
+    assert e["step"] == 6 and e["world_size"] == 2
+    assert asyncio.run(ft.areport()) == [
+        "epoch 2: launch rank 1 lost between steps (before step 6): no step failed; world of 2"]
