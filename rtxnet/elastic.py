@@ -545,6 +545,7 @@ class FaultTolerance:
         from .checkpoint import LATEST_KEY
 
         raw = await self.pg.store.get(LATEST_KEY)
+        self._checkpoint_recorded = raw is not None
         if raw is None or self.load_checkpoint is None:
             log.warning("committed_state_lost", job_committed_step=job_committed, best_live_step=best,
                         reason="no checkpoint recorded" if raw is None else "no load_checkpoint given")
@@ -563,6 +564,16 @@ class FaultTolerance:
         log.warning("restored_from_checkpoint", step=info["step"], committed_step=held,
                     root=info["root"], job_committed_step=job_committed)
         return held
+
+    def _no_checkpoint_why(self) -> str:
+        """Why no checkpoint could stand in, in words (after :meth:`_restore_checkpoint`)."""
+        if self.load_checkpoint is None:
+            return ("save checkpoints with rtxnet.checkpoint.save(..., pg=pg) and pass "
+                    "FaultTolerance(load_checkpoint=)")
+        if not getattr(self, "_checkpoint_recorded", False):
+            return ("load_checkpoint was given, but the job has recorded no checkpoint yet: "
+                    "rtxnet.checkpoint.save(..., pg=pg) records one")
+        return "the newest recorded checkpoint is no newer than the live ranks' state"
 
     def _load_snapshot(self, blob: bytes, what: str, quiet: bool = False) -> bool:
         """Load ``blob`` into the state; False (logged) when the state refuses it. ``quiet``: a
@@ -644,8 +655,8 @@ class FaultTolerance:
                 raise RtxError(
                     f"the committed state of ranks {lost} (of the world of {old_world} that "
                     f"committed step {best}) is gone: each rank's state lives on that rank and its "
-                    "ring successor, and both were lost; no checkpoint can replace it (save "
-                    "checkpoints with rtxnet.checkpoint and pass FaultTolerance(load_checkpoint=))")
+                    f"ring successor, and both were lost; no checkpoint can replace it "
+                    f"({self._no_checkpoint_why()})")
         if source == "ring":
             states = []
             for k in range(old_world):
@@ -671,10 +682,9 @@ class FaultTolerance:
             raise RtxError(
                 f"ranks {refused} could not load the committed state of rank {src} in this world "
                 f"(world_size {world}; see the state_load_refused log line) and no "
-                f"checkpoint can replace it: with FSDP a lost rank's shards are gone with it; "
-                f"pass FaultTolerance(sharded_state=True) (each rank's state also kept by its ring "
-                f"successor), and save checkpoints with rtxnet.checkpoint with "
-                f"FaultTolerance(load_checkpoint=)")
+                f"checkpoint can replace it ({self._no_checkpoint_why()}): with FSDP a lost "
+                f"rank's shards are gone with it; pass FaultTolerance(sharded_state=True) (each "
+                f"rank's state also kept by its ring successor)")
         self._snapshot = pack_state(self.state.state_dict())
         return restored
 

@@ -122,7 +122,7 @@ class Group:
 
     Attributes:
         rank: this process's rank in the group.
-        size: number of ranks in the group.
+        size: number of ranks in the group (also ``world_size``).
         ranks: world ranks of the members, indexed by group rank.
         gid: group id, identical on every member.
         epoch: the epoch the group belongs to.
@@ -131,6 +131,12 @@ class Group:
 
     def __init__(self, *args, **kwargs):
         raise TypeError("groups come from engine.world, Group.new_group or Group.split")
+
+    @property
+    def world_size(self) -> int:
+        """``size``, under the process group's name for it (code written for the process group
+        works on a subgroup)."""
+        return self.size
 
     @classmethod
     def _create(cls, engine: Engine, gid: str, ranks: list[int]) -> Group:
@@ -728,8 +734,7 @@ class Group:
         dst = self._check_root("send", dst)
         if dst == self.rank:
             raise ValueError("send to self")
-        if not isinstance(tag, (int, np.integer)) or not -(1 << 62) < int(tag) < (1 << 62):
-            raise ValueError(f"tag must be an int, got {tag!r}")
+        _check_tag(tag)
         buf = Buffer(tensor, readonly=True)
         timeout_s = self._timeout_s(timeout)
         self._check_usable()
@@ -774,6 +779,7 @@ class Group:
         src = self._check_root("recv", src)
         if src == self.rank:
             raise ValueError("recv from self")
+        _check_tag(tag)
         buf = Buffer(tensor)
         timeout_s = self._timeout_s(timeout)
         self._check_usable()
@@ -937,6 +943,14 @@ def _stamp_epoch(exc: BaseException, epoch: int) -> None:
     """Record on a collective's error the epoch it ran in (what ``reform(epoch=)`` takes)."""
     if isinstance(exc, (CollectiveError, CollectiveTimeout)) and exc.epoch is None:
         exc.epoch = epoch
+
+
+def _check_tag(tag) -> None:
+    """Raises ValueError naming ``tag`` unless it is an int in (-2**62, 2**62)."""
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise ValueError(f"tag must be an int, got {tag!r} ({type(tag).__name__})")
+    if not -(1 << 62) < int(tag) < (1 << 62):
+        raise ValueError(f"tag({tag}) is out of range: a tag lies strictly between -2**62 and 2**62")
 
 
 def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:

@@ -33,6 +33,7 @@ async def subgroups(engine):
     # split by color, ordered by descending key
     s = await w.split(color=r % 2, key=-r)
     out["split"] = (s.ranks, s.rank)
+    out["split_world_size"] = (s.world_size, s.size)
     b = np.array([float(r)])
     await s.broadcast(b, src=0)
     out["split_bc"] = float(b[0])
@@ -58,6 +59,7 @@ def test_subgroups_and_split():
         assert out["sub"] == (float(sum(members)), sum(members), 4.0, members.index(r), 2, members)
         want = sorted(members, key=lambda k: -k)
         assert out["split"] == (want, want.index(r))
+        assert out["split_world_size"] == (len(want), len(want))
         assert out["split_bc"] == float(want[0])
         assert out["split_none"] == (r == 3)
         assert out["queued"] == [sum(k * 10 + i for k in range(4)) for i in range(8)]
@@ -104,6 +106,15 @@ async def p2p(engine):
         m = np.zeros((2, 2))
         await g.recv(m[:, 0][:1], 0, tag=0)
         out["strided"] = m.tolist()
+    bad = {}
+    for name, call in (("send_big", lambda: g.send(np.zeros(1), (r + 1) % 3, tag=2 ** 70)),
+                       ("recv_float", lambda: g.recv(np.zeros(1), (r + 1) % 3, tag=1.5)),
+                       ("recv_bool", lambda: g.recv(np.zeros(1), (r + 1) % 3, tag=True))):
+        try:
+            await call()
+        except ValueError as exc:
+            bad[name] = str(exc)
+    out["bad_tags"] = bad
     await g.barrier()
     return out
 
@@ -114,6 +125,12 @@ def test_send_recv_tag_matching():
     assert res[1]["mismatch"] == "shape"
     assert res[1]["timeout"] == [2]
     assert res[2]["strided"] == [[5.0, 0.0], [0.0, 0.0]]
+    for r in res:   # refused before anything is sent, naming the value and what is wrong
+        assert r["bad_tags"] == {
+            "send_big": "tag(1180591620717411303424) is out of range: a tag lies strictly between "
+                        "-2**62 and 2**62",
+            "recv_float": "tag must be an int, got 1.5 (float)",
+            "recv_bool": "tag must be an int, got True (bool)"}, r
 
 
 async def send_to_frozen(engine):

@@ -556,6 +556,8 @@ def test_a_state_that_cannot_load_a_peers_snapshot_stops_with_the_reason(tmp_pat
                 f"world (world_size 3; see the state_load_refused log line) and no checkpoint can "
                 f"replace it") in out.stdout, out.stdout
     assert "state of launch rank 0 given to launch rank 2" in out.stderr
+    # the script passed no load_checkpoint: the message says so (and not when it did)
+    assert "and pass FaultTolerance(load_checkpoint=)" in out.stdout, out.stdout
 
 
 def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
