@@ -39,7 +39,8 @@ the group's ``Timeouts.op_s``). A lost peer raises :class:`~transport.errors.Pee
 stage that waits too long :class:`~transport.errors.CollectiveTimeout` (``exc.ranks`` names the
 stage it waited for); nothing hangs. Input checks run before anything is sent, on the rank that
 sees the bad value (stage 0 checks the input, the last stage the target), so the other stages then
-fail with ``CollectiveTimeout`` within their deadline. After a failure the step's gradients are
+fail at once with ``ConfigError`` (stage 0 passes its refusal down the pipeline) or, for a bad
+target, with ``CollectiveTimeout`` within their deadline. After a failure the step's gradients are
 partial: zero them before retrying. The number of stages is fixed at construction: a stage whose
 group no longer has ``S`` ranks raises ``ConfigError`` at the next step (re-partition the model).
 
@@ -82,6 +83,7 @@ _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 # Message kinds (low bits of the tag).
 _FWD_HEADER, _FWD_DATA, _BWD_GRAD = 0, 1, 2
+_ABORT = -2   # header dtype code: the stage named in header[1] refused the step's input
 _MAX_MICRO = 1 << 20
 
 
@@ -152,12 +154,29 @@ class PipelineStage:
         self._pg.send(header, dst, _tag(step, m, _FWD_HEADER), **kw)
         self._pg.send(y.detach().contiguous(), dst, _tag(step, m, _FWD_DATA), **kw)
 
+    def _send_abort(self, step: int, origin: int) -> None:
+        """Tell the next stage that stage ``origin`` refused this step's input (best effort: the
+        refusal is raised here whatever happens to the message)."""
+        if self.is_last:
+            return
+        header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
+        header[0], header[1] = _ABORT, origin
+        try:
+            self._pg.send(header, self.stage_index + 1, _tag(step, 0, _FWD_HEADER), timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - the caller raises the refusal itself
+            log.warning("pipeline_abort_not_sent", stage=self.stage_index, error=str(exc))
+
     def _recv_activation(self, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
         src = self.stage_index - 1
         kw = _kw(timeout_s)
         header = torch.empty(3 + MAX_NDIM, dtype=torch.int64)
         self._pg.recv(header, src, _tag(step, m, _FWD_HEADER), **kw)
         code, needs_grad, ndim = (int(v) for v in header[:3])
+        if code == _ABORT:
+            # stage 0 refused the step's input: pass it on, fail now instead of at the deadline
+            self._send_abort(step, int(header[1]))
+            raise ConfigError(f"stage {int(header[1])} refused the input of this step (its "
+                              f"ConfigError names the value); stage {self.stage_index} did not run it")
         if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
             raise ProtocolError(f"stage {self.stage_index}: malformed activation header "
                               f"{header.tolist()} from stage {src}")
@@ -259,7 +278,11 @@ class PipelineSchedule:
         st._steps += 1
         st.check_world()
         M = self.n_microbatches
-        xs = self._split("input", input, M) if st.is_first else [None] * M
+        try:
+            xs = self._split("input", input, M) if st.is_first else [None] * M
+        except ConfigError:
+            st._send_abort(step_no, st.stage_index)   # the next stages fail at once, not at the deadline
+            raise
         ts = self._split("target", target, M) if st.is_last else [None] * M
         self.trace = []
         self.peak_in_flight = 0

@@ -337,6 +337,16 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
         errs["target"] = error_of(lambda: Schedule1F1B(st, 4, LOSS).step(None, y))
     res["errors"] = errs
 
+    # Stage 0 refuses a batch its 4 micro-batches cannot split: every other stage fails at once
+    # with ConfigError (passed down the pipeline), not CollectiveTimeout at its 20 s deadline.
+    g4 = pg.new_group([0, 1, 2, 3])
+    st4 = PipelineStage(stage_of(full_model(20), g4.rank, 4), g4)
+    xb, _ = data((10, P_D), P_C, seed=2)
+    _, yb = data((12, P_D), P_C, seed=2)
+    t0 = time.monotonic()
+    res["abort"] = {"error": error_of(lambda: ScheduleGPipe(st4, 4, LOSS, timeout_s=20).step(
+        xb if st4.is_first else None, yb if st4.is_last else None)), "seconds": time.monotonic() - t0}
+
     # A peer that never answers: each rank of a pair runs a step in a group where the other does
     # not, so both wait out a 0.5 s deadline (stage 0 for a gradient, stage 1 for an activation).
     mine = [pg.rank - pg.rank % 2, pg.rank - pg.rank % 2 + 1]

@@ -86,3 +86,12 @@ def test_a_lost_stage_raises_peer_lost_instead_of_hanging(pp):
     assert lost["error"] == "PeerLostError", lost
     assert lost["ranks"] == [3], lost
     assert lost["seconds"] < 10, lost
+
+
+def test_stage_0_refusing_its_input_fails_every_stage_at_once_naming_it(pp):
+    # Before: stages 1..3 waited out their 20 s deadline and said "recv ... timed out".
+    assert pp[0]["abort"]["error"] == "ConfigError: input batch(10) is not divisible by n_microbatches(4)"
+    for s, r in enumerate(pp[1:], start=1):
+        assert r["abort"]["error"] == ("ConfigError: stage 0 refused the input of this step (its "
+                                       f"ConfigError names the value); stage {s} did not run it"), r["abort"]
+    assert all(r["abort"]["seconds"] < 10 for r in pp), [r["abort"] for r in pp]
