@@ -564,7 +564,8 @@ class Group:
         """Collect every rank's ``tensor`` into ``gather_list`` (W arrays) on group rank ``dst``.
 
         ``gather_list`` is required on ``dst`` and ignored elsewhere. Returns ``gather_list``.
-        Errors as :meth:`all_gather`.
+        Errors as :meth:`all_gather`; a bad ``gather_list`` raises ValueError on ``dst`` and
+        ``CollectiveError`` quoting it on the other ranks, at once.
         """
         if is_gpu_array(tensor):
             return await self._gpu().gather(tensor, gather_list, dst, timeout)
@@ -573,18 +574,26 @@ class Group:
         ib = Buffer(tensor, readonly=True)
         N, dtype = ib.size, ib.dtype
         outs = None
-        if self.rank == dst:
+
+        def check_destination() -> list:
             if gather_list is None:
                 raise ValueError("gather: gather_list is required on the destination rank")
-            outs = _as_list("gather_list", list(gather_list), n)
-            for k, o in enumerate(outs):
+            bufs = _as_list("gather_list", list(gather_list), n)
+            for k, o in enumerate(bufs):
                 if o.dtype != dtype or o.size != N:
                     raise ValueError(f"gather_list[{k}] is {o.dtype}[{o.size}], tensor is "
                                      f"{dtype}[{N}]")
+            return bufs
+
         sig = self._sig("gather", "direct", None, dst, dtype, N, ib.shape)
 
         async def body(op: Op):
+            nonlocal outs
             me = self.rank == dst
+            if me:
+                # checked inside the operation: the other ranks are told at once (an abort naming
+                # it) instead of waiting out their deadline, and every rank used the same seq
+                outs = check_destination()
             if n == 1:
                 got = {}
             else:
@@ -605,7 +614,8 @@ class Group:
         """Send ``scatter_list[k]`` of group rank ``src`` into ``tensor`` of rank k, in place.
 
         ``scatter_list`` (W arrays shaped like ``tensor``) is required on ``src`` only.
-        Returns ``tensor``. Errors as :meth:`all_gather`.
+        Returns ``tensor``. Errors as :meth:`all_gather`; a bad ``scatter_list`` raises
+        ValueError on ``src`` and ``CollectiveError`` quoting it on the other ranks, at once.
         """
         if is_gpu_array(tensor):
             return await self._gpu().scatter(tensor, scatter_list, src, timeout)
@@ -614,20 +624,28 @@ class Group:
         ob = Buffer(tensor)
         N, dtype = ob.size, ob.dtype
         ins = None
-        if self.rank == src:
+
+        def check_source() -> list:
             if scatter_list is None:
                 raise ValueError("scatter: scatter_list is required on the source rank")
-            ins = [Buffer(t, readonly=True) for t in scatter_list]
-            if len(ins) != n:
-                raise ValueError(f"scatter_list has {len(ins)} entries, group size is {n}")
-            for k, b in enumerate(ins):
+            bufs = [Buffer(t, readonly=True) for t in scatter_list]
+            if len(bufs) != n:
+                raise ValueError(f"scatter_list has {len(bufs)} entries, group size is {n}")
+            for k, b in enumerate(bufs):
                 if b.dtype != dtype or b.size != N:
                     raise ValueError(f"scatter_list[{k}] is {b.dtype}[{b.size}], tensor is "
                                      f"{dtype}[{N}]")
+            return bufs
+
         sig = self._sig("scatter", "direct", None, src, dtype, N, ob.shape)
 
         async def body(op: Op):
+            nonlocal ins
             me = self.rank == src
+            if me:
+                # checked inside the operation: the other ranks are told at once (an abort naming
+                # it) instead of waiting out their deadline, and every rank used the same seq
+                ins = check_source()
             got = {} if n == 1 else await op.hello(
                 sig, None, (lambda g: ins[g].flat) if me else None)
             if me:

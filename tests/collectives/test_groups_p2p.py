@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -173,3 +174,40 @@ def test_a_send_a_frozen_peer_cannot_take_times_out_naming_it():
     name, ranks, op, took = res[0]
     assert (name, ranks, op) == ("CollectiveTimeout", [1], "send")
     assert 1.4 <= took < 5, took
+
+
+async def root_refuses(engine):
+    """gather / scatter whose root holds a bad list: the root raises ValueError, the others a
+    CollectiveError quoting it at once (not at their 20 s deadline), and the group goes on."""
+    g = engine.world
+    r = g.rank
+    out = {}
+    for name, call in (
+            ("gather", lambda: g.gather(np.ones(4), [np.zeros(4), np.zeros(3), np.zeros(4)] if r == 0 else None,
+                                        0, timeout=20)),
+            ("scatter", lambda: g.scatter(np.zeros(4), None, 1, timeout=20))):
+        t0 = time.monotonic()
+        try:
+            await call()
+            out[name] = ("no error", 0.0)
+        except Exception as exc:   # noqa: BLE001 - the test asserts on type and text
+            out[name] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+    x = np.ones(2)
+    await g.all_reduce(x, timeout=20)
+    out["after"] = float(x[0])
+    return out
+
+
+def test_a_root_refusing_its_list_tells_the_others_at_once():
+    res = run_world(3, root_refuses)
+    assert res[0]["gather"][0] == "ValueError: gather_list[1] is float64[3], tensor is float64[4]"
+    assert res[1]["scatter"][0] == "ValueError: scatter: scatter_list is required on the source rank"
+    for r, out in enumerate(res):
+        if r != 0:
+            assert out["gather"][0].startswith("CollectiveError: rank 0 failed gather") and \
+                "gather_list[1] is float64[3]" in out["gather"][0], out
+        if r != 1:
+            assert out["scatter"][0].startswith("CollectiveError: rank 1 failed scatter") and \
+                "scatter_list is required" in out["scatter"][0], out
+        assert out["gather"][1] < 10 and out["scatter"][1] < 10, out
+        assert out["after"] == 3.0
