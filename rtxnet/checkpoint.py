@@ -37,6 +37,7 @@ Errors (from the tree in ``transport/errors.py``)::
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
@@ -335,9 +336,10 @@ def _check_loadable(v: Any, where: str) -> None:
     Raises:
         TypeError: names the value's path and type.
     """
-    if isinstance(v, _PLAIN) or isinstance(v, torch.Tensor):
+    # exact types: np.float64 and np.str_ subclass float and str but a safe load refuses them
+    if type(v) in _PLAIN or isinstance(v, torch.Tensor):
         return
-    if isinstance(v, dict):
+    if type(v) in (dict, collections.OrderedDict):
         for k, x in v.items():
             _check_loadable(k, f"{where} key {k!r}")
             _check_loadable(x, f"{where}[{k!r}]")

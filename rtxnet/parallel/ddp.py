@@ -219,6 +219,7 @@ class DistributedDataParallel(torch.nn.Module):
         # with a backward still to come when it ran (two forwards before their backwards)
         self._armed_since_sync = 0
         self._late_forwards = 0
+        self._grads_synced = True   # no backward since the last synchronisation
         self.last_comm_wait_s = 0.0
         if init_sync:
             self.broadcast_parameters(src=0)
@@ -358,13 +359,16 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_armed = False
         self._late_forwards = max(0, self._armed_since_sync - 1)
         self._armed_since_sync = 0
+        self._grads_synced = True
 
     def sync_gradients(self) -> None:
         """Reduce the gradients accumulated in ``param.grad`` over the group now, in place
         (blocking): for schedules that run several micro-batches' forwards before their
         backwards (a pipeline stage; :class:`~rtxnet.parallel.PipelineSchedule` does this
         itself). Run the forwards under :meth:`no_sync`, every backward, then this. A parameter
-        no rank has a gradient for keeps ``grad = None``. Does nothing in a world of one.
+        no rank has a gradient for keeps ``grad = None``. Does nothing in a world of one, or when
+        no backward ran since the last synchronisation (a second call would reduce again: with
+        ``ReduceOp.SUM`` that multiplied the gradients by the world size).
 
         Raises:
             ConfigError: a backward's synchronisation is under way.
@@ -372,8 +376,8 @@ class DistributedDataParallel(torch.nn.Module):
         """
         if self._round_open:
             raise ConfigError("sync_gradients: a backward's gradient synchronisation is under way")
-        if group_size(self._pg) <= 1:
-            return
+        if group_size(self._pg) <= 1 or self._grads_synced:
+            return   # nothing accumulated since the last synchronisation (a second call: no-op)
         self._round_open = True
         self._round_broken = None
         self.finish_gradient_sync()
@@ -398,6 +402,7 @@ class DistributedDataParallel(torch.nn.Module):
     # -- backward machinery ----------------------------------------------------------------------
 
     def _grad_ready(self, p: torch.Tensor) -> None:
+        self._grads_synced = False
         if not self._sync_armed:
             if self._late_forwards and self._require_sync:
                 # Two forwards ran before their backwards: the first backward synchronised, this

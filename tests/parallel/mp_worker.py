@@ -301,7 +301,16 @@ def ddp_two_forwards_error(pg) -> str:
     x = torch.randn(4, 4)
     l1, l2 = m(x[:2]).sum(), m(x[2:]).sum()
     l1.backward()
-    return error_of(l2.backward)
+    err = error_of(l2.backward)
+    # sync_gradients twice (or after a synchronising backward) reduces once: with SUM a second
+    # reduction multiplied the gradients by the world size
+    s = DistributedDataParallel(torch.nn.Linear(4, 2), pg, reduce_op=rtxnet.ReduceOp.SUM)
+    with s.no_sync():
+        s(x).sum().backward()
+    s.sync_gradients()
+    once = s.module.weight.grad.clone()
+    s.sync_gradients()
+    return err if torch.equal(once, s.module.weight.grad) else "sync_gradients reduced twice"
 
 
 def sgd(params, lr: float = 0.3) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import procs
 import pytest
 import torch
@@ -70,6 +72,17 @@ def test_ranks_saving_different_steps_are_refused_before_anything_is_written(two
         assert r["steps_mismatch"]["values"] == {"0": 10, "1": 11}, r
         assert "different steps" in r["steps_mismatch"]["msg"]
         assert not any(name in ("step-10", "step-11") for name in r["steps_after_mismatch"]), r
+
+
+@pytest.mark.parametrize("value, kind", [(np.float64(1.5), "numpy.float64"), (np.str_("a"), "numpy.str_"),
+                                         (collections.defaultdict(int), "collections.defaultdict"),
+                                         ([1.0, np.float64(2.0)], "numpy.float64")])
+def test_numpy_scalars_that_subclass_python_types_are_refused_too(tmp_path, value, kind):
+    # np.float64 and np.str_ subclass float and str: they passed the check and made a
+    # committed checkpoint that no load could read
+    with pytest.raises(CheckpointError, match=kind):
+        checkpoint.save(tmp_path, 2, {"w": torch.ones(2), "x": value})
+    assert checkpoint.latest(tmp_path) is None
 
 
 def test_an_intact_shard_no_safe_load_can_read_is_named(tmp_path):
