@@ -282,8 +282,7 @@ class FaultTolerance:
                 if e.get("fenced"):
                     lost = "this rank was declared lost (frozen or cut off) and rejoined"
                 elif e.get("lost_launch"):
-                    lost = f"lost launch rank{'s' if len(e['lost_launch']) > 1 else ''} " + \
-                        ", ".join(map(str, e["lost_launch"]))
+                    lost = "lost " + name_ranks(e["lost_launch"], launch=True)
                 elif len(e.get("losses", ())) > 1:
                     lost = "lost ranks " + " then ".join(f"{x['ranks']} (epoch {x['epoch']})"
                                                          for x in e["losses"])
@@ -834,19 +833,29 @@ class FaultTolerance:
         return swapped
 
 
+def name_ranks(ranks: list[int], *, launch: bool) -> str:
+    """``launch ranks 2, 3`` / ``rank 1``: ranks as rtxnet-run started them (``launch``) or as
+    numbered in one epoch."""
+    kind = "launch rank" if launch else "rank"
+    return f"{kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _named(e: dict[str, Any], key: str) -> str:
+    """``e[key + "_launch"]`` by launch rank when every one is known, else ``e[key]``."""
+    launch = e.get(f"{key}_launch")
+    return name_ranks(launch, launch=True) if launch else name_ranks(e[key], launch=False)
+
+
 def describe_loss_between_steps(e: dict[str, Any]) -> str:
     """One line for a ``lost_between_steps`` event."""
-    ranks, kind = (e["lost_launch"], "launch rank") if e.get("lost_launch") else (e["lost"], "rank")
-    return (f"epoch {e['epoch']}: {kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-            f"lost between steps (before step {e['step']}): no step failed; world of {e['world_size']}")
+    return (f"epoch {e['epoch']}: {_named(e, 'lost')} lost between steps (before step {e['step']}): "
+            f"no step failed; world of {e['world_size']}")
 
 
 def describe_join(e: dict[str, Any]) -> str:
     """One line for a ``joined`` event: ``epoch 4: launch rank 3 joined at step 65; world of 4``
     (launch ranks when every joiner has one, else ranks numbered as of that epoch)."""
-    ranks, kind = (e["added_launch"], "launch rank") if e.get("added_launch") else (e["added"], "rank")
-    return (f"epoch {e['epoch']}: {kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-            f"joined at step {e['step']}; world of {e['world_size']}")
+    return f"epoch {e['epoch']}: {_named(e, 'added')} joined at step {e['step']}; world of {e['world_size']}"
 
 
 def _fault_where(at: str, step: int | None, collective: int | None) -> str:

@@ -94,19 +94,9 @@ def summarize(events: list[dict], output: str = "") -> dict:
     for e in stalls:
         if e["step"] not in by_step or e["seconds"] > by_step[e["step"]]["seconds"]:
             by_step[e["step"]] = e
-    joins: dict[int, dict] = {}   # epoch -> one record (every member of the epoch writes one)
-    for e in events:
-        if e["event"] == "joined":
-            joins.setdefault(e["epoch"], {"epoch": e["epoch"], "added": e["added"],
-                                          "added_launch": e.get("added_launch"),
-                                          "world_size": e["world_size"], "step": e["step"]})
-    out["joins"] = [joins[k] for k in sorted(joins)]
-    between: dict[int, dict] = {}   # epoch -> one record of a loss between steps
-    for e in events:
-        if e["event"] == "lost_between_steps":
-            between.setdefault(e["epoch"], {k: e.get(k) for k in ("epoch", "step", "lost", "lost_launch",
-                                                                   "world_size")})
-    out["lost_between_steps"] = [between[k] for k in sorted(between)]
+    out["joins"] = _one_per_epoch(events, "joined", ("epoch", "added", "added_launch", "world_size", "step"))
+    out["lost_between_steps"] = _one_per_epoch(events, "lost_between_steps",
+                                               ("epoch", "step", "lost", "lost_launch", "world_size"))
     out["stalls"] = [{"step": e["step"], "seconds": e["seconds"], "time_to_recover_s": e["time_to_recover_s"]}
                      for e in sorted(by_step.values(), key=lambda e: -e["seconds"])]
     # A process's events come in order: each "failure" is closed by the next "recovered".
@@ -127,6 +117,15 @@ def summarize(events: list[dict], output: str = "") -> dict:
                                    "message": es[0].get("message")})
     out.update(scan_output(output))
     return out
+
+
+def _one_per_epoch(events: list[dict], kind: str, keys: tuple[str, ...]) -> list[dict]:
+    """One record of ``kind`` per epoch (every member of the epoch writes one), epochs in order."""
+    first: dict[int, dict] = {}
+    for e in events:
+        if e["event"] == kind:
+            first.setdefault(e["epoch"], {k: e.get(k) for k in keys})
+    return [first[k] for k in sorted(first)]
 
 
 _RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?:; restart (\d+)/(\d+))?\s*$")
@@ -274,17 +273,15 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
 
 def report(summary: dict) -> list[str]:
     """The summary as lines for people; a line starting with ``FAILED`` fails the check."""
-    from rtxnet.elastic import describe_join, describe_loss_between_steps
+    from rtxnet.elastic import describe_join, describe_loss_between_steps, name_ranks
     from rtxnet.launcher import signal_suffix
 
     by_epoch = []   # (epoch, line): recoveries and joins in the order they happened
     for r in summary["recoveries"]:
         if r.get("lost_launch"):
-            lost = (f"lost launch rank{'s' if len(r['lost_launch']) > 1 else ''} "
-                    f"{', '.join(map(str, r['lost_launch']))}")
+            lost = "lost " + name_ranks(r["lost_launch"], launch=True)
         elif r.get("fenced") and r["ranks_reporting"] == len(r["fenced"]):
-            lost = (f"launch rank{'s' if len(r['fenced']) > 1 else ''} {', '.join(map(str, r['fenced']))} "
-                    f"declared lost (frozen or cut off), rejoined")
+            lost = f"{name_ranks(r['fenced'], launch=True)} declared lost (frozen or cut off), rejoined"
         elif len(r.get("losses") or []) > 1:
             # ranks are renumbered at every epoch: "[1, 1]" would read as one rank twice
             lost = "lost " + ", then ".join(
