@@ -360,11 +360,14 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
     import zmq
 
     try:
-        return await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm)
+        engine = await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm)
     except (OSError, ValueError, zmq.ZMQError) as exc:
         where = "bind_host" if bind_host else "RTXNET_BIND_HOST"
         raise ConfigError(f"{where}={host!r}: this rank cannot listen there ({exc}); give an "
                           f"address of this host") from exc
+    # a broken bulk stream waits this long for the coordinator to declare its peer lost
+    engine.link_grace_s = timeouts.heartbeat_timeout_s + timeouts.heartbeat_interval_s
+    return engine
 
 
 def _wire_engine(agent: Agent, engine: Any) -> None:

@@ -8,7 +8,11 @@ process of the host on Linux, so latencies can be measured across processes), an
 ``{"event": "result", "cmd": ..., ...}`` per command. Commands (one JSON object per line):
 ``kv_set {key, value}``, ``kv_get {key}``, ``kv_wait {keys, timeout}``, ``status``, ``commit
 {step}``, ``rejoin``, ``reform {epoch}``, ``mute {seconds}`` (no heartbeats; ``null``: for good),
-``all_reduce {value}`` (a SUM of 4 float64 ``value``s, result ``sum``), ``leave``, ``exit``.
+``all_reduce {value}`` (a SUM of 4 float64 ``value``s, result ``sum``), ``big {op, numel,
+algorithm, timeout}`` (``all_reduce``, ``all_gather`` or ``reduce_scatter`` of ``numel`` float32
+ones per rank; prints ``{"event": "started"}`` first; result ``ok``), ``leave``, ``exit``. A
+failed command's result carries ``error`` (the class), ``message`` and ``ranks`` (when the error
+names ranks).
 """
 
 from __future__ import annotations
@@ -96,6 +100,23 @@ async def main(cfg: dict) -> int:
                 x = np.full(4, float(cmd["value"]))
                 await pg.all_reduce(x, timeout=cmd.get("timeout", 10))
                 emit(event="result", cmd=name, ok=True, sum=float(x[0]), epoch=pg.epoch)
+            elif name == "big":
+                n, w = int(cmd["numel"]), pg.world_size
+                x = np.ones(n, np.float32)
+                kw = {"timeout": cmd.get("timeout", 30), "algorithm": cmd.get("algorithm")}
+                emit(event="started", cmd=name)
+                if cmd["op"] == "all_reduce":
+                    await pg.all_reduce(x, **kw)
+                    ok = bool(np.all(x == w))
+                elif cmd["op"] == "all_gather":
+                    out = [np.zeros(n, np.float32) for _ in range(w)]
+                    await pg.all_gather(out, x, **kw)
+                    ok = all(bool(np.all(o == 1)) for o in out)
+                else:
+                    out = np.zeros(n // w, np.float32)
+                    await pg.reduce_scatter(out, list(x.reshape(w, -1)), **kw)
+                    ok = bool(np.all(out == w))
+                emit(event="result", cmd=name, ok=ok, epoch=pg.epoch)
             elif name == "leave":
                 await pg.aclose()
                 emit(event="result", cmd=name, ok=True)
@@ -103,7 +124,8 @@ async def main(cfg: dict) -> int:
             else:
                 emit(event="result", cmd=name, ok=False, error="unknown command")
         except rtxnet.RtxError as exc:
-            emit(event="result", cmd=name, ok=False, error=type(exc).__name__, message=str(exc))
+            emit(event="result", cmd=name, ok=False, error=type(exc).__name__, message=str(exc),
+                 ranks=getattr(exc, "ranks", None))
     await pg.agent.aclose(leave=False)
     if pg.engine is not None:
         await pg.engine.aclose()

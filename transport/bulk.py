@@ -37,7 +37,7 @@ from collections import deque
 
 import structlog
 
-from transport.errors import ClosedError, CollectiveError
+from transport.errors import ClosedError, CollectiveError, LinkBrokenError
 
 __all__ = ["AVAILABLE", "BulkLinks", "SendLink", "RecvLink", "parse_endpoint"]
 
@@ -138,9 +138,10 @@ class SendLink:
     ``error`` is set (and ``on_error`` called) when the stream breaks; the link is then dead.
     """
 
-    def __init__(self, loop, addr: tuple[str, int], handshake: bytes, epoch: int):
+    def __init__(self, loop, addr: tuple[str, int], handshake: bytes, epoch: int, peer: int):
         self._loop = loop
         self._addr = addr
+        self._peer = peer
         self._handshake = handshake
         self._epoch = epoch
         self._queue: deque = deque()
@@ -189,7 +190,8 @@ class SendLink:
         except asyncio.CancelledError:
             self._fail(ClosedError("bulk link closed"))
         except (OSError, ValueError) as exc:   # ValueError: socket closed under us
-            err = CollectiveError(f"bulk link to {self._addr} broke: {exc}")
+            err = LinkBrokenError(f"bulk stream to rank {self._peer} at {self._addr[0]}:"
+                                  f"{self._addr[1]} broke: {exc}", peer=self._peer)
             err.__cause__ = exc
             self._fail(err)
 
@@ -305,7 +307,7 @@ class BulkLinks:
         if link is None or link.error is not None:
             job, g = self._job.encode(), gid.encode()
             hs = _HANDSHAKE.pack(_MAGIC, self._epoch, self._rank, len(job), len(g)) + job + g
-            link = SendLink(self._loop, addr, hs, self._epoch)
+            link = SendLink(self._loop, addr, hs, self._epoch, dst)
             self._send[key] = link
         return link
 
@@ -392,6 +394,7 @@ class BulkLinks:
 
         Raises:
             CollectiveError: the block's header does not match (the stream is closed).
+            LinkBrokenError: the stream broke (reset by the peer).
         """
         loop = self._loop
         while True:
@@ -431,7 +434,7 @@ class BulkLinks:
                 link.close()    # the sender dropped it; wait for its next stream
             except (OSError, ValueError) as exc:   # ValueError: socket closed under us
                 link.close()
-                raise CollectiveError(f"bulk stream from rank {src} broke: {exc}") from exc
+                raise LinkBrokenError(f"bulk stream from rank {src} broke: {exc}", peer=src) from exc
             finally:
                 link.reading = False
 

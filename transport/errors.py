@@ -16,7 +16,9 @@
     |-- RendezvousError             duplicate rank, job full, wrong token, stale epoch
     |   `-- JobFinishedError        the job ended (every rank left) before this rank rejoined
     |-- CollectiveError
-    |   `-- CollectiveMismatchError shapes, dtypes or ops differ across ranks
+    |   |-- CollectiveMismatchError shapes, dtypes or ops differ across ranks
+    |   `-- LinkBrokenError         a peer's bulk TCP stream broke and the peer was not declared
+    |                               lost within the grace (carries the peer's rank)
     |-- JournalError
     |   `-- JournalCorruptError     carries the file and offset
     `-- CheckpointError             a save failed on some rank, or no checkpoint is usable
@@ -46,6 +48,7 @@ __all__ = [
     "JobFinishedError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "LinkBrokenError",
     "JournalError",
     "JournalCorruptError",
     "CheckpointError",
@@ -172,6 +175,23 @@ class CollectiveMismatchError(CollectiveError):
         super().__init__(message)
         self.field = field
         self.values = dict(values or {})
+
+
+class LinkBrokenError(CollectiveError):
+    """The bulk TCP stream to or from a peer broke (connection refused or reset, broken pipe).
+
+    Usually the peer died: an operation that meets a broken stream waits for the coordinator's
+    verdict (``Engine.link_grace_s``, by default the heartbeat timeout plus one interval) and
+    raises the :class:`PeerLostError` naming the lost rank that comes with the new epoch, or a
+    peer's abort. Only when neither comes within the grace does it raise this error.
+
+    Attributes:
+        peer: the world rank at the other end of the stream.
+    """
+
+    def __init__(self, message: str, *, peer: int):
+        super().__init__(message)
+        self.peer = peer
 
 
 class JournalError(RtxError):

@@ -40,6 +40,7 @@ from transport.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
     ConfigError,
+    LinkBrokenError,
     PeerLostError,
     RtxError,
 )
@@ -114,6 +115,11 @@ class Op:
         self._bulk_task: asyncio.Task | None = None
         self.error: BaseException | None = None
         self.failed_remotely = False
+        # a broken bulk stream: the peer probably died, and the coordinator's verdict (a new
+        # view: PeerLostError naming it) or a peer's abort is the better error; see fail()
+        self._suspect: LinkBrokenError | None = None
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._settled: asyncio.Future | None = None
         self.timeout_s = timeout_s
         self.t0 = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -139,15 +145,65 @@ class Op:
             self._mail[key] = (h.meta, payload)
 
     def fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_exception(exc)
-            if self._bulk_task is not None and not self._bulk_task.done():
-                self._bulk_task.cancel()
+        """Fail the operation with ``exc`` (the first error wins).
+
+        A :class:`LinkBrokenError` only raises a suspicion: the operation goes on waiting, for
+        ``engine.link_grace_s`` at most (and within its deadline), for a better error, the
+        :class:`PeerLostError` of the new view when the peer died or a peer's abort; only then
+        does the broken stream itself become the error (see :meth:`settle`).
+        """
+        if self.error is not None:
+            return
+        if isinstance(exc, LinkBrokenError):
+            if self._suspect is None:
+                self._suspect = exc
+                grace = self.engine.link_grace_s
+                self._grace_timer = asyncio.get_running_loop().call_later(
+                    grace, self._give_up, grace)
+            return
+        self._set_error(exc)
+
+    def _set_error(self, exc: BaseException) -> None:
+        self.error = exc
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+        if self._bulk_task is not None and not self._bulk_task.done():
+            self._bulk_task.cancel()
+        if self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
+
+    def _give_up(self, grace_s: float | None) -> None:
+        """No better error came for the broken stream: it is the operation's error."""
+        exc = self._suspect
+        if exc is None or self.error is not None:
+            return
+        if grace_s is not None:
+            broken = exc
+            exc = LinkBrokenError(f"{broken}; rank {broken.peer} was not declared lost within "
+                                  f"{grace_s:g} s", peer=broken.peer)
+            exc.__cause__ = broken
+        self._set_error(exc)
+
+    async def settle(self, exc: BaseException) -> BaseException:
+        """The operation's error once decided, after ``exc`` ended its body: for a broken
+        stream, what came within the grace (see :meth:`fail`); otherwise ``exc`` or the error
+        recorded before it. A cancellation while waiting decides for the broken stream."""
+        self.fail(exc)
+        if self.error is None and self._suspect is not None:
+            self._settled = asyncio.get_running_loop().create_future()
+            try:
+                await self._settled
+            except asyncio.CancelledError:
+                self._give_up(None)
+                raise
+        return exc if self.error is None else self.error
 
     def _on_timeout(self) -> None:
         missing = sorted(self.group.ranks[g] for g in self._pending)
+        if not missing and self._suspect is not None:
+            missing = [self._suspect.peer]   # waiting for a verdict on its broken stream
         self.fail(CollectiveTimeout(
             f"{self.name} (group {self.group.gid!r}, seq {self.seq}) timed out after "
             f"{self.timeout_s:g} s waiting for ranks {missing}", ranks=missing, op=self.name))
@@ -293,6 +349,8 @@ class Op:
 
     def close(self) -> None:
         self._timer.cancel()
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
         for g, link in self._bulk_links.items():
             link.on_error = None
             if link.busy or link.error is not None:
@@ -347,6 +405,10 @@ class Engine:
         if default_timeout_s <= 0:
             raise ConfigError(f"default_timeout_s({default_timeout_s}) must be > 0")
         self.default_timeout_s = float(default_timeout_s)
+        # how long an operation that met a broken bulk stream waits for the coordinator to
+        # declare the peer lost (see Op.fail); the process group sets its heartbeat timeout
+        # plus one interval
+        self.link_grace_s = 3.0
         self.shm_enabled = bool(shm)
         self.view: WorldView | None = None
         self.world = None

@@ -65,6 +65,7 @@ from transport.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeout,
+    LinkBrokenError,
     PeerLostError,
 )
 from transport.peer import Kind
@@ -288,6 +289,13 @@ class Group:
             try:
                 return await body(op)
             except BaseException as exc:
+                cause = None
+                if isinstance(exc, LinkBrokenError):
+                    # the peer probably died: wait (bounded) for the coordinator's verdict, a
+                    # PeerLostError naming it, or a peer's abort
+                    verdict = await op.settle(exc)
+                    if verdict is not exc:
+                        cause, exc = exc, verdict
                 if self._shm is not None:
                     self._shm.taint()
                 if self._gpu_state is not None:
@@ -305,6 +313,8 @@ class Group:
                     _stamp_epoch(op.error, self.epoch)
                     raise op.error from exc
                 _stamp_epoch(exc, self.epoch)
+                if cause is not None:
+                    raise exc from cause
                 raise
             finally:
                 engine._end_op(op)

@@ -12,7 +12,7 @@ import pytest
 
 from rtxnet.collectives import ReduceOp, WorldView
 from transport import bulk
-from transport.errors import CollectiveError, CollectiveTimeout, PeerLostError
+from transport.errors import CollectiveError, CollectiveTimeout, LinkBrokenError, PeerLostError
 
 from .harness import run_world
 
@@ -272,3 +272,39 @@ async def zmq_fallback(engine):
 def test_falls_back_to_zmq_when_a_member_has_no_bulk_port():
     for ok, links in run_world(3, zmq_fallback, hosts=_TCP_ONLY, timeout_s=60):
         assert ok and links == 0
+
+
+async def peer_killed_without_a_verdict(engine):
+    import signal
+
+    _small_blocks()
+    g = engine.world
+    engine.link_grace_s = 0.5
+    x = np.ones(64_000_000, np.float32)   # 256 MiB: the ring runs for a second or more
+    loop = asyncio.get_running_loop()
+    if g.rank == 1:
+        asyncio.ensure_future(g.all_reduce(x, timeout=20, algorithm="ring"))
+        while len(engine._bulk._recv) < 1:   # the ring is streaming
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)   # with unread data: its streams are reset
+    t0 = loop.time()
+    try:
+        await g.all_reduce(x, timeout=20, algorithm="ring")
+        return "ok"
+    except LinkBrokenError as exc:
+        return exc.peer, "was not declared lost within 0.5 s" in str(exc), loop.time() - t0 < 5
+    except CollectiveError as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_broken_stream_without_a_verdict_is_a_link_broken_error_after_the_grace():
+    # no coordinator here: nobody declares rank 1 lost, so after link_grace_s the broken
+    # stream itself is the error (a neighbour's), or the abort that neighbour sends
+    res = run_world(3, peer_killed_without_a_verdict, hosts=_TCP_ONLY, timeout_s=60,
+                    return_exceptions=True)
+    assert "exited with code" in str(res[1]), res
+    seen = [res[0], res[2]]
+    assert (1, True, True) in seen, res
+    for other in seen:
+        assert other == (1, True, True) or (other[0] == "CollectiveError" and "was not declared lost within 0.5 s" in other[1]), res

@@ -423,3 +423,42 @@ def test_status_timeout_must_be_finite_and_positive(value):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"rtxnet status: error: argument --timeout: {value!r} is not a number of seconds in (0, 3600]")
+
+
+def _tcp_established(pid: int) -> int:
+    import psutil
+
+    return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process(pid).net_connections("tcp"))
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(coordinator, probes, op):
+    # the ring's TCP streams break at once (reset, broken pipe); the survivors wait for the
+    # coordinator's verdict and raise the PeerLostError naming the rank, as the direct form does,
+    # not a CollectiveError saying a stream broke
+    ps = joined(probes, coordinator.address, f"ring-{op}", 4,
+                timeouts={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "op_s": 30.0,
+                          "rendezvous_s": 60.0})
+    numel = 32 * 2**20   # 128 MiB per rank
+    before = _tcp_established(ps[2].pid)
+    for p in ps:
+        p.submit("big", op=op, numel=numel, algorithm="ring", timeout=30)
+    ps[2].expect("started")
+    # frozen mid-ring (both its bulk streams open, data flowing): the others cannot finish
+    wait_until(lambda: _tcp_established(ps[2].pid) >= before + 2, 20, "rank 2's bulk streams")
+    time.sleep(0.05)
+    ps[2].signal(signal.SIGSTOP)
+    time.sleep(0.1)
+    # a coordinator slower to decide than the streams are to break (far away, busy): here
+    # frozen while rank 2 dies, so the streams break well before the new epoch comes
+    os.kill(coordinator.proc.pid, signal.SIGSTOP)
+    try:
+        ps[2].signal(signal.SIGKILL)   # its streams are reset (unread data) or closed
+        t0 = time.monotonic()
+        time.sleep(0.8)
+    finally:
+        os.kill(coordinator.proc.pid, signal.SIGCONT)
+    for p in (ps[0], ps[1], ps[3]):
+        r = p.expect("result", cmd="big", timeout=30)
+        assert not r["ok"] and r["error"] == "PeerLostError" and r["ranks"] == [2], (r, p.log[-3000:])
+        assert r["t"] - t0 < 10, r

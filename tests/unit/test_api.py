@@ -20,7 +20,7 @@ def test_all_is_pinned():
         "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
         "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "CoordinatorLostError",
         "DistributedDataParallel", "FullyShardedDataParallel",
-        "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JobFullError", "JournalCorruptError", "JournalError", "Membership",
+        "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JobFullError", "JournalCorruptError", "JournalError", "LinkBrokenError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
         "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
         "connect", "init", "parallel",
@@ -47,6 +47,7 @@ def test_error_tree_matches_the_style_guide():
         (e.PeerLostError, e.TransportError), (e.RendezvousTimeout, e.RtxTimeoutError),
         (e.CoordinatorLostError, e.TransportError),
         (e.CollectiveTimeout, e.RtxTimeoutError), (e.CollectiveMismatchError, e.CollectiveError),
+        (e.LinkBrokenError, e.CollectiveError),
         (e.JournalCorruptError, e.JournalError), (e.CheckpointCorruptError, e.CheckpointError),
         (e.RendezvousError, e.RtxError), (e.JobFinishedError, e.RendezvousError), (e.JobFullError, e.RendezvousError),
     ]:
