@@ -55,7 +55,7 @@ def read_events(folder: Path) -> list[dict]:
     return events
 
 
-def summarize(events: list[dict], output: str = "") -> dict:
+def summarize(events: list[dict], output: str = "", plan: str | None = None) -> dict:
     """The run in numbers, from the ranks' events and (when given) the run's output.
 
     Returns:
@@ -67,7 +67,8 @@ def summarize(events: list[dict], output: str = "") -> dict:
         when known), at which step, and the world size then. ``lost_between_steps``: per epoch, ranks
         lost after a step committed and before the next began (no step failed). ``unrecovered``: failures a process recorded but never recovered
         from (it crashed or was killed first). Then, from ``output`` (see :func:`scan_output`):
-        ``rank_exits``, ``coordinator_exits``, ``restores``, ``state_lost`` and ``below_min_ranks``.
+        ``rank_exits``, ``coordinator_exits``, ``restores``, ``state_lost`` and ``below_min_ranks``;
+        with ``plan``, ``faults``: per fault of the plan (see :func:`fault_status`).
     """
     recovered = [e for e in events if e["event"] == "recovered"]
     stalls = [e for e in events if e["event"] == "commit_stall"]
@@ -116,6 +117,59 @@ def summarize(events: list[dict], output: str = "") -> dict:
                                    "launch_ranks": sorted({e.get("launch_rank") for e in es}),
                                    "message": es[0].get("message")})
     out.update(scan_output(output))
+    if plan is not None:
+        out["faults"] = fault_status(plan, output)
+    return out
+
+
+def fault_status(plan: str, output: str) -> list[dict]:
+    """What became of each fault of ``plan``, from the run's output.
+
+    Returns:
+        One record per fault, in the plan's order: ``fault`` (its text), ``injected`` (a rank
+        logged ``fault_injected`` for it), ``ranks`` (the launch ranks that injected it, or that
+        said why not) and ``reason`` (why it was not injected: the rank's own line at exit, a
+        ``fault_skipped`` reason, or, when no rank said, that the rank it was meant for never
+        exited normally, e.g. killed by an earlier fault).
+    """
+    from rtxnet.faults import parse_plan
+
+    seen: dict[str, dict] = {}
+    for line in output.splitlines():
+        m = _RANK_PREFIX.match(line)
+        rank = int(m.group(1)) if m else None
+        if m2 := _NOT_INJECTED.search(line):
+            try:
+                text = ast.literal_eval(m2.group(1))
+            except (ValueError, SyntaxError):
+                continue
+            rec = seen.setdefault(text, {"injected": False, "ranks": set(), "reason": None})
+            rec["reason"] = rec["reason"] or m2.group(2).strip()
+        elif "fault_injected" in line or "fault_skipped" in line:
+            f = _log_fields(line)
+            text = f.get("fault")
+            if not isinstance(text, str):
+                continue
+            rec = seen.setdefault(text, {"injected": False, "ranks": set(), "reason": None})
+            if "fault_injected" in line:
+                rec["injected"] = True
+            else:
+                rec["reason"] = f"skipped: {f.get('reason')}"
+        else:
+            continue
+        if rank is not None:
+            rec["ranks"].add(rank)
+    out = []
+    for f in parse_plan(plan):
+        rec = seen.get(f.text, {"injected": False, "ranks": set(), "reason": None})
+        reason = None
+        if not rec["injected"]:
+            who = "rank 0" if f.kind == "kill-coordinator" and f.rank is None else (
+                "the ranks" if f.rank is None else f"launch rank {f.rank}")
+            reason = rec["reason"] or (f"no rank said why; {who} it was meant for did not exit "
+                                       f"normally (killed by an earlier fault?)")
+        out.append({"fault": f.text, "injected": rec["injected"], "ranks": sorted(rec["ranks"]),
+                    "reason": reason})
     return out
 
 
@@ -133,6 +187,8 @@ _COORD_EXIT = re.compile(r"\[rtxnet-run\] coordinator exited with code (-?\d+)")
 _COORD_LOST = re.compile(r"\[rtxnet-run\] could not restart the coordinator")
 _BELOW_MIN = re.compile(r"\[rtxnet-run\] (ranks? [\d, ]+ failed for good .*); stopping")
 _PREFIX = re.compile(r"^\[[\w-]+\] ")
+_RANK_PREFIX = re.compile(r"^\[rank(\d+)\] ")
+_NOT_INJECTED = re.compile(r"rtxnet: fault ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") was not injected: (.*)$")
 _KV = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 
 
@@ -267,7 +323,7 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
                 t.join(timeout=10)
         events = read_events(Path(tmp))
     stdout, stderr = "".join(out_lines), "".join(err_lines)
-    return {"returncode": proc.returncode, "events": events, "summary": summarize(events, stdout + stderr),
+    return {"returncode": proc.returncode, "events": events, "summary": summarize(events, stdout + stderr, plan),
             "stdout": stdout, "stderr": stderr}
 
 
@@ -325,6 +381,9 @@ def report(summary: dict) -> list[str]:
                      f"{x['best_live_step'] + 1}")
     if not lines:
         lines.append("no failure was observed by the ranks")
+    for f in summary.get("faults", []):
+        if not f["injected"]:
+            lines.append(f"fault {f['fault']!r} was not injected: {f['reason']}")
     return lines
 
 

@@ -250,7 +250,8 @@ def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
     and finishes (launcher exit 0), but 10 committed steps were lost: faultrun says so and fails."""
     env = procs.env(**FAST)
     proc = subprocess.run(
-        [sys.executable, "tools/faultrun.py", "--plan", "kill:rank=0:step=10; kill:rank=1:step=10", "--nproc", "2",
+        [sys.executable, "tools/faultrun.py", "--plan",
+         "kill:rank=0:step=10; kill:rank=1:step=10; pause:rank=1:step=15:seconds=1", "--nproc", "2",
          "--max-restarts", "1", "--timeout", "100", "--", "tools/ft_workload.py", "--steps", "20",
          "--step-sleep", "0.02", "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
@@ -261,6 +262,34 @@ def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
     assert ("FAILED: committed state lost (no checkpoint recorded): the job had committed step 9, no live rank "
             "held any committed state: 10 committed steps lost, training started again from step 0") in summary
     assert "exit code 1: 10 committed steps were lost, though the launcher exited 0" in summary
+    # the pause was meant for rank 1's first process, killed at step 10: said, not left out
+    assert ("fault 'pause:rank=1:step=15:seconds=1' was not injected: no rank said why; launch rank 1 "
+            "it was meant for did not exit normally (killed by an earlier fault?)") in summary
+    assert summary.count("was not injected") == 1, summary
+
+
+def test_faultrun_names_each_fault_and_why_it_was_not_injected():
+    plan = ("kill:rank=1:step=5; kill:rank=0:at=collective:collective=99; kill-coordinator:step=3; "
+            "delay:rank=2:ms=5")
+    out = "\n".join([
+        "[rank1] 2026-01-01T00:00:00Z [warning  ] fault_injected                 at=step fault='kill:rank=1:step=5' rank=1 step=5",
+        '[rank0] {"fault": "kill-coordinator:step=3", "reason": "coordinator already gone", "event": "fault_skipped", "level": "warning"}',
+        "[rank0] rtxnet: fault 'kill:rank=0:at=collective:collective=99' was not injected: this process ran 40 counted collective(s), not 99",
+    ])
+    s = faultrun.summarize([], out, plan)
+    assert s["faults"] == [
+        {"fault": "kill:rank=1:step=5", "injected": True, "ranks": [1], "reason": None},
+        {"fault": "kill:rank=0:at=collective:collective=99", "injected": False, "ranks": [0],
+         "reason": "this process ran 40 counted collective(s), not 99"},
+        {"fault": "kill-coordinator:step=3", "injected": False, "ranks": [0],
+         "reason": "skipped: coordinator already gone"},
+        {"fault": "delay:rank=2:ms=5", "injected": False, "ranks": [],
+         "reason": "no rank said why; launch rank 2 it was meant for did not exit normally (killed by an "
+                   "earlier fault?)"},
+    ]
+    lines = faultrun.report(s)
+    assert lines[0] == "no failure was observed by the ranks"
+    assert lines[1:] == [f"fault {f['fault']!r} was not injected: {f['reason']}" for f in s["faults"][1:]]
 
 
 def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
