@@ -30,17 +30,22 @@ sends an int64 header ``[dtype code, requires_grad, ndim, d0, ..., d7]`` (at mos
 dtypes in ``_DTYPES``). The gradient coming back has the activation's shape and dtype, known to
 the stage that sent it, so it travels without a header; it is sent only when the activation
 required a gradient (a stage that gets an input not requiring one sends nothing back). Tags encode
-``(step, micro-batch, message kind)``, the step counting the schedule calls made on this stage:
-every stage must call ``step`` the same number of times. A message a failed step left behind is
-never taken for one of a later step.
+``(step, micro-batch, message kind)``, the step counting the schedule calls made on the group
+object (by any stage built on it): every stage must call ``step`` the same number of times. A message a failed step left behind is
+never taken for one of a later step. A stage that fails a step with an error of its own (bad
+input or target, an exception from its module or the loss function: anything but a peer loss or a
+timeout, which the others meet by themselves) tells its neighbours in place of the message each
+waits for next: downstream an activation header with code ``-2`` and the failing stage, upstream
+an empty ``bool`` tensor on the gradient's tag (a gradient is never ``bool``, so it cannot be
+mistaken for one). Each stage that gets such a message passes it on in the same direction and
+raises ``ConfigError``: every stage fails the step at once, not at its deadline.
 
 **Deadlines and failures.** Every ``send`` and ``recv`` carries a deadline (``timeout_s``, else
 the group's ``Timeouts.op_s``). A lost peer raises :class:`~transport.errors.PeerLostError` and a
 stage that waits too long :class:`~transport.errors.CollectiveTimeout` (``exc.ranks`` names the
 stage it waited for); nothing hangs. Input checks run before anything is sent, on the rank that
-sees the bad value (stage 0 checks the input, the last stage the target), so the other stages then
-fail at once with ``ConfigError`` (stage 0 passes its refusal down the pipeline) or, for a bad
-target, with ``CollectiveTimeout`` within their deadline. After a failure the step's gradients are
+sees the bad value (stage 0 checks the input, the last stage the target), and the other stages
+then fail at once with ``ConfigError`` (see the wire above). After a failure the step's gradients are
 partial: zero them before retrying. The number of stages is fixed at construction: a stage whose
 group no longer has ``S`` ranks raises ``ConfigError`` at the next step (re-partition the model).
 
@@ -64,7 +69,13 @@ from typing import Any
 import structlog
 import torch
 
-from transport.errors import ConfigError, ProtocolError
+from transport.errors import (
+    CollectiveMismatchError,
+    ConfigError,
+    ProtocolError,
+    RtxTimeoutError,
+    TransportError,
+)
 
 from ._world import StepWorld
 from .ddp import DistributedDataParallel
@@ -83,7 +94,7 @@ _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 # Message kinds (low bits of the tag).
 _FWD_HEADER, _FWD_DATA, _BWD_GRAD = 0, 1, 2
-_ABORT = -2   # header dtype code: the stage named in header[1] refused the step's input
+_ABORT = -2   # header dtype code: the stage named in header[1] failed the step (see _abort)
 _MAX_MICRO = 1 << 20
 
 
@@ -124,7 +135,15 @@ class PipelineStage:
         self.stage_index = int(pg.rank)
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == size - 1
-        self._steps = 0
+
+    def _next_step_no(self) -> int:
+        """The number of this step in the tags: pipeline steps run on this group object so far,
+        by any stage object (a new PipelineStage on the same group goes on counting, so a message
+        an earlier one's failed step left behind is never taken for one of its own)."""
+        counts = vars(self._pg)
+        n = counts.get("_rtxnet_pipeline_steps", 0)
+        counts["_rtxnet_pipeline_steps"] = n + 1
+        return n
 
     def parameters(self):
         return self.module.parameters()
@@ -154,17 +173,28 @@ class PipelineStage:
         self._pg.send(header, dst, _tag(step, m, _FWD_HEADER), **kw)
         self._pg.send(y.detach().contiguous(), dst, _tag(step, m, _FWD_DATA), **kw)
 
-    def _send_abort(self, step: int, origin: int) -> None:
-        """Tell the next stage that stage ``origin`` refused this step's input (best effort: the
-        refusal is raised here whatever happens to the message)."""
+    def _abort_down(self, step: int, m: int, origin: int, *, refused_input: bool = False) -> None:
+        """Tell the next stage, waiting for micro-batch ``m``'s activation, that stage ``origin``
+        failed this step (best effort: the caller raises its own error whatever happens)."""
         if self.is_last:
             return
         header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
-        header[0], header[1] = _ABORT, origin
+        header[0], header[1], header[2] = _ABORT, origin, int(refused_input)
+        self._best_effort(self.stage_index + 1, header, _tag(step, m, _FWD_HEADER))
+
+    def _abort_up(self, step: int, m: int) -> None:
+        """Tell the previous stage, waiting for micro-batch ``m``'s gradient, that a later stage
+        failed this step: an empty bool tensor on the gradient's tag (best effort)."""
+        if self.is_first:
+            return
+        self._best_effort(self.stage_index - 1, torch.zeros(0, dtype=torch.bool),
+                          _tag(step, m, _BWD_GRAD))
+
+    def _best_effort(self, dst: int, t: torch.Tensor, tag: int) -> None:
         try:
-            self._pg.send(header, self.stage_index + 1, _tag(step, 0, _FWD_HEADER), timeout=5.0)
-        except Exception as exc:  # noqa: BLE001 - the caller raises the refusal itself
-            log.warning("pipeline_abort_not_sent", stage=self.stage_index, error=str(exc))
+            self._pg.send(t, dst, tag, timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - the caller raises the step's error itself
+            log.warning("pipeline_abort_not_sent", stage=self.stage_index, to=dst, error=str(exc))
 
     def _recv_activation(self, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
         src = self.stage_index - 1
@@ -173,10 +203,12 @@ class PipelineStage:
         self._pg.recv(header, src, _tag(step, m, _FWD_HEADER), **kw)
         code, needs_grad, ndim = (int(v) for v in header[:3])
         if code == _ABORT:
-            # stage 0 refused the step's input: pass it on, fail now instead of at the deadline
-            self._send_abort(step, int(header[1]))
-            raise ConfigError(f"stage {int(header[1])} refused the input of this step (its "
-                              f"ConfigError names the value); stage {self.stage_index} did not run it")
+            # an earlier stage failed the step: pass it on, fail now instead of at the deadline
+            origin, refused_input = int(header[1]), int(header[2]) == 1
+            self._abort_down(step, m, origin, refused_input=refused_input)
+            what = ("refused the input of this step (its ConfigError names the value)"
+                    if refused_input else "failed this step (its own error says why)")
+            raise _aborted(f"stage {origin} {what}; stage {self.stage_index} did not run it")
         if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
             raise ProtocolError(f"stage {self.stage_index}: malformed activation header "
                               f"{header.tolist()} from stage {src}")
@@ -189,8 +221,23 @@ class PipelineStage:
 
     def _recv_grad(self, like: torch.Tensor, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
         g = torch.empty(like.shape, dtype=like.dtype)
-        self._pg.recv(g, self.stage_index + 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
+        try:
+            self._pg.recv(g, self.stage_index + 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
+        except CollectiveMismatchError as exc:
+            if exc.field != "dtype" or "bool" not in exc.values.values():
+                raise
+            # a later stage failed the step (see _abort_up): pass it on, fail now
+            self._abort_up(step, m)
+            raise _aborted(f"a later stage (after stage {self.stage_index}) failed this step (its "
+                           f"own error says why); stage {self.stage_index} did not finish it") from None
         return g
+
+
+def _aborted(message: str) -> ConfigError:
+    """The error of a stage told that another stage failed the step (it passed it on already)."""
+    exc = ConfigError(message)
+    exc.pipeline_abort_passed_on = True
+    return exc
 
 
 def _kw(timeout_s: float | None) -> dict[str, float]:
@@ -264,7 +311,11 @@ class PipelineSchedule:
         Raises:
             ConfigError: a missing input (stage 0) or target (last stage), a batch not divisible
                 by ``M`` (names both), a stage output that is not one tensor of a carried dtype,
-                or a group whose size changed.
+                a group whose size changed, or another stage failed the step with an error of its
+                own (names that stage, or says it was a later one; raised at once, not at the
+                deadline).
+            Exception: whatever this stage's module or ``loss_fn`` raised (the other stages get
+                ``ConfigError`` at once).
             PeerLostError: a stage was lost during the step.
             CollectiveTimeout: a stage did not send in time (``exc.ranks`` names it).
             CollectiveMismatchError: a message of the wrong shape or dtype arrived.
@@ -274,16 +325,20 @@ class PipelineSchedule:
         st = self.stage
         # Counted before any check: a step that fails on one stage still counts on all of them,
         # so their tags stay aligned for the next step.
-        step_no = st._steps
-        st._steps += 1
+        step_no = st._next_step_no()
         st.check_world()
         M = self.n_microbatches
+        # a refused input or target fails the other stages at once, not at their deadline
         try:
             xs = self._split("input", input, M) if st.is_first else [None] * M
         except ConfigError:
-            st._send_abort(step_no, st.stage_index)   # the next stages fail at once, not at the deadline
+            st._abort_down(step_no, 0, st.stage_index, refused_input=True)
             raise
-        ts = self._split("target", target, M) if st.is_last else [None] * M
+        try:
+            ts = self._split("target", target, M) if st.is_last else [None] * M
+        except ConfigError:
+            st._abort_up(step_no, 0)
+            raise
         self.trace = []
         self.peak_in_flight = 0
         self._held = {}
@@ -299,7 +354,11 @@ class PipelineSchedule:
         try:
             with world.pinned():
                 with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
-                    self._run(M)
+                    try:
+                        self._run(M)
+                    except Exception as exc:
+                        self._abort_neighbours(exc)
+                        raise
                 if ddp is not None:
                     ddp.sync_gradients()
         except BaseException as exc:
@@ -318,6 +377,21 @@ class PipelineSchedule:
 
     def _run(self, M: int) -> None:
         raise NotImplementedError
+
+    def _abort_neighbours(self, exc: Exception) -> None:
+        """This stage failed the step with ``exc``: tell both neighbours, in place of the messages
+        they wait for next (the next stage: the activation of the first micro-batch not sent; the
+        previous: the gradient of the first micro-batch whose backward did not finish here). Not
+        for a lost peer or a timeout, which the others meet by themselves, nor for an abort this
+        stage received and passed on."""
+        if getattr(exc, "pipeline_abort_passed_on", False) or isinstance(
+                exc, TransportError | RtxTimeoutError):
+            return
+        st = self.stage
+        forwards = sum(t.startswith("F") for t in self.trace)
+        backwards = len(self.trace) - forwards
+        st._abort_down(self._step_no, forwards, st.stage_index)
+        st._abort_up(self._step_no, backwards)
 
     def _split(self, what: str, t: torch.Tensor | None, M: int) -> list[torch.Tensor]:
         s = self.stage.stage_index

@@ -239,6 +239,20 @@ def stage_of(model: torch.nn.Sequential, s: int, S: int) -> torch.nn.Sequential:
     return copy.deepcopy(torch.nn.Sequential(*model[s * k:(s + 1) * k]))
 
 
+class _FailsOnCall(torch.nn.Module):
+    """``inner``, except that its ``n``-th call raises RuntimeError."""
+
+    def __init__(self, inner: torch.nn.Module, n: int):
+        super().__init__()
+        self.inner, self.n, self.calls = inner, n, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError(f"user bug on call {self.n}")
+        return self.inner(x)
+
+
 def pp_case(pg, S: int, sched_cls, M: int, *, steps: int = 1, seed: int = 20) -> dict:
     s = pg.rank
     ref = full_model(seed)
@@ -355,6 +369,33 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
     t0 = time.monotonic()
     res["abort"] = {"error": error_of(lambda: ScheduleGPipe(st4, 4, LOSS, timeout_s=20).step(
         xb if st4.is_first else None, yb if st4.is_last else None)), "seconds": time.monotonic() - t0}
+
+    # The last stage refuses a target its micro-batches cannot split: the earlier stages fail at
+    # once too (told upstream, on the gradient's tag), not at their 20 s deadline.
+    xt, _ = data((12, P_D), P_C, seed=2)
+    t0 = time.monotonic()
+    res["abort_target"] = {"error": error_of(lambda: Schedule1F1B(st4, 4, LOSS, timeout_s=20).step(
+        xt if st4.is_first else None, yb[:10] if st4.is_last else None)),
+        "seconds": time.monotonic() - t0}
+
+    # Stage 1's module raises on its second micro-batch (a user bug): every stage fails at once,
+    # both directions, then the next step runs and matches one process.
+    for name, cls in SCHEDULES.items():
+        part = stage_of(full_model(20), g4.rank, 4)
+        if g4.rank == 1:
+            part = _FailsOnCall(part, 2)
+        st_f = PipelineStage(part, g4)
+        sched = cls(st_f, 4, LOSS, timeout_s=20)
+        x, y = data((P_B, P_D), P_C, seed=30)
+        t0 = time.monotonic()
+        err = error_of(lambda: sched.step(x if st_f.is_first else None, y if st_f.is_last else None))
+        seconds = time.monotonic() - t0
+        for p in part.parameters():
+            p.grad = None
+        loss = sched.step(x if st_f.is_first else None, y if st_f.is_last else None)
+        res[f"abort_module/{name}"] = {"error": err, "seconds": seconds,
+                                       "next_loss": None if loss is None else float(loss),
+                                       "ref_loss": float(LOSS(full_model(20)(x), y))}
 
     # A peer that never answers: each rank of a pair runs a step in a group where the other does
     # not, so both wait out a 0.5 s deadline (stage 0 for a gradient, stage 1 for an activation).

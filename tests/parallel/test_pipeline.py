@@ -95,3 +95,27 @@ def test_stage_0_refusing_its_input_fails_every_stage_at_once_naming_it(pp):
         assert r["abort"]["error"] == ("ConfigError: stage 0 refused the input of this step (its "
                                        f"ConfigError names the value); stage {s} did not run it"), r["abort"]
     assert all(r["abort"]["seconds"] < 10 for r in pp), [r["abort"] for r in pp]
+
+
+def test_the_last_stage_refusing_its_target_fails_every_stage_at_once(pp):
+    # Before: stages 0..2 waited out their 20 s deadline for a gradient.
+    assert pp[3]["abort_target"]["error"] == "ConfigError: target batch(10) is not divisible by n_microbatches(4)"
+    for s, r in enumerate(pp[:3]):
+        assert r["abort_target"]["error"] == (
+            f"ConfigError: a later stage (after stage {s}) failed this step (its own error says why); "
+            f"stage {s} did not finish it"), r["abort_target"]
+    assert all(r["abort_target"]["seconds"] < 10 for r in pp), [r["abort_target"] for r in pp]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_whose_module_raises_fails_every_stage_at_once_and_the_next_step_runs(pp, schedule):
+    res = [r[f"abort_module/{schedule}"] for r in pp]
+    assert res[1]["error"] == "RuntimeError: user bug on call 2", res
+    assert res[0]["error"] == ("ConfigError: a later stage (after stage 0) failed this step (its own "
+                               "error says why); stage 0 did not finish it"), res
+    for s in (2, 3):
+        assert res[s]["error"] == (f"ConfigError: stage 1 failed this step (its own error says why); "
+                                   f"stage {s} did not run it"), res
+    assert all(r["seconds"] < 10 for r in res), res
+    # the failed step's leftover messages are never taken for the next step's
+    assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
