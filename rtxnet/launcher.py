@@ -16,7 +16,8 @@ exits non-zero is restarted up to K times; the restarted process rejoins the run
 running: the job re-forms around the loss. When the ranks that failed for good (restarts spent)
 leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: the launcher says so
 and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
-their rejoin window. The exit code is 0 when every rank's last process exited 0, else the code of
+their rejoin window (with ``--nnodes``, counting every node's: the launchers share theirs through
+the job's store). The exit code is 0 when every rank's last process exited 0, else the code of
 the first rank whose last process failed (128+N for signal N).
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
@@ -69,6 +70,8 @@ def _code(rc: int) -> int:
 
 
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read
+_NODES_POLL_S = 1.0   # --nnodes > 1: how often the nodes' failed-for-good ranks are compared
+_FAILED_KEY = "rtxnet-run/failed-for-good/node{}"   # in the job's store: JSON list of launch ranks
 
 
 def _die_with_parent() -> None:
@@ -147,6 +150,9 @@ class Launcher:
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
         self.done = False
         self._exited: asyncio.Queue = asyncio.Queue()
+        # --nnodes > 1: the other nodes' ranks that failed for good, by node (their launchers
+        # write them to the job's store; see _share_failures)
+        self.others_failed: dict[int, list[int]] = {}
 
     def _coordinator_args(self) -> list[str]:
         # a journal this command made up is removed with the daemon's clean stop
@@ -221,15 +227,24 @@ class Launcher:
             return
         a = self.args
         lost = [s.rank for s in self.slots if s.returncode not in (0, None)]
-        left = self.total - len(lost)    # (this node's failures; other nodes' launchers see theirs)
+        others = sorted(r for ranks in self.others_failed.values() for r in ranks)
+        left = self.total - len(lost) - len(others)
         min_ranks = a.min_ranks or self.total
         if left >= min_ranks:
             return
         running = [s for s in self.slots if s.proc is not None and s.returncode is None]
         if not running:
             return
-        _say(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} failed for good "
-             f"(--max-restarts {a.max_restarts}): {left} rank{'' if left == 1 else 's'} left, fewer "
+        why = []
+        if lost:
+            why.append(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} failed for "
+                       f"good (--max-restarts {a.max_restarts})")
+        for node, ranks in sorted(self.others_failed.items()):
+            if ranks:
+                why.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                           f"failed for good on node {node} (its launcher said so through the "
+                           f"job's store)")
+        _say(f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
              f"than --min-ranks {min_ranks}; stopping rank{'s' if len(running) > 1 else ''} "
              f"{', '.join(str(s.rank) for s in running)} (SIGTERM, SIGKILL after {a.grace:g} s)")
         self.stopping = True
@@ -239,6 +254,60 @@ class Launcher:
             except ProcessLookupError:
                 pass
         asyncio.get_running_loop().call_later(a.grace, self._kill_all)
+
+    async def _share_failures(self) -> None:
+        """--nnodes > 1: every ``_NODES_POLL_S``, write this node's ranks that failed for good to
+        the job's store (``_FAILED_KEY``) and read the other nodes', then stop this node's ranks
+        if together they leave fewer than --min-ranks (each launcher sees only its own ranks'
+        exits; without this, the ranks of the nodes that lost none would wait out their
+        rendezvous window). A store that does not answer (the job not formed yet, the coordinator
+        restarting) is asked again at the next poll."""
+        import json
+
+        from transport.channel import ControlClient
+        from transport.errors import RtxError
+
+        a = self.args
+        token = os.environ.get("RTXNET_TOKEN", "")
+        client = ControlClient(self.address, f"rtxnet-run/{a.node_rank}/{os.getpid()}/{uuid.uuid4().hex[:8]}")
+
+        async def ask(mtype: str, **fields):
+            return await client.request(mtype, job=self.job, epoch=-1, deadline_s=_NODES_POLL_S * 2,
+                                        token=token, **fields)
+
+        published = None
+
+        async def publish() -> None:
+            nonlocal published
+            mine = [s.rank for s in self.slots if s.returncode not in (0, None)]
+            if mine != published:
+                await ask("kv_set", key=_FAILED_KEY.format(a.node_rank), value=json.dumps(mine).encode())
+                published = mine
+
+        try:
+            while True:
+                await asyncio.sleep(_NODES_POLL_S)
+                try:
+                    await publish()
+                    if self.stopping:
+                        continue
+                    for node in range(a.nnodes):
+                        if node != a.node_rank:
+                            raw = (await ask("kv_get", key=_FAILED_KEY.format(node)))["value"]
+                            if raw is not None:
+                                self.others_failed[node] = [int(r) for r in json.loads(raw)]
+                except (RtxError, ValueError, TypeError):
+                    continue
+                self._stop_if_below_min_ranks()
+        except asyncio.CancelledError:
+            # this node's ranks have all ended: the others still need its last word
+            try:
+                await publish()
+            except RtxError:
+                pass
+            raise
+        finally:
+            await client.aclose()
 
     def _kill_all(self) -> None:
         for slot in self.slots:
@@ -284,6 +353,7 @@ class Launcher:
                  f"(data sockets on {self.bind_host})")
         else:
             _say(f"job {self.job}: starting {a.nproc} rank{'s' if a.nproc > 1 else ''} of {a.script}")
+        sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         try:
             for slot in self.slots:
                 if self.stopping:
@@ -312,6 +382,9 @@ class Launcher:
                         self.first_failure = (time.monotonic(), code)
                     self._stop_if_below_min_ranks()
         finally:
+            if sharing is not None:
+                sharing.cancel()
+                await asyncio.gather(sharing, return_exceptions=True)
             await self._shutdown()
         if self.stop_signal is not None:
             unstarted = [s.rank for s in self.slots if s.proc is None]

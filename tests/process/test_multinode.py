@@ -184,3 +184,28 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
         else:   # (one may see the other join after it)
             assert set(kinds) <= {"joined"}, r["events"]
         assert all(e["steps_lost"] == 1 for e in r["events"] if e["event"] == "recovered"), r["events"]
+
+
+def test_a_node_stops_its_ranks_when_another_nodes_failures_leave_the_job_below_min_ranks(tmp_path):
+    """Both of host 1's ranks fail for good (--max-restarts 0; rank 2 killed, its launcher then
+    stops rank 3): the job of 4 cannot go on. Host 0's launcher learns it through the job's store
+    and stops its ranks within seconds, instead of letting them wait out their rendezvous window
+    (60 s here). On loopback."""
+    coord = procs.Coordinator(tmp_path / "journal")
+    launchers = []
+    try:
+        launchers = [_launch(None, k, coord.address, "below-min", tmp_path / "out", 100000,
+                             "--faults", "kill:rank=2:step=10") for k in (0, 1)]
+        t0 = time.monotonic()
+        done = [_finish(p, 40) for p in launchers]
+        took = time.monotonic() - t0
+    finally:
+        _stop(launchers, coord)
+    (rc0, _, err0), (rc1, _, err1) = done
+    assert rc1 == 137, err1[-3000:]
+    assert ("rank 2 failed for good (--max-restarts 0): 3 ranks left, fewer than --min-ranks 4; "
+            "stopping rank 3") in err1, err1[-3000:]
+    assert rc0 != 0, err0[-3000:]
+    assert ("ranks 2, 3 failed for good on node 1 (its launcher said so through the job's store): "
+            "2 ranks left, fewer than --min-ranks 4; stopping ranks 0, 1") in err0, err0[-3000:]
+    assert took < 30, (took, err0[-3000:])
