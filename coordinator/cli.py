@@ -4,9 +4,10 @@
 
 On start it replays the journal in ``DIR`` and prints one line ``RTXNET_COORDINATOR=<address>`` on
 stdout (useful with port 0; bound to every interface, ``0.0.0.0``, it prints this host's address on
-its default route, which other hosts can connect to); logs go to stderr. SIGINT/SIGTERM stop it after the current batch.
+its default route, which other hosts can connect to); logs go to stderr. SIGINT/SIGTERM/SIGHUP stop it after the current batch.
 Exit codes: 0 after a signal, 2 for bad arguments (usage and one line naming the bad value, from
-argparse, before anything starts), 3 for a corrupt journal, 4 if it cannot bind.
+argparse, before anything starts), 3 for a corrupt or unusable journal (also one whose write or
+fsync fails while running: disk full), 4 if it cannot bind.
 """
 
 from __future__ import annotations
@@ -145,22 +146,33 @@ async def _amain(args: argparse.Namespace) -> int:
         log.error("bind_failed", error=str(exc))
         return 4
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: a daemon whose launcher died while one of its ranks was stopped gets it with
+    # the rest of the orphaned process group; it stops as cleanly (a temporary journal removed)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, coord.stop)
     reach = _reachable(address)
     print(f"RTXNET_COORDINATOR={reach}", flush=True)
     log.info("coordinator_started", address=address, reachable_at=reach, journal=args.journal)
+    code, clean = 0, False
     try:
         await coord.serve()
+        clean = True
+    except JournalError as exc:
+        # a write or fsync failed (disk full, I/O error): nothing more can be made durable, and
+        # nothing not durable is ever acknowledged; what was acknowledged replays on restart
+        log.error("journal_failed", error=str(exc),
+                  hint="free the disk or fix the device, then restart with the same --journal")
+        code = 3
     finally:
         try:
             await coord.aclose()
         finally:
             # before logging: with rtxnet-run gone, writing to its pipe raises BrokenPipeError
-            if args.remove_journal_on_stop:
+            # (only after a clean stop: a failed one leaves it for the restart to replay)
+            if args.remove_journal_on_stop and clean:
                 shutil.rmtree(args.journal, ignore_errors=True)
         log.info("coordinator_stopped")
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import structlog
 from transport import wire
 from transport.channel import ControlServer, Disconnected, Inbound
 from transport.codec import Limits, decode, encode
+from transport.errors import JournalError, ProtocolError
 
 from .journal import Journal
 from .state import (
@@ -41,6 +42,8 @@ _STALL_S = 0.25   # a tick this much later than due means the daemon itself did 
 
 # Journal records may carry key-value entries up to the control limit; give them headroom.
 _JOURNAL_LIMITS = Limits(max_message_nbytes=64 * 1024 * 1024, max_bin_len=32 * 1024 * 1024)
+# a snapshot holds every job's store (at most state.MAX_KV_NBYTES together) and members
+_SNAPSHOT_LIMITS = Limits(max_message_nbytes=256 * 1024 * 1024, max_bin_len=32 * 1024 * 1024)
 
 
 class Coordinator:
@@ -75,9 +78,21 @@ class Coordinator:
         """Replay the journal and bind. Returns the bound address."""
         now = time.monotonic()
         snap, records = self.journal.open()
-        self.state = restore(decode(snap, limits=_JOURNAL_LIMITS), now) if snap else State()
-        for raw in records:
-            apply_record(self.state, decode(raw, limits=_JOURNAL_LIMITS), now)
+        try:
+            self.state = restore(decode(snap, limits=_SNAPSHOT_LIMITS), now) if snap else State()
+        except ProtocolError as exc:
+            raise JournalError(f"journal {self.journal._dir}: the snapshot passed its checksum but "
+                               f"cannot be decoded ({exc}); move the folder aside to start "
+                               f"afresh") from exc
+        for i, raw in enumerate(records):
+            try:
+                rec = decode(raw, limits=_JOURNAL_LIMITS)
+            except ProtocolError as exc:
+                raise JournalError(
+                    f"journal {self.journal._dir}: record {i + 1} of {len(records)} after the "
+                    f"snapshot passed its checksum but cannot be decoded ({exc}); move the folder "
+                    f"aside to start afresh") from exc
+            apply_record(self.state, rec, now)
         self.state.dead_job_ttl_s = self.dead_job_ttl_s
         for job in self.state.jobs.values():
             if job.formed and not job.members:
@@ -150,7 +165,15 @@ class Coordinator:
                 continue
             for act in actions:
                 if isinstance(act, Record):
-                    self.journal.append(encode(act.data, limits=_JOURNAL_LIMITS))
+                    try:
+                        data = encode(act.data, limits=_JOURNAL_LIMITS)
+                    except ProtocolError:
+                        # the door's checks keep this from happening; if it does, the state has
+                        # the change and the journal not: say so, and keep serving the others
+                        log.exception("record_unencodable", kind=act.data.get("k"),
+                                      job=act.data.get("job"))
+                        continue
+                    self.journal.append(data)
                     wrote = True
                     if act.data["k"] == "epoch":
                         log.info("epoch_opened", job=act.data["job"], epoch=act.data["epoch"],
@@ -160,8 +183,13 @@ class Coordinator:
         if wrote:
             await self.journal.flush()  # nothing is acknowledged before it is durable
             if self.journal.records_since_snapshot >= self.snapshot_every:
-                self.journal.write_snapshot(encode(snapshot(self.state), limits=_JOURNAL_LIMITS))
-                log.info("journal_compacted", jobs=len(self.state.jobs))
+                try:
+                    data = encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
+                except ProtocolError:
+                    log.exception("snapshot_unencodable", jobs=len(self.state.jobs))
+                else:
+                    self.journal.write_snapshot(data)
+                    log.info("journal_compacted", jobs=len(self.state.jobs))
         for s in sends:
             self.server.send(s.identity, s.msg)
 

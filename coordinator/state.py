@@ -82,6 +82,7 @@ class Job:
     pending: dict[str, Member] = field(default_factory=dict)  # identity -> joiner
     ready_since: float | None = None
     kv: dict[str, bytes] = field(default_factory=dict)
+    kv_nbytes: int = 0   # keys (UTF-8) and values of kv, kept by apply_record
     committed_step: int = -1
     commit_metadata: dict = field(default_factory=dict)
     fenced: set[str] = field(default_factory=set)  # identities declared lost
@@ -249,9 +250,14 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         job.votes.clear()
         job.vote_metadata.clear()
     elif kind == "kv_set":
+        old = job.kv.get(rec["key"])
+        job.kv_nbytes += _kv_item_nbytes(rec["key"], rec["value"]) - (
+            0 if old is None else _kv_item_nbytes(rec["key"], old))
         job.kv[rec["key"]] = rec["value"]
     elif kind == "kv_del":
-        job.kv.pop(rec["key"], None)
+        old = job.kv.pop(rec["key"], None)
+        if old is not None:
+            job.kv_nbytes -= _kv_item_nbytes(rec["key"], old)
     elif kind == "commit":
         job.committed_step = rec["step"]
         job.commit_metadata = rec.get("metadata") or {}
@@ -306,12 +312,40 @@ def restore(snap: dict[str, Any], now: float) -> State:
             )
         job = state.jobs[j["job"]]
         job.kv = dict(j["kv"])
+        job.kv_nbytes = sum(_kv_item_nbytes(k, v) for k, v in job.kv.items())
         job.committed_step = j["committed_step"]
         job.commit_metadata = j["commit_metadata"]
     return state
 
 
 MAX_JOB_ID = wire.MAX_JOB_ID
+# The stores are journaled and every snapshot holds them all in one message (the server's
+# _SNAPSHOT_LIMITS): a job's store, and all of them together, stay well below that.
+MAX_JOB_KV_NBYTES = 16 * 1024 * 1024
+MAX_KV_NBYTES = 48 * 1024 * 1024
+
+
+def _kv_item_nbytes(key: str, value: bytes) -> int:
+    return len(key.encode()) + len(value)
+
+
+def _kv_refusal(state: State, job: Job, key: str, value: bytes) -> str | None:
+    """Why setting ``key`` to ``value`` would take a store past its bound (None: it would not)."""
+    old = job.kv.get(key)
+    grow = _kv_item_nbytes(key, value) - (0 if old is None else _kv_item_nbytes(key, old))
+    if grow <= 0:
+        return None
+    if job.kv_nbytes + grow > MAX_JOB_KV_NBYTES:
+        return (f"store of job {job.job!r}: key {key[:100]!r} would bring it to "
+                f"{job.kv_nbytes + grow} bytes, more than the {MAX_JOB_KV_NBYTES} a job's store "
+                f"may hold (it is for coordination data; move tensors with the collectives, files "
+                f"with checkpoints)")
+    total = sum(j.kv_nbytes for j in state.jobs.values())
+    if total + grow > MAX_KV_NBYTES:
+        return (f"store of job {job.job!r}: key {key[:100]!r} would bring this coordinator's "
+                f"stores to {total + grow} bytes, more than the {MAX_KV_NBYTES} it holds for all "
+                f"jobs together")
+    return None
 
 _JOB_FIELDS = ("token", "min_ranks", "max_ranks", "last_call_s", "heartbeat_timeout_s")
 
@@ -542,6 +576,11 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             job.pending.pop(msg["identity"], None)
             state.where.pop(msg["identity"], None)
             actions.append(_reply(identity, msg, job, left=False))
+    elif t == "kv_set" and (why := _kv_refusal(state, job, msg["key"], msg["value"])):
+        actions.append(_error(identity, msg, "ConfigError", why))
+    elif t == "kv_cas" and job.kv.get(msg["key"]) == msg["expected"] and (
+            why := _kv_refusal(state, job, msg["key"], msg["value"])):
+        actions.append(_error(identity, msg, "ConfigError", why))
     elif t == "kv_set":
         _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
         actions.append(_reply(identity, msg, job))
@@ -681,6 +720,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if msg["endpoint"] and not _ENDPOINT.fullmatch(msg["endpoint"]):
         # every member connects to it: one that cannot be parsed would break the others' views
         return refuse("ConfigError", f"endpoint {msg['endpoint'][:100]!r} is not tcp://HOST:PORT[?bulk=PORT]")
+    if len(msg["host"]) > MAX_HOST or len(msg["endpoint"]) > MAX_ENDPOINT:
+        # both go into every member's epoch push and every status answer
+        return refuse("ConfigError", f"join.host must be at most {MAX_HOST} characters and "
+                      f"join.endpoint at most {MAX_ENDPOINT} (got {len(msg['host'])} and "
+                      f"{len(msg['endpoint'])})")
     if len(job_id) > MAX_JOB_ID or len(ident) > MAX_JOB_ID:
         return refuse("ConfigError", f"job id and identity must be at most {MAX_JOB_ID} characters "
                       f"(got {len(job_id)} and {len(ident)})")
@@ -803,6 +847,8 @@ MAX_RANKS = 65536      # ranks of one job
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(\?bulk=\d{1,5})?")
 MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
 MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
+MAX_HOST = 255                # characters of a member's host name (a DNS name is at most 253)
+MAX_ENDPOINT = 512            # characters of a member's data endpoint
 # a status answer above this leaves the members' info out (it must fit one message)
 STATUS_MAX_NBYTES = DEFAULT_LIMITS.max_message_nbytes // 2
 
@@ -827,7 +873,9 @@ def _status(state: State, now: float) -> list[dict[str, Any]]:
             "committed_step": job.committed_step,
             "kv_keys": len(job.kv),
             "members": [
-                {"rank": r, "identity": m.identity, "host": m.host, "pid": m.pid,
+                # no identity: it is the agent's ZeroMQ routing id, and a client that knows it
+                # could take over the agent's connection (ROUTER_HANDOVER)
+                {"rank": r, "host": m.host, "pid": m.pid,
                  "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3), "info": m.info}
                 for r, m in sorted(job.members.items())
             ],

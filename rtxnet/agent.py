@@ -105,7 +105,10 @@ class Agent:
         self.endpoint = endpoint
         self.host = host_id()  # RTXNET_HOST overrides the hostname
         self.info = dict(info or {})
-        self.identity = f"{self.host}/{os.getpid()}/{uuid.uuid4().hex[:10]}"
+        # the ZeroMQ routing id too: whoever knows it could take over this agent's connection
+        # (the coordinator's ROUTER hands an id over to its newest connection), so 128 random
+        # bits, and the coordinator never publishes it outside the job
+        self.identity = f"{self.host[:64]}/{os.getpid()}/{uuid.uuid4().hex}"
         self.membership: Membership | None = None
         self.fenced = False
         self.last_heartbeat_ok: float | None = None

@@ -63,7 +63,7 @@ def _render(status: dict) -> str:
             topo = (m.get("info") or {}).get("topology") or {}
             gpus = f"  {len(topo['gpus'])} GPU(s)" if topo.get("gpus") else ""
             lines.append(
-                f"  rank {m['rank']:>3}  {m['host']}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago  {m['identity']}{gpus}"
+                f"  rank {m['rank']:>3}  {m['host']}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}"
             )
     return "\n".join(lines)
 

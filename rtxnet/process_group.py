@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -90,7 +91,11 @@ class Store:
 
         Raises:
             RtxTimeoutError: some key is still missing after ``timeout`` seconds (names them).
+            ConfigError: ``timeout`` is not a finite number of seconds > 0 (names it).
         """
+        if timeout is not None and not (isinstance(timeout, int | float) and not isinstance(timeout, bool)
+                                        and 0 < timeout < math.inf):
+            raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
         keys = [keys] if isinstance(keys, str) else list(keys)
         return await self._agent.kv_wait(keys, timeout if timeout is not None else self._agent.timeouts.op_s)
 
@@ -175,7 +180,8 @@ class ProcessGroup:
             engine = self.__dict__.get("_engine")
             if self._agent.fenced:
                 raise PeerLostError(f"{name}: this rank was declared lost (fenced out of epoch "
-                                    f"{self._agent.epoch}); it must rejoin before any collective")
+                                    f"{self._agent.epoch}); call pg.rejoin() before any other collective "
+                                    f"(FaultTolerance does it by itself)")
             if engine is None or engine.world is None:
                 raise ConfigError(f"{name}: the collective engine is not available in this process")
             pinned = self.__dict__.get("_pinned_world")
@@ -256,6 +262,27 @@ class ProcessGroup:
         body = await self._agent.commit(step, ok=ok, metadata=metadata,
                                         timeout_s=timeout if timeout is not None else self.timeouts.op_s)
         return bool(body["committed"])
+
+    async def rejoin(self) -> Membership:
+        """Join the job again after this rank was declared lost (frozen past the heartbeat
+        timeout, or cut off): its collectives raise ``PeerLostError`` saying so until then.
+        :class:`FaultTolerance` does this by itself; code without it calls this, then takes the
+        state of a live rank (the others went on without this one).
+
+        Returns:
+            The new membership (its rank may differ; the epoch is a new one).
+
+        Raises:
+            ConfigError: this rank was not declared lost (nothing to rejoin).
+            JobFinishedError: the job finished meanwhile (every other rank left).
+            RendezvousError: the coordinator refused the join (e.g. heartbeats stopped for good by
+                fault injection), naming why.
+            RendezvousTimeout: the job did not take it in within ``Timeouts.rendezvous_s``.
+        """
+        if not self._agent.fenced:
+            raise ConfigError(f"rejoin: this rank was not declared lost (it is rank {self.rank} of "
+                              f"epoch {self.epoch}); nothing to rejoin")
+        return await self._agent.join()
 
     async def reform(self, reason: str = "reform requested", *, epoch: int | None = None,
                      timeout: float | None = None) -> int:

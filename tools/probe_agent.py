@@ -89,7 +89,7 @@ async def main(cfg: dict) -> int:
             elif name == "commit":
                 emit(event="result", cmd=name, ok=True, committed=await pg.commit(cmd["step"], timeout=cmd.get("timeout", 10)))
             elif name == "rejoin":
-                m = await pg.agent.join()
+                m = await pg.rejoin()
                 emit(event="result", cmd=name, ok=True, epoch=m.epoch, rank=m.rank)
             elif name == "reform":
                 emit(event="result", cmd=name, ok=True, epoch=await pg.reform("probe", epoch=cmd.get("epoch")))

@@ -29,6 +29,9 @@ class Limits:
         max_str_len: one ``str`` value, bytes of UTF-8.
         max_array_len: elements of one array.
         max_map_len: pairs of one map.
+        max_depth: arrays and maps nested in one another (the message itself is depth 1).
+            msgpack's own unpacker stops at 1024, its packer sooner: a value nested near that
+            could be decoded but never journaled or echoed back, so it is refused here.
     """
 
     max_message_nbytes: int = 16 * 1024 * 1024
@@ -36,6 +39,7 @@ class Limits:
     max_str_len: int = 1024 * 1024
     max_array_len: int = 1 << 20
     max_map_len: int = 1 << 16
+    max_depth: int = 32
 
 
 DEFAULT_LIMITS = Limits()
@@ -76,7 +80,7 @@ def decode(data: bytes | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
     if n > limits.max_message_nbytes:
         raise ProtocolError(f"message of {n} bytes exceeds the limit of {limits.max_message_nbytes} bytes")
     try:
-        return msgpack.unpackb(
+        obj = msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=False,
@@ -93,9 +97,35 @@ def decode(data: bytes | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
         raise
     except msgpack.ExtraData as exc:
         raise ProtocolError("trailing bytes after the message") from exc
+    except msgpack.StackError as exc:   # deeper than msgpack's own 1024
+        raise ProtocolError(f"malformed message ({n} bytes): arrays and maps nested deeper than "
+                            f"{limits.max_depth} levels") from exc
     except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError, RecursionError) as exc:
         why = str(exc) or type(exc).__name__   # msgpack's FormatError (reserved byte 0xc1) has no text
         raise ProtocolError(f"malformed message ({n} bytes): {why}") from exc
+    if isinstance(obj, dict | list):
+        _check_depth(obj, limits.max_depth, n)
+    return obj
+
+
+_CONTAINERS = (dict, list)   # what msgpack decodes arrays and maps into (exact types)
+
+
+def _check_depth(obj: dict | list, max_depth: int, n: int) -> None:
+    """Refuse ``obj`` when arrays and maps nest deeper than ``max_depth`` (iterative: a deep
+    value costs no recursion here)."""
+    level = [obj]
+    depth = 1
+    while level:
+        if depth > max_depth:
+            raise ProtocolError(f"malformed message ({n} bytes): arrays and maps nested deeper "
+                                f"than {max_depth} levels")
+        nxt = []
+        for c in level:
+            vals = c.values() if isinstance(c, dict) else c
+            nxt.extend(v for v in vals if type(v) in _CONTAINERS)
+        level = nxt
+        depth += 1
 
 
 def peek_fields(data: bytes | memoryview, names: frozenset[str], *, max_entries: int = 64) -> dict[str, Any]:

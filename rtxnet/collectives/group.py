@@ -206,7 +206,8 @@ class Group:
     def _timeout_s(self, timeout: float | None) -> float:
         if timeout is None:
             return self.engine.default_timeout_s
-        if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+                and math.isfinite(timeout)):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 
@@ -915,11 +916,13 @@ class Group:
         A collective over this group. ``color=None`` joins no group and gets ``None``.
 
         Raises:
-            ValueError: color or key is not an int.
+            ValueError: color or key is not an int in the signed 64-bit range (names it).
         """
         for name, v in (("color", color), ("key", key)):
-            if v is not None and not isinstance(v, (int, np.integer)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
                 raise ValueError(f"split {name} must be an int, got {v!r}")
+            if v is not None and not -2**63 <= int(v) < 2**63:
+                raise ValueError(f"split {name} must be in the signed 64-bit range, got {v!r}")
         if key is None:
             raise ValueError("split key must be an int")
         mine = [None if color is None else int(color), int(key)]

@@ -110,7 +110,10 @@ async def p2p(engine):
     bad = {}
     for name, call in (("send_big", lambda: g.send(np.zeros(1), (r + 1) % 3, tag=2 ** 70)),
                        ("recv_float", lambda: g.recv(np.zeros(1), (r + 1) % 3, tag=1.5)),
-                       ("recv_bool", lambda: g.recv(np.zeros(1), (r + 1) % 3, tag=True))):
+                       ("recv_bool", lambda: g.recv(np.zeros(1), (r + 1) % 3, tag=True)),
+                       ("timeout_bool", lambda: g.barrier(timeout=True)),
+                       ("split_big", lambda: g.split(2 ** 70)),
+                       ("split_bool", lambda: g.split(True))):
         try:
             await call()
         except ValueError as exc:
@@ -131,7 +134,10 @@ def test_send_recv_tag_matching():
             "send_big": "tag(1180591620717411303424) is out of range: a tag lies strictly between "
                         "-2**62 and 2**62",
             "recv_float": "tag must be an int, got 1.5 (float)",
-            "recv_bool": "tag must be an int, got True (bool)"}, r
+            "recv_bool": "tag must be an int, got True (bool)",
+            "timeout_bool": "timeout must be a positive number of seconds, got True",
+            "split_big": "split color must be in the signed 64-bit range, got 1180591620717411303424",
+            "split_bool": "split color must be an int, got True"}, r
 
 
 async def send_to_frozen(engine):

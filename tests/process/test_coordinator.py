@@ -148,10 +148,14 @@ def test_frozen_rank_is_declared_lost_then_fenced_when_it_wakes(coordinator, pro
     finally:
         ps[1].signal(signal.SIGCONT)
     ps[1].expect("fenced", timeout=10)
+    r = ps[1].cmd("all_reduce", value=1)    # its collectives say what to do
+    assert r["error"] == "PeerLostError" and "call pg.rejoin() before any other collective" in r["message"], r
     # It may join again: a new epoch adds it back.
     r = ps[1].cmd("rejoin")
     assert r["ok"] and r["epoch"] == 2
     assert ps[0].expect("epoch", timeout=10)["added"] == [2]
+    r = ps[1].cmd("rejoin")
+    assert r["error"] == "ConfigError" and "this rank was not declared lost (it is rank 2 of epoch 2)" in r["message"], r
 
 
 def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
@@ -250,7 +254,10 @@ def test_a_joiner_still_pending_when_the_job_finishes_gets_job_finished_at_once(
     for the next step decision, but the members end and leave instead. Its join must fail with
     JobFinishedError at its next heartbeat; it used to send the refused join again every
     heartbeat until its rendezvous timeout (forever under FaultTolerance)."""
-    cfg = dict(min_ranks=2, max_ranks=3, timeouts={**FAST, "rendezvous_s": 60.0})
+    # the joiner stays deferred for at least the heartbeat timeout: 4 s, so that a loaded machine
+    # still sees it pending, and the members leave while it is
+    cfg = dict(min_ranks=2, max_ranks=3, timeouts={**FAST, "heartbeat_timeout_s": 4.0, "op_s": 10.0,
+                                                   "rendezvous_s": 60.0})
     a, b = joined(probes, coordinator.address, "fin", 2, **cfg)
     for p in (a, b):
         p.submit("commit", step=0)
@@ -378,6 +385,13 @@ def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordin
         d.send(encode(wire.make("status", rid=99)))
         r = decode(d.recv())
         assert r["t"] == "reply" and r["rid"] == 99 and r["body"]["jobs"][0]["job"] == "t"
+    # the store's own wait refuses them first, naming the value (it said "cannot convert float NaN
+    # to integer", or "can only concatenate str", or waited 1 s for True)
+    for value in (float("nan"), "1", True, 0, -1):
+        p.submit("kv_wait", keys=["never"], timeout=value)
+        r = p.expect("result", cmd="kv_wait")
+        assert r["error"] == "ConfigError" and r["message"] == (
+            f"store.wait: timeout must be a finite number of seconds > 0, got {value!r}"), r
     assert coordinator.proc.poll() is None
     assert p.cmd("kv_set", key="still", value="serving")["ok"]
     assert p.cmd("kv_wait", keys=["still"])["values"] == {"still": "serving"}
@@ -462,3 +476,108 @@ def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(c
         r = p.expect("result", cmd="big", timeout=30)
         assert not r["ok"] and r["error"] == "PeerLostError" and r["ranks"] == [2], (r, p.log[-3000:])
         assert r["t"] - t0 < 10, r
+
+
+def _join_msg(rid: int, ident: str, job: str, **over) -> dict:
+    msg = wire.make("join", rid=rid, job=job, identity=ident, token="", rank=None, min_ranks=1,
+                    max_ranks=1, last_call_s=0.0, heartbeat_timeout_s=5.0,
+                    endpoint="tcp://127.0.0.1:1", host="h", pid=1, info={})
+    msg.update(over)
+    return msg
+
+
+def test_hostile_joins_and_store_floods_are_refused_and_the_journal_stays_replayable(coordinator, probes):
+    """What one client without any token could do to the daemon (a fresh user's trial): a join
+    whose info nests 1021 or 1022 maps deep (msgpack decodes it, but the epoch record would nest
+    past what can be encoded or decoded again: the daemon died, or wrote a journal no restart could
+    replay), a 1 MiB host name (in every epoch push and status answer), a store filled past what a
+    snapshot holds. Each gets an error naming the value; the daemon serves on and replays."""
+    import zmq
+
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.RCVTIMEO, 5000)
+    d.setsockopt(zmq.ROUTING_ID, b"hostile")
+    d.connect(coordinator.address)
+    try:
+        for rid, depth in ((1, 1021), (2, 1022), (3, 33)):
+            packed = encode(_join_msg(rid, "hostile", f"deep{depth}", info={"x": "PLACEHOLDER"}))
+            nested = b"\x81\xa1a" * depth + b"\x80"
+            d.send(packed.replace(b"\xabPLACEHOLDER", nested))
+            r = decode(d.recv())
+            assert r["t"] == "error" and r["rid"] == rid and r["error"] == "ProtocolError", r
+            assert "nested deeper than 32 levels" in r["message"], r
+        d.send(encode(_join_msg(4, "hostile", "bighost", host="h" * 2**20)))
+        r = decode(d.recv())
+        assert r["error"] == "ConfigError" and r["message"] == (
+            "join.host must be at most 255 characters and join.endpoint at most 512 (got 1048576 and 17)"), r
+    finally:
+        d.close(0)
+        ctx.term()
+    p = probes(coordinator.address, job="flood", world_size=1)
+    p.expect("joined")
+    # status tells no identities: an identity is its agent's routing id, enough to take over its
+    # connection (ROUTER_HANDOVER)
+    jobs = coordinator_jobs(coordinator.address)
+    assert [j["members"][0].get("identity") for j in jobs if j["job"] == "flood"] == [None], jobs
+    value = "x" * (6 * 2**20)
+    assert p.cmd("kv_set", key="a", value=value)["ok"] and p.cmd("kv_set", key="b", value=value)["ok"]
+    r = p.cmd("kv_set", key="c", value=value)
+    assert r["error"] == "ConfigError" and "store of job 'flood': key 'c' would bring it to 18874371 bytes, " \
+        "more than the 16777216 a job's store may hold" in r["message"], r
+    assert p.cmd("kv_set", key="a", value="small")["ok"]    # a smaller value still goes in
+    assert coordinator.proc.poll() is None
+    coordinator.kill(signal.SIGKILL)
+    coordinator.start()                                      # the same journal replays
+    assert {j["job"]: j["kv_keys"] for j in coordinator_jobs(coordinator.address)} == {"flood": 2}
+
+
+def test_a_journal_that_cannot_be_written_stops_the_daemon_with_exit_code_3(tmp_path, probes):
+    """A write that fails while running (here a file-size limit, as a full disk would): the daemon
+    says so and exits 3, as for any unusable journal, instead of a traceback and exit 1; what it
+    acknowledged replays on restart."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, 512 * 1024))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a write past it fails with EFBIG
+
+    journal = tmp_path / "j"
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--journal",
+                             str(journal)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=procs.env(), cwd=procs.ROOT, preexec_fn=small_files)
+    try:
+        address = proc.stdout.readline().strip().split("=", 1)[1]
+        p = probes(address, job="full", world_size=1, timeouts={**FAST, "rendezvous_s": 30.0})
+        p.expect("joined")
+        acked = 0
+        for i in range(20):
+            r = p.cmd("kv_set", key=f"k{i}", value="x" * 100_000, timeout=30)
+            if not r["ok"]:
+                break
+            acked += 1
+        assert 1 <= acked < 10, acked
+        assert proc.wait(20) == 3
+        err = proc.stderr.read()
+        assert "journal_failed" in err and "restart with the same --journal" in err, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    c = procs.Coordinator(journal)
+    try:
+        assert [j["kv_keys"] for j in coordinator_jobs(c.address) if j["job"] == "full"] == [acked]
+    finally:
+        c.stop()
+
+
+def test_sighup_stops_the_daemon_cleanly_and_removes_a_temporary_journal(tmp_path):
+    # (the kernel sends it to an orphaned process group with a stopped member: the launcher
+    # SIGKILLed while one of its ranks was SIGSTOPped left the journal folder behind)
+    c = procs.Coordinator(tmp_path / "tmpj", extra=["--remove-journal-on-stop"])
+    assert (tmp_path / "tmpj").is_dir()
+    os.kill(c.proc.pid, signal.SIGHUP)
+    assert c.proc.wait(10) == 0
+    assert not (tmp_path / "tmpj").exists()
