@@ -151,6 +151,7 @@ class ControlClient:
         self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         self._sock.setsockopt(zmq.SNDHWM, 10000)
+        self._sock.setsockopt(zmq.IPV6, 1)   # tcp://[::1]:PORT and IPv6 names; IPv4 works as before
         try:
             self._sock.connect(address)
         except zmq.ZMQError as exc:
@@ -339,6 +340,7 @@ class ControlServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * limits.max_message_nbytes)
         self._sock.setsockopt(zmq.SNDHWM, 100000)
         self._sock.setsockopt(zmq.RCVHWM, 100000)
+        self._sock.setsockopt(zmq.IPV6, 1)
         try:
             check_address(bind)
         except ValueError as exc:

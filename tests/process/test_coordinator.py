@@ -581,3 +581,33 @@ def test_sighup_stops_the_daemon_cleanly_and_removes_a_temporary_journal(tmp_pat
     os.kill(c.proc.pid, signal.SIGHUP)
     assert c.proc.wait(10) == 0
     assert not (tmp_path / "tmpj").exists()
+
+
+def test_the_coordinator_binds_and_serves_over_ipv6(tmp_path, probes):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this Python")
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    c = procs.Coordinator(tmp_path / "j6", host="[::1]")   # was: exit 4, "No such device"
+    try:
+        assert c.address.startswith("tcp://[::1]:"), c.address
+        p = probes(c.address, job="v6", world_size=1)
+        p.expect("joined")
+        assert p.cmd("kv_set", key="k", value="v")["ok"] and p.cmd("kv_get", key="k")["value"] == "v"
+    finally:
+        c.stop()
+
+
+def test_status_of_a_port_where_nothing_listens_says_so():
+    with socket.socket() as s:      # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", f"tcp://127.0.0.1:{port}",
+                          "--timeout", "1"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (f"rtxnet status: status to tcp://127.0.0.1:{port}: no answer within 1 s "
+                                  f"(nothing is listening on 127.0.0.1 port {port}: is the coordinator "
+                                  f"running there?)"), out.stderr
