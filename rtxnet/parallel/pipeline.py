@@ -31,8 +31,8 @@ dtypes in ``_DTYPES``). The gradient coming back has the activation's shape and 
 the stage that sent it, so it travels without a header; it is sent only when the activation
 required a gradient (a stage that gets an input not requiring one sends nothing back). Tags encode
 ``(step, micro-batch, message kind)``, the step counting the schedule calls made on the group
-object (by any stage built on it): every stage must call ``step`` the same number of times. A message a failed step left behind is
-never taken for one of a later step. A stage that fails a step with an error of its own (bad
+object (by any stage built on it): every stage must call ``step`` the same number of times. A
+message a failed step left behind is never taken for one of a later step. A stage that fails a step with an error of its own (bad
 input or target, an exception from its module or the loss function: anything but a peer loss or a
 timeout, which the others meet by themselves) tells its neighbours in place of the message each
 waits for next: downstream an activation header with code ``-2`` and the failing stage, upstream

@@ -388,7 +388,7 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
         sched = cls(st_f, 4, LOSS, timeout_s=20)
         x, y = data((P_B, P_D), P_C, seed=30)
         t0 = time.monotonic()
-        err = error_of(lambda: sched.step(x if st_f.is_first else None, y if st_f.is_last else None))
+        err = error_of(lambda: sched.step(x if st_f.is_first else None, y if st_f.is_last else None))  # noqa: B023
         seconds = time.monotonic() - t0
         for p in part.parameters():
             p.grad = None
