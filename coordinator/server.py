@@ -102,7 +102,8 @@ class Coordinator:
             snapshot=snap is not None,
             records=len(records),
             jobs=len(self.state.jobs),
-            epochs={j.job: j.epoch for j in self.state.jobs.values()},
+            # (each job's epoch only for a handful: thousands would make one line of megabytes)
+            epochs={j.job: j.epoch for j in list(self.state.jobs.values())[:20]},
         )
         self.server = ControlServer(self.bind)
         self.address = self.server.address

@@ -520,14 +520,22 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             fin = {msg["job"]: state.finished[msg["job"]]} if msg["job"] in state.finished else {}
         else:
             fin = dict(list(state.finished.items())[-STATUS_FINISHED:])
-        jobs = _status(state, now)
+        jobs = _status(state, now, only=msg["job"] or None)
         omitted = _nbytes(jobs) > STATUS_MAX_NBYTES
         if omitted:
             for j in jobs:
                 for m in j["members"]:
                     m["info"] = {}
-        actions.append(_reply(identity, msg, None, jobs=jobs, finished=fin,
-                              finished_total=len(state.finished), info_omitted=omitted))
+        # still too large (thousands of jobs): the first ones that fit, and how many were left out
+        total, size, kept = len(jobs), 0, []
+        for j in jobs:
+            size += _nbytes(j)
+            if size > STATUS_MAX_NBYTES:
+                break
+            kept.append(j)
+        actions.append(_reply(identity, msg, None, jobs=kept, jobs_omitted=total - len(kept),
+                              finished=fin, finished_total=len(state.finished),
+                              info_omitted=omitted))
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
@@ -734,6 +742,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if not (0 < msg["heartbeat_timeout_s"] <= MAX_SECONDS and 0 <= msg["last_call_s"] <= MAX_SECONDS):
         return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) must be in "
                       f"(0, {MAX_SECONDS:g}] and last_call_s({msg['last_call_s']}) in [0, {MAX_SECONDS:g}]")
+    if not 0 < msg["pid"] < 2**31:
+        return refuse("ConfigError", f"join.pid({msg['pid']}) is not a process id")
+    if _nonfinite(msg.get("info") or {}):
+        # status --json must stay JSON (no NaN or Infinity there)
+        return refuse("ConfigError", "join.info holds a NaN or infinite number")
     info_nbytes = _nbytes(msg.get("info") or {})
     if info_nbytes > MAX_INFO_NBYTES:
         return refuse("ConfigError", f"join.info is {info_nbytes} bytes encoded, more than the "
@@ -742,6 +755,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
     job = state.jobs.get(job_id)
+    if job is None and len(state.jobs) >= MAX_JOBS:
+        # running, forming and crashed (kept for restarts) jobs: each is in every snapshot
+        return refuse("RendezvousError", f"this coordinator holds {len(state.jobs)} jobs, the most "
+                      f"it keeps (MAX_JOBS); job {job_id[:100]!r} cannot start until one ends or a "
+                      f"crashed one expires (rtxnet-coordinator --dead-job-ttl)")
     if job is None and job_id in state.finished:
         return refuse("JobFinishedError", f"job {job_id!r} has finished (last committed step "
                       f"{state.finished[job_id]}); start a new job id")
@@ -772,7 +790,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         if rank is not None:
             for m in job.pending.values():
                 if m.rank == rank:
-                    return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already claimed by {m.identity!r} (pid {m.pid} on {m.host})")
+                    return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already claimed by pid {m.pid} on {m.host}")
         if len(job.pending) >= job.max_ranks:
             return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
         job.pending[ident] = newcomer
@@ -847,10 +865,23 @@ MAX_RANKS = 65536      # ranks of one job
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(\?bulk=\d{1,5})?")
 MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
 MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
+MAX_JOBS = 4096               # jobs a coordinator holds at once (running, forming, crashed)
 MAX_HOST = 255                # characters of a member's host name (a DNS name is at most 253)
 MAX_ENDPOINT = 512            # characters of a member's data endpoint
 # a status answer above this leaves the members' info out (it must fit one message)
 STATUS_MAX_NBYTES = DEFAULT_LIMITS.max_message_nbytes // 2
+
+
+def _nonfinite(obj: Any) -> bool:
+    """Whether a NaN or infinite float sits anywhere in ``obj`` (decoded msgpack: at most 32
+    levels deep, see transport.codec)."""
+    if isinstance(obj, float):
+        return not math.isfinite(obj)
+    if isinstance(obj, dict):
+        return any(_nonfinite(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_nonfinite(v) for v in obj)
+    return False
 
 
 def _nbytes(obj: Any) -> int:
@@ -858,9 +889,11 @@ def _nbytes(obj: Any) -> int:
     return len(msgpack.packb(obj, use_bin_type=True))
 
 
-def _status(state: State, now: float) -> list[dict[str, Any]]:
+def _status(state: State, now: float, only: str | None = None) -> list[dict[str, Any]]:
     out = []
     for job in state.jobs.values():
+        if only is not None and job.job != only:
+            continue
         out.append({
             "job": job.job,
             # "crashed": formed, every member lost; kept for restarted ranks (dead_job_ttl_s)

@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import uuid
+from typing import Any
 
 import structlog
 
@@ -46,16 +47,25 @@ async def _status(address: str, timeout_s: float, job: str = "") -> dict:
     return body
 
 
+def _shown(text: Any) -> str:
+    """``text`` for a terminal: control characters (escape sequences, newlines) written as
+    escapes, since job ids and host names come from any client of the coordinator."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _render(status: dict) -> str:
     jobs, finished = status["jobs"], status["finished"]
-    lines = [] if jobs else ["no jobs"]
+    lines = [] if jobs or status.get("jobs_omitted") else ["no jobs"]
     if finished:
         more = status.get("finished_total", len(finished)) - len(finished)
         lines.append(f"finished (ids not reusable){f', newest {len(finished)} of {len(finished) + more}' if more else ''}: "
-                     + ", ".join(f"{j} (last committed step {s})" for j, s in finished.items()))
+                     + ", ".join(f"{_shown(j)} (last committed step {s})" for j, s in finished.items()))
     for j in jobs:
         lines.append(
-            f"job {j['job']}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
+            f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
             f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}, "
             f"last committed step {j['committed_step']}, {j['kv_keys']} key(s)"
         )
@@ -63,8 +73,11 @@ def _render(status: dict) -> str:
             topo = (m.get("info") or {}).get("topology") or {}
             gpus = f"  {len(topo['gpus'])} GPU(s)" if topo.get("gpus") else ""
             lines.append(
-                f"  rank {m['rank']:>3}  {m['host']}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}"
+                f"  rank {m['rank']:>3}  {_shown(m['host'])}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}"
             )
+    if status.get("jobs_omitted"):
+        lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "
+                     f"message)")
     return "\n".join(lines)
 
 

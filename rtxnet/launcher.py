@@ -327,7 +327,7 @@ class Launcher:
             if a.journal is not None:
                 _say(f"--journal {a.journal} ignored: the coordinator at {self.address} keeps its own "
                      "journal (--journal is for the coordinator this command starts)")
-            await _probe_coordinator(self.address, a.job)
+            await _probe_coordinator(self.address, self.job)   # (a fresh id: asks about that job only)
         else:
             journal = a.journal
             if journal is None:
@@ -462,8 +462,8 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
         raise RuntimeError(f"the coordinator at {address} did not answer within {_PROBE_S:g} s "
                            f"(is it running, and is --coordinator right?); no rank was started") from None
     except RtxError as exc:
-        raise RuntimeError(f"the coordinator at {address} cannot be reached: {exc}; no rank was "
-                           f"started") from None
+        raise RuntimeError(f"the coordinator at {address} did not give its status: {exc}; no rank "
+                           f"was started") from None
     if job and job in status["finished"]:
         raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} (last committed "
                            f"step {status['finished'][job]}); a job id is not reused: give a new --job "

@@ -340,7 +340,8 @@ class ControlServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * limits.max_message_nbytes)
         self._sock.setsockopt(zmq.SNDHWM, 100000)
         self._sock.setsockopt(zmq.RCVHWM, 100000)
-        self._sock.setsockopt(zmq.IPV6, 1)
+        if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])
+            self._sock.setsockopt(zmq.IPV6, 1)
         try:
             check_address(bind)
         except ValueError as exc:

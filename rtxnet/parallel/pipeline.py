@@ -137,12 +137,17 @@ class PipelineStage:
         self.is_last = self.stage_index == size - 1
 
     def _next_step_no(self) -> int:
-        """The number of this step in the tags: pipeline steps run on this group object so far,
-        by any stage object (a new PipelineStage on the same group goes on counting, so a message
-        an earlier one's failed step left behind is never taken for one of its own)."""
+        """The number of this step in the tags: pipeline steps run on this group object in its
+        current epoch, by any stage object. A new PipelineStage on the same group goes on
+        counting, so a message an earlier one's failed step left behind is never taken for one of
+        its own; a new epoch (a rank lost or added: its replacement counts from 0) starts again at
+        0, and the old epoch's messages are dropped anyway."""
         counts = vars(self._pg)
-        n = counts.get("_rtxnet_pipeline_steps", 0)
-        counts["_rtxnet_pipeline_steps"] = n + 1
+        epoch = getattr(self._pg, "epoch", None)
+        seen, n = counts.get("_rtxnet_pipeline_steps", (epoch, 0))
+        if seen != epoch:
+            n = 0
+        counts["_rtxnet_pipeline_steps"] = (epoch, n + 1)
         return n
 
     def parameters(self):

@@ -119,3 +119,21 @@ def test_a_stage_whose_module_raises_fails_every_stage_at_once_and_the_next_step
     assert all(r["seconds"] < 10 for r in res), res
     # the failed step's leftover messages are never taken for the next step's
     assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
+
+
+def test_a_pipeline_on_the_same_group_works_again_after_a_replacement_joins(tmp_path):
+    # the tags' step numbers count per group object and epoch: the survivors' count went on
+    # after the failure while the replacement started at 0, so every step after it timed out
+    import subprocess
+    import sys
+
+    import procs
+
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "1",
+                           str(mp_launch.ROOT / "tests/parallel/pp_rejoin_worker.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=100, env=procs.env(), cwd=mp_launch.ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    res = json.loads((tmp_path / "loss.json").read_text())
+    assert abs(res["pipeline"] - res["one_process"]) <= 1e-5 * abs(res["one_process"]), res

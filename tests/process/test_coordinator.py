@@ -611,3 +611,27 @@ def test_status_of_a_port_where_nothing_listens_says_so():
     assert out.stderr.strip() == (f"rtxnet status: status to tcp://127.0.0.1:{port}: no answer within 1 s "
                                   f"(nothing is listening on 127.0.0.1 port {port}: is the coordinator "
                                   f"running there?)"), out.stderr
+
+
+def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinator):
+    # any client names jobs and hosts: they must not clear the screen or forge lines
+    import zmq
+
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.RCVTIMEO, 5000)
+    d.setsockopt(zmq.ROUTING_ID, b"esc")
+    d.connect(coordinator.address)
+    try:
+        d.send(encode(_join_msg(1, "esc", "ansi\x1b[2Jjob\nFAKE", host="evil\n\x1b[31mjob-x", max_ranks=2,
+                                min_ranks=2, last_call_s=30.0)))
+        time.sleep(0.5)
+        out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        d.close(0)
+        ctx.term()
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "\nFAKE" not in out.stdout, out.stdout
+    assert "job ansi\\x1b[2Jjob\\nFAKE: rendezvous" in out.stdout, out.stdout

@@ -98,7 +98,9 @@ def test_duplicate_rank_and_identity_are_refused_at_once_naming_them():
     h = Harness()
     h.join("a", rank=0, max_ranks=3, min_ranks=3)
     err = errors(h.join("b", rank=0, max_ranks=3, min_ranks=3))
-    assert err and err[0]["error"] == "RendezvousError" and "rank 0" in err[0]["message"] and "'a'" in err[0]["message"]
+    # (named by pid and host: an identity is its agent's routing id, never told outside the job)
+    assert err and err[0]["error"] == "RendezvousError" and err[0]["message"] == \
+        "rank 0 of job 'j' is already claimed by pid 1 on h", err
     err = errors(h.join("a", max_ranks=3, min_ranks=3))
     assert err and "identity 'a'" in err[0]["message"]
 
@@ -475,3 +477,38 @@ def test_the_same_silence_without_a_stall_loses_every_rank():
     h.tick(0.05)
     h.tick(5.0)
     assert h.state.jobs["j"].members == {}
+
+
+def test_a_flood_of_jobs_is_bounded_and_status_always_fits(monkeypatch):
+    """50,000 one-rank jobs from one client made every status answer too large for one message:
+    `rtxnet status` and every `rtxnet-run --coordinator` failed for the hour crashed jobs are kept.
+    Jobs are now bounded, status asked about one job answers about it alone, and an answer that
+    would not fit lists the jobs that do and how many it left out."""
+    import coordinator.state as st
+
+    monkeypatch.setattr(st, "MAX_JOBS", 3)
+    h = Harness()
+    for k in range(3):
+        assert not errors(h.join(f"a{k}", job=f"j{k}", min_ranks=1, max_ranks=1))
+    err = errors(h.join("a3", job="j3", min_ranks=1, max_ranks=1))
+    assert err and err[0]["error"] == "RendezvousError" and err[0]["message"].startswith(
+        "this coordinator holds 3 jobs, the most it keeps (MAX_JOBS); job 'j3' cannot start"), err
+    err = errors(h.join("b0", job="j0", min_ranks=1, max_ranks=1))   # an existing job: its own answer
+    assert err and "MAX_JOBS" not in err[0]["message"], err
+    body = h.req("x", "status", job="j1")[0].msg["body"]
+    assert [j["job"] for j in body["jobs"]] == ["j1"] and body["jobs_omitted"] == 0
+    monkeypatch.setattr(st, "STATUS_MAX_NBYTES", 300)
+    body = h.req("x", "status", job="")[0].msg["body"]
+    assert 1 <= len(body["jobs"]) < 3 and len(body["jobs"]) + body["jobs_omitted"] == 3, body
+
+
+def test_a_join_with_a_bad_pid_or_a_nan_in_its_info_is_refused():
+    h = Harness()
+    for pid in (0, -5, 2**63 - 1):
+        sends = h.req("a", "join", job="j", identity="a", token="t", rank=None, min_ranks=1, max_ranks=1,
+                      last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=pid)
+        assert errors(sends)[0]["message"] == f"join.pid({pid}) is not a process id"
+    sends = h.req("a", "join", job="j", identity="a", token="t", rank=None, min_ranks=1, max_ranks=1,
+                  last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1,
+                  info={"gpus": [{"mem": float("nan")}]})
+    assert errors(sends)[0]["message"] == "join.info holds a NaN or infinite number"
