@@ -38,7 +38,10 @@ timeout, which the others meet by themselves) tells its neighbours in place of t
 waits for next: downstream an activation header with code ``-2`` and the failing stage, upstream
 an empty ``bool`` tensor on the gradient's tag (a gradient is never ``bool``, so it cannot be
 mistaken for one). Each stage that gets such a message passes it on in the same direction and
-raises ``ConfigError``: every stage fails the step at once, not at its deadline.
+raises ``ConfigError``: every stage fails the step at once, not at its deadline. Every step ends
+with one all_reduce (MAX) of a flag over the pipeline group, so a stage that had finished its part
+when another failed (the last stage, when a stage before it fails in its backward) raises
+``ConfigError`` naming that stage too: a step fails on every stage or on none.
 
 **Deadlines and failures.** Every ``send`` and ``recv`` carries a deadline (``timeout_s``, else
 the group's ``Timeouts.op_s``). A lost peer raises :class:`~transport.errors.PeerLostError` and a
@@ -69,6 +72,7 @@ from typing import Any
 import structlog
 import torch
 
+from rtxnet.collectives import ReduceOp
 from transport.errors import (
     CollectiveMismatchError,
     ConfigError,
@@ -213,7 +217,8 @@ class PipelineStage:
             self._abort_down(step, m, origin, refused_input=refused_input)
             what = ("refused the input of this step (its ConfigError names the value)"
                     if refused_input else "failed this step (its own error says why)")
-            raise _aborted(f"stage {origin} {what}; stage {self.stage_index} did not run it")
+            done = "did not run it" if m == 0 else "did not finish it"
+            raise _aborted(f"stage {origin} {what}; stage {self.stage_index} {done}")
         if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
             raise ProtocolError(f"stage {self.stage_index}: malformed activation header "
                               f"{header.tolist()} from stage {src}")
@@ -319,8 +324,8 @@ class PipelineSchedule:
                 a group whose size changed, or another stage failed the step with an error of its
                 own (names that stage, or says it was a later one; raised at once, not at the
                 deadline).
-            Exception: whatever this stage's module or ``loss_fn`` raised (the other stages get
-                ``ConfigError`` at once).
+            Exception: whatever this stage's module or ``loss_fn`` raised (every other stage
+                raises ``ConfigError`` naming this stage, at once).
             PeerLostError: a stage was lost during the step.
             CollectiveTimeout: a stage did not send in time (``exc.ranks`` names it).
             CollectiveMismatchError: a message of the wrong shape or dtype arrived.
@@ -334,16 +339,19 @@ class PipelineSchedule:
         st.check_world()
         M = self.n_microbatches
         # a refused input or target fails the other stages at once, not at their deadline
+        failure: Exception | None = None
         try:
             xs = self._split("input", input, M) if st.is_first else [None] * M
-        except ConfigError:
+        except ConfigError as exc:
             st._abort_down(step_no, 0, st.stage_index, refused_input=True)
-            raise
+            failure, xs = exc, []
         try:
             ts = self._split("target", target, M) if st.is_last else [None] * M
-        except ConfigError:
-            st._abort_up(step_no, 0)
-            raise
+        except ConfigError as exc:
+            if failure is None:
+                st._abort_up(step_no, 0)
+                failure = exc
+            ts = []
         self.trace = []
         self.peak_in_flight = 0
         self._held = {}
@@ -358,14 +366,19 @@ class PipelineSchedule:
         ddp = st.module if isinstance(st.module, DistributedDataParallel) else None
         try:
             with world.pinned():
-                with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+                if failure is None:
                     try:
-                        self._run(M)
+                        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+                            try:
+                                self._run(M)
+                            except Exception as exc:
+                                self._abort_neighbours(exc)
+                                raise
+                        if ddp is not None:
+                            ddp.sync_gradients()
                     except Exception as exc:
-                        self._abort_neighbours(exc)
-                        raise
-                if ddp is not None:
-                    ddp.sync_gradients()
+                        failure = exc
+                self._agree(failure)
         except BaseException as exc:
             log.warning("pipeline_step_failed", stage=st.stage_index, step=step_no,
                         error=type(exc).__name__, detail=str(exc))
@@ -382,6 +395,30 @@ class PipelineSchedule:
 
     def _run(self, M: int) -> None:
         raise NotImplementedError
+
+    def _agree(self, failure: Exception | None) -> None:
+        """End the step with the same outcome on every stage: one all_reduce (MAX) of a flag over
+        the pipeline group, so a stage that finished its part (the last stage, when a stage before
+        it fails in its backward) learns that the step failed elsewhere. Raises ``failure`` when
+        there is one; ``ConfigError`` naming the failing stage when only another stage failed.
+        A lost peer or a timeout is raised at once: the group cannot agree, and every stage meets
+        it by itself."""
+        if isinstance(failure, TransportError | RtxTimeoutError):
+            raise failure
+        st = self.stage
+        own = failure is not None and not getattr(failure, "pipeline_abort_passed_on", False)
+        flag = torch.tensor([st.stage_index + 1 if own else 0], dtype=torch.int64)
+        try:
+            st._pg.all_reduce(flag, op=ReduceOp.MAX, **_kw(self.timeout_s))
+        except Exception:
+            if failure is not None:
+                raise failure from None
+            raise
+        if failure is not None:
+            raise failure
+        if int(flag[0]) > 0:
+            raise _aborted(f"stage {int(flag[0]) - 1} failed this step (its own error says why); "
+                           f"stage {st.stage_index} finished its part, but the step failed")
 
     def _abort_neighbours(self, exc: Exception) -> None:
         """This stage failed the step with ``exc``: tell both neighbours, in place of the messages

@@ -239,6 +239,27 @@ def stage_of(model: torch.nn.Sequential, s: int, S: int) -> torch.nn.Sequential:
     return copy.deepcopy(torch.nn.Sequential(*model[s * k:(s + 1) * k]))
 
 
+class _BackwardRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("user bug in backward")
+
+
+class _FailsInBackward(torch.nn.Module):
+    """``inner``, whose backward raises RuntimeError."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return _BackwardRaises.apply(self.inner(x))
+
+
 class _FailsOnCall(torch.nn.Module):
     """``inner``, except that its ``n``-th call raises RuntimeError."""
 
@@ -352,12 +373,17 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
     errs = {"num_stages": error_of(lambda: PipelineStage(part, pg, num_stages=3)),
             "micro_zero": error_of(lambda: ScheduleGPipe(st, 0, LOSS)),
             "micro_float": error_of(lambda: Schedule1F1B(st, 2.0, LOSS))}
+    # Bad input or target: every stage calls step (as it must); the stage that sees the bad value
+    # raises it, the others are told (see the abort cases below).
     x, y = data((10, P_D), P_C, seed=1)
-    if st.is_first:
-        errs["batch"] = error_of(lambda: ScheduleGPipe(st, 4, LOSS).step(x, None))
-        errs["no_input"] = error_of(lambda: ScheduleGPipe(st, 2, LOSS).step(None, None))
-    if st.is_last:
-        errs["target"] = error_of(lambda: Schedule1F1B(st, 4, LOSS).step(None, y))
+    x12, y12 = data((12, P_D), P_C, seed=1)
+    first, last = st.is_first, st.is_last
+    errs["batch"] = error_of(lambda: ScheduleGPipe(st, 4, LOSS, timeout_s=20).step(
+        x if first else None, y12 if last else None))
+    errs["no_input"] = error_of(lambda: ScheduleGPipe(st, 2, LOSS, timeout_s=20).step(
+        None, y if last else None))
+    errs["target"] = error_of(lambda: Schedule1F1B(st, 4, LOSS, timeout_s=20).step(
+        x12 if first else None, y if last else None))
     res["errors"] = errs
 
     # Stage 0 refuses a batch its 4 micro-batches cannot split: every other stage fails at once
@@ -396,6 +422,19 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
         res[f"abort_module/{name}"] = {"error": err, "seconds": seconds,
                                        "next_loss": None if loss is None else float(loss),
                                        "ref_loss": float(LOSS(full_model(20)(x), y))}
+
+    # Stage 2's backward raises: the last stage had finished its part (it returned the loss
+    # before); the step's closing agreement makes it raise too.
+    for name, cls in SCHEDULES.items():
+        part = stage_of(full_model(20), g4.rank, 4)
+        if g4.rank == 2:
+            part = _FailsInBackward(part)
+        st_b = PipelineStage(part, g4)
+        x, y = data((P_B, P_D), P_C, seed=30)
+        t0 = time.monotonic()
+        err = error_of(lambda: cls(st_b, 4, LOSS, timeout_s=20).step(  # noqa: B023
+            x if st_b.is_first else None, y if st_b.is_last else None))  # noqa: B023
+        res[f"abort_backward/{name}"] = {"error": err, "seconds": time.monotonic() - t0}
 
     # A peer that never answers: each rank of a pair runs a step in a group where the other does
     # not, so both wait out a 0.5 s deadline (stage 0 for a gradient, stage 1 for an activation).

@@ -115,7 +115,7 @@ def test_a_stage_whose_module_raises_fails_every_stage_at_once_and_the_next_step
                                "error says why); stage 0 did not finish it"), res
     for s in (2, 3):
         assert res[s]["error"] == (f"ConfigError: stage 1 failed this step (its own error says why); "
-                                   f"stage {s} did not run it"), res
+                                   f"stage {s} did not finish it"), res
     assert all(r["seconds"] < 10 for r in res), res
     # the failed step's leftover messages are never taken for the next step's
     assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
@@ -137,3 +137,14 @@ def test_a_pipeline_on_the_same_group_works_again_after_a_replacement_joins(tmp_
 
     res = json.loads((tmp_path / "loss.json").read_text())
     assert abs(res["pipeline"] - res["one_process"]) <= 1e-5 * abs(res["one_process"]), res
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stage_failing_in_its_backward_fails_the_step_on_every_stage_the_last_included(pp, schedule):
+    # GPipe's last stage had returned its loss as if the step went well while stage 2 raised
+    res = [r[f"abort_backward/{schedule}"] for r in pp]
+    assert res[2]["error"] == "RuntimeError: user bug in backward", res
+    assert res[3]["error"].startswith("ConfigError: stage 2 failed this step (its own error says why); stage 3 "), res
+    for s in (0, 1):
+        assert res[s]["error"].startswith(f"ConfigError: a later stage (after stage {s}) failed this step"), res
+    assert all(r["seconds"] < 10 for r in res), res
