@@ -160,14 +160,24 @@ def fault_status(plan: str, output: str) -> list[dict]:
         if rank is not None:
             rec["ranks"].add(rank)
     out = []
-    for f in parse_plan(plan):
+    faults = parse_plan(plan)
+    for f in faults:
         rec = seen.get(f.text, {"injected": False, "ranks": set(), "reason": None})
         reason = None
         if not rec["injected"]:
+            # faults fire only in a rank's first process: one that an earlier kill ended
+            killer = next((k for k in faults if k.kind == "kill" and k is not f and k.rank == f.rank
+                           and f.rank is not None and seen.get(k.text, {}).get("injected")), None)
             who = "rank 0" if f.kind == "kill-coordinator" and f.rank is None else (
                 "the ranks" if f.rank is None else f"launch rank {f.rank}")
-            reason = rec["reason"] or (f"no rank said why; {who} it was meant for did not exit "
-                                       f"normally (killed by an earlier fault?)")
+            if rec["reason"]:
+                reason = rec["reason"]
+            elif killer is not None:
+                reason = (f"{killer.text!r} killed launch rank {f.rank}'s first process first, and "
+                          f"faults fire only in a rank's first process (a replacement runs none)")
+            else:
+                reason = (f"no rank said why; {who} it was meant for did not exit normally "
+                          f"(killed by an earlier fault?)")
         out.append({"fault": f.text, "injected": rec["injected"], "ranks": sorted(rec["ranks"]),
                     "reason": reason})
     return out

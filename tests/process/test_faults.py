@@ -263,14 +263,15 @@ def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
             "held any committed state: 10 committed steps lost, training started again from step 0") in summary
     assert "exit code 1: 10 committed steps were lost, though the launcher exited 0" in summary
     # the pause was meant for rank 1's first process, killed at step 10: said, not left out
-    assert ("fault 'pause:rank=1:step=15:seconds=1' was not injected: no rank said why; launch rank 1 "
-            "it was meant for did not exit normally (killed by an earlier fault?)") in summary
+    assert ("fault 'pause:rank=1:step=15:seconds=1' was not injected: 'kill:rank=1:step=10' killed launch "
+            "rank 1's first process first, and faults fire only in a rank's first process (a replacement "
+            "runs none)") in summary
     assert summary.count("was not injected") == 1, summary
 
 
 def test_faultrun_names_each_fault_and_why_it_was_not_injected():
     plan = ("kill:rank=1:step=5; kill:rank=0:at=collective:collective=99; kill-coordinator:step=3; "
-            "delay:rank=2:ms=5")
+            "delay:rank=2:ms=5; kill:rank=1:step=20")
     out = "\n".join([
         "[rank1] 2026-01-01T00:00:00Z [warning  ] fault_injected                 at=step fault='kill:rank=1:step=5' rank=1 step=5",
         '[rank0] {"fault": "kill-coordinator:step=3", "reason": "coordinator already gone", "event": "fault_skipped", "level": "warning"}',
@@ -286,6 +287,9 @@ def test_faultrun_names_each_fault_and_why_it_was_not_injected():
         {"fault": "delay:rank=2:ms=5", "injected": False, "ranks": [],
          "reason": "no rank said why; launch rank 2 it was meant for did not exit normally (killed by an "
                    "earlier fault?)"},
+        {"fault": "kill:rank=1:step=20", "injected": False, "ranks": [],
+         "reason": "'kill:rank=1:step=5' killed launch rank 1's first process first, and faults fire "
+                   "only in a rank's first process (a replacement runs none)"},
     ]
     lines = faultrun.report(s)
     assert lines[0] == "no failure was observed by the ranks"
