@@ -37,15 +37,18 @@ def wait_until(cond, timeout_s: float, what: str):
 
 
 @contextmanager
-def dealer(address: str, timeout_s: float = 5.0):
+def dealer(address: str, timeout_s: float = 5.0, routing_id: bytes | None = None):
     """A raw ZeroMQ DEALER socket connected to ``address`` (a test speaking the wire itself),
-    receiving with a ``timeout_s`` limit; closed, with its context, on exit."""
+    receiving with a ``timeout_s`` limit, with ``routing_id`` when given (a join's identity must
+    be its connection's); closed, with its context, on exit."""
     import zmq
 
     ctx = zmq.Context()
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
     d.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    if routing_id is not None:
+        d.setsockopt(zmq.ROUTING_ID, routing_id)
     d.connect(address)
     try:
         yield d

@@ -23,6 +23,7 @@ import torch
 
 import rtxnet
 from rtxnet.parallel import PipelineStage, ScheduleGPipe
+from tests.procs import leave_together
 
 LOSS = torch.nn.functional.cross_entropy
 
@@ -74,9 +75,7 @@ def main() -> int:
     if stage.is_last:
         (out / "loss.json").write_text(json.dumps({"pipeline": float(loss),
                                                    "one_process": float(LOSS(model()(x), y))}))
-    pg.store.set(f"done/{launch}", b"1")
-    pg.store.wait([f"done/{q}" for q in range(3)], timeout=60)
-    pg.close()
+    leave_together(pg, "pp-rejoin", launch, timeout_s=60)
     return 0
 
 

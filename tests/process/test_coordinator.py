@@ -492,15 +492,7 @@ def test_hostile_joins_and_store_floods_are_refused_and_the_journal_stays_replay
     past what can be encoded or decoded again: the daemon died, or wrote a journal no restart could
     replay), a 1 MiB host name (in every epoch push and status answer), a store filled past what a
     snapshot holds. Each gets an error naming the value; the daemon serves on and replays."""
-    import zmq
-
-    ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    d.setsockopt(zmq.RCVTIMEO, 5000)
-    d.setsockopt(zmq.ROUTING_ID, b"hostile")
-    d.connect(coordinator.address)
-    try:
+    with procs.dealer(coordinator.address, routing_id=b"hostile") as d:
         for rid, depth in ((1, 1021), (2, 1022), (3, 33)):
             packed = encode(_join_msg(rid, "hostile", f"deep{depth}", info={"x": "PLACEHOLDER"}))
             nested = b"\x81\xa1a" * depth + b"\x80"
@@ -512,9 +504,6 @@ def test_hostile_joins_and_store_floods_are_refused_and_the_journal_stays_replay
         r = decode(d.recv())
         assert r["error"] == "ConfigError" and r["message"] == (
             "join.host must be at most 255 characters and join.endpoint at most 512 (got 1048576 and 17)"), r
-    finally:
-        d.close(0)
-        ctx.term()
     p = probes(coordinator.address, job="flood", world_size=1)
     p.expect("joined")
     # status tells no identities: an identity is its agent's routing id, enough to take over its
@@ -615,23 +604,12 @@ def test_status_of_a_port_where_nothing_listens_says_so():
 
 def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinator):
     # any client names jobs and hosts: they must not clear the screen or forge lines
-    import zmq
-
-    ctx = zmq.Context()
-    d = ctx.socket(zmq.DEALER)
-    d.setsockopt(zmq.LINGER, 0)
-    d.setsockopt(zmq.RCVTIMEO, 5000)
-    d.setsockopt(zmq.ROUTING_ID, b"esc")
-    d.connect(coordinator.address)
-    try:
+    with procs.dealer(coordinator.address, routing_id=b"esc") as d:
         d.send(encode(_join_msg(1, "esc", "ansi\x1b[2Jjob\nFAKE", host="evil\n\x1b[31mjob-x", max_ranks=2,
                                 min_ranks=2, last_call_s=30.0)))
         time.sleep(0.5)
         out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                              capture_output=True, text=True, timeout=30)
-    finally:
-        d.close(0)
-        ctx.term()
     assert out.returncode == 0, out.stderr
     assert "\x1b" not in out.stdout and "\nFAKE" not in out.stdout, out.stdout
     assert "job ansi\\x1b[2Jjob\\nFAKE: rendezvous" in out.stdout, out.stdout
