@@ -74,24 +74,25 @@ class Coordinator:
         self.address: str | None = None
         self._stop = asyncio.Event()
 
+    def _replayed(self, raw: bytes, limits: Limits, what: str) -> dict:
+        """``raw`` from the journal, decoded; one that passed its checksum but cannot be decoded
+        is a ``JournalError`` naming the journal and ``what`` (the daemon exits 3)."""
+        try:
+            return decode(raw, limits=limits)
+        except ProtocolError as exc:
+            raise JournalError(f"journal {self.journal.directory}: {what} passed its checksum but "
+                               f"cannot be decoded ({exc}); move the folder aside to start "
+                               f"afresh") from exc
+
     async def start(self) -> str:
         """Replay the journal and bind. Returns the bound address."""
         now = time.monotonic()
         snap, records = self.journal.open()
-        try:
-            self.state = restore(decode(snap, limits=_SNAPSHOT_LIMITS), now) if snap else State()
-        except ProtocolError as exc:
-            raise JournalError(f"journal {self.journal._dir}: the snapshot passed its checksum but "
-                               f"cannot be decoded ({exc}); move the folder aside to start "
-                               f"afresh") from exc
+        self.state = restore(self._replayed(snap, _SNAPSHOT_LIMITS, "the snapshot"), now) \
+            if snap else State()
         for i, raw in enumerate(records):
-            try:
-                rec = decode(raw, limits=_JOURNAL_LIMITS)
-            except ProtocolError as exc:
-                raise JournalError(
-                    f"journal {self.journal._dir}: record {i + 1} of {len(records)} after the "
-                    f"snapshot passed its checksum but cannot be decoded ({exc}); move the folder "
-                    f"aside to start afresh") from exc
+            rec = self._replayed(raw, _JOURNAL_LIMITS,
+                                 f"record {i + 1} of {len(records)} after the snapshot")
             apply_record(self.state, rec, now)
         self.state.dead_job_ttl_s = self.dead_job_ttl_s
         for job in self.state.jobs.values():

@@ -13,7 +13,13 @@ from dataclasses import dataclass, fields
 
 from transport.errors import ConfigError
 
-__all__ = ["Timeouts", "env_float", "env_int"]
+__all__ = ["Timeouts", "env_float", "env_int", "is_seconds"]
+
+
+def is_seconds(v: object) -> bool:
+    """Whether ``v`` is a duration rtxnet accepts: an int or float (not a bool) above 0 and
+    finite (not NaN, not infinite)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf
 
 
 def env_float(name: str, default: float) -> float:
@@ -68,7 +74,7 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+            if not is_seconds(v):
                 raise ConfigError(f"{f.name}({v!r}) must be a finite positive number of seconds")
         hi, ht, op, rv = self.heartbeat_interval_s, self.heartbeat_timeout_s, self.op_s, self.rendezvous_s
         if not (hi < ht < op < rv):

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -60,6 +59,7 @@ from transport.errors import (
 )
 
 from . import faults as _faults
+from .config import is_seconds
 from .faults import Injector
 from .process_group import BlockingProcessGroup, ProcessGroup
 from .statesync import pack_state, unpack_state
@@ -151,8 +151,7 @@ class FaultTolerance:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
         for name, v in (("rejoin_window_s", rejoin_window_s), ("commit_timeout_s", commit_timeout_s)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not 0 < v < math.inf):
+            if v is not None and not is_seconds(v):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {v!r}")
         if load_checkpoint is not None and not callable(load_checkpoint):
             raise ConfigError(f"load_checkpoint must be a function (step, root) or None, got "

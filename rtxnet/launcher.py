@@ -237,16 +237,14 @@ class Launcher:
             return
         why = []
         if lost:
-            why.append(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} failed for "
-                       f"good (--max-restarts {a.max_restarts})")
+            why.append(f"{_ranks(lost)} failed for good (--max-restarts {a.max_restarts})")
         for node, ranks in sorted(self.others_failed.items()):
             if ranks:
-                why.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-                           f"failed for good on node {node} (its launcher said so through the "
-                           f"job's store)")
+                why.append(f"{_ranks(ranks)} failed for good on node {node} (its launcher said "
+                           f"so through the job's store)")
         _say(f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
-             f"than --min-ranks {min_ranks}; stopping rank{'s' if len(running) > 1 else ''} "
-             f"{', '.join(str(s.rank) for s in running)} (SIGTERM, SIGKILL after {a.grace:g} s)")
+             f"than --min-ranks {min_ranks}; stopping {_ranks([s.rank for s in running])} "
+             f"(SIGTERM, SIGKILL after {a.grace:g} s)")
         self.stopping = True
         for s in running:
             try:
@@ -391,8 +389,8 @@ class Launcher:
             if self.first_failure is None and unstarted:
                 # stopped before every rank ran: the job did not finish, whatever the others did
                 self.first_failure = (time.monotonic(), 128 + signal.Signals[self.stop_signal].value)
-                _say(f"stopped by {self.stop_signal} before rank{'s' if len(unstarted) > 1 else ''} "
-                     f"{', '.join(map(str, unstarted))} started; exit code {self.first_failure[1]}")
+                _say(f"stopped by {self.stop_signal} before {_ranks(unstarted)} started; exit "
+                     f"code {self.first_failure[1]}")
             else:
                 _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
                      f"{self.first_failure[1] if self.first_failure else 0}")
@@ -500,6 +498,11 @@ def _route_address(coordinator: str) -> str:
     return route_address(coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]"))
 
 
+def _ranks(items: list) -> str:
+    """``rank 2`` / ``ranks 0, 1`` (items: rank numbers, or texts that start with one)."""
+    return f"rank{'s' if len(items) > 1 else ''} {', '.join(map(str, items))}"
+
+
 def _outcome(slots, max_restarts: int, code: int) -> str:
     """The last line of a run with a failure: which ranks ended well, which failed, and why the
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
@@ -507,10 +510,8 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     ok = [s.rank for s in slots if s.returncode == 0]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None)]
-    ok_text = (f"rank{'s' if len(ok) > 1 else ''} {', '.join(map(str, ok))}" if ok else "no rank")
-    return (f"{ok_text} exited 0; rank{'s' if len(bad) > 1 else ''} "
-            f"{', '.join(bad)} failed. Exit code {code}: the first failing rank's (0 only when "
-            f"every rank's last process exited 0)")
+    return (f"{_ranks(ok) if ok else 'no rank'} exited 0; {_ranks(bad)} failed. Exit code "
+            f"{code}: the first failing rank's (0 only when every rank's last process exited 0)")
 
 
 def signal_suffix(code: int | None) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +30,7 @@ import structlog
 from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxTimeoutError
 
 from .agent import Agent, Membership
-from .config import Timeouts, env_float, env_int
+from .config import Timeouts, env_float, env_int, is_seconds
 from .portal import Portal, Work
 
 __all__ = ["ProcessGroup", "BlockingProcessGroup", "Store", "connect", "init"]
@@ -93,8 +92,7 @@ class Store:
             RtxTimeoutError: some key is still missing after ``timeout`` seconds (names them).
             ConfigError: ``timeout`` is not a finite number of seconds > 0 (names it).
         """
-        if timeout is not None and not (isinstance(timeout, int | float) and not isinstance(timeout, bool)
-                                        and 0 < timeout < math.inf):
+        if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
         keys = [keys] if isinstance(keys, str) else list(keys)
         return await self._agent.kv_wait(keys, timeout if timeout is not None else self._agent.timeouts.op_s)

@@ -134,48 +134,47 @@ def fault_status(plan: str, output: str) -> list[dict]:
     """
     from rtxnet.faults import parse_plan
 
+    def blank() -> dict:
+        return {"injected": False, "ranks": set(), "reason": None}
+
     seen: dict[str, dict] = {}
     for line in output.splitlines():
         m = _RANK_PREFIX.match(line)
-        rank = int(m.group(1)) if m else None
         if m2 := _NOT_INJECTED.search(line):
             try:
                 text = ast.literal_eval(m2.group(1))
             except (ValueError, SyntaxError):
                 continue
-            rec = seen.setdefault(text, {"injected": False, "ranks": set(), "reason": None})
+            rec = seen.setdefault(text, blank())
             rec["reason"] = rec["reason"] or m2.group(2).strip()
         elif "fault_injected" in line or "fault_skipped" in line:
             f = _log_fields(line)
-            text = f.get("fault")
-            if not isinstance(text, str):
+            if not isinstance(f.get("fault"), str):
                 continue
-            rec = seen.setdefault(text, {"injected": False, "ranks": set(), "reason": None})
+            rec = seen.setdefault(f["fault"], blank())
             if "fault_injected" in line:
                 rec["injected"] = True
             else:
                 rec["reason"] = f"skipped: {f.get('reason')}"
         else:
             continue
-        if rank is not None:
-            rec["ranks"].add(rank)
+        if m:
+            rec["ranks"].add(int(m.group(1)))
     out = []
     faults = parse_plan(plan)
     for f in faults:
-        rec = seen.get(f.text, {"injected": False, "ranks": set(), "reason": None})
-        reason = None
-        if not rec["injected"]:
+        rec = seen.get(f.text) or blank()
+        reason = None if rec["injected"] else rec["reason"]
+        if not rec["injected"] and reason is None:
             # faults fire only in a rank's first process: one that an earlier kill ended
             killer = next((k for k in faults if k.kind == "kill" and k is not f and k.rank == f.rank
                            and f.rank is not None and seen.get(k.text, {}).get("injected")), None)
-            who = "rank 0" if f.kind == "kill-coordinator" and f.rank is None else (
-                "the ranks" if f.rank is None else f"launch rank {f.rank}")
-            if rec["reason"]:
-                reason = rec["reason"]
-            elif killer is not None:
+            if killer is not None:
                 reason = (f"{killer.text!r} killed launch rank {f.rank}'s first process first, and "
                           f"faults fire only in a rank's first process (a replacement runs none)")
             else:
+                who = "rank 0" if f.kind == "kill-coordinator" and f.rank is None else (
+                    "the ranks" if f.rank is None else f"launch rank {f.rank}")
                 reason = (f"no rank said why; {who} it was meant for did not exit normally "
                           f"(killed by an earlier fault?)")
         out.append({"fault": f.text, "injected": rec["injected"], "ranks": sorted(rec["ranks"]),

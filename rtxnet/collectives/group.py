@@ -33,7 +33,6 @@ Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,6 +59,7 @@ from rtxnet.collectives.ring import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from rtxnet.config import is_seconds
 from transport.errors import (
     ClosedError,
     CollectiveError,
@@ -206,8 +206,7 @@ class Group:
     def _timeout_s(self, timeout: float | None) -> float:
         if timeout is None:
             return self.engine.default_timeout_s
-        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
-                and math.isfinite(timeout)):
+        if not is_seconds(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         return float(timeout)
 

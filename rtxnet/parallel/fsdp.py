@@ -98,6 +98,7 @@ import structlog
 import torch
 
 from rtxnet.collectives import ReduceOp
+from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
 from ._world import StepWorld, group_size
@@ -245,8 +246,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise ConfigError(f"reduce_op({reduce_op!r}) must be ReduceOp.AVG or ReduceOp.SUM")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float)
-                                      or not 0 < timeout_s < math.inf):
+        if timeout_s is not None and not is_seconds(timeout_s):
             raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive, finite number of seconds")
         _check_cpu(module)
         self.module = module

@@ -65,7 +65,6 @@ the input of stage 0, each stage's output, and the target of the last stage are 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +72,7 @@ import structlog
 import torch
 
 from rtxnet.collectives import ReduceOp
+from rtxnet.config import is_seconds
 from transport.errors import (
     CollectiveMismatchError,
     ConfigError,
@@ -287,8 +287,7 @@ class PipelineSchedule:
             raise ConfigError(f"n_microbatches({n_microbatches!r}) must be an int in 1..{_MAX_MICRO}")
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn({loss_fn!r}) must be callable")
-        if timeout_s is not None and not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-                                          and timeout_s > 0 and math.isfinite(timeout_s)):
+        if timeout_s is not None and not is_seconds(timeout_s):
             raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
         self.stage = stage
         self.n_microbatches = n_microbatches
@@ -338,26 +337,23 @@ class PipelineSchedule:
         step_no = st._next_step_no()
         st.check_world()
         M = self.n_microbatches
-        # a refused input or target fails the other stages at once, not at their deadline
+        # a refused input or target is this stage's failure of the step like any other: the
+        # neighbours are told (below) and every stage takes part in the closing agreement
         failure: Exception | None = None
+        xs, ts = [], []
         try:
             xs = self._split("input", input, M) if st.is_first else [None] * M
-        except ConfigError as exc:
-            st._abort_down(step_no, 0, st.stage_index, refused_input=True)
-            failure, xs = exc, []
-        try:
             ts = self._split("target", target, M) if st.is_last else [None] * M
         except ConfigError as exc:
-            if failure is None:
-                st._abort_up(step_no, 0)
-                failure = exc
-            ts = []
+            failure = exc
         self.trace = []
         self.peak_in_flight = 0
         self._held = {}
         self._losses = []
         self._outputs = []
         self._xs, self._ts, self._step_no = xs, ts, step_no
+        if failure is not None:
+            self._abort_neighbours(failure, refused_input=True)
         world = StepWorld(st._pg)      # every send/recv of the step in the world it began in
         world.begin()
         # A stage replicated by DistributedDataParallel: its micro-batches' gradients accumulate
@@ -369,13 +365,13 @@ class PipelineSchedule:
                 if failure is None:
                     try:
                         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
-                            try:
-                                self._run(M)
-                            except Exception as exc:
-                                self._abort_neighbours(exc)
-                                raise
-                        if ddp is not None:
-                            ddp.sync_gradients()
+                            self._run(M)
+                    except Exception as exc:
+                        failure = exc
+                        self._abort_neighbours(exc)
+                if failure is None and ddp is not None:
+                    try:
+                        ddp.sync_gradients()
                     except Exception as exc:
                         failure = exc
                 self._agree(failure)
@@ -420,19 +416,20 @@ class PipelineSchedule:
             raise _aborted(f"stage {int(flag[0]) - 1} failed this step (its own error says why); "
                            f"stage {st.stage_index} finished its part, but the step failed")
 
-    def _abort_neighbours(self, exc: Exception) -> None:
+    def _abort_neighbours(self, exc: Exception, *, refused_input: bool = False) -> None:
         """This stage failed the step with ``exc``: tell both neighbours, in place of the messages
         they wait for next (the next stage: the activation of the first micro-batch not sent; the
         previous: the gradient of the first micro-batch whose backward did not finish here). Not
         for a lost peer or a timeout, which the others meet by themselves, nor for an abort this
-        stage received and passed on."""
+        stage received and passed on. ``refused_input``: it refused its input or target (stage 0's
+        refusal is named so downstream)."""
         if getattr(exc, "pipeline_abort_passed_on", False) or isinstance(
                 exc, TransportError | RtxTimeoutError):
             return
         st = self.stage
         forwards = sum(t.startswith("F") for t in self.trace)
         backwards = len(self.trace) - forwards
-        st._abort_down(self._step_no, forwards, st.stage_index)
+        st._abort_down(self._step_no, forwards, st.stage_index, refused_input=refused_input)
         st._abort_up(self._step_no, backwards)
 
     def _split(self, what: str, t: torch.Tensor | None, M: int) -> list[torch.Tensor]:

@@ -60,13 +60,13 @@ its next forward (rebuild it from the full weights, e.g. from a checkpoint).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import structlog
 import torch
 import torch.nn.functional as F
 
+from rtxnet.config import is_seconds
 from transport.errors import ConfigError
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_mlp", "copy_to_parallel",
@@ -211,8 +211,7 @@ def _check_split(what: str, n: int, W: int) -> int:
 
 
 def _check_timeout(timeout_s: float | None) -> None:
-    if timeout_s is not None and not (isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-                                      and timeout_s > 0 and math.isfinite(timeout_s)):
+    if timeout_s is not None and not is_seconds(timeout_s):
         raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
 
 

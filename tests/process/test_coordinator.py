@@ -607,7 +607,7 @@ def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinato
     with procs.dealer(coordinator.address, routing_id=b"esc") as d:
         d.send(encode(_join_msg(1, "esc", "ansi\x1b[2Jjob\nFAKE", host="evil\n\x1b[31mjob-x", max_ranks=2,
                                 min_ranks=2, last_call_s=30.0)))
-        time.sleep(0.5)
+        wait_pending(coordinator.address, "ansi\x1b[2Jjob\nFAKE", 1)
         out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                              capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
