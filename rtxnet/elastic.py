@@ -262,20 +262,21 @@ class FaultTolerance:
         await self._store_unrecorded_faults()
         lines = []
         for f in self.injector.faults if self.injector else []:
+            name = self.injector.label(f)
             try:
                 raw = await self.pg.store.get(f"faults/{f.index}")
             except RtxError:
-                lines.append(f"fault {f.text!r}: unknown (the job's store did not answer)")
+                lines.append(f"fault {name}: unknown (the job's store did not answer)")
                 continue
             if raw is not None:
                 rec = json.loads(raw)
                 where = _fault_where(f.at, rec.get("step"), f.collective)
-                lines.append(f"fault {f.text!r}: injected on rank {rec['rank']}{where}")
+                lines.append(f"fault {name}: injected on rank {rec['rank']}{where}")
             elif f.at == "rendezvous":
-                lines.append(f"fault {f.text!r}: no record (a fault during rendezvous is recorded "
+                lines.append(f"fault {name}: no record (a fault during rendezvous is recorded "
                              f"after its rank joined; a rank it killed never did)")
             else:
-                lines.append(f"fault {f.text!r}: not injected")
+                lines.append(f"fault {name}: not injected")
         for e in self.events:
             if e["event"] == "recovered":
                 if e.get("fenced"):

@@ -299,8 +299,13 @@ class Injector:
                 continue
             if not self._mine(f, rank, world_size):
                 continue
-            lines.append(f"fault {f.text!r} was not injected: {self._why(f)}")
+            lines.append(f"fault {self.label(f)} was not injected: {self._why(f)}")
         return lines
+
+    def label(self, f: Fault) -> str:
+        """``f``'s text, quoted, with its place in the plan when another fault has the same text
+        (``'kill:rank=any:step=5' (#2 in the plan)``): the report tells them apart."""
+        return label(f, self.faults)
 
     def _why(self, f: Fault) -> str:
         if f.kind == "drop-heartbeats" and f.step is None:
@@ -356,12 +361,20 @@ class Injector:
                 engine.partition(f.seconds)
         elif f.kind == "kill-coordinator":
             if self.coordinator_pid is None:
-                log.error("fault_skipped", fault=f.text, reason="RTXNET_COORDINATOR_PID is not set (use rtxnet-run)")
+                log.error("fault_skipped", fault=f.text, index=f.index, reason="RTXNET_COORDINATOR_PID is not set (use rtxnet-run)")
                 return
             try:
                 os.kill(self.coordinator_pid, signal.SIGKILL)
             except ProcessLookupError:
-                log.warning("fault_skipped", fault=f.text, reason="coordinator already gone")
+                log.warning("fault_skipped", fault=f.text, index=f.index, reason="coordinator already gone")
+
+
+def label(f: Fault, faults: list[Fault]) -> str:
+    """``f``'s text, quoted, and ``(#N in the plan)`` when another fault of ``faults`` (its plan)
+    has the same text, as the at-exit lines and faultrun's summary name it."""
+    if sum(g.text == f.text for g in faults) > 1:
+        return f"{f.text!r} (#{f.index + 1} in the plan)"
+    return repr(f.text)
 
 
 def dump(rec: dict[str, Any]) -> bytes:
@@ -427,7 +440,7 @@ async def apoint(at: str, *, pg: Any = None, step: int | None = None) -> None:
                 continue
         else:
             _UNRECORDED.append(rec)
-        log.warning("fault_injected", fault=f.text, rank=rec["rank"], at=at,
+        log.warning("fault_injected", fault=f.text, index=f.index, rank=rec["rank"], at=at,
                     **({} if step is None else {"step": step}))
         inj.act(f, agent=pg.agent if pg is not None else None, engine=pg.engine if pg is not None else None)
 

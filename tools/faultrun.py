@@ -132,12 +132,23 @@ def fault_status(plan: str, output: str) -> list[dict]:
         ``fault_skipped`` reason, or, when no rank said, that the rank it was meant for never
         exited normally, e.g. killed by an earlier fault).
     """
-    from rtxnet.faults import parse_plan
+    from rtxnet.faults import label, parse_plan
 
     def blank() -> dict:
         return {"injected": False, "ranks": set(), "reason": None}
 
-    seen: dict[str, dict] = {}
+    faults = parse_plan(plan)
+    first = {}                               # text -> index of its first fault in the plan
+    for f in faults:
+        first.setdefault(f.text, f.index)
+
+    def index_of(text: object, index: object) -> int | None:
+        # lines name a fault by its text and, for one whose text is repeated, its place
+        if isinstance(index, int) and 0 <= index < len(faults) and faults[index].text == text:
+            return index
+        return first.get(text) if isinstance(text, str) else None
+
+    seen: dict[int, dict] = {}
     for line in output.splitlines():
         m = _RANK_PREFIX.match(line)
         if m2 := _NOT_INJECTED.search(line):
@@ -145,13 +156,17 @@ def fault_status(plan: str, output: str) -> list[dict]:
                 text = ast.literal_eval(m2.group(1))
             except (ValueError, SyntaxError):
                 continue
-            rec = seen.setdefault(text, blank())
-            rec["reason"] = rec["reason"] or m2.group(2).strip()
+            i = index_of(text, int(m2.group(2)) - 1 if m2.group(2) else None)
+            if i is None:
+                continue
+            rec = seen.setdefault(i, blank())
+            rec["reason"] = rec["reason"] or m2.group(3).strip()
         elif "fault_injected" in line or "fault_skipped" in line:
             f = _log_fields(line)
-            if not isinstance(f.get("fault"), str):
+            i = index_of(f.get("fault"), f.get("index"))
+            if i is None:
                 continue
-            rec = seen.setdefault(f["fault"], blank())
+            rec = seen.setdefault(i, blank())
             if "fault_injected" in line:
                 rec["injected"] = True
             else:
@@ -161,24 +176,24 @@ def fault_status(plan: str, output: str) -> list[dict]:
         if m:
             rec["ranks"].add(int(m.group(1)))
     out = []
-    faults = parse_plan(plan)
     for f in faults:
-        rec = seen.get(f.text) or blank()
+        rec = seen.get(f.index) or blank()
         reason = None if rec["injected"] else rec["reason"]
         if not rec["injected"] and reason is None:
             # faults fire only in a rank's first process: one that an earlier kill ended
             killer = next((k for k in faults if k.kind == "kill" and k is not f and k.rank == f.rank
-                           and f.rank is not None and seen.get(k.text, {}).get("injected")), None)
+                           and f.rank is not None and f.rank >= 0 and seen.get(k.index, {}).get("injected")), None)
             if killer is not None:
-                reason = (f"{killer.text!r} killed launch rank {f.rank}'s first process first, and "
+                reason = (f"{label(killer, faults)} killed launch rank {f.rank}'s first process first, and "
                           f"faults fire only in a rank's first process (a replacement runs none)")
             else:
                 who = "rank 0" if f.kind == "kill-coordinator" and f.rank is None else (
-                    "the ranks" if f.rank is None else f"launch rank {f.rank}")
+                    "the ranks" if f.rank is None else "the rank picked (rank=any)" if f.rank == -1
+                    else f"launch rank {f.rank}")
                 reason = (f"no rank said why; {who} it was meant for did not exit normally "
                           f"(killed by an earlier fault?)")
-        out.append({"fault": f.text, "injected": rec["injected"], "ranks": sorted(rec["ranks"]),
-                    "reason": reason})
+        out.append({"fault": f.text, "index": f.index, "label": label(f, faults),
+                    "injected": rec["injected"], "ranks": sorted(rec["ranks"]), "reason": reason})
     return out
 
 
@@ -197,7 +212,8 @@ _COORD_LOST = re.compile(r"\[rtxnet-run\] could not restart the coordinator")
 _BELOW_MIN = re.compile(r"\[rtxnet-run\] (ranks? [\d, ]+ failed for good .*); stopping")
 _PREFIX = re.compile(r"^\[[\w-]+\] ")
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\] ")
-_NOT_INJECTED = re.compile(r"rtxnet: fault ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") was not injected: (.*)$")
+_NOT_INJECTED = re.compile(r"rtxnet: fault ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")(?: \(#(\d+) in the plan\))? "
+                           r"was not injected: (.*)$")
 _KV = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 
 
@@ -392,7 +408,7 @@ def report(summary: dict) -> list[str]:
         lines.append("no failure was observed by the ranks")
     for f in summary.get("faults", []):
         if not f["injected"]:
-            lines.append(f"fault {f['fault']!r} was not injected: {f['reason']}")
+            lines.append(f"fault {f['label']} was not injected: {f['reason']}")
     return lines
 
 

@@ -278,7 +278,7 @@ def test_faultrun_names_each_fault_and_why_it_was_not_injected():
         "[rank0] rtxnet: fault 'kill:rank=0:at=collective:collective=99' was not injected: this process ran 40 counted collective(s), not 99",
     ])
     s = faultrun.summarize([], out, plan)
-    assert s["faults"] == [
+    assert [{k: f[k] for k in ("fault", "injected", "ranks", "reason")} for f in s["faults"]] == [
         {"fault": "kill:rank=1:step=5", "injected": True, "ranks": [1], "reason": None},
         {"fault": "kill:rank=0:at=collective:collective=99", "injected": False, "ranks": [0],
          "reason": "this process ran 40 counted collective(s), not 99"},
@@ -294,6 +294,29 @@ def test_faultrun_names_each_fault_and_why_it_was_not_injected():
     lines = faultrun.report(s)
     assert lines[0] == "no failure was observed by the ranks"
     assert lines[1:] == [f"fault {f['fault']!r} was not injected: {f['reason']}" for f in s["faults"][1:]]
+
+
+def test_faultrun_tells_apart_faults_with_the_same_text():
+    # two rank=any kills may pick different ranks; the lines name the fault's place in the plan
+    plan = "seed=1; kill:rank=any:step=5; kill:rank=any:step=5; kill:rank=any:step=7"
+    out = "\n".join([
+        "[rank2] 2026-01-01T00:00:00Z [warning  ] fault_injected                 at=step fault='kill:rank=any:step=5' index=1 rank=2 step=5",
+        "[rank0] rtxnet: fault 'kill:rank=any:step=5' (#1 in the plan) was not injected: this process's last FaultTolerance step was 3",
+    ])
+    s = faultrun.summarize([], out, plan)
+    assert [(f["label"], f["injected"], f["ranks"], f["reason"]) for f in s["faults"]] == [
+        ("'kill:rank=any:step=5' (#1 in the plan)", False, [0], "this process's last FaultTolerance step was 3"),
+        ("'kill:rank=any:step=5' (#2 in the plan)", True, [2], None),
+        ("'kill:rank=any:step=7'", False, [],
+         "no rank said why; the rank picked (rank=any) it was meant for did not exit normally (killed by "
+         "an earlier fault?)"),
+    ]
+    assert faultrun.report(s)[1:] == [
+        "fault 'kill:rank=any:step=5' (#1 in the plan) was not injected: this process's last "
+        "FaultTolerance step was 3",
+        "fault 'kill:rank=any:step=7' was not injected: no rank said why; the rank picked (rank=any) it "
+        "was meant for did not exit normally (killed by an earlier fault?)",
+    ]
 
 
 def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():

@@ -91,3 +91,11 @@ def test_unreached_faults_are_named_once_with_the_reason():
     assert Injector(plan, restart_count=1).unreached(rank=1, world_size=2) == []   # a replacement
     assert inj.due("step", rank=0, world_size=2, step=9)    # came due: no longer named
     assert len(inj.unreached(rank=0, world_size=2)) == 1
+
+
+def test_unreached_names_a_repeated_fault_by_its_place_in_the_plan():
+    inj = Injector("kill:rank=0:step=5; kill:rank=0:step=5; delay:rank=0:ms=1")
+    assert inj.due("step", rank=0, world_size=1, step=1)          # the delay fires every step
+    assert inj.unreached(rank=0, world_size=1) == [
+        f"fault 'kill:rank=0:step=5' (#{n} in the plan) was not injected: this process's last "
+        f"FaultTolerance step was 1" for n in (1, 2)]
