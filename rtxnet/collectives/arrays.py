@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
+from rtxnet.collectives.reduce_ops import bfloat16, dtype_name
 
 __all__ = ["as_numpy", "Buffer", "payload_view", "off_loop", "copy_pairs", "OFF_LOOP_NBYTES"]
 
@@ -49,7 +49,7 @@ def _torch_to_numpy(t) -> np.ndarray:
         raise ValueError(f"tensor on {t.device}; the CPU collectives take CPU tensors only")
     t = t.detach()
     if t.dtype == torch.bfloat16:
-        return np.from_dlpack(t.view(torch.int16)).view(BFLOAT16)
+        return np.from_dlpack(t.view(torch.int16)).view(bfloat16())
     if t.is_conj() or t.is_neg():
         raise ValueError("conjugated/negated torch views are not supported")
     return np.from_dlpack(t)

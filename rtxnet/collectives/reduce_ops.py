@@ -8,11 +8,12 @@ integers support every op except AVG (an integer mean is not well defined).
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "accepted_pairs", "acc_dtype", "check_op_dtype", "reduce_into",
+__all__ = ["ReduceOp", "SUPPORTED_DTYPES", "bfloat16", "is_bfloat16", "accepted_pairs", "acc_dtype", "check_op_dtype", "reduce_into",
            "combine", "combine2", "finish", "dtype_name", "dtype_from_name"]
 
 
@@ -24,11 +25,31 @@ class ReduceOp(enum.Enum):
     PROD = "prod"
 
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+@functools.cache
+def bfloat16() -> np.dtype:
+    """NumPy's bfloat16 dtype (``ml_dtypes.bfloat16``), imported on first use: importing ml_dtypes
+    costs about 1 s of CPU (0.7.0; 0.2 s for 0.6.0), paid by every rank at start if it were
+    imported with rtxnet. An array can only be bfloat16 once its creator imported ml_dtypes (or
+    asked for this dtype), so the checks below never import it for other dtypes."""
+    import ml_dtypes
 
-SUPPORTED_DTYPES: dict[str, np.dtype] = {
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """``dtype`` is ``ml_dtypes.bfloat16`` (without importing ml_dtypes for any other dtype)."""
+    return dtype.name == "bfloat16" and dtype == bfloat16()
+
+
+def __getattr__(name: str):
+    # ``BFLOAT16`` as before, resolved when first asked for (PEP 562)
+    if name == "BFLOAT16":
+        return bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_EAGER: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
-    "bfloat16": BFLOAT16,
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
     "int8": np.dtype(np.int8),
@@ -38,8 +59,30 @@ SUPPORTED_DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype(np.uint8),
     "bool": np.dtype(np.bool_),
 }
-_NAME_OF = {v: k for k, v in SUPPORTED_DTYPES.items()}
-_HALF = (np.dtype(np.float16), BFLOAT16)
+_NAMES = ("float16", "bfloat16", *list(_EAGER)[1:])
+
+
+class _SupportedDtypes(Mapping):
+    """Wire name -> NumPy dtype of every dtype collectives accept; bfloat16 resolved on first
+    lookup (see :func:`bfloat16`)."""
+
+    def __getitem__(self, name: str) -> np.dtype:
+        if name == "bfloat16":
+            return bfloat16()
+        return _EAGER[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_NAMES)
+
+    def __len__(self) -> int:
+        return len(_NAMES)
+
+    def __repr__(self) -> str:
+        return f"SUPPORTED_DTYPES({', '.join(_NAMES)})"
+
+
+SUPPORTED_DTYPES: Mapping[str, np.dtype] = _SupportedDtypes()
+_NAME_OF = {v: k for k, v in _EAGER.items()}
 _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
           ReduceOp.MAX: np.maximum, ReduceOp.PROD: np.multiply}
 
@@ -50,11 +93,12 @@ def dtype_name(dtype: np.dtype) -> str:
     Raises:
         ValueError: the dtype is not supported.
     """
-    try:
-        return _NAME_OF[np.dtype(dtype)]
-    except KeyError:
+    dt = np.dtype(dtype)
+    name = _NAME_OF.get(dt) or ("bfloat16" if is_bfloat16(dt) else None)
+    if name is None:
         raise ValueError(f"dtype {dtype} is not supported by rtxnet collectives; supported: "
-                         f"{', '.join(SUPPORTED_DTYPES)}") from None
+                         f"{', '.join(SUPPORTED_DTYPES)}")
+    return name
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -66,7 +110,7 @@ def dtype_from_name(name: str) -> np.dtype:
 
 def acc_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype reductions of ``dtype`` accumulate in (float32 for float16 and bfloat16)."""
-    return np.dtype(np.float32) if dtype in _HALF else dtype
+    return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else dtype
 
 
 def check_op_dtype(op, dtype: np.dtype) -> ReduceOp:
