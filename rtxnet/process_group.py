@@ -22,6 +22,7 @@ import asyncio
 import atexit
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -433,6 +434,13 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
             # the rank rtxnet-run started this process as: stable across epochs (renumbering)
             # and restarts, so a lost rank can be named the way the launcher named it
             info["launch_rank"] = int(launch)
+    if "torch" in sys.modules:
+        # bfloat16 tensors need ml_dtypes, whose import holds the GIL about 0.8 s: imported
+        # now, before the agent heartbeats, not at the first bfloat16 collective (a stall of
+        # the loop that, on a loaded host, reaches the heartbeat timeout)
+        from .collectives.reduce_ops import bfloat16
+
+        bfloat16()
     engine = await _make_engine(timeouts, bind_host)
     agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)
     from . import faults

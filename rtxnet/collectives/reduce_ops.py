@@ -36,9 +36,14 @@ def bfloat16() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def is_bfloat16(dtype: np.dtype) -> bool:
-    """``dtype`` is ``ml_dtypes.bfloat16`` (without importing ml_dtypes for any other dtype)."""
-    return dtype.name == "bfloat16" and dtype == bfloat16()
+def is_bfloat16(dtype) -> bool:
+    """``dtype`` (anything ``np.dtype`` takes) is ``ml_dtypes.bfloat16``, found without
+    importing ml_dtypes for any other dtype."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return False
+    return dt.name == "bfloat16" and dt == bfloat16()
 
 
 def __getattr__(name: str):

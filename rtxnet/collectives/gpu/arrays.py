@@ -14,7 +14,7 @@ import contextvars
 import numpy as np
 
 from rtxnet.collectives.gpu.stream import producer_stream
-from rtxnet.collectives.reduce_ops import BFLOAT16, dtype_name
+from rtxnet.collectives.reduce_ops import bfloat16, dtype_name
 
 __all__ = ["GpuBuffer", "gpu_buffers", "CALLER_STREAM", "caller_stream"]
 
@@ -38,7 +38,7 @@ def caller_stream(args, kwargs) -> int | None:
     return None
 
 _TORCH_DTYPES = {
-    "torch.float16": np.dtype(np.float16), "torch.bfloat16": BFLOAT16,
+    "torch.float16": np.dtype(np.float16),     # torch.bfloat16: bfloat16(), imported on first use
     "torch.float32": np.dtype(np.float32), "torch.float64": np.dtype(np.float64),
     "torch.int8": np.dtype(np.int8), "torch.int16": np.dtype(np.int16),
     "torch.int32": np.dtype(np.int32), "torch.int64": np.dtype(np.int64),
@@ -80,7 +80,7 @@ class GpuBuffer:
 
         if not t.is_cuda:
             raise ValueError(f"tensor on {t.device}; expected a CUDA tensor")
-        dt = _TORCH_DTYPES.get(str(t.dtype))
+        dt = bfloat16() if str(t.dtype) == "torch.bfloat16" else _TORCH_DTYPES.get(str(t.dtype))
         if dt is None:
             raise ValueError(f"dtype {t.dtype} is not supported by rtxnet collectives")
         src = t.detach()

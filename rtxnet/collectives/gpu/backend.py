@@ -29,7 +29,7 @@ import numpy as np
 
 from rtxnet.collectives.gpu.arrays import GpuBuffer, gpu_buffers
 from rtxnet.collectives.gpu.stream import DeviceStream, await_event, foreign_stream
-from rtxnet.collectives.reduce_ops import BFLOAT16, ReduceOp, check_op_dtype
+from rtxnet.collectives.reduce_ops import ReduceOp, check_op_dtype, is_bfloat16
 
 __all__ = ["GpuGroup", "GPU_ALGORITHMS"]
 
@@ -40,7 +40,7 @@ def _cupy_view(ptr: int, size: int, dtype: np.dtype, device: int):
     """A CuPy array over ``size`` elements at ``ptr`` (bfloat16 seen as uint16), not owning it."""
     import cupy
 
-    dt = np.dtype(np.uint16) if dtype == BFLOAT16 else dtype
+    dt = np.dtype(np.uint16) if is_bfloat16(dtype) else dtype
     mem = cupy.cuda.UnownedMemory(ptr, size * dt.itemsize, None, device)
     return cupy.ndarray((size,), dt, cupy.cuda.MemoryPointer(mem, 0))
 
@@ -467,7 +467,7 @@ class GpuGroup:
     def _scratch(self, count: int, dtype: np.dtype):
         import cupy
 
-        dt = np.dtype(np.uint16) if dtype == BFLOAT16 else dtype
+        dt = np.dtype(np.uint16) if is_bfloat16(dtype) else dtype
         # allocated with rtxnet's stream current: CuPy's pool hands a freed block out again only
         # to work on that stream, so copies still queued out of it cannot see it reused
         with self.stream.use(), self.stream.stream:

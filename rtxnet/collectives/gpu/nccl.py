@@ -29,11 +29,11 @@ import numpy as np
 import structlog
 
 from rtxnet.collectives.gpu.stream import await_event
-from rtxnet.collectives.reduce_ops import BFLOAT16, ReduceOp, check_op_dtype
+from rtxnet.collectives.reduce_ops import ReduceOp, check_op_dtype, is_bfloat16
 from transport.errors import CollectiveError
 
 __all__ = ["NcclUnavailableError", "NcclState", "uid_to_bytes", "uid_from_bytes",
-           "check_distinct_gpus", "nccl_types", "nccl_version", "NCCL_DTYPES", "NCCL_OPS"]
+           "check_distinct_gpus", "nccl_types", "nccl_version", "NCCL_DTYPES", "NCCL_BFLOAT16", "NCCL_OPS"]
 
 log = structlog.get_logger(__name__)
 
@@ -46,9 +46,10 @@ _INVALID_USAGE = 5        # ncclInvalidUsage (nccl.h)
 # so the mapping needs no CuPy; tests compare them with cupy.cuda.nccl's constants.
 NCCL_DTYPES: dict[np.dtype, int] = {
     np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 4,
-    np.dtype(np.float16): 6, np.dtype(np.float32): 7, np.dtype(np.float64): 8, BFLOAT16: 9,
+    np.dtype(np.float16): 6, np.dtype(np.float32): 7, np.dtype(np.float64): 8,
     np.dtype(np.bool_): 1,    # as uint8 (0/1 bytes): SUM becomes MAX (logical or)
 }
+NCCL_BFLOAT16 = 9   # ncclBfloat16, kept out of NCCL_DTYPES: ml_dtypes is imported on first use
 NCCL_OPS: dict[ReduceOp, int] = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2,
                                  ReduceOp.MIN: 3, ReduceOp.AVG: 4}
 
@@ -89,10 +90,10 @@ def nccl_types(dtype, rop: ReduceOp | None = None) -> tuple[int, int | None]:
             no meaning for (PROD/AVG of bool, AVG of integers); the message names them.
     """
     dtype = np.dtype(dtype)
-    dt = NCCL_DTYPES.get(dtype)
+    dt = NCCL_BFLOAT16 if is_bfloat16(dtype) else NCCL_DTYPES.get(dtype)
     if dt is None:
         raise ValueError(f"dtype {dtype} has no NCCL type; NCCL serves "
-                         f"{', '.join(str(d) for d in NCCL_DTYPES)}; cast, or use the 'ipc' "
+                         f"{', '.join(str(d) for d in NCCL_DTYPES)}, bfloat16; cast, or use the 'ipc' "
                          f"backend (same host) or CPU collectives")
     if rop is None:
         return dt, None
