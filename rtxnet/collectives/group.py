@@ -109,6 +109,24 @@ def _parts(name: str, other: str, arg, n: int, N: int, dtype, *, readonly: bool)
     return [buf], [buf.flat[k * N:(k + 1) * N] for k in range(n)]
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    ia, ib = a.__array_interface__, b.__array_interface__
+    return ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes and ia["strides"] == ib["strides"]
+
+
+def _detached(src: np.ndarray, outputs: Sequence[np.ndarray], own: np.ndarray | None = None) -> np.ndarray:
+    """``src``, or a copy of it when an output of the same operation overlaps it: an output
+    written before ``src`` is sent or read would change what is sent (``out = [x, y]`` on rank 1
+    of an all_gather of ``x``). ``own``, the output that receives ``src`` itself, may be the very
+    same memory (the in-place ``out[rank] is x`` idiom) without a copy."""
+    for o in outputs:
+        if o is own and _same_memory(o, src):
+            continue
+        if np.may_share_memory(o, src):
+            return src.copy()
+    return src
+
+
 def _as_list(name: str, x, n: int) -> list[Buffer] | None:
     if isinstance(x, (list, tuple)):
         if len(x) != n:
@@ -491,21 +509,22 @@ class Group:
         ib = Buffer(input, readonly=True)
         N, dtype = ib.size, ib.dtype
         out_bufs, slots = _parts("all_gather output", "input", output, n, N, dtype, readonly=False)
+        mine = _detached(ib.flat, slots, own=slots[self.rank])
         algo = self._choose("all_gather", n * N * dtype.itemsize, algorithm)
         sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape)
 
         async def body(op: Op):
             if algo == "shm":
-                await shmops.all_gather(op, self._shm, sig, ib.flat, slots)
+                await shmops.all_gather(op, self._shm, sig, mine, slots)
             elif algo == "ring":
                 await op.hello(sig)
                 r = self.rank
-                await ring_all_gather(op, [ib.flat if k == r else slots[k] for k in range(n)],
+                await ring_all_gather(op, [mine if k == r else slots[k] for k in range(n)],
                                       bulk=self._ring_bulk(n * N * dtype.itemsize))
-                await off_loop(N * dtype.itemsize, copy_pairs, [(slots[r], ib.flat)])
+                await off_loop(N * dtype.itemsize, copy_pairs, [(slots[r], mine)])
             else:
-                got = await op.hello(sig, None, lambda g: ib.flat) if algo != "local" else {}
-                pairs = [(slots[k], ib.flat if k == self.rank else _view(got[k][1], dtype, N))
+                got = await op.hello(sig, None, lambda g: mine) if algo != "local" else {}
+                pairs = [(slots[k], mine if k == self.rank else _view(got[k][1], dtype, N))
                          for k in range(n)]
                 await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
                 await op.flush()
@@ -539,6 +558,8 @@ class Group:
         N, dtype = ob.size, ob.dtype
         rop = check_op_dtype(op, dtype)
         _, chunks = _parts("reduce_scatter input", "output", input, n, N, dtype, readonly=True)
+        chunks = [_detached(c, [ob.flat], own=ob.flat if k == self.rank else None)
+                  for k, c in enumerate(chunks)]
         algo = self._choose("reduce_scatter", n * N * dtype.itemsize, algorithm)
         sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape)
 
@@ -610,8 +631,9 @@ class Group:
                 got = await op.hello(sig, None, None if me else (
                     lambda g: ib.flat if g == dst else None))
             if me:
+                mine = _detached(ib.flat, [o.flat for o in outs], own=outs[dst].flat)
                 for k in range(n):
-                    np.copyto(outs[k].flat, ib.flat if k == dst else _view(got[k][1], dtype, N))
+                    np.copyto(outs[k].flat, mine if k == dst else _view(got[k][1], dtype, N))
                     outs[k].commit()
             else:
                 await op.flush()
@@ -656,10 +678,13 @@ class Group:
                 # checked inside the operation: the other ranks are told at once (an abort naming
                 # it) instead of waiting out their deadline, and every rank used the same seq
                 ins = check_source()
-            got = {} if n == 1 else await op.hello(
-                sig, None, (lambda g: ins[g].flat) if me else None)
             if me:
-                np.copyto(ob.flat, ins[src].flat)
+                sends = [_detached(b.flat, [ob.flat], own=ob.flat if g == src else None)
+                         for g, b in enumerate(ins)]
+            got = {} if n == 1 else await op.hello(
+                sig, None, (lambda g: sends[g]) if me else None)
+            if me:
+                np.copyto(ob.flat, sends[src])
                 await op.flush()
             else:
                 np.copyto(ob.flat, _view(got[src][1], dtype, N))
@@ -714,6 +739,8 @@ class Group:
         splits = [[int(a.size) for a in in_chunks], [int(a.size) for a in out_chunks]]
         sig = self._sig("all_to_all", "direct", None, None, dtype, None, None, None)
         r = self.rank
+        in_chunks = [_detached(c, out_chunks, own=out_chunks[r] if k == r else None)
+                     for k, c in enumerate(in_chunks)]
 
         async def body(op: Op):
             got = {} if n == 1 else await op.hello(sig, splits, lambda g: in_chunks[g])

@@ -344,3 +344,46 @@ def test_ml_dtypes_is_imported_only_when_bfloat16_is_used():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["False", "bfloat16 float32 True"], out.stdout
+
+
+async def outputs_that_overlap_the_input(engine, algos):
+    """Every rank's input is also one of the outputs (or shares memory with one) of the same
+    operation: the result must be what separate buffers give."""
+    g = engine.world
+    n, r = g.size, g.rank
+    res = {}
+    for algo in algos:
+        x = np.full(4, r + 1.0, np.float32)
+        out = [x] + [np.zeros(4, np.float32) for _ in range(n - 1)]   # x is slot 0 on every rank
+        await g.all_gather(out, x, algorithm=algo)
+        res[f"all_gather {algo}"] = [float(o[0]) for o in out]
+        flat = np.arange(n * 4, dtype=np.float32) + 100 * r
+        shard = flat[4:8]                                   # the output is input chunk 1
+        await g.reduce_scatter(shard, flat, algorithm=algo)
+        res[f"reduce_scatter {algo}"] = float(shard[0])
+    y = np.full(4, r + 1.0, np.float32)
+    gl = [y] + [np.zeros(4, np.float32) for _ in range(n - 1)] if r == n - 1 else None
+    await g.gather(y, gl, dst=n - 1)
+    if r == n - 1:
+        res["gather"] = [float(o[0]) for o in gl]
+    z = np.full(4, -1.0, np.float32)
+    sl = [z] + [np.full(4, 10.0 + k, np.float32) for k in range(1, n)] if r == 1 else None
+    await g.scatter(z, sl, src=1)                           # rank 1's z is also its scatter_list[0]
+    res["scatter"] = float(z[0])
+    a = np.arange(n * 2, dtype=np.float32) + 100 * r
+    await g.all_to_all(a, a)                                # in place
+    res["all_to_all"] = a.tolist()
+    return res
+
+
+def test_outputs_overlapping_the_input_give_the_right_result():
+    n = 3
+    algos = [None, "direct", "ring", "shm"]
+    for r, res in enumerate(run_world(n, outputs_that_overlap_the_input, algos)):
+        for algo in algos:
+            assert res[f"all_gather {algo}"] == [1.0, 2.0, 3.0], (r, algo, res)
+            assert res[f"reduce_scatter {algo}"] == sum(4 * r + 100 * k for k in range(n)), (r, algo, res)
+        if r == n - 1:
+            assert res["gather"] == [1.0, 2.0, 3.0], res
+        assert res["scatter"] == (-1.0 if r == 0 else 10.0 + r), (r, res)
+        assert res["all_to_all"] == [float(2 * r + j + 100 * k) for k in range(n) for j in range(2)], (r, res)
