@@ -221,6 +221,28 @@ def fault(pg, steps=5, B=12):
             "fault_sum": float(flat_params(net).double().sum()), "final_world": pg.world_size}
 
 
+def different_layouts(pg) -> dict:
+    """Ranks freeze different parameters of the same shape (so the buckets have the same size):
+    DDP must refuse the replicas on every rank instead of averaging one rank's gradient of ``a``
+    with another's of ``b``."""
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4, bias=False)
+            self.b = torch.nn.Linear(4, 4, bias=False)
+
+    m = Two()
+    (m.a if pg.rank % 2 == 0 else m.b).weight.requires_grad_(False)
+    try:
+        DistributedDataParallel(m, pg)
+    except rtxnet.ConfigError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    DistributedDataParallel(Two(), pg)   # the same layout everywhere: accepted
+    return {"layout_refused": refused}
+
+
 def main() -> int:
     out, scenario = Path(sys.argv[1]), sys.argv[2]
     timeouts = rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=30, rendezvous_s=120)
@@ -233,6 +255,7 @@ def main() -> int:
         res.update(equivalence_sum_uneven(pg))
         res.update(no_sync_accumulation(pg))
         res.update(unused_parameters(pg))
+        res.update(different_layouts(pg))
     elif scenario == "fault":
         res.update(fault(pg))
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))

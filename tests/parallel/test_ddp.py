@@ -64,6 +64,14 @@ def test_unused_parameters_do_not_hang_and_keep_one_process_semantics(basic):
         assert r["never_grad_is_none"], r                 # used nowhere: grad stays None
 
 
+def test_replicas_with_different_trainable_parameters_are_refused_on_every_rank(basic):
+    for r in basic:
+        assert r["layout_refused"] is not None, r
+        assert r["layout_refused"].startswith("DDP: the replicas differ: rank(s) [1, 3] have parameters "
+                                              "or buffers unlike rank 0's"), r["layout_refused"]
+        assert r["layout_refused"].endswith(f"this rank trains 1 parameter(s): {'b' if r['rank'] % 2 == 0 else 'a'}.weight")
+
+
 def test_survivors_retry_a_failed_step_and_still_match_one_process(tmp_path):
     res = launch(tmp_path, "fault", "--min-ranks", "3")
     assert len(res) == 3
