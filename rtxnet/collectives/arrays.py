@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from rtxnet.collectives.reduce_ops import bfloat16, dtype_name
+from rtxnet.collectives.reduce_ops import SUPPORTED_DTYPES, bfloat16, dtype_name
 
 __all__ = ["as_numpy", "Buffer", "payload_view", "off_loop", "copy_pairs", "OFF_LOOP_NBYTES"]
 
@@ -47,12 +47,21 @@ def _torch_to_numpy(t) -> np.ndarray:
 
     if t.device.type != "cpu":
         raise ValueError(f"tensor on {t.device}; the CPU collectives take CPU tensors only")
+    if t.layout != torch.strided:
+        raise ValueError(f"tensor of layout {t.layout}; collectives take dense (torch.strided) "
+                         f"tensors: use .to_dense()")
     t = t.detach()
     if t.dtype == torch.bfloat16:
         return np.from_dlpack(t.view(torch.int16)).view(bfloat16())
     if t.is_conj() or t.is_neg():
         raise ValueError("conjugated/negated torch views are not supported")
-    return np.from_dlpack(t)
+    try:
+        return np.from_dlpack(t)
+    except (BufferError, RuntimeError, TypeError) as exc:
+        # float8, complex32, quantized...: NumPy has no such dtype
+        raise ValueError(f"dtype {t.dtype} is not supported by rtxnet collectives "
+                         f"(NumPy cannot view it: {exc}); cast it to one of: "
+                         f"{', '.join(SUPPORTED_DTYPES)}") from exc
 
 
 class Buffer:

@@ -387,3 +387,14 @@ def test_outputs_overlapping_the_input_give_the_right_result():
             assert res["gather"] == [1.0, 2.0, 3.0], res
         assert res["scatter"] == (-1.0 if r == 0 else 10.0 + r), (r, res)
         assert res["all_to_all"] == [float(2 * r + j + 100 * k) for k in range(n) for j in range(2)], (r, res)
+
+
+@pytest.mark.timeout(60)
+def test_torch_tensors_numpy_cannot_view_are_refused_by_name():
+    torch = pytest.importorskip("torch")
+    from rtxnet.collectives.arrays import as_numpy
+
+    with pytest.raises(ValueError, match=r"dtype torch\.float8_e4m3fn is not supported by rtxnet collectives"):
+        as_numpy(torch.zeros(3, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"tensor of layout torch\.sparse_coo; collectives take dense"):
+        as_numpy(torch.eye(3).to_sparse())
