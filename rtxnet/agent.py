@@ -123,6 +123,7 @@ class Agent:
         self._hb_task: asyncio.Task | None = None
         self._joining = False
         self._closed = False
+        self._leaving = False
         self._admissions = 0  # memberships accepted so far (a rejoin waits for the next one)
         # a join sent again by the heartbeat loop was refused for good (the job finished, bad
         # settings): whoever waits for admission raises it instead of waiting out its timeout
@@ -365,7 +366,7 @@ class Agent:
                         self._changed.set()
                     except RtxError as exc:
                         log.warning("rejoin_failed", error=str(exc))
-                elif not self.fenced:
+                elif not self.fenced and not self._leaving:
                     self._fence("the coordinator does not know this rank (job ended?)")
             await asyncio.sleep(max(0.0, interval - (loop.time() - sent_at)))
 
@@ -489,6 +490,7 @@ class Agent:
         """Tell the coordinator this rank leaves in order (not a crash)."""
         if self._client is None or self._closed or self.fenced:
             return
+        self._leaving = True   # a heartbeat answered after the leave is not a fence
         try:
             await self._request("leave", identity=self.identity)
         except RtxError as exc:
