@@ -7,6 +7,7 @@ epoch, job) follows into asyncio tasks.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -16,6 +17,36 @@ import structlog
 __all__ = ["configure_logging", "LOG_LEVELS"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Stderr:
+    """``sys.stderr`` for log lines, silent once its reader is gone: a daemon whose launcher was
+    SIGKILLed writes into a pipe nobody reads, and a ``BrokenPipeError`` from a log call must not
+    turn its clean stop (a temporary journal removed) into a crash."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if self.gone:
+            return len(text)
+        try:
+            return sys.stderr.write(text)
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.EBADF) and not isinstance(exc, BrokenPipeError):
+                raise
+            self.gone = True
+            return len(text)
+
+    def flush(self) -> None:
+        if self.gone:
+            return
+        try:
+            sys.stderr.flush()
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.EBADF) and not isinstance(exc, BrokenPipeError):
+                raise
+            self.gone = True
 
 
 def configure_logging(*, level: str | None = None, json: bool | None = None) -> None:
@@ -41,6 +72,6 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=True,
     )

@@ -613,3 +613,26 @@ def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinato
     assert out.returncode == 0, out.stderr
     assert "\x1b" not in out.stdout and "\nFAKE" not in out.stdout, out.stdout
     assert "job ansi\\x1b[2Jjob\\nFAKE: rendezvous" in out.stdout, out.stdout
+
+
+def test_a_coordinator_whose_log_reader_is_gone_still_stops_cleanly(tmp_path):
+    """rtxnet-run SIGKILLed: the daemon's stderr is a pipe nobody reads; its stop on SIGTERM
+    (its parent-death signal) must not die of BrokenPipeError before removing the temporary
+    journal (it did: exit 1, the journal left behind)."""
+    journal = tmp_path / "journal"
+    r, w = os.pipe()
+    p = subprocess.Popen([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--journal",
+                          str(journal), "--remove-journal-on-stop"], stdout=subprocess.PIPE, stderr=w,
+                         cwd=ROOT, env=procs.env())
+    try:
+        os.close(w)
+        assert p.stdout.readline().startswith(b"RTXNET_COORDINATOR=")
+        assert journal.exists()
+        os.close(r)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+        assert not journal.exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
