@@ -2,23 +2,46 @@
 
 Layout under a root folder::
 
-    root/step-<N>/rank-<r>.pt        one shard per rank: torch.save of that rank's plain state
-    root/step-<N>/manifest.json      written last: the commit point
+    root/step-<N>/rank-<r>.pt          one shard per rank: torch.save of that rank's plain state
+    root/step-<N>/rank-<r>.<tag>.pt    the same, written by a save over a committed step N
+    root/step-<N>/manifest.json        written last: the commit point
 
-A save runs in four phases on every rank of the group:
+The manifest lists every rank's shard (``"shards"``: file names in rank order) with its size and
+SHA-256 (``"files"``); only the files it lists belong to the step. A save runs in one epoch's
+world (it pins the world group it began in, :meth:`rtxnet.ProcessGroup.pinned`), in four phases,
+on every rank of the group:
 
-1. rank 0 removes an old ``manifest.json`` of the same step (a save over a step left half-written
-   by a crash, or over a finished one), then the group meets in a barrier, so no shard is replaced
-   while a manifest still vouches for the old one;
+1. the ranks exchange the step and the root (its resolved absolute path) with one ``all_gather``
+   and refuse, on every rank and before anything is written, when they differ;
 2. every rank serialises its state, writes it to a temporary name, flushes, fsyncs, renames it to
-   ``rank-<r>.pt`` and fsyncs the folder (the POSIX recipe for an atomic, durable replace);
-3. ranks exchange ``(ok, nbytes, sha256, error text)`` with one ``all_gather``;
-4. rank 0 writes ``manifest.json`` (temporary name, fsync, rename, fsync) only if every rank
-   succeeded, and broadcasts the outcome; if any rank failed, every rank raises
-   :class:`CheckpointError` naming the failed ranks and the first error.
+   its shard name and fsyncs the folder (the POSIX recipe for an atomic, durable replace). The
+   shard name is ``rank-<r>.pt`` when the step has no manifest; when it has one (a save over a
+   committed step: the README's FaultTolerance pattern saves at the start of step N, so a redone
+   step saves N again) it is a new name ``rank-<r>.<tag>.pt``, so no file the committed manifest
+   lists is touched before the new manifest replaces it;
+3. ranks exchange ``(ok, nbytes, sha256, shard name, error text)`` with one ``all_gather``;
+4. rank 0 checks that it sees every rank's shard (a root not shared by the ranks is refused
+   here), writes ``manifest.json`` (temporary name, fsync, rename over the old one, fsync of the
+   folder) only if every rank succeeded, removes the files of the folder the new manifest does
+   not list (shards of the replaced save, leftovers of failed ones, stray temporary files), and
+   broadcasts the outcome; if any rank failed, every rank removes the shard it wrote for this save
+   and raises :class:`CheckpointError` naming the failed ranks and the first error.
 
-A step without a manifest is never loaded; a shard whose size or SHA-256 differs from the
-manifest is refused with :class:`CheckpointCorruptError` naming the file. Shards are read with
+Crash windows (a rank SIGKILLed, a power cut): the rename of ``manifest.json`` is the only commit
+point. Before it, the step is what it was (committed with its old shards, which nothing
+overwrote, or not committed at all); the new shards are unlisted leftovers, removed by the next
+successful save of that step. After it, the new manifest lists shards that were all fsynced
+before it was written. A crash after the rename, before the folder's fsync, may lose the rename
+on a power cut: the step is then the old one again. A crash during the removal of leftovers
+leaves unlisted files, which are never loaded and are removed by the next save of the step. A
+membership change during a save (a rank lost, a rank joining) fails the save's next collective
+with :class:`PeerLostError` (``ClosedError`` when nobody was lost) naming the step and what was
+committed; it never runs in the new world.
+
+A step without a manifest is never loaded. A manifest that is not valid JSON of the expected form
+or does not list a shard for every rank of its world, and a shard whose size or SHA-256 differs
+from the manifest, are refused with :class:`CheckpointCorruptError` naming the file; :func:`latest`
+skips such steps, falling back to the newest intact one. Shards are read with
 ``torch.load(weights_only=True)``, so a checkpoint cannot run code: states hold tensors, numbers,
 strings, lists, tuples and dicts only (:func:`capture_rng` turns the RNG states into such values).
 
@@ -38,6 +61,7 @@ Errors (from the tree in ``transport/errors.py``)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -60,8 +84,10 @@ from transport.durable import fsync_dir
 from transport.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    ClosedError,
     CollectiveMismatchError,
     ConfigError,
+    PeerLostError,
 )
 
 __all__ = [
@@ -83,8 +109,12 @@ log = structlog.get_logger(__name__)
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_STATUS_NBYTES = 1024         # ok(1) pad(1) msg_len(2) pad(4) nbytes(8) sha256(32) msg(976)
-_MSG_MAX = _STATUS_NBYTES - 48
+_SHARD_RE = re.compile(r"^rank-(\d+)(?:\.([0-9a-f]{1,32}))?\.pt$")   # rank-<r>.pt, rank-<r>.<tag>.pt
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_STATUS_NBYTES = 1024         # ok(1) pad(1) msg_len(2) name_len(2) pad(2) nbytes(8) sha256(32)
+_NAME_MAX = 64                # name(64) msg(912)
+_MSG_MAX = _STATUS_NBYTES - 48 - _NAME_MAX
+_ROOT_NBYTES = 4096           # a root's path, exchanged only when the ranks' roots differ
 
 
 LATEST_KEY = "rtxnet/checkpoint/latest"
@@ -138,8 +168,14 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{_check_step(step)}"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary name, fsync, rename over ``path``, fsync the folder."""
+def _write_atomic(path: Path, data: bytes, *, sync_folder: bool = True) -> None:
+    """Write ``data`` to a temporary name, fsync, rename over ``path``, fsync the folder (unless
+    ``sync_folder`` is False: the caller does, knowing the rename happened).
+
+    Raises:
+        OSError: writing, syncing or renaming failed; the temporary file is removed, ``path`` is
+            untouched unless only the folder's fsync failed.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
@@ -150,7 +186,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync_folder:
+        fsync_dir(path.parent)
 
 
 def _remove_stale_temps(folder: Path, name: str) -> None:
@@ -160,30 +197,88 @@ def _remove_stale_temps(folder: Path, name: str) -> None:
 
 # -- group plumbing (pg=None: a single process) ---------------------------------------------------
 
-def _rank_world(pg: Any) -> tuple[int, int]:
-    return (0, 1) if pg is None else (pg.rank, pg.world_size)
-
-
 def _kw(timeout_s: float | None) -> dict[str, Any]:
     return {} if timeout_s is None else {"timeout": timeout_s}
 
 
-def _pack_status(ok: bool, nbytes: int, digest: bytes, msg: str) -> np.ndarray:
+def _save_world(pg: Any) -> tuple[Any, int, int, int | None]:
+    """The world group the save runs in (pinned for the whole save), this rank's rank in it, its
+    size and its epoch; ``(None, 0, 1, None)`` without a group."""
+    if pg is None:
+        return None, 0, 1, None
+    current = getattr(pg, "current_world", None)
+    world = current() if current is not None else None
+    if world is None:   # no collective engine: the collectives themselves say so
+        return None, pg.rank, pg.world_size, getattr(pg, "epoch", None)
+    return world, int(world.rank), int(world.size), int(world.epoch)
+
+
+def _pack_status(ok: bool, nbytes: int, digest: bytes, name: str, msg: str) -> np.ndarray:
     a = np.zeros(_STATUS_NBYTES, np.uint8)
+    n = name.encode("ascii")[:_NAME_MAX]
     m = msg.encode("utf-8", "replace")[:_MSG_MAX]
     a[0] = 1 if ok else 0
     a[2:4] = np.frombuffer(np.uint16(len(m)).tobytes(), np.uint8)
+    a[4:6] = np.frombuffer(np.uint16(len(n)).tobytes(), np.uint8)
     a[8:16] = np.frombuffer(np.uint64(nbytes).tobytes(), np.uint8)
     a[16:48] = np.frombuffer(digest.ljust(32, b"\0")[:32], np.uint8)
-    a[48:48 + len(m)] = np.frombuffer(m, np.uint8)
+    a[48:48 + len(n)] = np.frombuffer(n, np.uint8)
+    a[48 + _NAME_MAX:48 + _NAME_MAX + len(m)] = np.frombuffer(m, np.uint8)
     return a
 
 
 def _unpack_status(a: np.ndarray) -> dict[str, Any]:
     b = a.tobytes()
-    n = int(np.frombuffer(b[2:4], np.uint16)[0])
+    m = int(np.frombuffer(b[2:4], np.uint16)[0])
+    n = int(np.frombuffer(b[4:6], np.uint16)[0])
     return {"ok": bool(b[0]), "nbytes": int(np.frombuffer(b[8:16], np.uint64)[0]),
-            "sha256": b[16:48].hex(), "error": b[48:48 + n].decode("utf-8", "replace")}
+            "sha256": b[16:48].hex(), "name": b[48:48 + n].decode("ascii", "replace"),
+            "error": b[48 + _NAME_MAX:48 + _NAME_MAX + m].decode("utf-8", "replace")}
+
+
+def _root_key(root_abs: str) -> int:
+    """A 63-bit digest of a root's absolute path, compared across ranks."""
+    return int.from_bytes(hashlib.sha256(root_abs.encode("utf-8", "surrogateescape")).digest()[:8],
+                          "little") >> 1
+
+
+def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | None) -> None:
+    """Phase 1: every rank saves the same step into the same root, or none writes anything (a
+    shard in another step's or another root's folder would leave no loadable set)."""
+    got = np.zeros(2 * world, np.int64)
+    pg.all_gather(got, np.array([step, _root_key(root_abs)], np.int64), **_kw(timeout_s))
+    steps, keys = got[0::2], got[1::2]
+    if len(set(steps.tolist())) > 1:
+        by_rank = {k: int(v) for k, v in enumerate(steps)}
+        raise CollectiveMismatchError(
+            f"checkpoint.save: the ranks asked for different steps {by_rank}: every rank of "
+            f"the group saves the same step; nothing was written", field="step", values=by_rank)
+    if len(set(keys.tolist())) > 1:
+        mine = np.zeros(_ROOT_NBYTES, np.uint8)
+        raw = root_abs.encode("utf-8", "surrogateescape")[:_ROOT_NBYTES]
+        mine[:len(raw)] = np.frombuffer(raw, np.uint8)
+        paths = np.zeros(world * _ROOT_NBYTES, np.uint8)
+        pg.all_gather(paths, mine, **_kw(timeout_s))
+        roots = {k: paths[k * _ROOT_NBYTES:(k + 1) * _ROOT_NBYTES].tobytes().rstrip(b"\0")
+                 .decode("utf-8", "replace") for k in range(world)}
+        raise CollectiveMismatchError(
+            f"checkpoint.save of step {step}: the ranks passed different roots {roots}: every "
+            f"rank of the group saves into the same folder (one path, shared by the ranks); "
+            f"nothing was written", field="root", values=roots)
+
+
+def _group_broke(exc: PeerLostError | ClosedError, step: int, outcome: str) -> BaseException:
+    """``exc`` (the save's world group ended) again, naming the step and what was committed."""
+    if isinstance(exc, PeerLostError):
+        lost = f"lost rank(s) {exc.ranks}" if exc.ranks else "lost a rank"
+        out: BaseException = PeerLostError(
+            f"checkpoint step {step}: the group {lost} during the save; {outcome} ({exc})",
+            ranks=exc.ranks, epoch=exc.epoch)
+    else:
+        out = ClosedError(f"checkpoint step {step}: the group's membership changed during the "
+                          f"save; {outcome} ({exc})")
+    log.error("checkpoint_group_broke", step=step, outcome=outcome, error=str(exc))
+    return out
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -191,17 +286,19 @@ def _unpack_status(a: np.ndarray) -> dict[str, Any]:
 def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any = None,
          keep: int | None = None, metadata: dict[str, Any] | None = None,
          timeout_s: float | None = None) -> Path:
-    """Save this rank's ``state`` as shard ``rank-<r>.pt`` of ``step`` and commit it with a manifest.
+    """Save this rank's ``state`` as its shard of ``step`` and commit it with a manifest.
 
-    Collective: every rank of ``pg`` must call it with the same ``step``.
+    Collective: every rank of ``pg`` must call it with the same ``step`` and ``root``. The whole
+    save runs in the world group of the epoch it began in.
 
     Args:
         root: checkpoint folder (created if needed; shared by the ranks, e.g. one host or a shared
-            file system).
+            file system, under the same absolute path on every rank).
         step: the number of completed training steps the state holds (>= 0): the checkpoint of
             step N is saved after steps 0..N-1 and resumes at step N, as
             ``FaultTolerance(start_step=N)`` and its ``load_checkpoint`` take it. Saving a step
-            again replaces it.
+            again replaces it when the new save commits; until then (and for good if the new save
+            fails or a rank dies during it) the old one stays committed and loadable.
         state: this rank's state: nested dicts/lists/tuples of tensors, numbers, strings, bools,
             None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
             "sampler": sampler.state_dict(), "rng": capture_rng()}``).
@@ -215,58 +312,58 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
 
     Raises:
         CheckpointError: some rank failed to write its shard, or rank 0 failed to write the
-            manifest; raised on every rank, ``exc.ranks`` names the failed ranks. The step has no
-            manifest afterwards and will not be loaded.
+            manifest or could not see a rank's shard (a root not shared by the ranks); raised on
+            every rank, ``exc.ranks`` names the failed ranks. Nothing was committed: the step is
+            what it was before (a committed step stays committed, with its old shards).
         ConfigError: bad ``step`` or ``keep``.
-        CollectiveMismatchError: the ranks asked for different steps (nothing written).
-        PeerLostError, CollectiveTimeout: the group broke during the save; no manifest written.
+        CollectiveMismatchError: the ranks asked for different steps (``field="step"``) or passed
+            different roots (``field="root"``, ``values`` maps rank to its resolved root); raised
+            on every rank, nothing written.
+        PeerLostError, ClosedError: the group's membership changed during the save (a rank lost,
+            or a rank joined); the message names the step and whether it was committed (it is
+            not, unless this is rank 0 and it had written the manifest).
+        CollectiveTimeout: a collective of the save timed out.
     """
     step = _check_step(step)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ConfigError(f"keep({keep!r}) must be None or an integer >= 1")
-    rank, world = _rank_world(pg)
+    world_group, rank, world, epoch = _save_world(pg)
+    pin = pg.pinned(world_group) if world_group is not None else contextlib.nullcontext()
+    with pin:
+        return _save(Path(root), step, state, pg, rank, world, epoch, keep, metadata, timeout_s)
+
+
+def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, world: int,
+          epoch: int | None, keep: int | None, metadata: dict[str, Any] | None,
+          timeout_s: float | None) -> Path:
     folder = step_dir(root, step)
     t0 = time.perf_counter()
-    if pg is not None:
-        # every rank saves the same step, or none writes anything (a shard in another step's
-        # folder would leave both steps without a loadable set)
-        steps = np.zeros(world, np.int64)
-        pg.all_gather(steps, np.array([step], np.int64), **_kw(timeout_s))
-        if len(set(steps.tolist())) > 1:
-            by_rank = {k: int(v) for k, v in enumerate(steps)}
-            raise CollectiveMismatchError(
-                f"checkpoint.save: the ranks asked for different steps {by_rank}: every rank of "
-                f"the group saves the same step; nothing was written", field="step", values=by_rank)
+    if pg is not None:   # Phase 1: the same step and root on every rank
+        try:
+            _agree(pg, step, str(root.resolve()), world, timeout_s)
+        except (PeerLostError, ClosedError) as exc:
+            raise _group_broke(exc, step, "nothing was written") from exc
 
-    # Phase 1: withdraw an old manifest before any shard of this step changes.
+    # Phase 2: this rank's shard, under a name no committed manifest lists.
     err: BaseException | None = None
+    digest, nbytes, name, written = b"", 0, f"rank-{rank}.pt", False
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if rank == 0 and (folder / MANIFEST).exists():
-            (folder / MANIFEST).unlink()
-            fsync_dir(folder)
-            log.info("checkpoint_manifest_withdrawn", step=step)
-    except OSError as exc:
-        err = exc
-    if pg is not None:
-        pg.barrier(**_kw(timeout_s))
-
-    # Phase 2: this rank's shard.
-    digest, nbytes = b"", 0
-    if err is None:
-        try:
-            name = f"rank-{rank}.pt"
+        if (folder / MANIFEST).exists():
+            name = f"rank-{rank}.{uuid.uuid4().hex[:12]}.pt"
+        else:
             _remove_stale_temps(folder, name)
-            _check_loadable(state, "state")
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            data = buf.getvalue()
-            digest, nbytes = hashlib.sha256(data).digest(), len(data)
-            faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during checkpoint write"
-            _write_atomic(folder / name, data)
-        except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
-            err = exc
-    mine = _pack_status(err is None, nbytes, digest,
+        _check_loadable(state, "state")
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        digest, nbytes = hashlib.sha256(data).digest(), len(data)
+        faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during checkpoint write"
+        written = True   # from here on a failure may leave the file
+        _write_atomic(folder / name, data)
+    except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+        err = exc
+    mine = _pack_status(err is None, nbytes, digest, name,
                         "" if err is None else f"{type(err).__name__}: {err}")
 
     # Phase 3: everyone's outcome.
@@ -274,7 +371,14 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         statuses = [_unpack_status(mine)]
     else:
         out = np.zeros(world * _STATUS_NBYTES, np.uint8)
-        pg.all_gather(out, mine, **_kw(timeout_s))
+        try:
+            pg.all_gather(out, mine, **_kw(timeout_s))
+        except (PeerLostError, ClosedError) as exc:
+            # rank 0 commits only with every rank's status: it may have got them all (this rank
+            # sent its own) and committed, unless this rank is rank 0
+            raise _group_broke(exc, step, "nothing was committed" if rank == 0 else
+                               f"rank 0 may have committed it: see checkpoint.latest({str(root)!r})"
+                               ) from exc
         statuses = [_unpack_status(out[k * _STATUS_NBYTES:(k + 1) * _STATUS_NBYTES]) for k in range(world)]
     failed = [k for k, s in enumerate(statuses) if not s["ok"]]
 
@@ -282,22 +386,53 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     committed = np.zeros(1, np.uint8)
     manifest_error = ""
     if rank == 0 and not failed:
-        manifest = {
-            "format": FORMAT, "step": step, "world_size": world,
-            "epoch": None if pg is None else pg.epoch, "created_unix_s": time.time(),
-            "files": {f"rank-{k}.pt": {"sha256": s["sha256"], "nbytes": s["nbytes"]}
-                      for k, s in enumerate(statuses)},
-            "metadata": metadata or {},
-        }
+        shards = [s["name"] for s in statuses]
         try:
-            _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-            committed[0] = 1
+            for k, s in enumerate(statuses):
+                g = _SHARD_RE.match(s["name"])
+                if g is None or int(g.group(1)) != k:
+                    raise ValueError(f"rank {k} reported the shard name {s['name']!r}")
+                try:
+                    seen = f"{(folder / s['name']).stat().st_size} bytes"
+                except FileNotFoundError:
+                    seen = "no such file"
+                if seen != f"{s['nbytes']} bytes":
+                    raise FileNotFoundError(
+                        f"rank {k} wrote {s['nbytes']} bytes to {folder / s['name']}, rank 0 sees "
+                        f"{seen} (is {root} one folder shared by every rank?)")
+            manifest = {
+                "format": FORMAT, "step": step, "world_size": world, "epoch": epoch,
+                "created_unix_s": time.time(), "shards": shards,
+                "files": {s["name"]: {"sha256": s["sha256"], "nbytes": s["nbytes"]} for s in statuses},
+                "metadata": metadata or {},
+            }
+            data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            _write_atomic(folder / MANIFEST, data, sync_folder=False)
+            committed[0] = 1          # renamed: the commit point has passed
         except (OSError, TypeError, ValueError) as exc:
             manifest_error = f"{type(exc).__name__}: {exc}"
+        if committed[0]:
+            try:
+                fsync_dir(folder)
+            except OSError as exc:    # committed and visible; only its durability is in doubt
+                log.warning("checkpoint_folder_fsync_failed", step=step, path=str(folder), error=str(exc))
+            # before the broadcast: no rank starts another save of this step while files go
+            _remove_leftovers(folder, set(shards))
     if pg is not None:
-        pg.broadcast(committed, src=0, **_kw(timeout_s))
+        try:
+            pg.broadcast(committed, src=0, **_kw(timeout_s))
+        except (PeerLostError, ClosedError) as exc:
+            raise _group_broke(exc, step, (
+                f"rank 0 committed it ({folder / MANIFEST} written)" if committed[0] else
+                "nothing was committed" if rank == 0 else
+                f"rank 0 may have committed it: see checkpoint.latest({str(root)!r})")) from exc
 
     if not committed[0]:
+        if written:   # nothing vouches for this save's shard: do not leave it taking space
+            try:
+                (folder / name).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("checkpoint_shard_kept", path=str(folder / name), error=str(exc))
         if failed:
             first = statuses[failed[0]]["error"]
             msg = (f"checkpoint step {step} failed on rank(s) {failed}: rank {failed[0]}: {first}; "
@@ -305,22 +440,20 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         else:
             failed = [0]
             msg = (f"checkpoint step {step}: rank 0 could not write {folder / MANIFEST}"
-                   f"{': ' + manifest_error if manifest_error else ''}")
+                   f"{': ' + manifest_error if manifest_error else ''}; no manifest written")
         log.error("checkpoint_failed", step=step, ranks=failed, error=msg)
         raise CheckpointError(msg, step=step, ranks=failed) from err
 
     duration_ms = (time.perf_counter() - t0) * 1e3
     log.info("checkpoint_saved", step=step, nbytes=nbytes, world_size=world,
              duration_ms=round(duration_ms, 1))
-    if rank == 0:
-        _remove_unlisted_shards(folder, world)
     if rank == 0 and keep is not None:
-        _prune(Path(root), keep)
+        _prune(root, keep)
     if rank == 0 and pg is not None:
         # The coordinator journals the newest committed checkpoint with the job's other state, so a
         # rank that rejoins (or a whole new set of ranks) can find it when no live peer holds the
         # committed state (see rtxnet.FaultTolerance(load_checkpoint=...)).
-        pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(Path(root).resolve()),
+        pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(root.resolve()),
                                              "world_size": world}))
     return folder
 
@@ -361,17 +494,23 @@ def _check_loadable(v: Any, where: str) -> None:
             f"numbers, strings, bytes, None and dicts/lists/tuples of them{hint}") from None
 
 
-def _remove_unlisted_shards(folder: Path, world: int) -> None:
-    """Shards of ranks ``>= world`` left by an earlier save of the same step with more ranks: the
-    manifest does not list them, so they are never loaded, but they are not this step's."""
-    for p in folder.glob("rank-*.pt"):
-        m = re.fullmatch(r"rank-(\d+)\.pt", p.name)
-        if m and int(m.group(1)) >= world:
-            try:
-                p.unlink()
-                log.info("checkpoint_stale_shard_removed", path=str(p))
-            except OSError as exc:
-                log.warning("checkpoint_stale_shard_kept", path=str(p), error=str(exc))
+def _remove_leftovers(folder: Path, listed: set[str]) -> None:
+    """Rank 0, after a commit: remove the shards of ``folder`` the new manifest does not list (the
+    replaced save's, those of ranks ``>= world`` of an earlier save with more ranks, those of
+    failed or killed saves) and stray temporary files. Only names this module writes are touched;
+    a file that cannot be removed is logged and left (it is never loaded)."""
+    for p in folder.iterdir():
+        n = p.name
+        if n in listed or n == MANIFEST:
+            continue
+        stray_tmp = n.startswith((".rank-", f".{MANIFEST}.tmp-")) and ".tmp-" in n
+        if not (_SHARD_RE.match(n) or stray_tmp):
+            continue
+        try:
+            p.unlink()
+            log.info("checkpoint_leftover_removed", path=str(p))
+        except OSError as exc:
+            log.warning("checkpoint_leftover_kept", path=str(p), error=str(exc))
 
 
 def _steps(root: Path) -> list[int]:
@@ -399,22 +538,65 @@ def _prune(root: Path, keep: int) -> None:
 # -- load -----------------------------------------------------------------------------------------
 
 def read_manifest(root: str | os.PathLike, step: int) -> dict[str, Any]:
-    """The manifest of ``step``.
+    """The manifest of ``step``, checked for form: it lists one shard for every rank of its world.
+
+    Returns:
+        The manifest, with ``"shards"`` (the shard file names in rank order; for a manifest written
+        before the list existed, ``rank-<r>.pt``).
 
     Raises:
         CheckpointError: the step has no manifest (never committed, or half-written).
-        CheckpointCorruptError: the manifest is not valid JSON of the expected form.
+        CheckpointCorruptError: the manifest is not valid JSON of the expected form (names the
+            file and what is wrong: a missing or mistyped field, a rank of its world without a
+            shard, a shard without its size and SHA-256).
     """
     path = step_dir(root, step) / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: step {step} was never committed", step=step)
     try:
         m = json.loads(path.read_bytes())
-        if m.get("format") != FORMAT or int(m["step"]) != step or not isinstance(m["files"], dict):
-            raise ValueError(f"format {m.get('format')!r}, step {m.get('step')!r}")
+        _check_manifest(m, step)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptError(f"{path}: not a valid manifest ({exc})", path=path, step=step) from exc
     return m
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest(m: Any, step: int) -> None:
+    """Raises ValueError naming what is wrong with manifest ``m`` of ``step``; adds ``"shards"``
+    to a manifest written before the list existed."""
+    if not isinstance(m, dict):
+        raise ValueError(f"a JSON {type(m).__name__}, not an object")
+    if m.get("format") != FORMAT:
+        raise ValueError(f"format {m.get('format')!r}, expected {FORMAT}")
+    if not _is_int(m.get("step")) or m["step"] != step:
+        raise ValueError(f"step {m.get('step')!r}, expected {step}")
+    world = m.get("world_size")
+    if not _is_int(world) or world < 1:
+        raise ValueError(f"world_size {world!r} is not an integer >= 1")
+    files = m.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"files {files!r} is not an object")
+    shards = m.setdefault("shards", [f"rank-{k}.pt" for k in range(world)])
+    if not isinstance(shards, list) or len(shards) != world:
+        raise ValueError(f"shards {shards!r} is not a list of {world} file names (world_size {world})")
+    for k, name in enumerate(shards):
+        g = _SHARD_RE.match(name) if isinstance(name, str) else None
+        if g is None or int(g.group(1)) != k:
+            raise ValueError(f"shards[{k}] {name!r} is not a shard name of rank {k}")
+        entry = files.get(name)
+        if entry is None:
+            raise ValueError(f"rank {k} of its world of {world} has no shard: files lists no {name}")
+        if (not isinstance(entry, dict) or not _is_int(entry.get("nbytes")) or entry["nbytes"] < 0
+                or not isinstance(entry.get("sha256"), str) or not _SHA256_RE.match(entry["sha256"])):
+            raise ValueError(f"files[{name!r}] {entry!r} is not {{'sha256': 64 hex digits, "
+                             f"'nbytes': integer >= 0}}")
+    extra = sorted(set(files) - set(shards))
+    if extra:
+        raise ValueError(f"files lists {extra}, which are no shard of its world of {world}")
 
 
 def _read_verified(path: Path, entry: dict[str, Any], step: int) -> bytes:
@@ -437,19 +619,27 @@ def verify(root: str | os.PathLike, step: int) -> dict[str, Any]:
     """Check every shard of ``step`` against its manifest; returns the manifest.
 
     Raises:
-        CheckpointError, CheckpointCorruptError: as :func:`read_manifest` and :func:`load`.
+        CheckpointError: the step has no manifest (never committed, or half-written).
+        CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
+            of its world (names the manifest), or a shard is missing or its size or SHA-256
+            differs from the manifest (names the shard).
     """
     m = read_manifest(root, step)
-    for name, entry in m["files"].items():
-        _read_verified(step_dir(root, step) / name, entry, step)
+    for name in m["shards"]:
+        _read_verified(step_dir(root, step) / name, m["files"][name], step)
     return m
 
 
 def latest(root: str | os.PathLike, *, verify_shards: bool = True) -> int | None:
     """The newest committed step under ``root`` whose shards match the manifest, or None.
 
-    Steps without a manifest (half-written) are skipped; a corrupt step is skipped with a
-    ``checkpoint_corrupt`` warning, so a resume falls back to the newest intact one.
+    Steps without a manifest (half-written) are skipped; a corrupt step (a manifest that is
+    malformed or does not list a shard for every rank of its world, or, with ``verify_shards``, a
+    shard whose size or SHA-256 differs from it) is skipped with a ``checkpoint_corrupt`` warning,
+    so a resume falls back to the newest intact one.
+
+    Raises:
+        OSError: a manifest or shard exists but cannot be read (e.g. permissions).
     """
     for s in reversed(_steps(Path(root))):
         if not (step_dir(root, s) / MANIFEST).exists():
@@ -458,6 +648,8 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True) -> int | None
             verify(root, s) if verify_shards else read_manifest(root, s)
         except CheckpointCorruptError as exc:
             log.warning("checkpoint_corrupt", step=s, path=str(exc.path), error=str(exc))
+            continue
+        except CheckpointError:   # the manifest went between the two looks (pruned meanwhile)
             continue
         return s
     return None
@@ -472,10 +664,7 @@ def _resolve_step(root: str | os.PathLike, step: int | None) -> int:
 
 
 def _load_shard(root: str | os.PathLike, step: int, m: dict[str, Any], shard: int) -> dict[str, Any]:
-    name = f"rank-{shard}.pt"
-    if name not in m["files"]:
-        raise CheckpointCorruptError(f"{step_dir(root, step) / MANIFEST} lists no {name}",
-                                     path=step_dir(root, step) / MANIFEST, step=step)
+    name = m["shards"][shard]   # read_manifest checked: one per rank of the saved world
     path = step_dir(root, step) / name
     data = _read_verified(path, m["files"][name], step)
     try:
@@ -504,8 +693,9 @@ def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str,
 
     Raises:
         CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed.
-        CheckpointCorruptError: a shard's size or SHA-256 differs from the manifest (names the
-            file).
+        CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
+            of its world (names the manifest), or a shard's size or SHA-256 differs from the
+            manifest (names the file).
     """
     step = _resolve_step(root, step)
     m = read_manifest(root, step)
@@ -536,8 +726,9 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
 
     Raises:
         CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed.
-        CheckpointCorruptError: the shard's size or SHA-256 differs from the manifest (names the
-            file); such a checkpoint is never loaded.
+        CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
+            of its world (names the manifest), or the shard's size or SHA-256 differs from the
+            manifest (names the file); such a checkpoint is never loaded.
     """
     step = _resolve_step(root, step)
     if rank is None:

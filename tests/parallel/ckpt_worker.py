@@ -7,21 +7,36 @@ Scenarios, in order, all ranks together:
     2. rank 1's state cannot be serialised at step 2: the save must fail on every rank;
     3. a crash left step 3 half-written (garbage shard, stray temp file, no manifest): saving
        step 3 again succeeds;
-    4. saving step 1 again over its complete checkpoint succeeds.
+    4. saving step 1 again over its complete checkpoint succeeds;
+    5. a NumPy array in the state is refused at save time;
+    6. ranks asking for different steps are refused before anything is written;
+    7. ranks passing different roots (``ROOT/r<rank>``) are refused before anything is written.
 Each rank writes ``OUT_DIR/ckpt-rank<r>.json``.
+
+    ckpt_worker.py ROOT OUT_DIR kill        (under ``--nproc 2 --min-ranks 1``)
+
+Both ranks save step 1 (:func:`old_state`), then save step 1 again. In the middle of that re-save
+(after serialising, before writing the shard: the ``checkpoint`` fault point) each rank writes its
+pid to ``OUT_DIR/in-save-rank<r>``; rank 1 then waits for the test to SIGKILL it, and rank 0 waits
+until the membership moved to the next epoch (the survivor's world of one) and only then writes
+its shard and goes on to the save's next collective. Rank 0 writes what the re-save raised and
+what ``latest``/``load`` give afterwards, then saves step 1 once more in its new world of one, to
+``OUT_DIR/kill-rank0.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import rtxnet
-from rtxnet import checkpoint
+from rtxnet import checkpoint, faults
 from rtxnet.parallel import DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
 from tests.procs import leave_together
@@ -101,10 +116,68 @@ def main() -> int:
     except rtxnet.CollectiveMismatchError as exc:
         res["steps_mismatch"] = {"values": {str(k): v for k, v in exc.values.items()}, "msg": str(exc)}
     res["steps_after_mismatch"] = sorted(p.name for p in root.iterdir())
+
+    # 7. ranks passing different roots: refused on every rank before anything is written
+    try:
+        checkpoint.save(root / f"r{r}", 20, state(20), pg=pg)
+        res["roots_mismatch"] = "no error"
+    except rtxnet.CollectiveMismatchError as exc:
+        res["roots_mismatch"] = {"field": exc.field, "values": {str(k): v for k, v in exc.values.items()},
+                                 "msg": str(exc)}
+    res["after_roots_mismatch"] = sorted(p.name for p in root.iterdir())
     (out / f"ckpt-rank{r}.json").write_text(json.dumps(res))
     leave_together(pg, "ckpt", r)
     return 0
 
 
+def old_state(rank: int) -> dict:
+    """What rank ``rank`` saves as step 1 before the re-save it is killed in (``kill``)."""
+    return {"w": torch.arange(4096, dtype=torch.float32) + 1000 * rank, "gen": "old", "rank": rank}
+
+
+def kill() -> int:
+    root, out = Path(sys.argv[1]), Path(sys.argv[2])
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=5.0, op_s=60, rendezvous_s=120))
+    r = pg.rank
+    checkpoint.save(root, 1, old_state(r), pg=pg)
+    point = faults.point
+
+    def stop_in_resave(at, *, pg=None, step=None):
+        point(at, pg=pg, step=step)
+        if at == "checkpoint":
+            epoch = pg.epoch
+            (out / f"in-save-rank{r}").write_text(str(os.getpid()))
+            if r == 1:
+                time.sleep(120)             # the test SIGKILLs this process by its pid
+            leave_by = time.monotonic() + 60
+            while pg.epoch == epoch and time.monotonic() < leave_by:
+                time.sleep(0.02)            # rank 0: the save's world ends under it
+
+    faults.point = stop_in_resave
+    res: dict = {"rank": r}
+    try:
+        checkpoint.save(root, 1, {"w": torch.zeros(4096), "gen": "new", "rank": r}, pg=pg)
+        res["resave"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test checks what it was
+        res["resave"] = {"type": type(exc).__name__, "msg": str(exc), "ranks": getattr(exc, "ranks", None)}
+    faults.point = point
+    res["latest"] = checkpoint.latest(root)
+    res["files_after_kill"] = sorted(p.name for p in checkpoint.step_dir(root, 1).iterdir())
+    try:
+        loaded = [checkpoint.load(root, 1, rank=k) for k in range(2)]
+        res["old_loaded_exactly"] = [torch.equal(s["w"], old_state(k)["w"]) and s["gen"] == "old"
+                                     and s["rank"] == k for k, s in enumerate(loaded)]
+    except checkpoint.CheckpointError as exc:
+        res["old_loaded_exactly"] = f"{type(exc).__name__}: {exc}"
+    res["world_after_kill"] = pg.world_size
+    checkpoint.save(root, 1, {"w": torch.ones(8), "gen": "newer", "rank": r}, pg=pg)   # world of one
+    res["latest_after_newer"] = checkpoint.latest(root)
+    res["files_after_newer"] = sorted(p.name for p in checkpoint.step_dir(root, 1).iterdir())
+    res["newer_loaded"] = checkpoint.load(root, 1)["gen"]
+    (out / f"kill-rank{r}.json").write_text(json.dumps(res))
+    pg.close()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(kill() if sys.argv[3:] == ["kill"] else main())

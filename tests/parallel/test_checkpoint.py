@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -153,8 +156,10 @@ def test_resaving_a_step_with_fewer_ranks_removes_the_shards_it_does_not_list(tw
     root, _ = two_ranks
     shutil.copytree(root / "step-3", tmp_path / "step-3")      # saved by 2 ranks
     checkpoint.save(tmp_path, 3, {"step": 3, "w": torch.ones(4)})  # again, by 1
-    assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == ["manifest.json", "rank-0.pt"]
-    assert list(checkpoint.verify(tmp_path, 3)["files"]) == ["rank-0.pt"]
+    m = checkpoint.verify(tmp_path, 3)
+    [shard] = m["shards"]                 # a new name: the committed rank-0.pt was not touched
+    assert re.fullmatch(r"rank-0\.[0-9a-f]+\.pt", shard) and list(m["files"]) == [shard]
+    assert sorted(p.name for p in (tmp_path / "step-3").iterdir()) == ["manifest.json", shard]
     assert torch.equal(checkpoint.load(tmp_path, 3, rank=1)["w"], torch.ones(4))   # rank 0's stands in
 
 
@@ -213,3 +218,144 @@ def test_rng_capture_and_restore(tmp_path):
     checkpoint.restore_rng(checkpoint.load(tmp_path, 0)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
     shutil.rmtree(tmp_path / "step-0")
+
+
+def test_ranks_passing_different_roots_are_refused_on_every_rank_naming_the_roots(two_ranks):
+    # before, each rank "succeeded" and rank 0's manifest listed a shard in rank 1's folder
+    root, res = two_ranks
+    roots = {"0": str((root / "r0").resolve()), "1": str((root / "r1").resolve())}
+    for r in res:
+        err = r["roots_mismatch"]
+        assert err != "no error", r
+        assert err["field"] == "root" and err["values"] == roots, r
+        assert "different roots" in err["msg"] and roots["0"] in err["msg"] and roots["1"] in err["msg"]
+        assert "nothing was written" in err["msg"]
+        assert "r0" not in r["after_roots_mismatch"] and "r1" not in r["after_roots_mismatch"], r
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MiB tmpfs mounted at ``tmp_path/m`` (skips where mounting is not permitted)."""
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, timeout=20)
+    except (FileNotFoundError, PermissionError) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (mount exited {proc.returncode}: {proc.stderr.strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
+
+
+def test_a_resave_that_fills_the_disk_keeps_the_committed_step(small_tmpfs):
+    # before, the re-save withdrew the old manifest first: after "No space left on device" the
+    # committed step was lost (latest() None) though its shard was still on disk
+    old = {"w": torch.arange(262144, dtype=torch.float32), "gen": "old"}        # 1 MiB
+    checkpoint.save(small_tmpfs, 1, old)
+    with pytest.raises(CheckpointError, match="No space left on device") as info:
+        checkpoint.save(small_tmpfs, 1, {"w": torch.zeros(2 * 262144), "gen": "new"})   # 2 MiB
+    assert info.value.ranks == [0]
+    assert checkpoint.latest(small_tmpfs) == 1
+    back = checkpoint.load(small_tmpfs)
+    assert torch.equal(back["w"], old["w"]) and back["gen"] == "old"
+    # the failed save left nothing behind, and the committed shard is still the listed one
+    assert sorted(p.name for p in (small_tmpfs / "step-1").iterdir()) == ["manifest.json", "rank-0.pt"]
+    # a re-save that fits commits, and then removes the replaced shard
+    checkpoint.save(small_tmpfs, 1, {"w": torch.ones(262144), "gen": "newer"})
+    m = checkpoint.verify(small_tmpfs, 1)
+    assert sorted(p.name for p in (small_tmpfs / "step-1").iterdir()) == sorted(["manifest.json", *m["shards"]])
+    assert checkpoint.load(small_tmpfs, 1)["gen"] == "newer"
+
+
+@pytest.fixture(scope="module")
+def killed_in_resave(tmp_path_factory):
+    """Two ranks (``--min-ranks 1``) save step 1, then save it again; the test SIGKILLs rank 1 by
+    its pid in the middle of the re-save, while rank 0 waits there for the epoch to move on (see
+    ``ckpt_worker.py``). Returns the root, rank 0's results (``kill-rank0.json``) and the
+    launcher's output."""
+    base = tmp_path_factory.mktemp("ckpt-kill")
+    root, out = base / "root", base / "out"
+    root.mkdir()
+    out.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1", str(WORKER),
+         str(root), str(out), "kill"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.env(), cwd=ROOT)
+    try:
+        markers = [out / f"in-save-rank{r}" for r in range(2)]
+        procs.wait_until(lambda: all(m.exists() and m.read_text() for m in markers), 60,
+                         "both ranks in the re-save")
+        os.kill(int(markers[1].read_text()), signal.SIGKILL)
+        text, _ = launcher.communicate(timeout=100)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    got = out / "kill-rank0.json"
+    assert got.exists(), text[-6000:]
+    return root, json.loads(got.read_text()), text
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_during_a_save_fails_it_on_the_survivor_with_peer_lost(killed_in_resave):
+    # before: ValueError: all_gather output is uint8[2048], needs uint8[1 * 1024] (rank 0 issued
+    # the save's next collective after the world changed, and it ran in the new world of one)
+    _, res, text = killed_in_resave
+    err = res["resave"]
+    assert err != "no error", text[-4000:]
+    assert err["type"] == "PeerLostError", err
+    assert err["ranks"] == [1], err
+    assert "checkpoint step 1" in err["msg"] and "nothing was committed" in err["msg"], err
+    assert res["world_after_kill"] == 1
+    # the survivor saves on in its new world
+    assert res["latest_after_newer"] == 1 and res["newer_loaded"] == "newer"
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_while_resaving_a_committed_step_leaves_the_old_one_loadable(killed_in_resave):
+    # before, the re-save withdrew the old manifest first: latest() was None afterwards
+    root, res, text = killed_in_resave
+    assert res["latest"] == 1, text[-4000:]
+    assert res["old_loaded_exactly"] == [True, True], res
+    # the old shards were never touched; the re-save's shard of rank 0 (written after the loss)
+    # is an unlisted leftover
+    files = res["files_after_kill"]
+    assert {"manifest.json", "rank-0.pt", "rank-1.pt"} <= set(files), files
+    assert any(re.fullmatch(r"rank-0\.[0-9a-f]+\.pt", f) for f in files), files
+    # the next save of the step removed the leftovers and the replaced shards, nothing else
+    m = checkpoint.verify(root, 1)
+    assert m["world_size"] == 1
+    assert res["files_after_newer"] == sorted(["manifest.json", *m["shards"]])
+    assert sorted(p.name for p in (root / "step-1").iterdir()) == sorted(["manifest.json", *m["shards"]])
+
+
+def _edit_manifest(path, edit):
+    m = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(m)))
+
+
+@pytest.mark.parametrize("what, edit", [
+    ("files lists no rank-0.pt", lambda m: {**m, "files": {}}),
+    ("rank 1 of its world of 2 has no shard", lambda m: {**{k: v for k, v in m.items() if k != "shards"}, "world_size": 2}),
+    ("shards", lambda m: {**m, "shards": ["../step-1/rank-0.pt"]}),
+    ("sha256", lambda m: {**m, "files": {"rank-0.pt": {"sha256": "zz", "nbytes": 1}}}),
+    ("which are no shard", lambda m: {**m, "files": {**m["files"], "rank-7.pt": m["files"]["rank-0.pt"]}}),
+    ("world_size", lambda m: {k: v for k, v in m.items() if k != "world_size"}),
+    ("not an object", lambda m: [m]),
+])
+def test_a_manifest_not_listing_a_shard_for_every_rank_is_not_committed(tmp_path, what, edit):
+    # before, a manifest with "files": {} passed latest() and only load failed, with no fallback
+    _single(tmp_path)
+    manifest = tmp_path / "step-2" / "manifest.json"
+    _edit_manifest(manifest, edit)
+    assert checkpoint.latest(tmp_path) == 1
+    assert checkpoint.latest(tmp_path, verify_shards=False) == 1
+    assert torch.equal(checkpoint.load(tmp_path)["w"], torch.full((64,), 1.0))
+    for call in (checkpoint.load, checkpoint.verify, checkpoint.load_all, checkpoint.read_manifest):
+        with pytest.raises(CheckpointCorruptError, match=re.escape(what)) as info:
+            call(tmp_path, 2)
+        assert info.value.path == manifest and str(manifest) in str(info.value)
