@@ -7,7 +7,8 @@ handling shard ``s`` (``s % world_size == rank``) adds ``(x * (s + 1) + 7919 * s
 a contribution, the contributions are all-reduced (SUM), and ``x = (x + total) % P``. Integer
 arithmetic makes the result exact and independent of the world size, so any run, however many
 ranks it loses or gains, must end with the same ``x`` as :func:`reference`. Each rank writes
-``DIR/final-<pid>.json`` with its final step, the SHA-256 of ``x`` and its recovery events.
+``DIR/final-<pid>.json`` with its final step, the rank, world size and epoch of that step, the
+SHA-256 of ``x`` and its recovery events.
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def main() -> int:
     state = State(args.dim)
     ft = rtxnet.FaultTolerance(pg, state, rejoin_window_s=args.rejoin_window)
     started = time.monotonic()
+    world = (pg.rank, pg.world_size, pg.epoch)
     try:
         while ft.step < args.steps:
             with ft.guard() as step:
+                world = (pg.rank, pg.world_size, pg.epoch)   # the world this step runs in
                 shards = [s for s in range(SHARDS) if s % pg.world_size == pg.rank]
                 c = contribution(state.x, step, shards)
                 time.sleep(args.step_sleep)
@@ -93,7 +96,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {
-        "pid": os.getpid(), "rank": pg.rank, "world_size": pg.world_size, "epoch": pg.epoch,
+        # the last step's world: the others may leave (a new epoch) before this line runs
+        "pid": os.getpid(), "rank": world[0], "world_size": world[1], "epoch": world[2],
         "steps": ft.step, "sha256": hashlib.sha256(state.x.tobytes()).hexdigest(),
         "restart_count": int(os.environ.get("RTXNET_RESTART_COUNT", "0")),
         "events": ft.events, "seconds": time.monotonic() - started,
