@@ -76,6 +76,9 @@ class _SupportedDtypes(Mapping):
             return bfloat16()
         return _EAGER[name]
 
+    def __contains__(self, name: object) -> bool:   # without resolving bfloat16
+        return name in _NAMES
+
     def __iter__(self) -> Iterator[str]:
         return iter(_NAMES)
 
