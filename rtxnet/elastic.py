@@ -262,7 +262,7 @@ class FaultTolerance:
         await self._store_unrecorded_faults()
         lines = []
         for f in self.injector.faults if self.injector else []:
-            name = self.injector.label(f)
+            name = _faults.label(f, self.injector.faults)
             try:
                 raw = await self.pg.store.get(f"faults/{f.index}")
             except RtxError:

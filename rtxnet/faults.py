@@ -299,13 +299,8 @@ class Injector:
                 continue
             if not self._mine(f, rank, world_size):
                 continue
-            lines.append(f"fault {self.label(f)} was not injected: {self._why(f)}")
+            lines.append(f"fault {label(f, self.faults)} was not injected: {self._why(f)}")
         return lines
-
-    def label(self, f: Fault) -> str:
-        """``f``'s text, quoted, with its place in the plan when another fault has the same text
-        (``'kill:rank=any:step=5' (#2 in the plan)``): the report tells them apart."""
-        return label(f, self.faults)
 
     def _why(self, f: Fault) -> str:
         if f.kind == "drop-heartbeats" and f.step is None:

@@ -28,23 +28,19 @@ class _Stderr:
         self.gone = False
 
     def write(self, text: str) -> int:
-        if self.gone:
-            return len(text)
-        try:
-            return sys.stderr.write(text)
-        except OSError as exc:
-            if exc.errno not in (errno.EPIPE, errno.EBADF) and not isinstance(exc, BrokenPipeError):
-                raise
-            self.gone = True
-            return len(text)
+        self._guarded(sys.stderr.write, text)
+        return len(text)
 
     def flush(self) -> None:
+        self._guarded(sys.stderr.flush)
+
+    def _guarded(self, fn, *args) -> None:
         if self.gone:
             return
         try:
-            sys.stderr.flush()
-        except OSError as exc:
-            if exc.errno not in (errno.EPIPE, errno.EBADF) and not isinstance(exc, BrokenPipeError):
+            fn(*args)
+        except OSError as exc:   # BrokenPipeError is EPIPE
+            if exc.errno not in (errno.EPIPE, errno.EBADF):
                 raise
             self.gone = True
 

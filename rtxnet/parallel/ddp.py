@@ -330,7 +330,7 @@ class DistributedDataParallel(torch.nn.Module):
         digests = got.tolist()
         differ = [k for k, d in enumerate(digests) if d != digests[0]]
         if differ:
-            trainable = [n for n, _, _, g in layout[:len(list(self.module.parameters()))] if g]
+            trainable = list(self._names.values())
             raise ConfigError(
                 f"DDP: the replicas differ: rank(s) {differ} have parameters or buffers unlike rank "
                 f"0's (names, shapes, dtypes and requires_grad must be the same on every rank); "

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,7 @@ import rtxnet
 from rtxnet import checkpoint, faults
 from rtxnet.parallel import DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
-from tests.procs import leave_together
+from tests.procs import leave_together, wait_until
 
 
 def main() -> int:
@@ -147,11 +147,10 @@ def kill() -> int:
         if at == "checkpoint":
             epoch = pg.epoch
             (out / f"in-save-rank{r}").write_text(str(os.getpid()))
-            if r == 1:
-                time.sleep(120)             # the test SIGKILLs this process by its pid
-            leave_by = time.monotonic() + 60
-            while pg.epoch == epoch and time.monotonic() < leave_by:
-                time.sleep(0.02)            # rank 0: the save's world ends under it
+            if r == 1:   # the test SIGKILLs this process by its pid (the launcher would SIGTERM)
+                signal.sigtimedwait([signal.SIGTERM], 120)
+            # rank 0: the save's world ends under it
+            wait_until(lambda: pg.epoch != epoch, 60, "rank 1 declared lost during the save")
 
     faults.point = stop_in_resave
     res: dict = {"rank": r}
