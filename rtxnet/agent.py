@@ -125,6 +125,9 @@ class Agent:
         self._closed = False
         self._leaving = False
         self._admissions = 0  # memberships accepted so far (a rejoin waits for the next one)
+        # bumped at every admission and fence: a heartbeat answer computed before a push that
+        # changed this agent's standing (its reply is read after the push) must not undo it
+        self._standing = 0
         # a join sent again by the heartbeat loop was refused for good (the job finished, bad
         # settings): whoever waits for admission raises it instead of waiting out its timeout
         self._join_refused: RtxError | None = None
@@ -291,6 +294,7 @@ class Agent:
         self._joining = False
         self.fenced = False
         self._admissions += 1
+        self._standing += 1
         self.membership = Membership(
             job=self.job,
             epoch=msg["epoch"],
@@ -312,6 +316,7 @@ class Agent:
         if self.fenced:
             return
         self.fenced = True
+        self._standing += 1
         log.warning("fenced", reason=reason)
         for fn in self._listeners:
             fn(None, "fenced")
@@ -326,6 +331,7 @@ class Agent:
             if mute_left > 0:
                 await asyncio.sleep(min(interval, mute_left))
                 continue
+            standing = self._standing
             try:
                 body = await self._request("heartbeat", identity=self.identity,
                                            deadline_s=max(interval, self.timeouts.heartbeat_timeout_s))
@@ -343,32 +349,41 @@ class Agent:
                 log.info("coordinator_reachable", coordinator=self.coordinator)
                 self._unreachable_since = None
             self.last_heartbeat_ok = loop.time()
-            state = body.get("state")
-            if state == "member" and "view" in body:
-                self._apply_epoch(body["view"])
-            if state != "pending":
-                self._waiting_since = None
-            if state == "pending":
-                self._log_waiting(body, loop.time())
-            elif state == "fenced":
-                self._fence("the coordinator declared this rank lost")
-            elif state == "unknown":
-                if self._joining or self.membership is None:
-                    # The coordinator restarted while we were pending (pending joins are not
-                    # journaled): join again.
-                    try:
-                        await self._send_join()
-                    except (JobFinishedError, ConfigError) as exc:
-                        # final: asking again every heartbeat would only repeat the refusal
-                        log.warning("rejoin_refused", error=str(exc))
-                        self._joining = False
-                        self._join_refused = exc
-                        self._changed.set()
-                    except RtxError as exc:
-                        log.warning("rejoin_failed", error=str(exc))
-                elif not self.fenced and not self._leaving:
-                    self._fence("the coordinator does not know this rank (job ended?)")
+            if standing == self._standing:
+                await self._on_heartbeat_answer(body, loop.time())
+            # else an epoch or fence push was read while this answer was on its way (a frozen
+            # rank wakes to both; a rejoin's epoch overtakes the "fenced" answer to a heartbeat
+            # sent before the join): the answer describes what the push replaced, and acting on
+            # it would readmit a fenced rank or fence a readmitted one. The next heartbeat asks.
             await asyncio.sleep(max(0.0, interval - (loop.time() - sent_at)))
+
+    async def _on_heartbeat_answer(self, body: dict[str, Any], now: float) -> None:
+        """Act on the coordinator's answer to a heartbeat: a missed epoch, fenced, unknown."""
+        state = body.get("state")
+        if state == "member" and "view" in body:
+            self._apply_epoch(body["view"])
+        if state != "pending":
+            self._waiting_since = None
+        if state == "pending":
+            self._log_waiting(body, now)
+        elif state == "fenced":
+            self._fence("the coordinator declared this rank lost")
+        elif state == "unknown":
+            if self._joining or self.membership is None:
+                # The coordinator restarted while we were pending (pending joins are not
+                # journaled): join again.
+                try:
+                    await self._send_join()
+                except (JobFinishedError, ConfigError) as exc:
+                    # final: asking again every heartbeat would only repeat the refusal
+                    log.warning("rejoin_refused", error=str(exc))
+                    self._joining = False
+                    self._join_refused = exc
+                    self._changed.set()
+                except RtxError as exc:
+                    log.warning("rejoin_failed", error=str(exc))
+            elif not self.fenced and not self._leaving:
+                self._fence("the coordinator does not know this rank (job ended?)")
 
     def _log_waiting(self, body: dict[str, Any], now: float) -> None:
         """Every ``WAITING_LOG_S`` (a quarter of a shorter rendezvous timeout) of a rendezvous

@@ -170,6 +170,10 @@ class Coordinator:
             os.kill(self.proc.pid, sig)
             self.proc.wait(10)
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` (SIGSTOP, SIGCONT) without waiting for an exit."""
+        os.kill(self.proc.pid, sig)
+
     def restart(self) -> None:
         self.kill()
         self.start()

@@ -129,6 +129,41 @@ def test_collectives_run_in_a_smaller_world_only_down_to_min_ranks(coordinator, 
     assert "the world of epoch 2 has 1 rank(s), fewer than min_ranks(2) (ranks [1]" in r["message"], r
 
 
+def test_a_heartbeat_answer_read_after_the_rejoin_epoch_does_not_fence_the_rank_again(coordinator, probes):
+    # The coordinator, held by SIGSTOP, answers a heartbeat the fenced rank sent before its join
+    # ("fenced") and then the join (a new epoch push); the rank, held too, reads all of it at
+    # once: the epoch is applied before the heartbeat's coroutine sees its old answer, which
+    # must not fence the rank again (it did: the readmitted rank lost its new epoch).
+    ps = joined(probes, coordinator.address, "stale", 2)
+    ps[1].signal(signal.SIGSTOP)
+    try:
+        assert ps[0].expect("epoch", timeout=10)["lost"] == [1]
+    finally:
+        ps[1].signal(signal.SIGCONT)
+    ps[1].expect("fenced", timeout=10)
+    coordinator.signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.3)               # a heartbeat (interval 0.1 s) waits in the coordinator's socket
+        ps[1].submit("rejoin")        # and the join after it
+        time.sleep(0.3)
+        ps[1].signal(signal.SIGSTOP)  # the answers to both and the epoch push reach the rank
+        coordinator.signal(signal.SIGCONT)   # together, so it reads them in one go
+        time.sleep(0.3)
+    finally:
+        coordinator.signal(signal.SIGCONT)
+        ps[1].signal(signal.SIGCONT)
+    r = ps[1].expect("result", cmd="rejoin", timeout=10)
+    assert r["ok"] and r["epoch"] == 2, r
+    time.sleep(0.5)                   # five more heartbeats
+    assert not any(e.get("event") == "fenced" for e in ps[1].seen), (ps[1].seen, ps[1].log)
+    assert ps[0].expect("epoch", timeout=10)["added"] == [1]
+    for p, v in zip(ps, (1, 2)):
+        p.submit("all_reduce", value=v)
+    for p in ps:
+        r = p.expect("result", cmd="all_reduce")
+        assert r["ok"] and r["sum"] == 3.0 and r["epoch"] == 2, (r, p.log)
+
+
 def test_a_rank_muted_for_good_is_refused_when_it_would_rejoin(coordinator, probes):
     # (drop-heartbeats without seconds=): rejoining would only be fenced again, over and over
     ps = joined(probes, coordinator.address, "mute", 2)
