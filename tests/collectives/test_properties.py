@@ -27,7 +27,7 @@ def cases(draw):
     return dtype, shape, op.name, strided, algo
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(cases(), min_size=1, max_size=12), st.integers(2, 4))
 def test_all_reduce_any_shape(case_list, n):
     for r, fails in enumerate(run_world(n, run_cases, case_list)):

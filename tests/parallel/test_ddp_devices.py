@@ -68,7 +68,7 @@ def test_train_digits_asked_for_cuda_without_cuda_says_so(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_digits_npz_is_scikit_learns_split():
-    """examples/data/digits_seed0.npz (used where scikit-learn is absent, e.g. the GPU host) holds
+    """examples/data/digits_seed0.npz (what seed 0 trains on) holds
     exactly the arrays scikit-learn's load_digits + train_test_split(seed 0) give."""
     sk = pytest.importorskip("sklearn")
     del sk

@@ -25,7 +25,7 @@ values = st.recursive(
 
 
 @given(values)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 def test_round_trip_preserves_values_and_keeps_bytes_as_bytes(v):
     assert decode(encode(v)) == v
 
@@ -37,7 +37,7 @@ def test_integers_outside_64_bits_are_protocol_errors(i):
 
 
 @given(st.binary(max_size=200))
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 def test_arbitrary_bytes_never_crash_decode(data):
     try:
         decode(data)
