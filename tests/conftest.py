@@ -1,6 +1,20 @@
+"""Shared fixtures, and the lock that lets the suite run on two pytest-xdist workers.
+
+The README's test command runs two workers (``-n 2 --dist loadfile``: a file's module-scoped
+launches happen once). A test marked ``exclusive`` (one that measures time: an event-loop
+stall, a deadline's length) runs while the other worker runs nothing: every test holds a
+shared ``flock`` on one file for its whole protocol (module fixtures included), an exclusive
+test an exclusive one; a turnstile lock in front keeps a waiting exclusive test from being
+overtaken forever. Without xdist nothing is locked.
+"""
+
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -8,6 +22,31 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from procs import Coordinator, Probe  # noqa: E402
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    # the workers' base temp folders sit in the run's own one: the lock files live (and are
+    # removed, with pytest's old temp folders) there
+    run_dir = item.config._tmp_path_factory.getbasetemp().parent
+    mode = fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH
+    with contextlib.ExitStack() as held:
+        with _flock(run_dir / "turnstile.lock", fcntl.LOCK_EX):
+            held.enter_context(_flock(run_dir / "tests.lock", mode))
+        yield
 
 
 @pytest.fixture(autouse=True)

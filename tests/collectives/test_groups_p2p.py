@@ -174,6 +174,7 @@ async def send_to_frozen(engine):
         os.kill(int(pids[1]), signal.SIGCONT)
 
 
+@pytest.mark.exclusive   # the timeout's length is measured
 def test_a_send_a_frozen_peer_cannot_take_times_out_naming_it():
     res = run_world(2, send_to_frozen, timeout_s=60)
     assert res[1] == "woken" and isinstance(res[0], tuple), res

@@ -321,6 +321,7 @@ async def big_ops_keep_the_loop_free(engine):
             "shm": bool((b_shm == 1.0).all() and (shard_shm == 3.0).all()), "worst_gap_s": max(gaps)}
 
 
+@pytest.mark.exclusive   # worst_gap_s is a time
 def test_large_one_round_operations_keep_the_event_loop_free():
     for res in run_world(2, big_ops_keep_the_loop_free, timeout_s=100):
         assert {k: v for k, v in res.items() if k != "worst_gap_s"} == {

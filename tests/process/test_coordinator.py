@@ -157,7 +157,7 @@ def test_a_heartbeat_answer_read_after_the_rejoin_epoch_does_not_fence_the_rank_
     time.sleep(0.5)                   # five more heartbeats
     assert not any(e.get("event") == "fenced" for e in ps[1].seen), (ps[1].seen, ps[1].log)
     assert ps[0].expect("epoch", timeout=10)["added"] == [1]
-    for p, v in zip(ps, (1, 2)):
+    for p, v in zip(ps, (1, 2), strict=True):
         p.submit("all_reduce", value=v)
     for p in ps:
         r = p.expect("result", cmd="all_reduce")
