@@ -435,9 +435,10 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
             # and restarts, so a lost rank can be named the way the launcher named it
             info["launch_rank"] = int(launch)
     if "torch" in sys.modules:
-        # bfloat16 tensors need ml_dtypes, whose import holds the GIL about 0.8 s: imported
-        # now, before the agent heartbeats, not at the first bfloat16 collective (a stall of
-        # the loop that, on a loaded host, reaches the heartbeat timeout)
+        # bfloat16 tensors need ml_dtypes, whose import holds the GIL (0.2 s for 0.6, about
+        # 0.8 s for 0.7, which pyproject excludes for that reason): imported now, before the
+        # agent heartbeats, not at the first bfloat16 collective (a stall of the loop that, on
+        # a loaded host, can reach the heartbeat timeout)
         from .collectives.reduce_ops import bfloat16
 
         bfloat16()
