@@ -134,6 +134,7 @@ def _reachable(address: str) -> str:
 async def _amain(args: argparse.Namespace) -> int:
     coord = Coordinator(args.bind, args.journal, tick_s=args.tick, snapshot_every=args.snapshot_every,
                         dead_job_ttl_s=args.dead_job_ttl)
+    made_journal = not os.path.lexists(args.journal)
     try:
         address = await coord.start()
     except JournalCorruptError as exc:
@@ -144,6 +145,8 @@ async def _amain(args: argparse.Namespace) -> int:
         return 3
     except ConnectError as exc:
         log.error("bind_failed", error=str(exc))
+        if made_journal:   # this process made it, and nothing was acknowledged: leave no trace
+            shutil.rmtree(args.journal, ignore_errors=True)
         return 4
     loop = asyncio.get_running_loop()
     # SIGHUP too: a daemon whose launcher died while one of its ranks was stopped gets it with

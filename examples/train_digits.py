@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.hidden > MAX_HIDDEN:
         p.error(f"--hidden must be in 1..{MAX_HIDDEN}, got {a.hidden}")
+    if not 0 <= a.seed < 2**32:   # scikit-learn's random_state (NumPy's legacy seed) range
+        p.error(f"--seed must be in 0..{2**32 - 1}, got {a.seed}")
     if not 0 < a.lr < math.inf:   # NaN fails too
         p.error(f"--lr must be a finite number > 0, got {a.lr}")
     if not 0 < a.rejoin_window < math.inf:

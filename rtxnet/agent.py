@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from transport.channel import ControlClient
+from transport.channel import ControlClient, nobody_there
 from transport.errors import (
     ClosedError,
     ConfigError,
@@ -162,7 +162,14 @@ class Agent:
             self._client = ControlClient(self.coordinator, self.identity, self._on_push)
         admissions = self._admissions
         self._join_refused = None
-        await self._join_request()
+        try:
+            await self._join_request()
+        except RtxTimeoutError as exc:
+            # say why, when a plain TCP connect can tell (as `rtxnet status` does)
+            why = await asyncio.to_thread(nobody_there, self.coordinator)
+            if why is None:
+                raise
+            raise RtxTimeoutError(f"{exc}; {why}") from None
         if self._hb_task is None:
             self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
         try:

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from transport.channel import ControlClient
+from transport.channel import ControlClient, nobody_there
 from transport.errors import ConnectError, RtxError, RtxTimeoutError
 
 __all__ = ["main"]
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rtxnet status: {exc}", file=sys.stderr)
             return 2
         except RtxError as exc:
-            why = _nobody_there(args.coordinator) if isinstance(exc, RtxTimeoutError) else None
+            why = nobody_there(args.coordinator) if isinstance(exc, RtxTimeoutError) else None
             print(f"rtxnet status: {exc}{f' ({why})' if why else ''}", file=sys.stderr)
             return 1
         if args.json:
@@ -137,29 +137,6 @@ def main(argv: list[str] | None = None) -> int:
             return _print(json.dumps(status["jobs"] + fin, indent=2))
         return _print(_render(status))
     return 2  # pragma: no cover
-
-
-def _nobody_there(address: str) -> str | None:
-    """Why ``tcp://HOST:PORT`` did not answer, when a plain TCP connect can tell: nothing listens
-    there (refused), or the host cannot be reached. None when something accepts connections (a
-    coordinator that is busy, stopped, or another program)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    try:
-        u = urlsplit(address)
-        host, port = u.hostname, u.port
-    except ValueError:
-        return None
-    if u.scheme != "tcp" or host is None or port is None:
-        return None
-    try:
-        with socket.create_connection((host, port), timeout=2.0):
-            return None
-    except ConnectionRefusedError:
-        return f"nothing is listening on {host} port {port}: is the coordinator running there?"
-    except OSError as exc:
-        return f"{host} port {port} cannot be reached: {exc.strerror or exc}"
 
 
 def _print(text: str) -> int:

@@ -47,7 +47,7 @@ from typing import Any
 
 import structlog
 
-from transport.errors import RtxError
+from transport.errors import ConfigError, RtxError
 
 __all__ = ["Fault", "parse_plan", "Injector"]
 
@@ -222,12 +222,21 @@ class Injector:
 
     @classmethod
     def from_env(cls) -> Injector | None:
+        """The injector ``RTXNET_FAULTS`` asks for (None when unset or empty).
+
+        Raises:
+            ConfigError: the plan does not parse (the message names the bad part), or
+                ``RTXNET_RESTART_COUNT`` / ``RTXNET_COORDINATOR_PID`` is not an integer.
+        """
         plan = os.environ.get("RTXNET_FAULTS")
         if not plan:
             return None
-        pid = os.environ.get("RTXNET_COORDINATOR_PID")
-        return cls(plan, restart_count=int(os.environ.get("RTXNET_RESTART_COUNT", "0")),
-                   coordinator_pid=int(pid) if pid else None)
+        try:
+            pid = os.environ.get("RTXNET_COORDINATOR_PID")
+            return cls(plan, restart_count=int(os.environ.get("RTXNET_RESTART_COUNT", "0")),
+                       coordinator_pid=int(pid) if pid else None)
+        except ValueError as exc:
+            raise ConfigError(f"RTXNET_FAULTS={plan!r}: {exc}") from None
 
     def _mine(self, f: Fault, rank: int, world_size: int) -> bool:
         if f.rank is None:

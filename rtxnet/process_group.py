@@ -71,16 +71,34 @@ class Store:
     def __init__(self, agent: Agent):
         self._agent = agent
 
-    @staticmethod
-    def _b(value: bytes | str) -> bytes:
+    # a job's store holds at most this many bytes of keys and values (coordinator/state.py's
+    # MAX_JOB_KV_NBYTES): one item above it is refused here, before a message that size is built
+    MAX_JOB_NBYTES = 16 * 1024 * 1024
+
+    @classmethod
+    def _b(cls, value: bytes | str, key: str = "") -> bytes:
         if isinstance(value, str):
-            return value.encode()
-        if isinstance(value, bytes | bytearray | memoryview):
-            return bytes(value)
-        raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
+            value = value.encode()
+        elif isinstance(value, bytes | bytearray | memoryview):
+            value = bytes(value)
+        else:
+            raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
+        if len(key.encode()) + len(value) > cls.MAX_JOB_NBYTES:
+            raise ConfigError(
+                f"store: key {key[:100]!r} with a value of {len(value)} bytes is more than the "
+                f"{cls.MAX_JOB_NBYTES} bytes a job's store may hold (it is for coordination data; "
+                f"move tensors with the collectives, files with checkpoints)")
+        return value
 
     async def set(self, key: str, value: bytes | str) -> None:
-        await self._agent.kv_set(key, self._b(value))
+        """Set ``key`` to ``value``.
+
+        Raises:
+            ConfigError: the job's store would hold more than 16 MiB (this item alone, or with
+                what it holds), or the coordinator's more than 48 MiB; the key is empty.
+            TypeError: ``value`` is not bytes or str.
+        """
+        await self._agent.kv_set(key, self._b(value, key))
 
     async def get(self, key: str) -> bytes | None:
         """The value, or None when the key is absent."""
@@ -110,7 +128,8 @@ class Store:
                 race), so one in flight when the coordinator dies fails this way; read the key
                 to learn what happened.
         """
-        return await self._agent.kv_cas(key, None if expected is None else self._b(expected), self._b(value))
+        return await self._agent.kv_cas(key, None if expected is None else self._b(expected),
+                                        self._b(value, key))
 
     async def delete(self, key: str) -> bool:
         """Remove ``key``; True if it existed."""

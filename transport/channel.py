@@ -449,3 +449,25 @@ class ControlServer:
             pass
         self._monitor.close(0)
         self._sock.close(0)
+
+
+def nobody_there(address: str) -> str | None:
+    """Why ``tcp://HOST:PORT`` did not answer, when a plain TCP connect can tell: nothing listens
+    there (refused), or the host cannot be reached. None when something accepts connections (a
+    coordinator that is busy, stopped, or another program)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(address)
+        host, port = u.hostname, u.port
+    except ValueError:
+        return None
+    if u.scheme != "tcp" or host is None or port is None:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return None
+    except ConnectionRefusedError:
+        return f"nothing is listening on {host} port {port}: is the coordinator running there?"
+    except OSError as exc:
+        return f"{host} port {port} cannot be reached: {exc.strerror or exc}"

@@ -671,3 +671,22 @@ def test_a_coordinator_whose_log_reader_is_gone_still_stops_cleanly(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_exits_4_and_leaves_no_journal_it_made(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for journal, existed in ((tmp_path / "new", False), (tmp_path / "old", True)):
+            if existed:
+                journal.mkdir()
+                (journal / "keep").write_text("x")
+            out = subprocess.run([sys.executable, "-m", "coordinator", "--bind", f"tcp://127.0.0.1:{port}",
+                                  "--journal", str(journal)], capture_output=True, text=True, timeout=30,
+                                 cwd=ROOT, env=procs.env())
+            assert out.returncode == 4 and "bind_failed" in out.stderr, out.stderr
+            assert journal.exists() == existed, (journal, out.stderr)
+            if existed:
+                assert (journal / "keep").read_text() == "x"

@@ -179,7 +179,10 @@ def _train_digits_module():
     (["--out", "x", "--hidden", "100000000"], "--hidden must be in 1..65536, got 100000000"),
     (["--out", "x", "--rejoin-window", "0"], "--rejoin-window must be a finite number of seconds > 0, got 0.0"),
     (["--out", "x", "--strategy", "fsdp", "--device", "cuda"], "--strategy fsdp runs on the CPU only, got --device cuda"),
-], ids=["empty-out", "lr-nan", "lr-negative", "lr-inf", "hidden-huge", "rejoin-window-0", "fsdp-cuda"])
+    (["--out", "x", "--seed", "99999999999999999999"], "--seed must be in 0..4294967295, got 99999999999999999999"),
+    (["--out", "x", "--seed", "-1"], "--seed must be in 0..4294967295, got -1"),
+], ids=["empty-out", "lr-nan", "lr-negative", "lr-inf", "hidden-huge", "rejoin-window-0", "fsdp-cuda", "seed-huge",
+        "seed-negative"])
 def test_bad_arguments_are_refused_naming_the_value(args, says, capsys):
     with pytest.raises(SystemExit) as exc:
         _train_digits_module().parse_args(args)

@@ -94,9 +94,12 @@ def test_blocking_split_and_new_group_return_blocking_groups(coordinator, caplog
 
     pg = rtxnet.init(coordinator.address, job="blocking-split", rank=0, world_size=1)
     try:
-        # an oversize value is refused before it is sent, and leaves no reply awaited behind
-        # (a future failed at close that nobody reads: "Future exception was never retrieved")
-        with pytest.raises(rtxnet.ProtocolError, match="exceeds the limit of 16777216 bytes"):
+        # an oversize value is refused before it is sent, as the store's bound (the README's
+        # ConfigError, not the message size limit behind it), and leaves no reply awaited
+        # behind (a future failed at close that nobody reads: "Future exception was never
+        # retrieved")
+        with pytest.raises(rtxnet.ConfigError, match=r"key 'big' with a value of 17825792 bytes is more "
+                                                     r"than the 16777216 bytes a job's store may hold"):
             pg.store.set("big", b"x" * (17 << 20))
         for sub in (pg.split(color=0), pg.new_group([0])):
             x = np.arange(4, dtype=np.float32)
@@ -169,3 +172,16 @@ def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
         assert pg.reform(epoch=0) == 1 and pg.epoch == 1
     finally:
         pg.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_join_nobody_answers_says_nothing_is_listening(monkeypatch):
+    import socket
+
+    with socket.socket() as s:   # a port nothing listens on (closed again at once)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RTXNET_REQUEST_TIMEOUT", "2")
+    with pytest.raises(rtxnet.RtxTimeoutError, match=rf"join to tcp://127.0.0.1:{port}: no answer within 2 s; "
+                                                     rf"nothing is listening on 127.0.0.1 port {port}"):
+        rtxnet.init(f"tcp://127.0.0.1:{port}", job="nobody", world_size=1)

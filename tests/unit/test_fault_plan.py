@@ -99,3 +99,16 @@ def test_unreached_names_a_repeated_fault_by_its_place_in_the_plan():
     assert inj.unreached(rank=0, world_size=1) == [
         f"fault 'kill:rank=0:step=5' (#{n} in the plan) was not injected: this process's last "
         f"FaultTolerance step was 1" for n in (1, 2)]
+
+
+def test_a_bad_plan_in_the_environment_is_a_config_error_naming_it(monkeypatch):
+    from rtxnet import ConfigError
+    from rtxnet.faults import Injector
+
+    monkeypatch.setenv("RTXNET_FAULTS", "zzz")
+    with pytest.raises(ConfigError, match=r"RTXNET_FAULTS='zzz': 'zzz': unknown fault kind 'zzz'"):
+        Injector.from_env()
+    monkeypatch.setenv("RTXNET_FAULTS", "kill:rank=0:step=1")
+    monkeypatch.setenv("RTXNET_RESTART_COUNT", "x")
+    with pytest.raises(ConfigError, match="RTXNET_FAULTS="):
+        Injector.from_env()
