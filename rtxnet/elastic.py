@@ -345,8 +345,10 @@ class FaultTolerance:
                 self._epoch_lost[epoch] = list(membership.lost)
                 named = [before.get(r) for r in membership.lost]
                 self._epoch_lost_launch[epoch] = None if None in named else named
-            if membership.added and reason == "joined" and membership.rank not in membership.added:
-                # (a joiner's own recovery or start says it joined; the members report the join)
+            if (membership.added and reason == "joined" and membership.rank not in membership.added
+                    and self._synced_epoch >= 0):
+                # (a joiner's own recovery or start says it joined; the members report the join;
+                # a process not yet in sync, itself just started, knows no step to report it at)
                 added = [self._launch_of[epoch].get(r) for r in membership.added]
                 self._event({"event": "joined", "epoch": epoch, "added": list(membership.added),
                              "added_launch": None if None in added else added,

@@ -25,6 +25,7 @@ def _ft() -> FaultTolerance:
     ft._epoch_lost_launch, ft._launch_of = {}, {}
     ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
     ft.injector = None
+    ft._synced_epoch = 2
     return ft
 
 
@@ -94,3 +95,16 @@ def test_a_loss_between_two_steps_is_reported_though_no_step_failed():
     assert e["step"] == 6 and e["world_size"] == 2
     assert asyncio.run(ft.areport()) == [
         "epoch 2: launch rank 1 lost between steps (before step 6): no step failed; world of 2"]
+
+
+def test_a_process_not_yet_in_sync_does_not_report_a_join_at_its_own_step_0():
+    # a restarted process sees another restarted one join before its first sync: its step (0)
+    # is not the job's, so it reports no join (it printed "joined at step 0" at step 44)
+    ft = _ft()
+    ft.step, ft._synced_epoch = 0, -1
+    ft._on_epoch(_membership(6, (), [1, 2, 0], added=(2,), reason="joined"), "joined")
+    assert [e["event"] for e in ft.events] == []
+    ft._synced_epoch = 6
+    ft.step = 44
+    ft._on_epoch(_membership(7, (), [1, 2, 0, 3], added=(3,), reason="joined"), "joined")
+    assert [(e["event"], e["step"]) for e in ft.events] == [("joined", 44)]
