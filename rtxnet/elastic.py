@@ -305,6 +305,11 @@ class FaultTolerance:
                     f"{e['failed_step'] - 1}): restored the checkpoint of step {e['resumed_step']}"
                     f"{after}, training resumed with {e['world_size']} ranks at step "
                     f"{e['resumed_step']}; steps lost: {e['steps_lost']}")
+            elif e["event"] == "state_lost":
+                lines.append(
+                    f"the job had committed step {e['job_committed_step']}, but no live rank held "
+                    f"it and no checkpoint stood in ({e['why']}): training went on with "
+                    f"{e['world_size']} ranks at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "joined":
                 lines.append(describe_join(e))
             elif e["event"] == "lost_between_steps":
@@ -312,7 +317,8 @@ class FaultTolerance:
             elif e["event"] == "commit_stall":
                 lines.append(f"step {e['step']}: the vote waited {e['seconds']:.2f} s (the coordinator "
                              f"away, or a peer late); steps lost: 0")
-        if not any(e["event"] in ("recovered", "restored", "commit_stall", "lost_between_steps")
+        if not any(e["event"] in ("recovered", "restored", "commit_stall", "lost_between_steps",
+                                  "state_lost")
                    for e in self.events):
             lines.append("no failure seen by this rank")
         return lines
@@ -507,7 +513,15 @@ class FaultTolerance:
         if best < job_committed:
             # No live member holds the last committed state: fall back to the newest checkpoint.
             restored = await self._restore_checkpoint(best, job_committed)
-            if restored is not None:
+            if restored is None and not any(e["event"] == "state_lost" and e["job_committed_step"]
+                                            == job_committed for e in self.events):
+                # training goes on from the newest live state (from scratch when there is none):
+                # the steps committed after it are gone, and the summary must say so (once: a
+                # sync in the next epoch, before a step commits, finds the same loss)
+                self._event({"event": "state_lost", "epoch": epoch, "world_size": world,
+                             "job_committed_step": job_committed, "resumed_step": best + 1,
+                             "steps_lost": job_committed - best, "why": self._no_checkpoint_why()})
+            elif restored is not None:
                 best = restored
                 steps[:] = best  # every rank loaded the same checkpoint: nothing to broadcast
                 self._snapshot = pack_state(self.state.state_dict())

@@ -267,6 +267,13 @@ def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
             "rank 1's first process first, and faults fire only in a rank's first process (a replacement "
             "runs none)") in summary
     assert summary.count("was not injected") == 1, summary
+    # each restarted process's own record says so too (its summary said "no failure seen")
+    finals = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("final-*.json")]
+    assert len(finals) == 2 and all(f["steps"] == 20 for f in finals), finals
+    for f in finals:
+        (lost,) = [e for e in f["events"] if e["event"] == "state_lost"]
+        assert (lost["job_committed_step"], lost["resumed_step"], lost["steps_lost"]) == (9, 0, 10), lost
+        assert "save checkpoints with rtxnet.checkpoint.save" in lost["why"], lost
 
 
 def test_faultrun_names_each_fault_and_why_it_was_not_injected():

@@ -108,3 +108,16 @@ def test_a_process_not_yet_in_sync_does_not_report_a_join_at_its_own_step_0():
     ft.step = 44
     ft._on_epoch(_membership(7, (), [1, 2, 0, 3], added=(3,), reason="joined"), "joined")
     assert [(e["event"], e["step"]) for e in ft.events] == [("joined", 44)]
+
+
+def test_committed_state_nobody_holds_is_reported_as_steps_lost():
+    ft = _ft()
+    ft._open_failure = {"step": 6, "error": "PeerLostError", "lost": [0], "epoch": 1, "t_detected": 0.0}
+    _close(ft, 2)   # (gives it a process group stand-in whose store answers)
+    ft.events.clear()
+    ft._event({"event": "state_lost", "epoch": 1, "world_size": 2, "job_committed_step": 9,
+               "resumed_step": 0, "steps_lost": 10, "why": "save checkpoints with rtxnet.checkpoint.save"})
+    lines = asyncio.run(ft.areport())
+    assert lines == ["the job had committed step 9, but no live rank held it and no checkpoint stood in "
+                     "(save checkpoints with rtxnet.checkpoint.save): training went on with 2 ranks at "
+                     "step 0; steps lost: 10"], lines
