@@ -321,8 +321,8 @@ def restore(snap: dict[str, Any], now: float) -> State:
 MAX_JOB_ID = wire.MAX_JOB_ID
 # The stores are journaled and every snapshot holds them all in one message (the server's
 # _SNAPSHOT_LIMITS): a job's store, and all of them together, stay well below that.
-MAX_JOB_KV_NBYTES = 16 * 1024 * 1024
-MAX_KV_NBYTES = 48 * 1024 * 1024
+MAX_JOB_KV_NBYTES = wire.MAX_JOB_KV_NBYTES
+MAX_KV_NBYTES = wire.MAX_KV_NBYTES
 
 
 def _kv_item_nbytes(key: str, value: bytes) -> int:

@@ -513,15 +513,9 @@ class FaultTolerance:
         if best < job_committed:
             # No live member holds the last committed state: fall back to the newest checkpoint.
             restored = await self._restore_checkpoint(best, job_committed)
-            if restored is None and not any(e["event"] == "state_lost" and e["job_committed_step"]
-                                            == job_committed for e in self.events):
-                # training goes on from the newest live state (from scratch when there is none):
-                # the steps committed after it are gone, and the summary must say so (once: a
-                # sync in the next epoch, before a step commits, finds the same loss)
-                self._event({"event": "state_lost", "epoch": epoch, "world_size": world,
-                             "job_committed_step": job_committed, "resumed_step": best + 1,
-                             "steps_lost": job_committed - best, "why": self._no_checkpoint_why()})
-            elif restored is not None:
+            if restored is None:
+                self._state_lost(epoch, world, job_committed, best)
+            else:
                 best = restored
                 steps[:] = best  # every rank loaded the same checkpoint: nothing to broadcast
                 self._snapshot = pack_state(self.state.state_dict())
@@ -579,6 +573,17 @@ class FaultTolerance:
         log.warning("restored_from_checkpoint", step=info["step"], committed_step=held,
                     root=info["root"], job_committed_step=job_committed)
         return held
+
+    def _state_lost(self, epoch: int, world: int, job_committed: int, best: int) -> None:
+        """Training goes on from ``best``, the newest live state (-1: none, from scratch): the
+        steps committed after it are gone, and the summary must say so, once (a sync in the next
+        epoch, before a step commits, finds the same loss)."""
+        if any(e["event"] == "state_lost" and e["job_committed_step"] == job_committed
+               for e in self.events):
+            return
+        self._event({"event": "state_lost", "epoch": epoch, "world_size": world,
+                     "job_committed_step": job_committed, "resumed_step": best + 1,
+                     "steps_lost": job_committed - best, "why": self._no_checkpoint_why()})
 
     def _no_checkpoint_why(self) -> str:
         """Why no checkpoint could stand in, in words (after :meth:`_restore_checkpoint`)."""

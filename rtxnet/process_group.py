@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from transport import wire
 from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxTimeoutError
 
 from .agent import Agent, Membership
@@ -71,22 +72,19 @@ class Store:
     def __init__(self, agent: Agent):
         self._agent = agent
 
-    # a job's store holds at most this many bytes of keys and values (coordinator/state.py's
-    # MAX_JOB_KV_NBYTES): one item above it is refused here, before a message that size is built
-    MAX_JOB_NBYTES = 16 * 1024 * 1024
-
-    @classmethod
-    def _b(cls, value: bytes | str, key: str = "") -> bytes:
+    @staticmethod
+    def _b(value: bytes | str, key: str = "") -> bytes:
         if isinstance(value, str):
             value = value.encode()
         elif isinstance(value, bytes | bytearray | memoryview):
             value = bytes(value)
         else:
             raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
-        if len(key.encode()) + len(value) > cls.MAX_JOB_NBYTES:
+        if len(key.encode()) + len(value) > wire.MAX_JOB_KV_NBYTES:
+            # one item above the bound: refused here, before a message that size is built
             raise ConfigError(
                 f"store: key {key[:100]!r} with a value of {len(value)} bytes is more than the "
-                f"{cls.MAX_JOB_NBYTES} bytes a job's store may hold (it is for coordination data; "
+                f"{wire.MAX_JOB_KV_NBYTES} bytes a job's store may hold (it is for coordination data; "
                 f"move tensors with the collectives, files with checkpoints)")
         return value
 

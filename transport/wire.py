@@ -66,6 +66,11 @@ PROTOCOL_VERSION = 1
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 MAX_JOB_ID = 256   # characters of a job id or an agent identity
+# bytes of keys and values a job's store holds, and all jobs' stores on one coordinator (a
+# snapshot of the journal holds them all); the coordinator refuses a kv_set past either with a
+# ConfigError, and the agent refuses one item above the first before sending it
+MAX_JOB_KV_NBYTES = 16 * 1024 * 1024
+MAX_KV_NBYTES = 48 * 1024 * 1024
 
 # Field spec: name -> (python type or tuple of types, required).
 _Num = (int, float)

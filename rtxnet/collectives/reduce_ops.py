@@ -29,8 +29,9 @@ class ReduceOp(enum.Enum):
 def bfloat16() -> np.dtype:
     """NumPy's bfloat16 dtype (``ml_dtypes.bfloat16``), imported on first use: importing ml_dtypes
     costs 0.2 s of CPU (0.6.0; about 1 s for 0.7.0, which pyproject excludes), paid by every
-    rank at start if it were imported with rtxnet. An array can only be bfloat16 once its creator imported ml_dtypes (or
-    asked for this dtype), so the checks below never import it for other dtypes."""
+    rank at start if it were imported with rtxnet. An array can only be bfloat16 once its
+    creator imported ml_dtypes (or asked for this dtype), so the checks below never import it
+    for other dtypes."""
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16)
