@@ -670,7 +670,10 @@ class FaultTolerance:
                 best, source = restored, "checkpoint"
                 if self._open_failure is None:
                     await self._restored_event(job_committed, restored, epoch, world)
-            elif not covered and not fresh:
+            elif covered or fresh:
+                # training goes on from the newest live state: the steps after it are gone
+                self._state_lost(epoch, world, job_committed, best)
+            else:
                 lost = sorted(set(range(old_world)) - set(holders))
                 raise RtxError(
                     f"the committed state of ranks {lost} (of the world of {old_world} that "

@@ -373,20 +373,33 @@ def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, l
         raise ConfigError("no coordinator address: pass coordinator= or set RTXNET_COORDINATOR (rtxnet-run sets it)")
     job = job or os.environ.get("RTXNET_JOB") or "default"
     token = token if token is not None else os.environ.get("RTXNET_TOKEN", "")
+    rank_src = "rank"
     if rank is None:
-        rank = env_int("RTXNET_RANK", None)
+        rank, rank_src = env_int("RTXNET_RANK", None), "RTXNET_RANK"
     replacement = os.environ.get("RTXNET_REJOIN") == "1"
     if replacement and rank == env_int("RTXNET_RANK", None):
         rank = None  # a restarted rank takes whatever rank is free in the re-formed world
+    # where each size came from, so a bad one is named as the user wrote it
+    src = {"world_size": "world_size", "min_ranks": "min_ranks", "max_ranks": "max_ranks"}
+    if world_size is None and os.environ.get("RTXNET_WORLD_SIZE"):
+        src["world_size"] = "RTXNET_WORLD_SIZE"
     world_size = world_size if world_size is not None else env_int("RTXNET_WORLD_SIZE", None)
-    min_ranks = min_ranks if min_ranks is not None else env_int("RTXNET_MIN_RANKS", world_size)
-    max_ranks = max_ranks if max_ranks is not None else env_int("RTXNET_MAX_RANKS", world_size or min_ranks)
+    if min_ranks is None:
+        src["min_ranks"] = "RTXNET_MIN_RANKS" if os.environ.get("RTXNET_MIN_RANKS") else src["world_size"]
+        min_ranks = env_int("RTXNET_MIN_RANKS", world_size)
+    if max_ranks is None:
+        src["max_ranks"] = ("RTXNET_MAX_RANKS" if os.environ.get("RTXNET_MAX_RANKS")
+                            else src["world_size"] if world_size else src["min_ranks"])
+        max_ranks = env_int("RTXNET_MAX_RANKS", world_size or min_ranks)
     if min_ranks is None or max_ranks is None:
         raise ConfigError("world size unknown: pass world_size= (or min_ranks=/max_ranks=) or set RTXNET_WORLD_SIZE")
-    if not (1 <= min_ranks <= max_ranks):
-        raise ConfigError(f"need 1 <= min_ranks({min_ranks}) <= max_ranks({max_ranks})")
+    if min_ranks < 1:
+        raise ConfigError(f"{src['min_ranks']}={min_ranks}: a world needs at least 1 rank")
+    if min_ranks > max_ranks:
+        raise ConfigError(f"need min_ranks <= max_ranks, got {src['min_ranks']}={min_ranks} and "
+                          f"{src['max_ranks']}={max_ranks}")
     if rank is not None and not (0 <= rank < max_ranks):
-        raise ConfigError(f"rank({rank}) must be in 0..max_ranks-1 ({max_ranks - 1})")
+        raise ConfigError(f"{rank_src}={rank} must be in 0..{max_ranks - 1} ({src['max_ranks']}={max_ranks})")
     if last_call_s is None:
         last_call_s = env_float("RTXNET_LAST_CALL", 0.0 if min_ranks == max_ranks else 1.0)
     return dict(coordinator=coordinator, job=job, token=token, rank=rank, min_ranks=min_ranks,

@@ -1,6 +1,6 @@
 """A rank of the FSDP + FaultTolerance test, run under ``python -m rtxnet.launcher``.
 
-    fsdp_ft_worker.py OUT_DIR STEPS [checkpoint|memory]
+    fsdp_ft_worker.py OUT_DIR STEPS [checkpoint|memory|memory-nockpt]
 
 Trains a small MLP with FSDP (SGD with momentum) inside ``FaultTolerance`` steps, saving a sharded
 checkpoint every 4 steps. The state ``FaultTolerance`` keeps is the rank's shards, which fit only
@@ -11,7 +11,8 @@ single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.
 
 ``memory``: ``FaultTolerance(sharded_state=True)``: each rank also holds its ring predecessor's
 committed shards, so the new world reshards the committed state of the step before the failure
-from memory (no checkpoint loaded, one step lost).
+from memory (no checkpoint loaded, one step lost). ``memory-nockpt``: the same, saving no
+checkpoint.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def make_net() -> torch.nn.Module:
 
 def main() -> int:
     out, steps = Path(sys.argv[1]), int(sys.argv[2])
-    memory = sys.argv[3:] == ["memory"]
+    mode = sys.argv[3] if len(sys.argv) > 3 else "checkpoint"
+    memory = mode.startswith("memory")
     torch.set_num_threads(1)
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=2.0, op_s=30, rendezvous_s=120))
     g = torch.Generator().manual_seed(1)
@@ -55,7 +57,7 @@ def main() -> int:
     ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=load_checkpoint, sharded_state=memory)
     while ft.step < steps:
         with ft.guard() as step:
-            if step > 0 and step % 4 == 0:
+            if step > 0 and step % 4 == 0 and mode != "memory-nockpt":
                 ckpt.save(out / "ckpt", step, state.state_dict(), pg=pg)
             lo = step * B + pg.rank * (B // pg.world_size)
             xb, yb = x[lo:lo + B // pg.world_size], y[lo:lo + B // pg.world_size]

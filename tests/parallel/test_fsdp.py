@@ -164,3 +164,23 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
         assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
     # with a replacement every rank ends well; shrunk, the killed rank's 137 is the exit code
     assert proc.returncode == (0 if after == "replaced" else 137), proc.stderr[-3000:]
+
+
+def test_sharded_state_lost_with_every_rank_is_reported_and_training_starts_again(tmp_path):
+    # Both ranks die at step 10 and no checkpoint was saved: nobody holds the committed shards
+    # (sharded_state=True keeps them on their owner and its ring successor, both gone). The
+    # restarted ranks train again from step 0 (so the parameters still equal one process), and
+    # say that 10 committed steps were lost instead of "no failure seen by this rank".
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--max-restarts", "1",
+         "--faults", "kill:rank=0:step=10; kill:rank=1:step=10",
+         str(Path(__file__).parent / "fsdp_ft_worker.py"), str(tmp_path), "14", "memory-nockpt"],
+        capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    res = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(res) == 2, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for r in res:
+        assert r["steps"] == 14 and r["world_size"] == 2 and r["rel"] < TOL, r
+        assert "state_lost" in r["events"], r
+        assert any("steps lost: 10" in line for line in r["report"]), r["report"]
+    assert "restored_from_checkpoint" not in proc.stderr

@@ -86,6 +86,25 @@ def test_init_without_coordinator_names_the_missing_setting(monkeypatch):
         rtxnet.init(world_size=1)
 
 
+@pytest.mark.parametrize("env, kw, message", [
+    ({"RTXNET_WORLD_SIZE": "0"}, {}, "RTXNET_WORLD_SIZE=0: a world needs at least 1 rank"),
+    ({}, {"world_size": 0}, "world_size=0: a world needs at least 1 rank"),
+    ({"RTXNET_WORLD_SIZE": "2", "RTXNET_RANK": "5"}, {}, r"RTXNET_RANK=5 must be in 0..1 \(RTXNET_WORLD_SIZE=2\)"),
+    ({"RTXNET_WORLD_SIZE": "4"}, {"rank": -1}, r"rank=-1 must be in 0..3"),
+    ({"RTXNET_MIN_RANKS": "3", "RTXNET_MAX_RANKS": "2"}, {},
+     "got RTXNET_MIN_RANKS=3 and RTXNET_MAX_RANKS=2"),
+    ({}, {"min_ranks": 3, "max_ranks": 2}, "got min_ranks=3 and max_ranks=2"),
+])
+def test_a_bad_world_size_names_the_setting_it_came_from(monkeypatch, env, kw, message):
+    for name in ("RTXNET_WORLD_SIZE", "RTXNET_MIN_RANKS", "RTXNET_MAX_RANKS", "RTXNET_RANK", "RTXNET_REJOIN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # nothing listens at this address; the settings are refused before any connection is tried
+    with pytest.raises(rtxnet.ConfigError, match=message):
+        rtxnet.init("tcp://127.0.0.1:9", **kw)
+
+
 def test_blocking_split_and_new_group_return_blocking_groups(coordinator, caplog):
     import gc
     import inspect
