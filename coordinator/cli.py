@@ -135,6 +135,9 @@ async def _amain(args: argparse.Namespace) -> int:
     coord = Coordinator(args.bind, args.journal, tick_s=args.tick, snapshot_every=args.snapshot_every,
                         dead_job_ttl_s=args.dead_job_ttl)
     made_journal = not os.path.lexists(args.journal)
+    # a folder with no journal in it yet: what a failed start adds to it is ours alone
+    before = set(os.listdir(args.journal)) if os.path.isdir(args.journal) else None
+    fresh_folder = before is not None and not any(n.startswith(("journal-", "snapshot.bin")) for n in before)
     try:
         address = await coord.start()
     except JournalCorruptError as exc:
@@ -147,6 +150,10 @@ async def _amain(args: argparse.Namespace) -> int:
         log.error("bind_failed", error=str(exc))
         if made_journal:   # this process made it, and nothing was acknowledged: leave no trace
             shutil.rmtree(args.journal, ignore_errors=True)
+        elif fresh_folder:    # leave the user's folder as it was
+            for name in set(os.listdir(args.journal)) - before:
+                path = os.path.join(args.journal, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
         return 4
     loop = asyncio.get_running_loop()
     # SIGHUP too: a daemon whose launcher died while one of its ranks was stopped gets it with

@@ -688,5 +688,6 @@ def test_a_port_in_use_exits_4_and_leaves_no_journal_it_made(tmp_path):
                                  cwd=ROOT, env=procs.env())
             assert out.returncode == 4 and "bind_failed" in out.stderr, out.stderr
             assert journal.exists() == existed, (journal, out.stderr)
-            if existed:
+            if existed:    # the user's file stays, and nothing the failed start made
+                assert [p.name for p in journal.iterdir()] == ["keep"], list(journal.iterdir())
                 assert (journal / "keep").read_text() == "x"
