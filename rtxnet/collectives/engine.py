@@ -379,7 +379,10 @@ def _error_from_abort(h: DataHeader, name: str, group) -> RtxError:
     meta = h.meta if isinstance(h.meta, list) and len(h.meta) == 3 else ["RtxError", "?", []]
     cls, msg, ranks = meta
     ranks = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
-    text = f"rank {h.src} failed {name} (group {group.gid!r}, seq {h.seq}): {msg}"
+    if cls in ("ValueError", "TypeError"):   # that rank refused its call (a bad argument)
+        text = f"rank {h.src} refused its call matching this {name} (group {group.gid!r}, seq {h.seq}): {cls}: {msg}"
+    else:
+        text = f"rank {h.src} failed {name} (group {group.gid!r}, seq {h.seq}): {msg}"
     if cls == "CollectiveTimeout":
         return CollectiveTimeout(text, ranks=ranks, op=name)
     if cls == "PeerLostError":

@@ -8,7 +8,10 @@ recv) are **group ranks** (``0 .. W-1``); ``new_group`` takes **world ranks**. `
 
 Collectives of one group run one at a time in call order (sequence numbers are taken at call time,
 so the order of calls is what must agree across ranks); different groups run concurrently;
-send/recv do not queue behind collectives.
+send/recv do not queue behind collectives. A call that one rank refuses (a bad argument: the
+``ValueError``/``TypeError`` is raised there before anything is sent) still takes its place in that
+order: the other ranks' matching call fails at once with a ``CollectiveError`` naming the rank and
+quoting its error, instead of waiting out its deadline (:func:`_refusal_told`).
 
 Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen by size):
 
@@ -33,6 +36,7 @@ Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -67,6 +71,7 @@ from transport.errors import (
     CollectiveTimeout,
     LinkBrokenError,
     PeerLostError,
+    RtxError,
 )
 from transport.peer import Kind
 
@@ -133,6 +138,29 @@ def _as_list(name: str, x, n: int) -> list[Buffer] | None:
             raise ValueError(f"{name} has {len(x)} entries, group size is {n}")
         return [Buffer(t) for t in x]
     return None
+
+
+def _refusal_told(fn):
+    """Decorate a collective of :class:`Group`: when this rank refuses the call itself (a
+    ``ValueError`` or ``TypeError`` raised before the call took its sequence number), the call
+    still takes one, and the other ranks are sent an abort for it, so their matching call fails
+    at once naming this rank and quoting the error rather than timing out; then the error is
+    raised here unchanged. Calls raising after they took their number abort the peers already
+    (``Group._collective``)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def call(self, *args, **kwargs):
+        seq = self._seq
+        try:
+            return await fn(self, *args, **kwargs)
+        except (ValueError, TypeError) as exc:
+            if self._seq == seq and self.size > 1 and self._dead is None \
+                    and self.engine.fenced is None:
+                await self._refuse(name, exc)
+            raise
+
+    return call
 
 
 class Group:
@@ -341,8 +369,21 @@ class Group:
             if self._tail is done:
                 self._tail = None
 
+    async def _refuse(self, name: str, exc: BaseException) -> None:
+        """Take the next sequence number for ``name`` and fail it with ``exc`` at once, which
+        aborts the peers' operation of that number (see :func:`_refusal_told`)."""
+        async def body(op: Op):
+            raise exc
+
+        try:
+            await self._collective(name, None, body)
+        except BaseException as err:   # exc itself, or what the group raised instead
+            if err is not exc and not isinstance(err, (RtxError, ValueError, TypeError)):
+                raise
+
     # -- collectives ---------------------------------------------------------------------------
 
+    @_refusal_told
     async def all_reduce(self, tensor, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None,
                          algorithm: str | None = None):
         """Reduce ``tensor`` over the group; every rank ends with the result, in place.
@@ -369,7 +410,8 @@ class Group:
 
         Raises:
             ValueError: unsupported dtype, op (PROD/AVG of bool, AVG of ints) or algorithm;
-                raised before anything is sent.
+                raised before anything is sent, and the other ranks' matching call fails at
+                once with a ``CollectiveError`` quoting it (:func:`_refusal_told`).
             CollectiveMismatchError: ranks disagree on op, dtype, shape or element count.
             CollectiveTimeout: a rank did not contribute in time; ``exc.ranks`` names them.
             PeerLostError: a peer was lost meanwhile; ``tensor`` is undefined.
@@ -413,6 +455,7 @@ class Group:
 
         return await self._collective("all_reduce", timeout, body)
 
+    @_refusal_told
     async def broadcast(self, tensor, src: int = 0, *, timeout: float | None = None,
                         algorithm: str | None = None):
         """Copy ``tensor`` of group rank ``src`` into ``tensor`` of every rank, in place.
@@ -457,6 +500,7 @@ class Group:
 
         return await self._collective("broadcast", timeout, body)
 
+    @_refusal_told
     async def reduce(self, tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM, *,
                      timeout: float | None = None, algorithm: str | None = None):
         """Reduce ``tensor`` over the group into ``tensor`` of group rank ``dst``.
@@ -487,6 +531,7 @@ class Group:
 
         return await self._collective("reduce", timeout, body)
 
+    @_refusal_told
     async def all_gather(self, output, input, *, timeout: float | None = None,
                          algorithm: str | None = None):
         """Gather every rank's ``input`` into ``output`` on every rank.
@@ -500,8 +545,8 @@ class Group:
             ``output``.
 
         Raises:
-            ValueError: output of the wrong size or dtype (before anything is sent); others as
-            :meth:`all_reduce`.
+            ValueError: output of the wrong size or dtype (before anything is sent; the
+            other ranks are told at once); others as :meth:`all_reduce`.
         """
         if is_gpu_array(input):
             return await self._gpu().all_gather(output, input, timeout, algorithm)
@@ -534,6 +579,7 @@ class Group:
 
         return await self._collective("all_gather", timeout, body)
 
+    @_refusal_told
     async def reduce_scatter(self, output, input, op: ReduceOp = ReduceOp.SUM, *,
                              timeout: float | None = None, algorithm: str | None = None):
         """Reduce ``input`` over the group and keep this rank's shard in ``output``.
@@ -590,6 +636,7 @@ class Group:
 
         return await self._collective("reduce_scatter", timeout, body)
 
+    @_refusal_told
     async def gather(self, tensor, gather_list: Sequence | None = None, dst: int = 0, *,
                      timeout: float | None = None):
         """Collect every rank's ``tensor`` into ``gather_list`` (W arrays) on group rank ``dst``.
@@ -641,6 +688,7 @@ class Group:
 
         return await self._collective("gather", timeout, body)
 
+    @_refusal_told
     async def scatter(self, tensor, scatter_list: Sequence | None = None, src: int = 0, *,
                       timeout: float | None = None):
         """Send ``scatter_list[k]`` of group rank ``src`` into ``tensor`` of rank k, in place.
@@ -693,6 +741,7 @@ class Group:
 
         return await self._collective("scatter", timeout, body)
 
+    @_refusal_told
     async def all_to_all(self, output, input, *, timeout: float | None = None):
         """Send ``input[k]`` to rank k and receive rank k's ``input[me]`` into ``output[k]``.
 
@@ -756,6 +805,7 @@ class Group:
 
         return await self._collective("all_to_all", timeout, body)
 
+    @_refusal_told
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank of the group has entered the barrier."""
         sig = self._sig("barrier", "direct")
@@ -935,6 +985,7 @@ class Group:
             return None
         return Group._create(self.engine, f"{','.join(map(str, rs))}#{k}", rs)
 
+    @_refusal_told
     async def split(self, color: int | None, key: int = 0, *,
                     timeout: float | None = None) -> Group | None:
         """Split this group by ``color``; ranks in each new group are ordered by (key, rank).

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from rtxnet.collectives.reduce_ops import ReduceOp
 from transport.errors import CollectiveMismatchError, CollectiveTimeout
 
 from .harness import run_world
@@ -211,10 +212,62 @@ def test_a_root_refusing_its_list_tells_the_others_at_once():
     assert res[1]["scatter"][0] == "ValueError: scatter: scatter_list is required on the source rank"
     for r, out in enumerate(res):
         if r != 0:
-            assert out["gather"][0].startswith("CollectiveError: rank 0 failed gather") and \
+            assert out["gather"][0].startswith("CollectiveError: rank 0 refused its call matching this gather") and \
                 "gather_list[1] is float64[3]" in out["gather"][0], out
         if r != 1:
-            assert out["scatter"][0].startswith("CollectiveError: rank 1 failed scatter") and \
+            assert out["scatter"][0].startswith("CollectiveError: rank 1 refused its call matching this scatter") and \
                 "scatter_list is required" in out["scatter"][0], out
         assert out["gather"][1] < 10 and out["scatter"][1] < 10, out
         assert out["after"] == 3.0
+
+
+async def one_rank_refuses(engine):
+    """Each collective called with an argument only rank 1 gets wrong: rank 1 raises its own
+    ValueError at once; the others' matching call fails at once (not at its 20 s deadline) with
+    a CollectiveError naming rank 1 and quoting its error; then the group goes on, in step."""
+    g = engine.world
+    bad = g.rank == 1
+    n = g.size
+    calls = {
+        "all_reduce": lambda: g.all_reduce(np.ones(4, np.int32 if bad else np.float32), ReduceOp.AVG,
+                                           timeout=20),
+        "broadcast": lambda: g.broadcast(np.ones(4), 7 if bad else 0, timeout=20),
+        "reduce": lambda: g.reduce(np.ones(4), 0, timeout=-1 if bad else 20),
+        "all_gather": lambda: g.all_gather(np.zeros(n * 4 + (1 if bad else 0)), np.ones(4), timeout=20),
+        "reduce_scatter": lambda: g.reduce_scatter(np.zeros(4), np.ones(n * 4), timeout=20,
+                                                   algorithm="fast" if bad else None),
+        "all_to_all": lambda: g.all_to_all(np.zeros(n * 2 + (1 if bad else 0)), np.ones(n * 2), timeout=20),
+        "barrier": lambda: g.barrier(timeout="soon" if bad else 20),
+        "split": lambda: g.split(1.5 if bad else 0, timeout=20),
+        "all_reduce of a list": lambda: g.all_reduce([1.0] if bad else np.ones(1), timeout=20),
+    }
+    out = {}
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            await call()
+            out[name] = ("no error", 0.0)
+        except Exception as exc:   # noqa: BLE001 - the test asserts on type and text
+            out[name] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+    x = np.ones(2)
+    await g.all_reduce(x, timeout=20)
+    out["after"] = float(x[0])
+    return out
+
+
+def test_a_call_one_rank_refuses_fails_the_others_at_once_and_the_group_goes_on():
+    res = run_world(3, one_rank_refuses)
+    mine = res[1]
+    for name, (err, took) in [(k, v) for k, v in mine.items() if k != "after"]:
+        assert err.startswith("ValueError: "), (name, err)
+        assert took < 5, (name, took)
+        for r in (0, 2):
+            theirs, their_took = res[r][name]
+            assert theirs.startswith("CollectiveError: rank 1 refused its call matching this "), (r, name, theirs)
+            assert err.split(": ", 1)[1] in theirs, (r, name, theirs, err)     # quoted
+            assert their_took < 10, (r, name, their_took)
+    assert "AVG of integer" in mine["all_reduce"][0] or "AVG" in mine["all_reduce"][0], mine
+    assert "rank 7 not in group of size 3" in mine["broadcast"][0], mine
+    assert "-1" in mine["reduce"][0] and "'soon'" in mine["barrier"][0], mine
+    assert "1.5" in mine["split"][0] and "list" in mine["all_reduce of a list"][0], mine
+    assert all(out["after"] == 3.0 for out in res), res
