@@ -189,11 +189,17 @@ async def root_refuses(engine):
     CollectiveError quoting it at once (not at their 20 s deadline), and the group goes on."""
     g = engine.world
     r = g.rank
+    return await outcomes(g, {
+        "gather": lambda: g.gather(np.ones(4), [np.zeros(4), np.zeros(3), np.zeros(4)] if r == 0 else None,
+                                   0, timeout=20),
+        "scatter": lambda: g.scatter(np.zeros(4), None, 1, timeout=20)})
+
+
+async def outcomes(g, calls: dict) -> dict:
+    """``{name: ("Type: message" or "no error", seconds)}`` of each call in turn, and under
+    ``"after"`` the sum of an all_reduce of ones run after them (the group's size if in step)."""
     out = {}
-    for name, call in (
-            ("gather", lambda: g.gather(np.ones(4), [np.zeros(4), np.zeros(3), np.zeros(4)] if r == 0 else None,
-                                        0, timeout=20)),
-            ("scatter", lambda: g.scatter(np.zeros(4), None, 1, timeout=20))):
+    for name, call in calls.items():
         t0 = time.monotonic()
         try:
             await call()
@@ -228,7 +234,7 @@ async def one_rank_refuses(engine):
     g = engine.world
     bad = g.rank == 1
     n = g.size
-    calls = {
+    return await outcomes(g, {
         "all_reduce": lambda: g.all_reduce(np.ones(4, np.int32 if bad else np.float32), ReduceOp.AVG,
                                            timeout=20),
         "broadcast": lambda: g.broadcast(np.ones(4), 7 if bad else 0, timeout=20),
@@ -240,19 +246,7 @@ async def one_rank_refuses(engine):
         "barrier": lambda: g.barrier(timeout="soon" if bad else 20),
         "split": lambda: g.split(1.5 if bad else 0, timeout=20),
         "all_reduce of a list": lambda: g.all_reduce([1.0] if bad else np.ones(1), timeout=20),
-    }
-    out = {}
-    for name, call in calls.items():
-        t0 = time.monotonic()
-        try:
-            await call()
-            out[name] = ("no error", 0.0)
-        except Exception as exc:   # noqa: BLE001 - the test asserts on type and text
-            out[name] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
-    x = np.ones(2)
-    await g.all_reduce(x, timeout=20)
-    out["after"] = float(x[0])
-    return out
+    })
 
 
 def test_a_call_one_rank_refuses_fails_the_others_at_once_and_the_group_goes_on():
