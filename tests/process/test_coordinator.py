@@ -485,8 +485,10 @@ def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(c
     # the ring's TCP streams break at once (reset, broken pipe); the survivors wait for the
     # coordinator's verdict and raise the PeerLostError naming the rank, as the direct form does,
     # not a CollectiveError saying a stream broke
+    # a heartbeat timeout of 6 s, not 2: four ranks filling 128 MiB each on 2 busy cores were
+    # declared lost (fenced) before their streams opened, under a loaded test run
     ps = joined(probes, coordinator.address, f"ring-{op}", 4,
-                timeouts={"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "op_s": 30.0,
+                timeouts={"heartbeat_interval_s": 0.3, "heartbeat_timeout_s": 6.0, "op_s": 30.0,
                           "rendezvous_s": 60.0})
     numel = 32 * 2**20   # 128 MiB per rank
     before = _tcp_established(ps[2].pid)
