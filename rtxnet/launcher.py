@@ -71,6 +71,14 @@ def _code(rc: int) -> int:
 
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read
 _NODES_POLL_S = 1.0   # --nnodes > 1: how often the nodes' failed-for-good ranks are compared
+# A coordinator this launcher restarted that dies again within _COORD_STABLE_S of its start is
+# failing (its journal cannot be written or read: exit code 3): it is restarted after a pause
+# doubling from _COORD_PAUSE_S to _COORD_PAUSE_MAX_S, and no more once it has been failing for
+# the ranks' coordinator_s (RTXNET_COORDINATOR_TIMEOUT, 30 s): the ranks then raise
+# CoordinatorLostError, instead of one daemon after another answering them for a moment.
+_COORD_STABLE_S = 10.0
+_COORD_PAUSE_S = 0.1
+_COORD_PAUSE_MAX_S = 5.0
 _FAILED_KEY = "rtxnet-run/failed-for-good/node{}"   # in the job's store: JSON list of launch ranks
 
 
@@ -399,12 +407,41 @@ class Launcher:
         return self.first_failure[1] if self.first_failure else 0
 
     async def _supervise_coordinator(self, journal: str) -> None:
-        """Restart the coordinator this launcher started if it dies: same address, same journal."""
+        """Restart the coordinator this launcher started if it dies: same address, same journal,
+        at once; one that keeps dying at once is restarted after growing pauses and given up on
+        after the ranks' ``coordinator_s`` (see ``_COORD_STABLE_S``)."""
+        from .config import Timeouts
+
+        give_up_s = Timeouts.from_env().coordinator_s
+        failing_since: float | None = None
+        pause, restarts = _COORD_PAUSE_S, 0
         while True:
+            started = time.monotonic()
             rc = await self.coordinator_proc.wait()
             if self.stopping or self.done:
                 return
-            _say(f"coordinator exited with code {_code(rc)}; restarting it on {self.address} with journal {journal}")
+            now = time.monotonic()
+            if failing_since is None or now - started >= _COORD_STABLE_S:
+                failing_since, pause, restarts = now, _COORD_PAUSE_S, 0   # it was up a while
+            elif now - failing_since >= give_up_s:
+                why = (f"exit code 3: its journal {journal} cannot be written or read; its log "
+                       f"says why" if _code(rc) == 3 else "its log says why")
+                _say(f"coordinator exited with code {_code(rc)} again: {restarts} restarts in "
+                     f"{now - failing_since:.0f} s did not keep it up ({why}); not restarting it "
+                     f"again: the ranks stop with CoordinatorLostError within their coordinator_s "
+                     f"({give_up_s:g} s)")
+                return
+            else:
+                _say(f"coordinator exited with code {_code(rc)} {now - started:.1f} s after it "
+                     f"started; restarting it on {self.address} with journal {journal} in {pause:g} s")
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _COORD_PAUSE_MAX_S)
+                if self.stopping or self.done:
+                    return
+            if not restarts:
+                _say(f"coordinator exited with code {_code(rc)}; restarting it on {self.address} "
+                     f"with journal {journal}")
+            restarts += 1
             for attempt in range(50):
                 try:
                     self.coordinator_proc, _ = await start_coordinator(

@@ -208,7 +208,7 @@ def _one_per_epoch(events: list[dict], kind: str, keys: tuple[str, ...]) -> list
 
 _RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?:; restart (\d+)/(\d+))?\s*$")
 _COORD_EXIT = re.compile(r"\[rtxnet-run\] coordinator exited with code (-?\d+)")
-_COORD_LOST = re.compile(r"\[rtxnet-run\] could not restart the coordinator")
+_COORD_LOST = re.compile(r"\[rtxnet-run\] (could not restart the coordinator|coordinator exited .*not restarting it again)")
 _BELOW_MIN = re.compile(r"\[rtxnet-run\] (ranks? [\d, ]+ failed for good .*); stopping")
 _PREFIX = re.compile(r"^\[[\w-]+\] ")
 _RANK_PREFIX = re.compile(r"^\[rank(\d+)\] ")
@@ -258,6 +258,8 @@ def scan_output(text: str) -> dict:
                                       "restart": f"{k}/{n}" if k is not None else None})
         elif m := _COORD_EXIT.search(line):
             res["coordinator_exits"].append(int(m.group(1)))
+            if _COORD_LOST.search(line):     # it died once more, and was given up on
+                res["coordinator_lost"] = True
         elif _COORD_LOST.search(line):
             res["coordinator_lost"] = True
         elif m := _BELOW_MIN.search(line):
@@ -390,7 +392,7 @@ def report(summary: dict) -> list[str]:
     for code in summary.get("coordinator_exits", []):
         lines.append(f"the coordinator exited with code {code}{signal_suffix(code)}")
     if summary.get("coordinator_lost"):
-        lines.append("the coordinator could not be restarted")
+        lines.append("the coordinator could not be restarted, or kept dying and was given up on")
     if summary.get("below_min_ranks"):
         lines.append(f"the job could not go on: {summary['below_min_ranks']}; the launcher stopped the "
                      f"other ranks")

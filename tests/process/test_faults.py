@@ -331,6 +331,11 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
         "[rtxnet-run] rank 2 exited with code 137; restart 1/2",
         "[rank1] 2026-01-01T00:00:00Z [warning  ] step_failed    committed_step=40 error=CollectiveTimeout",
         "[rtxnet-run] coordinator exited with code 137; restarting it on tcp://127.0.0.1:1 with journal /j",
+        "[rtxnet-run] coordinator exited with code 3 0.4 s after it started; restarting it on "
+        "tcp://127.0.0.1:1 with journal /j in 0.1 s",
+        "[rtxnet-run] coordinator exited with code 3 again: 9 restarts in 31 s did not keep it up (exit "
+        "code 3: its journal /j cannot be written or read; its log says why); not restarting it again: "
+        "the ranks stop with CoordinatorLostError within their coordinator_s (30 s)",
         "[rtxnet-run] rank 2 exited with code 1; restart 2/2",
         "[rtxnet-run] rank 1 exited with code 1",
         "[rtxnet-run] rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than --min-ranks 4; "
@@ -378,7 +383,7 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
     s = faultrun.summarize(events, out)
     assert [(x["rank"], x["code"], x["restart"]) for x in s["rank_exits"]] == [
         (2, 137, "1/2"), (2, 1, "2/2"), (1, 1, None), (2, 1, None)]
-    assert s["coordinator_exits"] == [137]
+    assert s["coordinator_exits"] == [137, 3, 3] and s["coordinator_lost"] is True
     assert s["state_lost"] == [{"job_committed_step": 99, "best_live_step": -1, "steps_lost": 100,
                                 "reason": "no checkpoint recorded", "ranks_reporting": 2}]
     # checkpoint 100 holds steps 0..99: steps 100..149 are run again
@@ -387,6 +392,7 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
     assert s["unrecovered"] == [{"epoch": 3, "step": 41, "error": "CollectiveTimeout", "launch_ranks": [1],
                                  "message": None}]
     lines = faultrun.report(s)
+    assert "the coordinator could not be restarted, or kept dying and was given up on" in lines
     assert "epoch 4: CollectiveTimeout (no rank lost): recovered after 1500 ms, steps lost 1" in lines
     assert ("epoch 7: PeerLostError (lost rank 1 (numbered as of epoch 5), then rank 1 (numbered as of "
             "epoch 6)): detected after 100 ms, recovered after 500 ms, steps lost 1") in lines

@@ -582,3 +582,49 @@ def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
             assert (f"[rank{r}] {what} ClosedError: the process group is closed (close() was "
                     f"called); create a new one with rtxnet.init()") in out.stdout, out.stdout
     assert "never awaited" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_given_up_on(tmp_path):
+    """Each coordinator rtxnet-run starts dies again at once (here SIGKILLed by the test as soon
+    as rtxnet-run names it; a full disk does it by itself, exit code 3): rtxnet-run restarts it
+    after pauses growing from 0.1 s and gives up once it has been failing for the ranks'
+    coordinator_s (then ranks using it stop with CoordinatorLostError:
+    test_coordinator_gone_for_good_fails_the_job_in_bounded_time). Before, it restarted the
+    daemon about 3 times a second for ever (486 times in 200 s in a fresh user's trial), and a
+    job neither went on nor failed. The ranks here only sleep, so the launcher alone decides."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "2", str(script), str(tmp_path)],
+        env=procs.env(RTXNET_COORDINATOR_TIMEOUT="4"), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    killed: list[int] = []
+    lines: list[str] = []
+    t0 = time.monotonic()
+    try:
+        for line in launcher.stderr:
+            lines.append(line)
+            if line.startswith("[rtxnet-run] coordinator tcp://") or "coordinator restarted (pid" in line:
+                pid = int(line.rsplit("pid ", 1)[1].split(")", 1)[0])
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            elif "not restarting it again" in line:
+                took = time.monotonic() - t0
+                launcher.send_signal(signal.SIGTERM)     # the sleeping ranks: stop them
+        rc = launcher.wait(30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    text = "".join(lines)
+    assert rc == 143, text[-4000:]
+    (gave_up,) = [x for x in lines if "not restarting it again" in x]
+    assert gave_up.startswith("[rtxnet-run] coordinator exited with code 137 again: "), gave_up
+    assert "did not keep it up (its log says why); not restarting it again: the ranks stop with " \
+        "CoordinatorLostError within their coordinator_s (4 s)" in gave_up, gave_up
+    restarts = text.count("restarting it on ")
+    assert 3 <= restarts <= 10 and len(killed) == restarts + 1, (restarts, killed, text[-4000:])
+    pauses = [float(x.rsplit(" in ", 1)[1].split(" s")[0]) for x in lines if "after it started; restarting" in x]
+    assert pauses == [0.1 * 2 ** k for k in range(len(pauses))] and len(pauses) == restarts - 1, (pauses, text)
+    assert 4 <= took < 30, took
