@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import math
 import os
-import shutil
 import signal
 import sys
 
@@ -26,6 +25,7 @@ from transport.channel import route_address
 from transport.errors import ConnectError, JournalCorruptError, JournalError
 from transport.logconfig import LOG_LEVELS, configure_logging
 
+from .journal import remove_journal
 from .server import Coordinator
 
 log = structlog.get_logger("coordinator")
@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                         "rejoin (committed step, store, checkpoint record), then forgotten "
                         "(default 3600)")
     p.add_argument("--remove-journal-on-stop", action="store_true",
-                   help="delete the journal folder after a clean stop (SIGTERM/SIGINT), not after a "
+                   help="delete the journal (its segments, snapshot and lock file; then the folder, "
+                        "if nothing else is in it) after a clean stop (SIGTERM/SIGINT), not after a "
                         "crash; rtxnet-run uses it for the temporary journal it creates")
     return p
 
@@ -135,9 +136,9 @@ async def _amain(args: argparse.Namespace) -> int:
     coord = Coordinator(args.bind, args.journal, tick_s=args.tick, snapshot_every=args.snapshot_every,
                         dead_job_ttl_s=args.dead_job_ttl)
     made_journal = not os.path.lexists(args.journal)
-    # a folder with no journal in it yet: what a failed start adds to it is ours alone
-    before = set(os.listdir(args.journal)) if os.path.isdir(args.journal) else None
-    fresh_folder = before is not None and not any(n.startswith(("journal-", "snapshot.bin")) for n in before)
+    # a folder with no journal in it yet: the journal files a failed start adds to it are ours
+    fresh_folder = os.path.isdir(args.journal) and not any(
+        n.startswith(("journal-", "snapshot.bin")) for n in os.listdir(args.journal))
     try:
         address = await coord.start()
     except JournalCorruptError as exc:
@@ -148,12 +149,8 @@ async def _amain(args: argparse.Namespace) -> int:
         return 3
     except ConnectError as exc:
         log.error("bind_failed", error=str(exc))
-        if made_journal:   # this process made it, and nothing was acknowledged: leave no trace
-            shutil.rmtree(args.journal, ignore_errors=True)
-        elif fresh_folder:    # leave the user's folder as it was
-            for name in set(os.listdir(args.journal)) - before:
-                path = os.path.join(args.journal, name)
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+        if made_journal or fresh_folder:   # nothing was acknowledged: leave no trace
+            remove_journal(args.journal, keep_folder=not made_journal)
         return 4
     loop = asyncio.get_running_loop()
     # SIGHUP too: a daemon whose launcher died while one of its ranks was stopped gets it with
@@ -174,13 +171,18 @@ async def _amain(args: argparse.Namespace) -> int:
                   hint="free the disk or fix the device, then restart with the same --journal")
         code = 3
     finally:
+        left = []
         try:
             await coord.aclose()
         finally:
             # before logging: with rtxnet-run gone, writing to its pipe raises BrokenPipeError
-            # (only after a clean stop: a failed one leaves it for the restart to replay)
+            # (only after a clean stop: a failed one leaves it for the restart to replay); the
+            # journal's own files only, never what else the folder holds
             if args.remove_journal_on_stop and clean:
-                shutil.rmtree(args.journal, ignore_errors=True)
+                left = remove_journal(args.journal)
+        if left:
+            log.warning("journal_folder_kept", path=args.journal, not_the_journals=left[:10],
+                        hint="the journal's files were removed; the folder holds others")
         log.info("coordinator_stopped")
     return code
 

@@ -63,6 +63,7 @@ from transport.errors import JournalCorruptError, JournalError
 
 __all__ = [
     "Journal",
+    "remove_journal",
     "MAX_RECORD_NBYTES",
     "MAX_SNAPSHOT_NBYTES",
     "FRAME_HEADER_NBYTES",
@@ -100,6 +101,38 @@ def encode_frame(payload: bytes | bytearray | memoryview) -> bytes:
     crc = zlib.crc32(payload)
     head = struct.pack("<BBII", MAGIC, VERSION, nbytes, crc)
     return head + struct.pack("<I", zlib.crc32(head)) + bytes(payload)
+
+
+def _is_journal_file(name: str) -> bool:
+    return bool(_SEGMENT_RE.match(name)) or name in (SNAPSHOT_NAME, SNAPSHOT_TMP_NAME, "LOCK")
+
+
+def remove_journal(path: str | os.PathLike, *, keep_folder: bool = False) -> list[str]:
+    """Delete the journal in folder ``path``: its segments, snapshot and lock file, then the folder
+    itself if nothing else is in it (and not ``keep_folder``). Files that are not the journal's
+    are never touched. Only for a journal no daemon holds (after it closed).
+
+    Returns:
+        The names left in the folder (sorted; empty when it is gone or empty).
+    """
+    folder = Path(path)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if _is_journal_file(name):
+            try:
+                os.unlink(folder / name)
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass
+    left = sorted(os.listdir(folder))
+    if not left and not keep_folder:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+    return left
 
 
 def _segment_name(generation: int) -> str:

@@ -609,6 +609,22 @@ def test_sighup_stops_the_daemon_cleanly_and_removes_a_temporary_journal(tmp_pat
     assert not (tmp_path / "tmpj").exists()
 
 
+def test_removing_the_journal_on_stop_leaves_what_is_not_the_journals(tmp_path):
+    # a fresh user's trial: --remove-journal-on-stop on a folder of their own deleted it whole,
+    # their files and a subfolder with it
+    folder = tmp_path / "mydata"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "thesis.txt").write_text("precious")
+    c = procs.Coordinator(folder, extra=["--remove-journal-on-stop"])
+    assert any(p.name.startswith("journal-") for p in folder.iterdir())
+    c.kill(signal.SIGTERM)
+    assert c.proc.wait(10) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["sub", "thesis.txt"]
+    assert (folder / "thesis.txt").read_text() == "precious"
+    wait_until(lambda: "coordinator_stopped" in c.log, 5, "the daemon's last log line read")
+    assert "journal_folder_kept" in c.log and "thesis.txt" in c.log, c.log[-2000:]
+
+
 def test_the_coordinator_binds_and_serves_over_ipv6(tmp_path, probes):
     if not socket.has_ipv6:
         pytest.skip("no IPv6 in this Python")
