@@ -112,6 +112,8 @@ def _reachable(address: str) -> str:
     address is kept (it serves this host) and a warning says so."""
     import socket
 
+    if not address.startswith("tcp://"):   # ipc://PATH: this host only, as given
+        return address
     host, port = address.split("://", 1)[1].rsplit(":", 1)
     host = host.strip("[]")
     if host not in ("0.0.0.0", "*", "::"):

@@ -11,9 +11,11 @@ bound to the process that made it: using it after ``fork()`` raises :class:`Clos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -449,6 +451,13 @@ class ControlServer:
             pass
         self._monitor.close(0)
         self._sock.close(0)
+        if self.address.startswith("ipc://") and not self.address.startswith("ipc://@"):
+            # ZeroMQ unlinks the socket file in its I/O thread, which a process exiting right
+            # after this may not wait for: the file would stay behind
+            path = self.address[len("ipc://"):]
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
 
 
 def nobody_there(address: str) -> str | None:

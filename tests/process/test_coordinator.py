@@ -709,3 +709,24 @@ def test_a_port_in_use_exits_4_and_leaves_no_journal_it_made(tmp_path):
             if existed:    # the user's file stays, and nothing the failed start made
                 assert [p.name for p in journal.iterdir()] == ["keep"], list(journal.iterdir())
                 assert (journal / "keep").read_text() == "x"
+
+
+def test_an_ipc_coordinator_serves_and_leaves_no_socket_file(tmp_path):
+    # a fresh user's trial: --bind ipc://PATH crashed with a traceback (the reachable address
+    # assumed host:port) and left the socket file and the journal behind
+    sock = tmp_path / "coord.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "--bind", f"ipc://{sock}", "--journal",
+                             str(tmp_path / "j"), "--remove-journal-on-stop"], cwd=ROOT, env=procs.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"RTXNET_COORDINATOR=ipc://{sock}"
+        out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", f"ipc://{sock}"],
+                             capture_output=True, text=True, timeout=30, cwd=ROOT, env=procs.env())
+        assert out.returncode == 0 and out.stdout.strip() == "no jobs", out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0, proc.stderr.read()[-2000:]
+        assert not sock.exists() and not (tmp_path / "j").exists(), list(tmp_path.iterdir())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
