@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from transport.errors import ConfigError
 
-__all__ = ["Timeouts", "env_float", "env_int", "is_seconds"]
+__all__ = ["Timeouts", "env_float", "env_int", "int_in", "is_seconds", "output_file"]
 
 
 def is_seconds(v: object) -> bool:
@@ -103,3 +104,50 @@ class Timeouts:
         }
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**vals)
+
+
+def output_file(text: str) -> Path:
+    """An ``argparse`` type for a file a tool writes when it ends (``--json``, ``--plot``): refused
+    at once, naming it, when it is a folder, or when its nearest existing folder cannot be
+    written (read-only, no permission, not a folder), so a long run does not end in a traceback
+    with its result lost. Missing folders in between are for the tool to create.
+
+    Raises:
+        argparse.ArgumentTypeError: as above (argparse turns it into exit code 2).
+    """
+    import argparse
+    import tempfile
+
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file to write")
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(folder)!r} is not a folder")
+    try:   # what a write would meet (a read-only mount, permissions, a pseudo file system)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no file can be made in folder "
+                                         f"{str(folder)!r} ({exc.strerror})") from None
+    return path
+
+
+def int_in(lo: int, hi: int):
+    """An ``argparse`` type: an integer in ``lo..hi`` (both included); anything else is refused
+    naming the value and the range (argparse turns it into exit code 2)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {n}")
+        return n
+
+    parse.__name__ = f"int in {lo}..{hi}"
+    return parse

@@ -36,6 +36,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from rtxnet.config import output_file
+
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 20.0   # the launcher gives its ranks 10 s (its --grace) after SIGTERM, then kills them
 LAUNCHER_USAGE_ERROR = 2   # rtxnet-run's exit code for arguments it refused before starting anything
@@ -461,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=0)
     ap.add_argument("--timeout", type=_timeout_s, default=600.0,
                     help="seconds before the run is stopped, finite and > 0 (default 600)")
-    ap.add_argument("--json", default=None, help="write events and summary here")
+    ap.add_argument("--json", default=None, type=output_file, help="write events and summary here")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = ap.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -484,7 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        try:   # checked when parsed; a disk filled meanwhile still leaves the summary below
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        except OSError as exc:
+            print(f"faultrun: could not write --json {args.json}: {exc.strerror}", file=sys.stderr)
     out = res["stdout"] + res["stderr"]
     if (res["returncode"] == LAUNCHER_USAGE_ERROR and not res["events"]
             and not re.search(r"\[rtxnet-run\] job .*: starting", out)):

@@ -204,3 +204,35 @@ def test_a_join_nobody_answers_says_nothing_is_listening(monkeypatch):
     with pytest.raises(rtxnet.RtxTimeoutError, match=rf"join to tcp://127.0.0.1:{port}: no answer within 2 s; "
                                                      rf"nothing is listening on 127.0.0.1 port {port}"):
         rtxnet.init(f"tcp://127.0.0.1:{port}", job="nobody", world_size=1)
+
+
+def test_tool_arguments_output_file_and_int_in(tmp_path):
+    import argparse
+
+    from rtxnet.config import int_in, output_file
+
+    assert output_file(str(tmp_path / "new" / "deeper" / "x.json")) == tmp_path / "new" / "deeper" / "x.json"
+    (tmp_path / "f").write_text("x")
+    for text, message in ((str(tmp_path), "is a folder, not a file to write"),
+                          (str(tmp_path / "f" / "x.json"), "is not a folder"),
+                          ("/proc/rtxnet-x.json", "no file can be made in folder '/proc'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            output_file(text)
+    assert int_in(1, 64)("64") == 64
+    for text, message in (("0", "must be in 1..64, got 0"), ("-3", "got -3"), ("x", "'x' is not an integer")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            int_in(1, 64)(text)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["tools/bench/collectives.py", "--ranks", "0"], "argument --ranks: must be in 1..64, got 0"),
+    (["tools/bench/collectives.py", "--json", "/proc/x.json"], "no file can be made in folder '/proc'"),
+    (["tools/faultrun.py", "--plan", "kill:rank=1:step=5", "--json", "/proc/x.json", "--", "x.py"],
+     "argument --json: cannot write '/proc/x.json'"),
+])
+def test_tools_refuse_bad_arguments_before_they_run(argv, line):
+    # a fresh user's trial: an unwritable --json ended a whole faultrun run in a traceback, its
+    # summary lost; --ranks 0 in an IndexError
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 2 and line in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]

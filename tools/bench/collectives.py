@@ -60,6 +60,8 @@ import time
 
 import numpy as np
 
+from rtxnet.config import int_in, output_file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -476,7 +478,7 @@ def plot(rows, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--ranks", type=int_in(1, 64), nargs="+", default=[2, 4])
     p.add_argument("--sizes", type=parse_size, nargs="+", default=None,
                    help="default: 8B 1KiB 64KiB 1MiB 16MiB 64MiB (cpu), "
                         f"{' '.join(GPU_SIZES)} (cuda)")
@@ -496,8 +498,8 @@ def main(argv=None):
                         "rtxnet.collectives.ALGORITHMS lists each op's); default: rtxnet's choice")
     p.add_argument("--repeat", type=int, default=1,
                    help="alternate rtxnet and gloo this many times; report the median")
-    p.add_argument("--json", "--out", dest="json", help="write JSON rows here")
-    p.add_argument("--plot", help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--json", "--out", dest="json", type=output_file, help="write JSON rows here")
+    p.add_argument("--plot", type=output_file, help="PNG path (default: the JSON path with .png)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if args.sizes is None:
@@ -539,9 +541,6 @@ def main(argv=None):
 
 
 def run_cuda(args) -> list[dict]:
-    bad = [n for n in args.ranks if n < 1]
-    if bad:
-        raise SystemExit(f"--ranks must be >= 1, got {bad}")
     t0 = time.perf_counter()
     copy = measure_copy_rate(args.gpu)
     print(f"GPU {args.gpu} ({copy['gpu']}): device-to-device copy of "

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from procs import Coordinator, Probe  # noqa: E402
 
+from rtxnet.config import int_in, output_file  # noqa: E402
 from tools.bench.journal_bench import bench_journal  # noqa: E402
 
 HB = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "op_s": 30.0, "rendezvous_s": 120.0}
@@ -94,10 +95,10 @@ def bench_detect(coord: Coordinator, sig: int, trials: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None, help="write the rows here")
-    ap.add_argument("--trials", type=int, default=20)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
-    ap.add_argument("--journal-records", type=int, default=20000)
+    ap.add_argument("--json", default=None, type=output_file, help="write the rows here")
+    ap.add_argument("--trials", type=int_in(1, 10**4), default=20)
+    ap.add_argument("--worlds", type=int_in(1, 1024), nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--journal-records", type=int_in(1, 10**7), default=20000)
     args = ap.parse_args(argv)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rtxnet-bench-") as tmp:

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rtxnet.config import int_in, output_file
+
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 3
 
@@ -152,13 +154,13 @@ def run_config(impl: str, n: int, args: argparse.Namespace, tmp: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--json", type=output_file, help="write the rows here")
     p.add_argument("--worlds", default="1,2,4")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=2,
+    p.add_argument("--steps", type=int_in(1, 10**6), default=20)
+    p.add_argument("--batch", type=int_in(1, 10**6), default=32, help="samples per rank per step")
+    p.add_argument("--width", type=int_in(1, 65536), default=1024)
+    p.add_argument("--depth", type=int_in(1, 1000), default=4)
+    p.add_argument("--repeat", type=int_in(1, 100), default=2,
                    help="runs per configuration; the fastest counts (robust to noisy neighbours)")
     # worker mode (internal)
     p.add_argument("--worker", choices=["rtxnet", "torch"])

@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rtxnet.config import int_in, output_file
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -87,10 +89,10 @@ def worker(out: Path, width: int, depth: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--width", type=int_in(1, 65536), default=512)
+    ap.add_argument("--depth", type=int_in(1, 1000), default=4)
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker is not None:

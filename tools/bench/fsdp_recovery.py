@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from faultrun import run_plan  # noqa: E402
 
+from rtxnet.config import int_in, output_file  # noqa: E402
+
 WORKLOAD = ["tools/fsdp_workload.py", "--steps", "40"]
 
 
@@ -58,9 +60,9 @@ def faulted(mode: str, nproc: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--nproc", type=int, default=3)
+    ap.add_argument("--json", default=None, type=output_file)
+    ap.add_argument("--trials", type=int_in(1, 10**3), default=3)
+    ap.add_argument("--nproc", type=int_in(2, 64), default=3)
     args = ap.parse_args(argv)
     if args.trials < 1 or args.nproc < 2:
         ap.error(f"--trials({args.trials}) must be >= 1 and --nproc({args.nproc}) >= 2")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from coordinator.journal import Journal
+from rtxnet.config import int_in, output_file
 
 __all__ = ["bench_journal"]
 
@@ -165,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=".", help="folder on the disk to measure (default: .)")
-    parser.add_argument("--records", type=int, default=20000, help="records per mode")
-    parser.add_argument("--record-nbytes", type=int, default=100, help="payload bytes per record")
-    parser.add_argument("--writers", type=int, default=64, help="concurrent group-commit writers")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--records", type=int_in(1, 10**8), default=20000, help="records per mode")
+    parser.add_argument("--record-nbytes", type=int_in(1, 64 * 2**20), default=100, help="payload bytes per record")
+    parser.add_argument("--writers", type=int_in(1, 10**4), default=64, help="concurrent group-commit writers")
+    parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
     # The journal's info events (open, close) would drown the table.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

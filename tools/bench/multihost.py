@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rtxnet.config import int_in, output_file
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
@@ -217,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                          "reduce_scatter's input)")
     ap.add_argument("--rate", default="1gbit", help="tc rate of each direction of the link (default 1gbit)")
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20])
-    ap.add_argument("--iters", type=int, default=5, help="timed iterations per row (default 5)")
-    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--iters", type=int_in(1, 10**4), default=5, help="timed iterations per row (default 5)")
+    ap.add_argument("--json", default=None, type=output_file, help="write the result here")
     ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from faultrun import run_plan  # noqa: E402
 from ft_workload import reference  # noqa: E402
 
+from rtxnet.config import int_in, output_file  # noqa: E402
+
 KINDS = {
     "SIGKILL": ("kill:rank=2:step=15", dict(min_ranks=3), 40),
     "SIGSTOP": ("pause:rank=2:step=15:seconds=3", dict(min_ranks=3), 40),
@@ -70,8 +72,8 @@ def trial(kind: str, workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--json", default=None, type=output_file)
+    ap.add_argument("--trials", type=int_in(1, 10**4), default=20)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     args = ap.parse_args(argv)
     rows, summary = [], []
