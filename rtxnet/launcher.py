@@ -616,6 +616,10 @@ def _environment_errors() -> list[str]:
         last_call = env_float("RTXNET_LAST_CALL", 0.0)
     except ConfigError as exc:
         errors.append(str(exc))
+    else:
+        if not 0 <= last_call < math.inf:
+            errors.append(f"RTXNET_LAST_CALL={os.environ['RTXNET_LAST_CALL']!r} must be a finite "
+                          f"number of seconds >= 0")
     from transport.logconfig import LOG_LEVELS
 
     level = os.environ.get("RTXNET_LOG_LEVEL")
@@ -632,10 +636,6 @@ def _environment_errors() -> list[str]:
         bad = _bind_host_error(bind, "RTXNET_BIND_HOST")
         if bad:
             errors.append(bad)
-    else:
-        if not 0 <= last_call < math.inf:
-            errors.append(f"RTXNET_LAST_CALL={os.environ['RTXNET_LAST_CALL']!r} must be a finite "
-                          f"number of seconds >= 0")
     return errors
 
 
