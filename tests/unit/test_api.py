@@ -66,6 +66,7 @@ def test_error_tree_matches_the_style_guide():
     ({"rendezvous_s": float("inf")}, "rendezvous_s(inf) must be a finite positive"),
     ({"coordinator_s": float("nan")}, "coordinator_s(nan)"),
     ({"request_s": 1e400}, "request_s(inf)"),
+    ({"heartbeat_interval_s": 1e-9}, "heartbeat_interval_s(1e-09) must be at least 0.01 s"),
 ])
 def test_timeouts_order_is_checked_naming_the_values(kw, names):
     with pytest.raises(rtxnet.ConfigError, match=r".*" + names.replace("(", r"\(").replace(")", r"\)")):
