@@ -762,7 +762,9 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                       f"crashed one expires (rtxnet-coordinator --dead-job-ttl)")
     if job is None and job_id in state.finished:
         return refuse("JobFinishedError", f"job {job_id!r} has finished (last committed step "
-                      f"{state.finished[job_id]}); start a new job id")
+                      f"{state.finished[job_id]}); a job id is used once: start a new one "
+                      f"(RTXNET_JOB or rtxnet.init(job=...); rtxnet-run makes a fresh one unless "
+                      f"given --job)")
     if job is None and msg.get("rejoin"):
         return refuse("RendezvousError", f"job {job_id!r} is gone (the coordinator does not know it): nothing to rejoin")
     if job is None:
