@@ -296,20 +296,20 @@ class FaultTolerance:
                               f"training resumed {e['time_to_recover_s']:.2f} s after it")
                 lines.append(
                     f"failure at step {e['failed_step']} ({e['error']}, {lost}): {timing} with "
-                    f"{e['world_size']} ranks at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
+                    f"{_n_ranks(e['world_size'])} at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "restored":
                 after = ("" if e["time_to_recover_s"] is None
                          else f" {e['time_to_recover_s']:.2f} s after the fault was injected")
                 lines.append(
                     f"failure at step {e['failed_step']} (no live rank held committed step "
                     f"{e['failed_step'] - 1}): restored the checkpoint of step {e['resumed_step']}"
-                    f"{after}, training resumed with {e['world_size']} ranks at step "
+                    f"{after}, training resumed with {_n_ranks(e['world_size'])} at step "
                     f"{e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "state_lost":
                 lines.append(
                     f"the job had committed step {e['job_committed_step']}, but no live rank held "
                     f"it and no checkpoint stood in ({e['why']}): training went on with "
-                    f"{e['world_size']} ranks at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
+                    f"{_n_ranks(e['world_size'])} at step {e['resumed_step']}; steps lost: {e['steps_lost']}")
             elif e["event"] == "joined":
                 lines.append(describe_join(e))
             elif e["event"] == "lost_between_steps":
@@ -856,6 +856,10 @@ class FaultTolerance:
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped
 
+
+
+def _n_ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 def name_ranks(ranks: list[int], *, launch: bool) -> str:
     """``launch ranks 2, 3`` / ``rank 1``: ranks as rtxnet-run started them (``launch``) or as

@@ -130,7 +130,8 @@ class Coordinator:
     ``prefix`` goes before the command (``["ip", "netns", "exec", NS]``: in a network namespace)."""
 
     def __init__(self, journal: Path, *, port: int = 0, extra: list[str] | None = None,
-                 host: str = "127.0.0.1", prefix: list[str] | None = None):
+                 host: str = "127.0.0.1", prefix: list[str] | None = None, bind: str | None = None):
+        self.bind = bind   # another address than tcp://host:port (ipc://PATH)
         self.journal = Path(journal)
         self.extra = extra or []
         self.port = port
@@ -142,7 +143,8 @@ class Coordinator:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "coordinator", "--bind", f"tcp://{self.host}:{self.port}",
+            [*self.prefix, sys.executable, "-m", "coordinator", "--bind",
+             self.bind or f"tcp://{self.host}:{self.port}",
              "--journal", str(self.journal), *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
         )
@@ -152,7 +154,8 @@ class Coordinator:
             self.proc.wait(10)
             raise RuntimeError(f"coordinator failed to start (rc={self.proc.returncode}): {err[-2000:]}")
         self.address = line.split("=", 1)[1]
-        self.port = int(self.address.rsplit(":", 1)[1])
+        if self.address.startswith("tcp://"):
+            self.port = int(self.address.rsplit(":", 1)[1])
         # Drain stderr so the daemon never blocks on a full pipe.
         self._stderr: list[str] = []
         threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()

@@ -349,6 +349,10 @@ class ControlServer:
         except ValueError as exc:
             self._sock.close(0)
             raise ConnectError(f"cannot bind: {exc}") from None
+        busy = _ipc_in_use(bind)
+        if busy:
+            self._sock.close(0)
+            raise ConnectError(f"cannot bind {bind!r}: {busy}")
         try:
             if bind.endswith(":0"):
                 port = self._sock.bind_to_random_port(bind[: -len(":0")])
@@ -458,6 +462,27 @@ class ControlServer:
             with contextlib.suppress(OSError):
                 if stat.S_ISSOCK(os.lstat(path).st_mode):
                     os.unlink(path)
+
+
+def _ipc_in_use(address: str) -> str | None:
+    """Why ``ipc://PATH`` cannot be bound: a process listens on PATH (ZeroMQ would replace the
+    socket file without an error, leaving that process unreachable). None for any other address,
+    and for a stale socket file nobody listens on (the bind replaces it)."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return None
+    path = address[len("ipc://"):]
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return None
+    return f"a process already listens on {path} (Address already in use)"
 
 
 def nobody_there(address: str) -> str | None:

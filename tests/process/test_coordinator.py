@@ -730,3 +730,28 @@ def test_an_ipc_coordinator_serves_and_leaves_no_socket_file(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_coordinator_on_an_ipc_address_in_use_is_refused(tmp_path):
+    # a fresh user's trial: ZeroMQ let a second daemon bind the same ipc:// path (it replaces
+    # the socket file), and the first one ran on where nobody could reach it; tcp:// says
+    # "Address already in use" (exit 4), and so does ipc:// now
+    sock = tmp_path / "coord.sock"
+    first = procs.Coordinator(tmp_path / "j1", bind=f"ipc://{sock}")
+    try:
+        out = subprocess.run([sys.executable, "-m", "coordinator", "--bind", f"ipc://{sock}", "--journal",
+                              str(tmp_path / "j2")], capture_output=True, text=True, timeout=30, cwd=ROOT,
+                             env=procs.env())
+        assert out.returncode == 4 and "a process already listens on" in out.stderr, out.stderr[-2000:]
+        assert not (tmp_path / "j2").exists()
+        status = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", f"ipc://{sock}"],
+                                capture_output=True, text=True, timeout=30, cwd=ROOT, env=procs.env())
+        assert status.returncode == 0, status.stderr      # the first one still serves
+    finally:
+        first.kill(signal.SIGTERM)
+    # a socket file nobody listens on any more (its daemon SIGKILLed) is taken over
+    stale = procs.Coordinator(tmp_path / "j3", bind=f"ipc://{sock}")
+    stale.kill()
+    assert sock.exists()
+    again = procs.Coordinator(tmp_path / "j4", bind=f"ipc://{sock}")
+    again.kill(signal.SIGTERM)
