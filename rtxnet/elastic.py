@@ -214,6 +214,9 @@ class FaultTolerance:
         # None where a lost rank's launch rank is unknown (ranks started by hand, an epoch missed)
         self._epoch_lost_launch: dict[int, list[int] | None] = {}
         self._launch_of: dict[int, dict[int, int | None]] = {}  # epoch -> {rank: launch rank}
+        # joins seen, reported at the next sync with the step the grown world trains first
+        # (the step in flight when the epoch came may still commit in the old world)
+        self._pending_joins: list[dict[str, Any]] = []
         if self.pg.agent.membership is not None:   # the epoch this rank joined in
             self._note_launch_ranks(self.pg.agent.membership)
         self.pg.agent.add_listener(self._on_epoch)
@@ -258,7 +261,15 @@ class FaultTolerance:
             raise ConfigError("report() needs the blocking process group; use await areport()")
         return self._portal.call(self.areport)
 
+    def _report_joins(self) -> None:
+        """The joins seen since the last sync, as events at ``self.step``: after a sync the step
+        the grown world trains first; at the report, the step training stopped at."""
+        for join in self._pending_joins:
+            self._event({**join, "step": self.step})
+        self._pending_joins.clear()
+
     async def areport(self) -> list[str]:
+        self._report_joins()
         await self._store_unrecorded_faults()
         lines = []
         for f in self.injector.faults if self.injector else []:
@@ -356,9 +367,10 @@ class FaultTolerance:
                 # (a joiner's own recovery or start says it joined; the members report the join;
                 # a process not yet in sync, itself just started, knows no step to report it at)
                 added = [self._launch_of[epoch].get(r) for r in membership.added]
-                self._event({"event": "joined", "epoch": epoch, "added": list(membership.added),
-                             "added_launch": None if None in added else added,
-                             "world_size": membership.world_size, "step": self.step})
+                self._pending_joins.append({"event": "joined", "epoch": epoch,
+                                            "added": list(membership.added),
+                                            "added_launch": None if None in added else added,
+                                            "world_size": membership.world_size})
             for old in [e for e in self._launch_of if e < epoch - 1]:
                 del self._launch_of[old]
 
@@ -546,6 +558,7 @@ class FaultTolerance:
         self.step = best + 1
         self._holds_state = True
         self._synced_epoch = epoch
+        self._report_joins()
         if hasattr(self.state, "on_world"):
             self.state.on_world(rank, world)
         log.info("group_in_sync", epoch=epoch, world_size=world, step=self.step, source=src)

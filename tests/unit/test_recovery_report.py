@@ -22,9 +22,10 @@ def _membership(epoch: int, lost: tuple[int, ...], launch: list[int | None] = ()
 def _ft() -> FaultTolerance:
     ft = FaultTolerance.__new__(FaultTolerance)
     ft.events, ft._epoch_seen, ft._epoch_lost = [], {}, {}
-    ft._epoch_lost_launch, ft._launch_of = {}, {}
+    ft._epoch_lost_launch, ft._launch_of, ft._pending_joins = {}, {}, []
     ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
     ft.injector = None
+    ft.state = None
     ft._synced_epoch = 2
     return ft
 
@@ -75,6 +76,8 @@ def test_lost_and_joined_ranks_are_named_by_launch_rank():
     rec = _close(ft, 2)
     assert rec["lost"] == [2, 2] and rec["lost_launch"] == [2, 3]
     ft._on_epoch(_membership(4, (), [0, 1, 3], added=(2,), reason="joined"), "joined")
+    assert ft.events[-1]["event"] != "joined"     # reported at the sync, with its step
+    ft._synced(5, 4, 0, 3, 0)
     joined = ft.events[-1]
     assert joined["event"] == "joined" and joined["added"] == [2] and joined["added_launch"] == [3]
     assert joined["world_size"] == 3 and joined["step"] == 6
@@ -107,7 +110,20 @@ def test_a_process_not_yet_in_sync_does_not_report_a_join_at_its_own_step_0():
     ft._synced_epoch = 6
     ft.step = 44
     ft._on_epoch(_membership(7, (), [1, 2, 0, 3], added=(3,), reason="joined"), "joined")
+    ft._synced(43, 7, 0, 4, 0)
     assert [(e["event"], e["step"]) for e in ft.events] == [("joined", 44)]
+
+
+def test_a_join_is_reported_at_the_step_the_grown_world_trains_first():
+    # a fresh user's recheck: the join came while step 671 was in flight, which then committed
+    # in the old world; training went on at 672 with the rank back, but the summary said
+    # "joined at step 671"
+    ft = _ft()
+    ft._on_epoch(_membership(1, (), [0, 1]), "formed")
+    ft.step = 671
+    ft._on_epoch(_membership(2, (), [0, 1], added=(1,), reason="joined"), "joined")
+    ft._synced(671, 2, 0, 2, 0)     # step 671 committed: the new world starts at 672
+    assert [(e["event"], e["step"]) for e in ft.events] == [("joined", 672)]
 
 
 def test_committed_state_nobody_holds_is_reported_as_steps_lost():
