@@ -74,10 +74,17 @@ _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1000, "M
 
 
 def parse_size(text: str) -> int:
+    """An ``argparse`` type: a size in bytes, at least 4 (one float32, what the benchmark moves;
+    a size is rounded down to whole float32 elements, and for all_gather/reduce_scatter to whole
+    elements per rank: the table and JSON give the size that ran)."""
     m = re.fullmatch(r"(\d+)\s*(B|KiB|MiB|GiB|KB|MB)?", text.strip())
     if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}; e.g. 8B 64KiB 16MiB")
-    return int(m.group(1)) * _UNITS[m.group(2) or "B"]
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: a number and a unit of "
+                                          f"{', '.join(_UNITS)} (e.g. 8B 64KiB 16MiB)")
+    nbytes = int(m.group(1)) * _UNITS[m.group(2) or "B"]
+    if nbytes < 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} is under 4B, one float32 element")
+    return nbytes
 
 
 def fmt_size(n: int) -> str:
