@@ -26,7 +26,9 @@ def launch(out: Path, scenario: str, *extra: str) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", *extra, str(WORKER), str(out), scenario],
         capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # every rank's error line first: the tail alone can miss the rank that failed first
+    errors = "\n".join(x for x in proc.stderr.splitlines() if "Error" in x and x.startswith("[rank"))
+    assert proc.returncode == 0, errors[-4000:] + "\n" + proc.stdout[-2000:] + proc.stderr[-5000:]
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"{scenario}-rank*.json"))]
 
 
