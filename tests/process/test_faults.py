@@ -429,6 +429,7 @@ async def test_recovery_report_says_where_and_never_none():
     ft = FaultTolerance.__new__(FaultTolerance)
     ft.pg = type("PG", (), {"store": Store()})()
     ft.injector = Injector(plan)
+    ft._pending_joins = []
     ft.events = [{"event": "recovered", "failed_step": 12, "resumed_step": 12, "steps_lost": 1,
                   "error": "CollectiveTimeout", "lost": [], "world_size": 4, "detection_latency_s": None,
                   "time_to_recover_s": 0.25}]
