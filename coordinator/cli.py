@@ -25,7 +25,7 @@ from transport.channel import route_address
 from transport.errors import ConnectError, JournalCorruptError, JournalError
 from transport.logconfig import LOG_LEVELS, configure_logging
 
-from .journal import remove_journal
+from .journal import holds_journal, remove_journal
 from .server import Coordinator
 
 log = structlog.get_logger("coordinator")
@@ -139,8 +139,7 @@ async def _amain(args: argparse.Namespace) -> int:
                         dead_job_ttl_s=args.dead_job_ttl)
     made_journal = not os.path.lexists(args.journal)
     # a folder with no journal in it yet: the journal files a failed start adds to it are ours
-    fresh_folder = os.path.isdir(args.journal) and not any(
-        n.startswith(("journal-", "snapshot.bin")) for n in os.listdir(args.journal))
+    fresh_folder = os.path.isdir(args.journal) and not holds_journal(args.journal)
     try:
         address = await coord.start()
     except JournalCorruptError as exc:

@@ -63,6 +63,7 @@ from transport.errors import JournalCorruptError, JournalError
 
 __all__ = [
     "Journal",
+    "holds_journal",
     "remove_journal",
     "MAX_RECORD_NBYTES",
     "MAX_SNAPSHOT_NBYTES",
@@ -105,6 +106,15 @@ def encode_frame(payload: bytes | bytearray | memoryview) -> bytes:
 
 def _is_journal_file(name: str) -> bool:
     return bool(_SEGMENT_RE.match(name)) or name in (SNAPSHOT_NAME, SNAPSHOT_TMP_NAME, "LOCK")
+
+
+def holds_journal(path: str | os.PathLike) -> bool:
+    """Whether folder ``path`` holds a journal's segment or snapshot (False when it is missing)."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any(_SEGMENT_RE.match(n) or n in (SNAPSHOT_NAME, SNAPSHOT_TMP_NAME) for n in names)
 
 
 def remove_journal(path: str | os.PathLike, *, keep_folder: bool = False) -> list[str]:

@@ -870,9 +870,9 @@ class FaultTolerance:
         return swapped
 
 
-
 def _n_ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
+
 
 def name_ranks(ranks: list[int], *, launch: bool) -> str:
     """``launch ranks 2, 3`` / ``rank 1``: ranks as rtxnet-run started them (``launch``) or as

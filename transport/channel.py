@@ -455,26 +455,32 @@ class ControlServer:
             pass
         self._monitor.close(0)
         self._sock.close(0)
-        if self.address.startswith("ipc://") and not self.address.startswith("ipc://@"):
+        path = _ipc_socket_file(self.address)
+        if path is not None:
             # ZeroMQ unlinks the socket file in its I/O thread, which a process exiting right
             # after this may not wait for: the file would stay behind
-            path = self.address[len("ipc://"):]
             with contextlib.suppress(OSError):
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
-                    os.unlink(path)
+                os.unlink(path)
+
+
+def _ipc_socket_file(address: str) -> str | None:
+    """The socket file of ``ipc://PATH`` when one exists there; None for any other address, an
+    abstract one (``ipc://@NAME``), or no socket file at PATH."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return None
+    path = address[len("ipc://"):]
+    try:
+        return path if stat.S_ISSOCK(os.lstat(path).st_mode) else None
+    except OSError:
+        return None
 
 
 def _ipc_in_use(address: str) -> str | None:
     """Why ``ipc://PATH`` cannot be bound: a process listens on PATH (ZeroMQ would replace the
     socket file without an error, leaving that process unreachable). None for any other address,
     and for a stale socket file nobody listens on (the bind replaces it)."""
-    if not address.startswith("ipc://") or address.startswith("ipc://@"):
-        return None
-    path = address[len("ipc://"):]
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            return None
-    except OSError:
+    path = _ipc_socket_file(address)
+    if path is None:
         return None
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
