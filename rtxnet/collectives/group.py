@@ -86,6 +86,9 @@ PIPELINE_CHUNK_NBYTES = 4 << 20
 PIPELINE_MAX_CHUNKS = 8
 SHM_MIN_NBYTES = 64 * 1024        # same-host operations from this size: "shm"
 _DIRECT_MAX_RANKS = 8
+# CPU collectives that also run "hierarchical" (within each host, then among the hosts' first
+# ranks): forced by algorithm=, or chosen by _hierarchical_default
+_HIERARCHICAL_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 ALGORITHMS = {
     "all_reduce": ("direct", "recursive_doubling", "ring", "shm"),
     "broadcast": ("direct", "ring", "shm"),
@@ -206,6 +209,7 @@ class Group:
         self._shm = shmops.ShmState(engine) if engine.shm_enabled and self.same_host else None
         self._gpu_state = None
         self._host_groups_cache = None
+        self._rails_cache = None
         self._by_host_cache: dict | None = None
         engine._groups.append(self)
         return self
@@ -263,9 +267,9 @@ class Group:
     def _choose(self, opname: str, nbytes: int, forced: str | None) -> str:
         allowed = ALGORITHMS.get(opname, ("direct",))
         if forced is not None and forced not in allowed:
-            also = ("hierarchical",) if opname == "all_reduce" else ()
+            also = ("hierarchical",) if opname in _HIERARCHICAL_OPS else ()
             raise ValueError(f"{opname}: algorithm {forced!r} not in {allowed + also} (GPU "
-                             f"arrays: 'ipc', 'nccl'{', hierarchical' if also else ''})")
+                             f"arrays: 'ipc', 'nccl'{', hierarchical' if opname == 'all_reduce' else ''})")
         if forced is None and self.algorithm in allowed:
             forced = self.algorithm
         if self.size == 1:
@@ -540,6 +544,17 @@ class Group:
             output: a list of W arrays shaped like ``input``, or one array of ``W * N`` elements
                 (``[W * d0, ...]`` or ``[W, ...]``) whose k-th slice receives rank k's input.
             input: shape ``[...]`` with N elements; same shape and dtype on every rank.
+            algorithm: CPU arrays: force ``"direct"``, ``"ring"``, ``"shm"`` or
+                ``"hierarchical"`` (hosts of P ranks each: all_gather across hosts among the
+                ranks at the same position of every host, then within each host; hosts of
+                unequal counts: gather to each host's first rank, all_gather of the hosts'
+                blocks among those, broadcast within each host); GPU arrays: ``"ipc"`` or
+                ``"nccl"``. Default for CPU arrays of 1 MiB and more (the output) in a group
+                on several hosts: ``"hierarchical"`` when it puts fewer parts on a host's link
+                than the ring, ``(H-1) * P`` against ``W-1`` (H hosts of at most P ranks, W
+                ranks: hosts of two or more ranks each, equal counts), else ``"ring"``
+                (tools/bench/multihost.py --op all_gather: 2 x 2 ranks over a 1 Gbit/s link,
+                16 MiB in 91 ms against the ring's 109).
 
         Returns:
             ``output``.
@@ -555,6 +570,8 @@ class Group:
         N, dtype = ib.size, ib.dtype
         out_bufs, slots = _parts("all_gather output", "input", output, n, N, dtype, readonly=False)
         mine = _detached(ib.flat, slots, own=slots[self.rank])
+        if self._hierarchical("all_gather", n * N * dtype.itemsize, algorithm):
+            return await self._hierarchical_all_gather(output, out_bufs, slots, mine, timeout)
         algo = self._choose("all_gather", n * N * dtype.itemsize, algorithm)
         sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape)
 
@@ -589,6 +606,12 @@ class Group:
             input: a list of W arrays shaped like ``output`` (entry k goes to rank k), or one
                 array of ``W * N`` elements whose k-th slice goes to rank k.
             op: ``ReduceOp``.
+            algorithm: as :meth:`all_gather`'s (``"hierarchical"``, hosts of P ranks each:
+                reduce_scatter within each host, then across hosts among the ranks at the same
+                position of every host; hosts of unequal counts: reduce the whole input to each
+                host's first rank, reduce_scatter of the hosts' blocks among those, scatter
+                within each host. AVG runs as SUM and divides at the end, float16/bfloat16
+                round at each stage).
 
         Returns:
             ``output``.
@@ -606,6 +629,8 @@ class Group:
         _, chunks = _parts("reduce_scatter input", "output", input, n, N, dtype, readonly=True)
         chunks = [_detached(c, [ob.flat], own=ob.flat if k == self.rank else None)
                   for k, c in enumerate(chunks)]
+        if self._hierarchical("reduce_scatter", n * N * dtype.itemsize, algorithm):
+            return await self._hierarchical_reduce_scatter(output, ob, chunks, rop, timeout)
         algo = self._choose("reduce_scatter", n * N * dtype.itemsize, algorithm)
         sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape)
 
@@ -906,12 +931,15 @@ class Group:
 
     def _by_host(self) -> dict:
         """This group's world ranks by host (``WorldView.hosts``: the agents' ``RTXNET_HOST`` or
-        hostname), hosts in order of their first rank; made once per group."""
+        hostname): each host's ranks in ascending order, hosts in order of their lowest rank
+        (whatever the group's own order: a ``split`` orders its ranks by key), so a host's first
+        rank is rank 0 of its host group (``new_group`` sorts); made once per group."""
         if self._by_host_cache is None:
             hosts = self.engine.view.hosts
-            self._by_host_cache = {}
-            for r in self.ranks:
-                self._by_host_cache.setdefault(hosts.get(r), []).append(r)
+            by_host: dict = {}
+            for r in sorted(self.ranks):
+                by_host.setdefault(hosts.get(r), []).append(r)
+            self._by_host_cache = by_host
         return self._by_host_cache
 
     def _hosts_shared(self) -> bool:
@@ -956,6 +984,169 @@ class Group:
             return tensor
 
         return await self._collective("all_reduce", timeout, body)
+
+    # -- hierarchical all_gather and reduce_scatter (CPU arrays) --------------------------------
+
+    def _hierarchical(self, opname: str, nbytes: int, forced: str | None) -> bool:
+        """Whether CPU ``opname`` (all_gather, reduce_scatter; ``nbytes``: the gathered output,
+        the scattered input) runs hierarchical: forced (``algorithm=``, else the group's
+        ``algorithm``), or by default from ``ring.BULK_MIN_NBYTES`` in a group on several hosts
+        where it puts fewer parts on a host's link than the ring: ``(H-1) * P < W-1`` (H hosts
+        of at most P ranks; hierarchical sends the other hosts' blocks of P parts, padded, the
+        ring W-1 parts once across each host boundary)."""
+        if forced is None and self.algorithm in ALGORITHMS[opname] + ("hierarchical",):
+            forced = self.algorithm
+        if forced is not None:
+            return forced == "hierarchical"
+        if self.size == 1 or nbytes < ring_mod.BULK_MIN_NBYTES:
+            return False
+        sizes = [len(v) for v in self._by_host().values()]
+        return len(sizes) > 1 and (len(sizes) - 1) * max(sizes) < self.size - 1
+
+    def _host_layout(self) -> tuple[list[list[int]], int, int]:
+        """``(hosts, P, h)``: each host's **group** ranks (hosts in the order of the hosts' group
+        of first ranks, each host's ranks in its host group's order: see :meth:`_by_host`), the
+        most ranks one host holds, and the index of this rank's host."""
+        index = {w: g for g, w in enumerate(self.ranks)}
+        hosts = [[index[w] for w in v] for v in self._by_host().values()]
+        h = next(i for i, v in enumerate(hosts) if self.rank in v)
+        return hosts, max(map(len, hosts)), h
+
+    def _rails(self) -> tuple[Group, Group, list[list[int]]]:
+        """For hosts of equal rank counts: ``(intra, rail, orders)``: this host's group, this
+        rank's **rail** (the ranks of every host at this rank's position in its host), and for
+        each position p, the host indices in the order of rail p's group ranks (rails sort their
+        world ranks, which need not follow the hosts' order); made once per group."""
+        if self._rails_cache is None:
+            intra, _ = self._host_groups()
+            world = list(self._by_host().values())      # world ranks, host by host
+            p = intra.rank
+            orders = [sorted(range(len(world)), key=lambda i, q=q: world[i][q])
+                      for q in range(len(world[0]))]
+            rail = self.new_group([v[p] for v in world])
+            self._rails_cache = (intra, rail, orders)
+        return self._rails_cache
+
+    async def _hierarchical_all_gather(self, output, out_bufs: list, slots: list, mine: np.ndarray,
+                                       timeout: float | None):
+        """all_gather in two stages when every host holds P ranks (H hosts): all_gather across
+        hosts within each rail (the ranks at one position of every host: H parts), then
+        all_gather of those H-part blocks within each host (shared memory). Each host puts
+        ``P (H-1)`` parts on its link, from P ranks at once, against the ring's ``W-1`` from one
+        (half of the ring's 3 parts on 2 x 2 ranks). Hosts of unequal counts: see
+        :meth:`_leader_all_gather`."""
+        if len({len(v) for v in self._by_host().values()}) > 1:
+            return await self._leader_all_gather(output, out_bufs, slots, mine, timeout)
+        intra, rail, orders = self._rails()
+        hosts, P, _ = self._host_layout()
+        H, n, N, dtype = len(hosts), self.size, mine.size, mine.dtype
+
+        async def body(op: Op):
+            by_rail = np.empty(H * N, dtype)       # this rail's parts, in its group's order
+            await rail.all_gather(by_rail, mine, timeout=timeout)
+            full = np.empty(P * H * N, dtype)      # every rail's, by position in the host
+            await intra.all_gather(full, by_rail, timeout=timeout)
+            pairs = [(slots[hosts[i][q]], full[(q * H + k) * N:(q * H + k + 1) * N])
+                     for q in range(P) for k, i in enumerate(orders[q])]
+            await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
+            for b in out_bufs:
+                b.commit()
+            return output
+
+        return await self._collective("all_gather", timeout, body)
+
+    async def _hierarchical_reduce_scatter(self, output, ob: Buffer, chunks: list, rop: ReduceOp,
+                                           timeout: float | None):
+        """reduce_scatter in two stages when every host holds P ranks (H hosts): reduce_scatter
+        within each host (shared memory), position p keeping the host's partial sums of the H
+        parts of rail p, then reduce_scatter of those across hosts within each rail. Each host
+        puts ``P (H-1)`` parts on its link, from P ranks at once, against the ring's ``W-1``.
+        AVG runs as SUM and divides at the end (float16/bfloat16 round at each stage). Hosts of
+        unequal counts: see :meth:`_leader_reduce_scatter`."""
+        if len({len(v) for v in self._by_host().values()}) > 1:
+            return await self._leader_reduce_scatter(output, ob, chunks, rop, timeout)
+        intra, rail, orders = self._rails()
+        hosts, P, _ = self._host_layout()
+        H, n, N, dtype = len(hosts), self.size, ob.size, ob.dtype
+        sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+
+        async def body(op: Op):
+            x = np.empty(P * H * N, dtype)         # the input by rail, each in its group's order
+            pairs = [(x[(q * H + k) * N:(q * H + k + 1) * N], chunks[hosts[i][q]])
+                     for q in range(P) for k, i in enumerate(orders[q])]
+            await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
+            by_rail = np.empty(H * N, dtype)       # this host's sums of this rail's parts
+            await intra.reduce_scatter(by_rail, x, sub, timeout=timeout)
+            await rail.reduce_scatter(ob.flat, by_rail, sub, timeout=timeout)
+            if rop is ReduceOp.AVG:
+                np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
+            ob.commit()
+            return output
+
+        return await self._collective("reduce_scatter", timeout, body)
+
+    async def _leader_all_gather(self, output, out_bufs: list, slots: list, mine: np.ndarray,
+                                 timeout: float | None):
+        """all_gather on hosts of unequal rank counts: gather to each host's first rank (a
+        block of the host's parts, padded to the largest host's P), all_gather of the H blocks
+        among the hosts' first ranks, broadcast of all of them within each host: the bytes
+        crossing hosts are the other hosts' blocks, ``(H-1) P`` parts."""
+        intra, leaders = self._host_groups()
+        hosts, P, h = self._host_layout()
+        n, N, dtype = self.size, mine.size, mine.dtype
+
+        async def body(op: Op):
+            full = np.empty(len(hosts) * P * N, dtype)
+            block = full[h * P * N:(h + 1) * P * N]
+            if leaders is not None:      # this host's first rank (rank 0 of its host group)
+                parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
+                await intra.gather(mine, parts, 0, timeout=timeout)
+                await leaders.all_gather(full, block, timeout=timeout)
+            else:
+                await intra.gather(mine, None, 0, timeout=timeout)
+            await intra.broadcast(full, 0, timeout=timeout)
+            pairs = [(slots[g], full[(i * P + p) * N:(i * P + p + 1) * N])
+                     for i, v in enumerate(hosts) for p, g in enumerate(v)]
+            await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
+            for b in out_bufs:
+                b.commit()
+            return output
+
+        return await self._collective("all_gather", timeout, body)
+
+    async def _leader_reduce_scatter(self, output, ob: Buffer, chunks: list, rop: ReduceOp,
+                                     timeout: float | None):
+        """reduce_scatter on hosts of unequal rank counts: reduce of the whole input (in host
+        order, padded to the largest host's P parts a host) to each host's first rank,
+        reduce_scatter of the hosts' blocks among those, scatter within each host: the bytes
+        crossing hosts are the other hosts' blocks of partial sums, ``(H-1) P`` parts. AVG runs
+        as SUM and divides at the end."""
+        intra, leaders = self._host_groups()
+        hosts, P, h = self._host_layout()
+        n, N, dtype = self.size, ob.size, ob.dtype
+        sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+
+        async def body(op: Op):
+            # this rank's input in host order (zeros where a smaller host has no rank); its
+            # host's first rank reduces the host's inputs into it
+            x = np.zeros(len(hosts) * P * N, dtype)
+            pairs = [(x[(i * P + p) * N:(i * P + p + 1) * N], chunks[g])
+                     for i, v in enumerate(hosts) for p, g in enumerate(v)]
+            await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
+            await intra.reduce(x, 0, sub, timeout=timeout)
+            if leaders is not None:
+                block = x[h * P * N:(h + 1) * P * N]     # this host's block of the sums
+                await leaders.reduce_scatter(block, x, sub, timeout=timeout)
+                parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
+                await intra.scatter(ob.flat, parts, 0, timeout=timeout)
+            else:
+                await intra.scatter(ob.flat, None, 0, timeout=timeout)
+            if rop is ReduceOp.AVG:
+                np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
+            ob.commit()
+            return output
+
+        return await self._collective("reduce_scatter", timeout, body)
 
     # -- subgroups -----------------------------------------------------------------------------
 

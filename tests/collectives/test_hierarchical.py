@@ -1,6 +1,11 @@
-"""Hierarchical all_reduce on CPU arrays: ranks on simulated hosts (``WorldView.hosts``), reduce
-within each host, all_reduce among the hosts' first ranks, broadcast back; results equal the flat
-all_reduce's for every op, with uneven ranks per host, and a rank killed mid-way is reported."""
+"""Hierarchical collectives on CPU arrays, ranks on simulated hosts (``WorldView.hosts``).
+
+all_reduce: reduce within each host, all_reduce among the hosts' first ranks, broadcast back;
+results equal the flat all_reduce's for every op, with uneven ranks per host, and a rank killed
+mid-way is reported. all_gather / reduce_scatter: by rails and within hosts (equal hosts) or
+through each host's first rank (unequal ones), equal to the flat ones for every output form; the
+default takes them when fewer bytes cross hosts than the ring's. Groups whose rank order is not
+the world's (a split by key) included."""
 
 from __future__ import annotations
 
@@ -105,3 +110,112 @@ def test_hierarchical_reports_a_killed_rank(n):
     assert isinstance(res[3], RankError)
     for r in (0, 1, 2, 4):
         assert res[r] in ("CollectiveTimeout", "PeerLostError"), (r, res[r])
+
+
+# -- all_gather and reduce_scatter --------------------------------------------------------------
+
+async def gather_scatter(engine, cases, hosts_order_split=False):
+    """Every case's hierarchical result and the flat one (direct), on the world group or on a
+    split of it whose ranks are in reverse order (``hosts_order_split``)."""
+    w = engine.world
+    if hosts_order_split:
+        w = await w.split(0, key=-w.rank)     # group rank order: world ranks descending
+    n, r = w.size, w.rank
+    out = []
+    for dtype, op, N, form in cases:
+        rng = np.random.default_rng(r * 11 + N)
+        x = (rng.integers(1, 5, N) if op is not ReduceOp.AVG else rng.random(N)).astype(dtype)
+        # all_gather: one output array, a list of parts, or in place (this rank's slice is x)
+        ref = np.zeros(n * N, dtype)
+        await w.all_gather(ref, x, algorithm="direct")
+        if form == "list":
+            parts = [np.full(N, -1, dtype) for _ in range(n)]
+            await w.all_gather(parts, x, algorithm="hierarchical")
+            got = np.concatenate(parts)
+        elif form == "inplace":
+            got = np.full(n * N, -1, dtype)
+            got[r * N:(r + 1) * N] = x
+            await w.all_gather(got, got[r * N:(r + 1) * N], algorithm="hierarchical")
+        else:   # a non-contiguous output: every other element of a larger array
+            big = np.full(2 * n * N, -1, dtype)
+            await w.all_gather(big[::2], x, algorithm="hierarchical")
+            got = big[::2]
+        ag_ok = bool(np.array_equal(got, ref))
+        # reduce_scatter of W parts of N (an input of W*N elements)
+        y = (rng.integers(1, 5, n * N) if op is not ReduceOp.AVG else rng.random(n * N)).astype(dtype)
+        keep = y.copy()
+        want = np.zeros(N, dtype)
+        await w.reduce_scatter(want, y, op, algorithm="direct")
+        mine = np.full(N, -1, dtype)
+        await w.reduce_scatter(mine, y if form != "list" else [y[k * N:(k + 1) * N] for k in range(n)],
+                               op, algorithm="hierarchical")
+        rs_diff = float(np.max(np.abs(mine.astype(np.float64) - want), initial=0.0))
+        out.append((ag_ok, rs_diff, bool(np.array_equal(y, keep))))
+    return out
+
+
+GS_CASES = [(np.float32, ReduceOp.SUM, 1000, "array"), (np.int64, ReduceOp.MAX, 17, "list"),
+            (np.float64, ReduceOp.AVG, 5, "inplace"), (np.int32, ReduceOp.PROD, 3, "strided"),
+            (np.float32, ReduceOp.SUM, 0, "array"), (ml_dtypes.bfloat16, ReduceOp.SUM, 64, "list"),
+            (np.float32, ReduceOp.MIN, 300_000, "inplace")]
+
+
+@pytest.mark.parametrize("hosts,split", [
+    # equal hosts: rails (across hosts) then within each host
+    ({0: "a", 1: "b", 2: "a", 3: "b"}, False),             # interleaved ranks
+    ({0: "a", 1: "b", 2: "b", 3: "a"}, False),             # rail 1's order is b, a
+    ({0: "a", 1: "a", 2: "b", 3: "b"}, True),              # a group in descending rank order
+    # unequal hosts: through each host's first rank, a block of 2 padded to 3
+    (HOSTS, False),
+    (HOSTS, True),
+], ids=["rails-interleaved", "rails-crossed", "rails-split-descending", "uneven",
+        "uneven-split-descending"])
+def test_hierarchical_all_gather_and_reduce_scatter_equal_flat(hosts, split):
+    res = run_world(len(hosts), gather_scatter, GS_CASES, split, hosts=hosts)
+    for r, rows in enumerate(res):
+        for (ag_ok, rs_diff, input_kept), (dtype, op, N, form) in zip(rows, GS_CASES, strict=True):
+            tol = 0.5 if dtype is ml_dtypes.bfloat16 else 1e-9 * max(N, 1)
+            assert ag_ok, (r, dtype, op, N, form)
+            assert rs_diff <= tol, (r, dtype, op, N, form, rs_diff)
+            assert input_kept, (r, dtype, op, N, form)   # reduce_scatter's input is read only
+
+
+async def split_all_reduce(engine):
+    """Hierarchical all_reduce on a group whose order is not the world's: the rank that reduces
+    within a host must be the one the hosts' group holds."""
+    w = await engine.world.split(0, key=-engine.world.rank)
+    x = np.full(10, engine.world.rank + 1.0, np.float32)
+    await w.all_reduce(x, algorithm="hierarchical")
+    return float(x[0])
+
+
+def test_hierarchical_all_reduce_on_a_group_in_descending_order():
+    res = run_world(5, split_all_reduce, hosts=HOSTS)
+    assert res == [15.0] * 5, res
+
+
+async def default_gather_choice(engine):
+    """Which all_gathers / reduce_scatters of the default choice went hierarchical."""
+    w = engine.world
+    n, seen = w.size, []
+    for N in (1000, 300_000):                 # W*N*4 bytes: under 1 MiB, then over
+        x, out = np.full(N, w.rank + 1.0, np.float32), np.zeros(n * N, np.float32)
+        await w.all_gather(out, x)
+        seen.append((w._host_groups_cache is not None, float(out.sum() / N)))
+        await w.reduce_scatter(x, out)
+        seen.append((w._host_groups_cache is not None, float(x[0])))
+    return seen
+
+
+@pytest.mark.parametrize("hosts,hier", [
+    ({0: "a", 1: "a", 2: "b", 3: "b"}, True),      # (H-1)*P = 2 parts across, the ring 3
+    ({0: "a", 1: "b", 2: "c", 3: "c"}, False),     # 2*2 = 4 against 3: the ring
+    ({0: "a", 1: "b", 2: "c"}, False),             # one rank a host: the ring
+], ids=["2x2", "1-1-2", "1-1-1"])
+def test_default_gather_and_scatter_go_hierarchical_when_fewer_bytes_cross(hosts, hier):
+    n = len(hosts)
+    total = n * (n + 1) / 2
+    res = run_world(n, default_gather_choice, hosts=hosts)
+    for r in range(n):
+        # reduce_scatter of the gathered output: part r holds r+1 on every rank
+        assert res[r] == [(False, total), (False, n * (r + 1)), (hier, total), (hier, n * (r + 1))], (r, res[r])

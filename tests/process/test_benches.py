@@ -63,4 +63,7 @@ def test_multihost_bench_runs_on_two_namespace_hosts(op, tmp_path):
         pytest.skip(proc.stderr.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    assert res["op"] == op and all(r["ok"] for r in res["rows"]) and len(res["rows"]) == 3, res
+    assert res["op"] == op and all(r["ok"] for r in res["rows"]), res
+    algorithms = ["ring", "hierarchical"] if op == "all_reduce" else ["direct", "ring", "hierarchical"]
+    assert [r["algorithm"] for r in res["rows"]] == algorithms + ["default"], res
+    assert res["rows"][-1]["ran"] == "hierarchical", res   # 1 MiB on 2 x 2 ranks

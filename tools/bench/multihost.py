@@ -1,5 +1,5 @@
 """All-reduce across two hosts on a rate-limited link: flat ring against hierarchical (and
-all_gather / reduce_scatter: direct against the ring).
+all_gather / reduce_scatter: direct and the ring against hierarchical).
 
     sudo python tools/bench/multihost.py [--op all_reduce] [--rate 1gbit] \\
         [--sizes 1MiB 4MiB 16MiB 64MiB] [--json out/multihost.json]
@@ -29,7 +29,10 @@ frac_of_bound, ok}`` plus ``op``, ``link_gbps`` and ``rate``. Needs root (namesp
 ``--op all_gather`` / ``--op reduce_scatter``: S is the gathered output (the scattered input), W
 parts of S/4; ``"direct"`` sends every rank's part to every other rank, so each host puts its 2
 ranks' parts to 2 remote ranks on the link, ``S`` each way; the ring crosses once each way with
-3 of the 4 parts, ``0.75 S``. The default on these hosts is the ring from 1 MiB.
+3 of the 4 parts, ``0.75 S``; ``"hierarchical"`` gathers (reduces) each host's parts to its first
+rank over shared memory and exchanges the hosts' blocks of 2 parts between those, ``0.5 S`` each
+way, then broadcasts (scatters) within the host. The default on these hosts is hierarchical from
+1 MiB.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
 ALGORITHMS = {"all_reduce": ("ring", "hierarchical", "default"),
-              "all_gather": ("direct", "ring", "default"),
-              "reduce_scatter": ("direct", "ring", "default")}
+              "all_gather": ("direct", "ring", "hierarchical", "default"),
+              "reduce_scatter": ("direct", "ring", "hierarchical", "default")}
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -199,7 +202,7 @@ def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce") -> 
         elif opname == "all_reduce":
             r["ran"] = "hierarchical" if s > SMALL_MAX_NBYTES else "direct"
         else:
-            r["ran"] = "ring" if s >= BULK_MIN_NBYTES else "direct"
+            r["ran"] = "hierarchical" if s >= BULK_MIN_NBYTES else "direct"
         r["bound_s"] = CROSSING[opname][r["ran"]] * s / link
         r["frac_of_bound"] = r["bound_s"] / t
     return {"op": opname, "rate": rate, "link_gbps": link / 1e9, "ranks": 4, "hosts": 2, "rows": rows}
@@ -208,8 +211,8 @@ def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce") -> 
 # bytes on the busier direction of the link per byte of the row's size S, 2 hosts x 2 ranks
 # (see the module docstring)
 CROSSING = {"all_reduce": {"ring": 1.5, "hierarchical": 1.0, "direct": 1.5},
-            "all_gather": {"direct": 1.0, "ring": 0.75},
-            "reduce_scatter": {"direct": 1.0, "ring": 0.75}}
+            "all_gather": {"direct": 1.0, "ring": 0.75, "hierarchical": 0.5},
+            "reduce_scatter": {"direct": 1.0, "ring": 0.75, "hierarchical": 0.5}}
 
 
 def main(argv: list[str] | None = None) -> int:
