@@ -219,3 +219,35 @@ def test_default_gather_and_scatter_go_hierarchical_when_fewer_bytes_cross(hosts
     for r in range(n):
         # reduce_scatter of the gathered output: part r holds r+1 on every rank
         assert res[r] == [(False, total), (False, n * (r + 1)), (hier, total), (hier, n * (r + 1))], (r, res[r])
+
+
+async def gather_scatter_kill(engine, opname):
+    w = engine.world
+    n, N = w.size, 1000
+    x, out = np.ones(N, np.float32), np.zeros(n * N, np.float32)
+
+    def call(timeout):
+        if opname == "all_gather":
+            return w.all_gather(out, x, algorithm="hierarchical", timeout=timeout)
+        return w.reduce_scatter(x, out, algorithm="hierarchical", timeout=timeout)
+
+    try:
+        await call(10)
+        if w.rank == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await call(3)
+    except (CollectiveTimeout, PeerLostError) as exc:
+        return type(exc).__name__
+    return "completed"
+
+
+@pytest.mark.parametrize("opname", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b"}, HOSTS], ids=["rails", "uneven"])
+def test_hierarchical_gather_and_scatter_report_a_killed_rank(opname, hosts):
+    """Rank 3 SIGKILLed between two calls: every survivor gets a timeout or an abort naming it,
+    whether it waits on rank 3 itself (its host, its rail) or on a rank that waits on it."""
+    res = run_world(len(hosts), gather_scatter_kill, opname, hosts=hosts, timeout_s=60,
+                    return_exceptions=True)
+    assert isinstance(res[3], RankError)
+    for r in set(range(len(hosts))) - {3}:
+        assert res[r] in ("CollectiveTimeout", "PeerLostError"), (r, res[r])
