@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -554,7 +555,8 @@ class Group:
                 than the ring, ``(H-1) * P`` against ``W-1`` (H hosts of at most P ranks, W
                 ranks: hosts of two or more ranks each, equal counts), else ``"ring"``
                 (tools/bench/multihost.py --op all_gather: 2 x 2 ranks over a 1 Gbit/s link,
-                16 MiB in 91 ms against the ring's 109).
+                16 MiB in 78 ms against the ring's 104; pipelined in chunks of about
+                4 MiB from 8 MiB).
 
         Returns:
             ``output``.
@@ -1040,14 +1042,21 @@ class Group:
         intra, rail, orders = self._rails()
         hosts, P, _ = self._host_layout()
         H, n, N, dtype = len(hosts), self.size, mine.size, mine.dtype
+        bounds = _chunk_bounds(N, n * N * dtype.itemsize)
 
         async def body(op: Op):
-            by_rail = np.empty(H * N, dtype)       # this rail's parts, in its group's order
-            await rail.all_gather(by_rail, mine, timeout=timeout)
-            full = np.empty(P * H * N, dtype)      # every rail's, by position in the host
-            await intra.all_gather(full, by_rail, timeout=timeout)
-            pairs = [(slots[hosts[i][q]], full[(q * H + k) * N:(q * H + k + 1) * N])
-                     for q in range(P) for k, i in enumerate(orders[q])]
+            # chunk c of every part: across hosts (by_rail[c], in the rail group's order), then
+            # within the host (full[c], by position in the host); chunk c+1 crosses the link
+            # while chunk c is exchanged within the host
+            by_rail = [np.empty(H * (hi - lo), dtype) for lo, hi in bounds]
+            full = [np.empty(P * H * (hi - lo), dtype) for lo, hi in bounds]
+            await _pipelined(
+                [functools.partial(rail.all_gather, by_rail[c], mine[lo:hi], timeout=timeout)
+                 for c, (lo, hi) in enumerate(bounds)],
+                [functools.partial(intra.all_gather, full[c], by_rail[c], timeout=timeout)
+                 for c in range(len(bounds))])
+            pairs = [(slots[hosts[i][q]][lo:hi], full[c][(q * H + k) * (hi - lo):(q * H + k + 1) * (hi - lo)])
+                     for c, (lo, hi) in enumerate(bounds) for q in range(P) for k, i in enumerate(orders[q])]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
             for b in out_bufs:
                 b.commit()
@@ -1069,15 +1078,22 @@ class Group:
         hosts, P, _ = self._host_layout()
         H, n, N, dtype = len(hosts), self.size, ob.size, ob.dtype
         sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+        bounds = _chunk_bounds(N, n * N * dtype.itemsize)
 
         async def body(op: Op):
-            x = np.empty(P * H * N, dtype)         # the input by rail, each in its group's order
-            pairs = [(x[(q * H + k) * N:(q * H + k + 1) * N], chunks[hosts[i][q]])
-                     for q in range(P) for k, i in enumerate(orders[q])]
+            # chunk c of every part, by rail (each in its group's order): reduced within the
+            # host (by_rail[c]: this host's sums of this rail's parts), then across hosts into
+            # chunk c of the output, while chunk c+1 is reduced within the host
+            xs = [np.empty(P * H * (hi - lo), dtype) for lo, hi in bounds]
+            pairs = [(xs[c][(q * H + k) * (hi - lo):(q * H + k + 1) * (hi - lo)], chunks[hosts[i][q]][lo:hi])
+                     for c, (lo, hi) in enumerate(bounds) for q in range(P) for k, i in enumerate(orders[q])]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
-            by_rail = np.empty(H * N, dtype)       # this host's sums of this rail's parts
-            await intra.reduce_scatter(by_rail, x, sub, timeout=timeout)
-            await rail.reduce_scatter(ob.flat, by_rail, sub, timeout=timeout)
+            by_rail = [np.empty(H * (hi - lo), dtype) for lo, hi in bounds]
+            await _pipelined(
+                [functools.partial(intra.reduce_scatter, by_rail[c], xs[c], sub, timeout=timeout)
+                 for c in range(len(bounds))],
+                [functools.partial(rail.reduce_scatter, ob.flat[lo:hi], by_rail[c], sub, timeout=timeout)
+                 for c, (lo, hi) in enumerate(bounds)])
             if rop is ReduceOp.AVG:
                 np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
             ob.commit()
@@ -1230,6 +1246,33 @@ async def _pipelined_hierarchical(intra: Group, leaders: Group | None, chunks: l
                 await tasks[i]
                 await leaders.all_reduce(c, rop, timeout=timeout)
                 tasks.append(asyncio.ensure_future(intra.broadcast(c, 0, timeout=timeout)))
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _chunk_bounds(N: int, nbytes: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]``: the chunks a pipelined hierarchical all_gather / reduce_scatter cuts
+    every part of ``N`` elements into, for ``nbytes`` in all (the gathered output, the scattered
+    input): one chunk below ``2 * PIPELINE_CHUNK_NBYTES``, else about ``PIPELINE_CHUNK_NBYTES``
+    of ``nbytes`` each, at most ``PIPELINE_MAX_CHUNKS`` (as the hierarchical all_reduce's)."""
+    k = max(1, min(PIPELINE_MAX_CHUNKS, nbytes // PIPELINE_CHUNK_NBYTES, N))
+    edges = [N * c // k for c in range(k + 1)]
+    return list(itertools.pairwise(edges))
+
+
+async def _pipelined(first: list, second: list) -> None:
+    """Start every ``first[c]()`` at once (each group runs its operations in call order), and
+    ``second[c]()`` as soon as ``first[c]()`` has finished, so stage two of chunk c overlaps
+    stage one of chunk c+1. On a failure the rest are cancelled and the first error is raised."""
+    tasks = [asyncio.ensure_future(f()) for f in first]
+    try:
+        for c, g in enumerate(second):
+            await tasks[c]
+            tasks.append(asyncio.ensure_future(g()))
         await asyncio.gather(*tasks)
     except BaseException:
         for t in tasks:

@@ -158,22 +158,24 @@ GS_CASES = [(np.float32, ReduceOp.SUM, 1000, "array"), (np.int64, ReduceOp.MAX, 
             (np.float64, ReduceOp.AVG, 5, "inplace"), (np.int32, ReduceOp.PROD, 3, "strided"),
             (np.float32, ReduceOp.SUM, 0, "array"), (ml_dtypes.bfloat16, ReduceOp.SUM, 64, "list"),
             (np.float32, ReduceOp.MIN, 300_000, "inplace")]
+# from 8 MiB in all, equal hosts pipeline chunks of about 4 MiB (uneven splits here)
+PIPELINED = [(np.float32, ReduceOp.SUM, 700_001, "strided"), (np.int64, ReduceOp.MAX, 400_003, "list")]
 
 
-@pytest.mark.parametrize("hosts,split", [
+@pytest.mark.parametrize("hosts,split,cases", [
     # equal hosts: rails (across hosts) then within each host
-    ({0: "a", 1: "b", 2: "a", 3: "b"}, False),             # interleaved ranks
-    ({0: "a", 1: "b", 2: "b", 3: "a"}, False),             # rail 1's order is b, a
-    ({0: "a", 1: "a", 2: "b", 3: "b"}, True),              # a group in descending rank order
+    ({0: "a", 1: "b", 2: "a", 3: "b"}, False, GS_CASES),             # interleaved ranks
+    ({0: "a", 1: "b", 2: "b", 3: "a"}, False, GS_CASES + PIPELINED),  # rail 1's order is b, a
+    ({0: "a", 1: "a", 2: "b", 3: "b"}, True, GS_CASES),              # group in descending order
     # unequal hosts: through each host's first rank, a block of 2 padded to 3
-    (HOSTS, False),
-    (HOSTS, True),
+    (HOSTS, False, GS_CASES),
+    (HOSTS, True, GS_CASES),
 ], ids=["rails-interleaved", "rails-crossed", "rails-split-descending", "uneven",
         "uneven-split-descending"])
-def test_hierarchical_all_gather_and_reduce_scatter_equal_flat(hosts, split):
-    res = run_world(len(hosts), gather_scatter, GS_CASES, split, hosts=hosts)
+def test_hierarchical_all_gather_and_reduce_scatter_equal_flat(hosts, split, cases):
+    res = run_world(len(hosts), gather_scatter, cases, split, hosts=hosts)
     for r, rows in enumerate(res):
-        for (ag_ok, rs_diff, input_kept), (dtype, op, N, form) in zip(rows, GS_CASES, strict=True):
+        for (ag_ok, rs_diff, input_kept), (dtype, op, N, form) in zip(rows, cases, strict=True):
             tol = 0.5 if dtype is ml_dtypes.bfloat16 else 1e-9 * max(N, 1)
             assert ag_ok, (r, dtype, op, N, form)
             assert rs_diff <= tol, (r, dtype, op, N, form, rs_diff)

@@ -29,10 +29,10 @@ frac_of_bound, ok}`` plus ``op``, ``link_gbps`` and ``rate``. Needs root (namesp
 ``--op all_gather`` / ``--op reduce_scatter``: S is the gathered output (the scattered input), W
 parts of S/4; ``"direct"`` sends every rank's part to every other rank, so each host puts its 2
 ranks' parts to 2 remote ranks on the link, ``S`` each way; the ring crosses once each way with
-3 of the 4 parts, ``0.75 S``; ``"hierarchical"`` gathers (reduces) each host's parts to its first
-rank over shared memory and exchanges the hosts' blocks of 2 parts between those, ``0.5 S`` each
-way, then broadcasts (scatters) within the host. The default on these hosts is hierarchical from
-1 MiB.
+3 of the 4 parts, ``0.75 S``; ``"hierarchical"`` exchanges across the link between the ranks at the
+same position of each host (2 streams, 1 part each way each: ``0.5 S`` each way), then within
+each host over shared memory (reduce_scatter: within first), pipelined in chunks from 8 MiB. The
+default on these hosts is hierarchical from 1 MiB.
 """
 
 from __future__ import annotations
