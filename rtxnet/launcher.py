@@ -243,6 +243,8 @@ class Launcher:
         running = [s for s in self.slots if s.proc is not None and s.returncode is None]
         if not running:
             return
+        # a rank that has exited by itself but whose exit is still queued is not named as stopped
+        named = [s.rank for s in running if s.proc.returncode is None]
         why = []
         if lost:
             why.append(f"{_ranks(lost)} failed for good (--max-restarts {a.max_restarts})")
@@ -250,9 +252,10 @@ class Launcher:
             if ranks:
                 why.append(f"{_ranks(ranks)} failed for good on node {node} (its launcher said "
                            f"so through the job's store)")
+        stopping = (f"stopping {_ranks(named)} (SIGTERM, SIGKILL after {a.grace:g} s)" if named
+                    else "stopping the job")
         _say(f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
-             f"than --min-ranks {min_ranks}; stopping {_ranks([s.rank for s in running])} "
-             f"(SIGTERM, SIGKILL after {a.grace:g} s)")
+             f"than --min-ranks {min_ranks}; {stopping}")
         self.stopping = True
         for s in running:
             try:
