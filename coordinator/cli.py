@@ -102,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="delete the journal (its segments, snapshot and lock file; then the folder, "
                         "if nothing else is in it) after a clean stop (SIGTERM/SIGINT), not after a "
                         "crash; rtxnet-run uses it for the temporary journal it creates")
+    p.add_argument("--journal-owner", type=int, default=None, metavar="PID",
+                   help="with --remove-journal-on-stop: while process PID (this daemon's parent, "
+                        "rtxnet-run) lives, a clean stop keeps the journal, for PID to restart the "
+                        "daemon on it (a SIGTERM from someone else loses nothing) or remove it; only "
+                        "once PID is gone does the daemon remove it itself")
     return p
 
 
@@ -132,6 +137,12 @@ def _reachable(address: str) -> str:
                 hint="no route and no non-loopback address for this host; other hosts need --bind "
                      "with an interface address")
     return address
+
+
+def _owner_alive(pid: int | None) -> bool:
+    """Whether ``--journal-owner`` ``pid`` still runs as this daemon's parent (when it dies the
+    daemon is reparented, so a pid reused by another process does not count)."""
+    return pid is not None and os.getppid() == pid
 
 
 async def _amain(args: argparse.Namespace) -> int:
@@ -179,7 +190,7 @@ async def _amain(args: argparse.Namespace) -> int:
             # before logging: with rtxnet-run gone, writing to its pipe raises BrokenPipeError
             # (only after a clean stop: a failed one leaves it for the restart to replay); the
             # journal's own files only, never what else the folder holds
-            if args.remove_journal_on_stop and clean:
+            if args.remove_journal_on_stop and clean and not _owner_alive(args.journal_owner):
                 left = remove_journal(args.journal)
         if left:
             log.warning("journal_folder_kept", path=args.journal, not_the_journals=left[:10],

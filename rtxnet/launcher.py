@@ -163,8 +163,11 @@ class Launcher:
         self.others_failed: dict[int, list[int]] = {}
 
     def _coordinator_args(self) -> list[str]:
-        # a journal this command made up is removed with the daemon's clean stop
-        return ["--remove-journal-on-stop"] if self.tmp_journal else []
+        # A journal this command made up: removed by this command at the end, or by the daemon
+        # when it stops after this command died (SIGKILLed: the daemon gets SIGTERM); a daemon
+        # stopped by someone else meanwhile keeps it, and is restarted on it.
+        return (["--remove-journal-on-stop", "--journal-owner", str(os.getpid())]
+                if self.tmp_journal else [])
 
     def _env(self, slot: _Slot) -> dict[str, str]:
         a = self.args

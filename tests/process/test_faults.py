@@ -87,6 +87,41 @@ def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):
     assert not recoveries(results)  # training never stopped
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_the_launchers_coordinator_stopped_by_a_signal_mid_run_loses_no_committed_step(tmp_path, sig):
+    """Someone else stops rtxnet-run's own coordinator cleanly (SIGTERM, SIGHUP) while the job
+    trains. rtxnet-run restarts it on the same journal and the job goes on. Before, the clean
+    stop deleted the temporary journal first, the restarted daemon knew no job, and every rank
+    failed with "job ... is gone" (a fresh user's run; with --max-restarts the ranks even started
+    a new job from step 0 and the run exited 0)."""
+    out, err = tmp_path / "out", tmp_path / "launcher.err"
+    steps = 80
+    with open(err, "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "tools/ft_workload.py",
+             "--steps", str(steps), "--step-sleep", "0.05", "--out", str(out)],
+            stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, env=procs.env(**FAST))
+    try:
+        wait_until(lambda: "step_committed" in err.read_text() or "epoch_opened" in err.read_text(),
+                   60, "the job formed")
+        time.sleep(1.0)       # training (steps of 50 ms)
+        pid = int(err.read_text().split("[rtxnet-run] coordinator ", 1)[1].split("pid ", 1)[1].split(")")[0])
+        os.kill(pid, sig)
+        assert launcher.wait(100) == 0, err.read_text()[-5000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    text = err.read_text()
+    assert "coordinator exited with code 0; restarting it" in text and "coordinator restarted" in text, text[-3000:]
+    assert "is gone" not in text, text[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))]
+    assert len(results) == 3, text[-3000:]
+    for r in results:
+        assert r["steps"] == steps and r["sha256"] == reference(steps, 1024), r
+    assert not recoveries(results)      # training never stopped
+
+
 def test_a_rank_killed_with_the_coordinator_is_replaced(tmp_path):
     """The coordinator and rank 1 die at the same step. The restarted coordinator replays rank 1
     as a member until its heartbeats are missed; its replacement, arriving first, found the job
