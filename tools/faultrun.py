@@ -336,7 +336,8 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
         cmd += script_and_args
         out_lines: list[str] = []
         err_lines: list[str] = []
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # in the caller's folder: the script and its relative paths are the caller's
+        proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, errors="replace")
         pumps = [threading.Thread(target=_tee, args=(proc.stdout, None if quiet else sys.stdout, out_lines)),
                  threading.Thread(target=_tee, args=(proc.stderr, None if quiet else sys.stderr, err_lines))]

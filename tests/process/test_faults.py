@@ -563,3 +563,19 @@ def test_a_replacement_that_arrives_after_the_job_finished_exits_0(tmp_path):
                             "1", steps=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(results) >= 3 and {r["sha256"] for r in results} == {reference(60, 1024)}
+
+
+@pytest.mark.timeout(90)
+def test_faultrun_takes_the_script_and_its_paths_from_where_it_is_run(tmp_path):
+    """A fresh user's run: faultrun from their own folder found neither their script ("does not
+    exist") nor wrote their relative --out there (it ran the launcher in the repository)."""
+    import shutil
+
+    shutil.copy(ROOT / "tools" / "ft_workload.py", tmp_path / "mine.py")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "faultrun.py"), "--plan", "kill:rank=1:step=5", "--nproc", "2",
+         "--min-ranks", "1", "--", "mine.py", "--steps", "20", "--out", "rel-out"],
+        capture_output=True, text=True, timeout=80, cwd=tmp_path, env=procs.env(**FAST))
+    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "rel-out").glob("final-*.json")), proc.stderr[-3000:]
+    assert not (ROOT / "rel-out").exists()
