@@ -154,7 +154,10 @@ class Agent:
             RendezvousError: refused (duplicate rank or identity, wrong token); JobFullError (a
                 RendezvousError) when the job already has max_ranks members.
             RendezvousTimeout: no world within ``timeouts.rendezvous_s``.
-            RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
+            RtxTimeoutError: the coordinator did not answer: within ``timeouts.request_s``
+                when nothing listens at its address (connection refused, host unreachable),
+                else within ``timeouts.coordinator_s`` (a coordinator frozen or starved that
+                long; one that resumes sooner answers the join it queued).
             JobFinishedError: the job finished before this rank was admitted (a rank that was
                 declared lost asks to rejoin while the others end: it need not wait).
         """
@@ -162,14 +165,30 @@ class Agent:
             self._client = ControlClient(self.coordinator, self.identity, self._on_push)
         admissions = self._admissions
         self._join_refused = None
+        # A join waits for a coordinator that accepts connections but does not answer (frozen,
+        # starved) as long as members wait for its heartbeats (coordinator_s); where nothing
+        # listens (asked after request_s, as `rtxnet status` tells it) it fails then.
+        t = self.timeouts
+        joining = asyncio.ensure_future(self._join_request(deadline_s=max(t.request_s, t.coordinator_s)))
         try:
-            await self._join_request()
+            done, _ = await asyncio.wait({joining}, timeout=t.request_s)
+            if not done:
+                why = await asyncio.to_thread(nobody_there, self.coordinator)
+                if why is not None:
+                    raise RtxTimeoutError(f"join to {self.coordinator}: no answer within "
+                                          f"{t.request_s:g} s; {why}")
+                log.warning("join_waits_for_coordinator", coordinator=self.coordinator,
+                            waited_s=t.request_s, up_to_s=max(t.request_s, t.coordinator_s))
+            await joining
         except RtxTimeoutError as exc:
-            # say why, when a plain TCP connect can tell (as `rtxnet status` does)
             why = await asyncio.to_thread(nobody_there, self.coordinator)
-            if why is None:
+            if why is None or why in str(exc):
                 raise
             raise RtxTimeoutError(f"{exc}; {why}") from None
+        finally:
+            if not joining.done():
+                joining.cancel()
+                await asyncio.gather(joining, return_exceptions=True)
         if self._hb_task is None:
             self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
         try:
@@ -180,7 +199,7 @@ class Agent:
                 f"(min_ranks={self.min_ranks}, max_ranks={self.max_ranks}, coordinator {self.coordinator})"
             ) from None
 
-    async def _join_request(self) -> None:
+    async def _join_request(self, deadline_s: float | None = None) -> None:
         """``_send_join``; a replacement refused because the job is full asks again every
         heartbeat interval for ``FULL_RETRY_TIMEOUTS`` heartbeat timeouts: the rank it replaces
         died unseen by the coordinator (killed with it: the restarted coordinator replays the
@@ -189,14 +208,14 @@ class Agent:
         deadline = loop.time() + FULL_RETRY_TIMEOUTS * self.timeouts.heartbeat_timeout_s
         while True:
             try:
-                return await self._send_join()
+                return await self._send_join(deadline_s)
             except JobFullError as exc:
                 if not (self.replacement and loop.time() < deadline):
                     raise
                 log.warning("join_retry_job_full", error=str(exc))
                 await asyncio.sleep(self.timeouts.heartbeat_interval_s)
 
-    async def _send_join(self) -> None:
+    async def _send_join(self, deadline_s: float | None = None) -> None:
         self._joining = True
         mute_left = self._muted_until - time.monotonic()
         if mute_left == float("inf") and self.membership is not None:
@@ -214,6 +233,7 @@ class Agent:
             await asyncio.sleep(mute_left)
         await self._request(
             "join",
+            deadline_s=deadline_s,
             identity=self.identity,
             token=self.token,
             # After having been a member, ranks were renumbered: take whichever rank is free.

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import msgpack
@@ -756,3 +757,43 @@ def test_a_second_coordinator_on_an_ipc_address_in_use_is_refused(tmp_path):
     assert sock.exists()
     again = procs.Coordinator(tmp_path / "j4", bind=f"ipc://{sock}")
     again.kill(signal.SIGTERM)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("frozen_s,joins", [(4.0, True), (9.0, False)], ids=["resumes-in-time", "frozen-too-long"])
+def test_a_join_waits_for_a_frozen_coordinator_up_to_coordinator_s(coordinator, tmp_path, frozen_s, joins):
+    """The coordinator is SIGSTOPped while a rank calls init: a join waits for it as long as
+    members wait for its heartbeats (coordinator_s, 6 s here), not one request's deadline (2 s
+    here; a fresh user's rank raised RtxTimeoutError 10 s into a 15 s freeze and the job ended)."""
+    script = tmp_path / "join.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time, rtxnet
+        t0 = time.monotonic()
+        try:
+            pg = rtxnet.init(job="frozen-join", world_size=1)
+        except rtxnet.RtxTimeoutError as exc:
+            print(f"timeout after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
+            sys.exit(3)
+        print(f"joined after {time.monotonic() - t0:.1f} s", flush=True)
+        pg.close()
+    """))
+    env = procs.env(RTXNET_COORDINATOR=coordinator.address, RTXNET_REQUEST_TIMEOUT="2",
+                    RTXNET_COORDINATOR_TIMEOUT="6", RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.2")
+    coordinator.proc.send_signal(signal.SIGSTOP)
+    try:
+        rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT, env=env)
+        time.sleep(frozen_s)
+    finally:
+        coordinator.proc.send_signal(signal.SIGCONT)
+    try:
+        out, err = rank.communicate(timeout=40)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    if joins:
+        assert rank.returncode == 0 and out.startswith("joined after"), out + err[-3000:]
+    else:
+        assert rank.returncode == 3, out + err[-3000:]
+        assert f"join to {coordinator.address}: no answer within 6 s" in out, out + err[-3000:]
