@@ -252,6 +252,11 @@ class TrainState:
             self.optimizer.load_state_dict(state["optimizer"])
         self._load_replicated(state)
 
+    def sharded_layout(self) -> tuple[int, int]:
+        """FSDP: ``(rank, world_size)`` the shards are laid out for (FaultTolerance compares them
+        before the first commit: a rank that joined late built its shards for another world)."""
+        return self.fsdp.sharded_layout()
+
     def load_state_dicts(self, states: list[dict[str, Any]]) -> None:
         """FSDP: every rank's state of one committed step or checkpoint, in rank order, resharded
         for this world (FaultTolerance(sharded_state=True) and the checkpoint loaders call it)."""

@@ -114,7 +114,11 @@ class FaultTolerance:
             a membership change every rank receives every committed rank's state and calls
             ``state.load_state_dicts(states)`` (``states[q]``: the state of rank ``q`` of the world
             that committed, any world size: reshard there; FSDP's ``load_sharded_state_dicts``).
-            When two neighbours are lost, the newest checkpoint is loaded instead. Costs per step:
+            When two neighbours are lost, the newest checkpoint is loaded instead. Before the
+            first commit the states as built are compared: ``state.sharded_layout()``, when the
+            state has it (``FSDPState``), gives ``(rank, world_size)`` of its layout (else the
+            world when this object was made), and a rank that joined after the others built
+            theirs (``init`` returns at ``min_ranks``) takes their state, resharded. Costs per step:
             sending and receiving one rank's state (a point-to-point message each way); memory: two
             ranks' states besides the live one (three while the vote runs).
 
@@ -201,6 +205,11 @@ class FaultTolerance:
         self._ring: dict[str, Any] | None = None
         self._same_step_failures: dict[int, int] = {}
         self._snapshot = pack_state(state.state_dict())
+        # sharded_state: (rank, world size) of the epoch this was made in: the layout of the
+        # state as built, unless the state says (sharded_layout(): it may have been built in an
+        # earlier epoch, before a rank joined)
+        m = self.pg.agent.membership
+        self._built = (m.rank, m.world_size) if m is not None else (0, 1)
         # False once this rank's state refused a snapshot (FSDP shards after the world changed):
         # it then holds no committed state and takes one from a peer or the newest checkpoint.
         self._holds_state = True
@@ -652,7 +661,9 @@ class FaultTolerance:
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
         ring = self._ring
         if ring is None:     # a fresh process: its state as built, nothing committed
-            mine = [0, self.committed_step, -1, world, rank, -1]
+            layout = getattr(self.state, "sharded_layout", None)
+            built_rank, built_world = layout() if callable(layout) else self._built
+            mine = [0, self.committed_step, -1, built_world, built_rank, -1]
         else:
             own = next(iter(ring["blobs"]))
             pred = next((k for k in ring["blobs"] if k != own), -1)
@@ -660,9 +671,29 @@ class FaultTolerance:
         rows = np.zeros((world, 6), dtype=np.int64)
         await pg.all_gather(rows, np.array(mine, dtype=np.int64))
         fresh = not rows[:, 0].any()
-        in_place, covered, holders = fresh, False, {}
+        covered, holders = False, {}
         if fresh:
+            # Every state as built, laid out for the world it was built in. Ranks that joined
+            # before the first sync built theirs for another world than the others (init
+            # returns at min_ranks, a late rank joins): a built world whose ranks are all here
+            # (this one first, else the largest) is the one every rank takes, resharded.
             best = int(rows[:, 1].max())
+            built: dict[int, list[int]] = {}
+            for q in range(world):
+                built.setdefault(int(rows[q, 3]), []).append(q)
+            at_best = next((qs for w0, qs in sorted(built.items(), key=lambda kv: (kv[0] != world, -kv[0]))
+                            if {int(rows[q, 4]) for q in qs} >= set(range(w0))), None)
+            if at_best is None:
+                raise RtxError(
+                    f"no training has committed yet and the ranks' states as built are laid out "
+                    f"for different worlds, none of them complete here (world size and rank of "
+                    f"each rank's layout: {rows[:, 3:5].tolist()}); start the ranks together, or "
+                    f"load a checkpoint on every rank before FaultTolerance")
+            old_world = int(rows[at_best[0], 3])
+            holders = {}
+            for q in at_best:
+                holders.setdefault(int(rows[q, 4]), q)
+            covered = True
         else:
             best = int(rows[rows[:, 0] == 1, 1].max())
             at_best = [q for q in range(world) if rows[q, 0] and rows[q, 1] == best]
@@ -674,8 +705,8 @@ class FaultTolerance:
                     if rows[q, col] >= 0:
                         holders.setdefault(int(rows[q, col]), q)
             covered = all(k in holders for k in range(old_world))
-            in_place = covered and old_world == world and len(at_best) == world and all(
-                rows[q, 4] == q for q in range(world))
+        in_place = covered and old_world == world and len(at_best) == world and all(
+            rows[q, 4] == q for q in range(world))
         source = "in place" if in_place else "ring"
         if best < job_committed or not covered and not fresh:
             restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
@@ -697,7 +728,8 @@ class FaultTolerance:
             states = []
             for k in range(old_world):
                 src = holders[k]
-                mine = ring["blobs"].get(k) if ring is not None and src == rank else None
+                own = ring["blobs"].get(k) if ring is not None else self._snapshot  # (fresh)
+                mine = own if src == rank else None
                 states.append(unpack_state(await self._broadcast_bytes(mine, src)))
             self.state.load_state_dicts(states)
             log.warning("state_resharded", step=best, saved_world_size=old_world, world_size=world,

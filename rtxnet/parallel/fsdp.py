@@ -553,8 +553,17 @@ class FullyShardedDataParallel(torch.nn.Module):
                     t.copy_(flat.view(t.shape).to(t.dtype))
 
     def _check_layout(self) -> None:
-        """Raises ConfigError when the group's world size or rank differs from the layout."""
-        rank, world = _rank_world(self._pg)
+        """Raises ConfigError when the world this runs in (the step's pinned world group under
+        ``FaultTolerance``, else the current one) has another world size or rank than the layout.
+        A membership that changed after the step began is not that: the step's collectives fail
+        with ``PeerLostError``/``ClosedError``, and ``FaultTolerance`` reshards at its next sync
+        (a rank joining before the first commit made every rank raise ConfigError instead)."""
+        step = StepWorld(self._pg)
+        step.begin()
+        if step.world is not None:
+            rank, world = int(step.world.rank), int(step.world.size)
+        else:
+            rank, world = _rank_world(self._pg)
         if (world, rank) != (self.world_size, self.rank):
             raise ConfigError(
                 f"the shards are laid out for world_size({self.world_size}) rank({self.rank}) but "
@@ -898,6 +907,12 @@ class FSDPState:
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.sharded_state_dict(), "optimizer": self.optimizer.state_dict(),
                 "step": self.step}
+
+    def sharded_layout(self) -> tuple[int, int]:
+        """``(rank, world_size)`` the shards are laid out for (those of the world the model was
+        wrapped in, until a load reshards them): what ``FaultTolerance(sharded_state=True)``
+        compares across ranks before the first commit."""
+        return self.model.rank, self.model.world_size
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's own state, at the world size and rank it was taken in, in place.
