@@ -433,11 +433,14 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
         if m is None:
             engine.fence("the coordinator declared it lost; rejoin")
             return
+        # ranks that left in order finished their operations first, but their last messages
+        # may still be on the way (a barrier they completed before this rank did): in-flight
+        # operations get a moment to finish (the grace a broken link gets for its verdict)
         engine.set_view(
             WorldView(job=m.job, epoch=m.epoch, rank=m.rank, world_size=m.world_size,
                       endpoints={r: i["endpoint"] for r, i in m.members.items()},
                       hosts={r: i["host"] for r, i in m.members.items()}),
-            lost=m.lost,
+            lost=m.lost, leave_grace_s=engine.link_grace_s if reason == "left" else 0.0,
         )
 
     agent.add_listener(on_epoch)

@@ -444,6 +444,11 @@ class Engine:
         self._tasks: set[asyncio.Task] = set()
         self._closed: BaseException | None = None
         self._seg_numbers = itertools.count(1)
+        # a view entered after ranks left in order, held while the operations in flight finish:
+        # (view, lost, the error it fails the rest with), and the timer that applies it anyway
+        self._deferred: tuple[WorldView, list[int], RtxError] | None = None
+        self._deferred_timer: asyncio.TimerHandle | None = None
+        self._deferred_done: asyncio.Future | None = None
 
     @classmethod
     async def create(cls, *, bind_host: str = "127.0.0.1", default_timeout_s: float = 30.0,
@@ -468,13 +473,19 @@ class Engine:
     def epoch(self) -> int | None:
         return None if self.view is None else self.view.epoch
 
-    def set_view(self, view: WorldView, *, lost: Iterable[int] = ()) -> None:
+    def set_view(self, view: WorldView, *, lost: Iterable[int] = (), leave_grace_s: float = 0.0) -> None:
         """Enter a new epoch (also the first).
 
         Every in-flight and queued operation of the old epoch fails at once with
         ``PeerLostError(ranks=lost, epoch=view.epoch)`` (``ClosedError`` when nobody was lost),
         buffered messages are discarded, later messages of older epochs are dropped, sequence
         numbers restart and ``world`` is a new group; groups of the old epoch raise ``ClosedError``.
+
+        With ``leave_grace_s`` (the ``lost`` ranks left in order: they finished their own
+        operations first, but what they sent may still be on its way, e.g. the last message of
+        a barrier they completed before their leave reached this rank), operations in flight get
+        up to that long to finish before the view is entered; operations started meanwhile
+        fail at once, as they would in the new view.
 
         Raises:
             ConfigError: the view is inconsistent or its epoch is older than the current one.
@@ -485,6 +496,8 @@ class Engine:
         if self._closed is not None:
             raise ClosedError("engine is closed")
         view.validate()
+        if self._deferred is not None:
+            self._apply_deferred()    # a newer view: the held one first
         old = self.view
         if old is not None:
             if view.epoch < old.epoch:
@@ -499,6 +512,14 @@ class Engine:
                     epoch=view.epoch)
             else:
                 exc = ClosedError(f"membership changed: epoch {old.epoch} -> {view.epoch}")
+            if leave_grace_s > 0 and self._in_flight():
+                loop = asyncio.get_running_loop()
+                self._deferred = (view, lost, exc)
+                self._deferred_done = loop.create_future()
+                self._deferred_timer = loop.call_later(leave_grace_s, self._apply_deferred)
+                log.debug("view_held", epoch=view.epoch, in_flight=len(self._running),
+                          grace_s=leave_grace_s)
+                return
             self._fail_all(exc, retire_groups=True)
         self.fenced = None
         self.view = view
@@ -522,6 +543,41 @@ class Engine:
         for h, payload in pending:
             self._on_message(h, payload, None)
 
+    def _in_flight(self) -> bool:
+        return bool(self._running) or any(self._p2p_waiters.values())
+
+    def _apply_deferred(self) -> None:
+        """Enter the view held by :meth:`set_view` (its operations finished, or its grace is
+        over: what is still in flight fails)."""
+        held = self._drop_deferred()
+        if held is not None and self._closed is None:
+            view, lost, _ = held
+            self.set_view(view, lost=lost)
+
+    def _drop_deferred(self):
+        held, self._deferred = self._deferred, None
+        if self._deferred_timer is not None:
+            self._deferred_timer.cancel()
+            self._deferred_timer = None
+        done, self._deferred_done = self._deferred_done, None
+        if done is not None and not done.done():
+            done.set_result(None)
+        return held
+
+    def _apply_when_idle(self) -> None:
+        if self._deferred is not None and not self._in_flight():
+            asyncio.get_running_loop().call_soon(self._apply_deferred)
+
+    async def wait_not_held(self) -> None:
+        """Before an operation starts: while a view is held (see :meth:`set_view`), wait until
+        it is entered, then raise its error: an operation started while the old world's last
+        operations finish belongs to the new view, where its group is gone (waiting instead of
+        failing at once keeps a retrying caller from spinning)."""
+        if self._deferred is not None:
+            exc, done = self._deferred[2], self._deferred_done
+            await asyncio.shield(done)
+            raise exc
+
     def abort(self, exc: BaseException) -> None:
         """Fail every in-flight and queued operation with ``exc``; groups stay usable."""
         self._fail_all(exc, retire_groups=False)
@@ -531,6 +587,7 @@ class Engine:
         with :class:`PeerLostError`, and every operation started from now until the next
         :meth:`set_view` (the rank's readmission) as well, at once: the peers have left this
         epoch, so such an operation could only wait out its timeout."""
+        self._drop_deferred()     # a held view will not be entered now
         self.fenced = PeerLostError(f"this rank was fenced out: {reason}")
         self._fail_all(self.fenced, retire_groups=False)
 
@@ -556,6 +613,7 @@ class Engine:
         if self._closed is not None:
             return
         exc = ClosedError("engine closed")
+        self._drop_deferred()
         self._fail_all(exc, retire_groups=True)
         self._closed = exc
         # let failed operations unwind before the sockets go
@@ -614,6 +672,7 @@ class Engine:
                 w = waiters.popleft()
                 w.handle.cancel()
                 w.future.set_result((h.meta, payload))
+                self._apply_when_idle()
             else:
                 self._p2p_msgs.setdefault(key, deque()).append((h.meta, payload))
             return
@@ -643,6 +702,7 @@ class Engine:
         gid = op.group.gid
         if op.seq > self._watermark.get(gid, -1):
             self._watermark[gid] = op.seq
+        self._apply_when_idle()
 
     def _abort_peers(self, op: Op, exc: BaseException) -> None:
         """Tell the group's other ranks that this operation failed here."""
@@ -655,6 +715,7 @@ class Engine:
                 return
 
     async def _p2p_recv(self, gid: str, src_world: int, tag: int, timeout_s: float):
+        await self.wait_not_held()
         key = (gid, src_world, tag)
         msgs = self._p2p_msgs.get(key)
         if msgs:

@@ -332,6 +332,7 @@ class Group:
         try:
             if prev is not None:
                 await asyncio.shield(prev)
+            await engine.wait_not_held()
             self._check_usable()
             if self._aborts != aborts:
                 raise self._abort_exc
@@ -869,6 +870,7 @@ class Group:
         _check_tag(tag)
         buf = Buffer(tensor, readonly=True)
         timeout_s = self._timeout_s(timeout)
+        await self.engine.wait_not_held()
         self._check_usable()
         payload = buf.flat
         meta = [dtype_name(buf.dtype), list(buf.shape)]
