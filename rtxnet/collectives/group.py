@@ -1059,9 +1059,7 @@ class Group:
                  for c in range(len(bounds))])
             pairs = [(slots[hosts[i][q]][lo:hi], full[c][(q * H + k) * (hi - lo):(q * H + k + 1) * (hi - lo)])
                      for c, (lo, hi) in enumerate(bounds) for q in range(P) for k, i in enumerate(orders[q])]
-            await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
-            for b in out_bufs:
-                b.commit()
+            await _copy_out(pairs, out_bufs)
             return output
 
         return await self._collective("all_gather", timeout, body)
@@ -1096,9 +1094,7 @@ class Group:
                  for c in range(len(bounds))],
                 [functools.partial(rail.reduce_scatter, ob.flat[lo:hi], by_rail[c], sub, timeout=timeout)
                  for c, (lo, hi) in enumerate(bounds)])
-            if rop is ReduceOp.AVG:
-                np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
-            ob.commit()
+            _average_and_commit(ob, rop, n)
             return output
 
         return await self._collective("reduce_scatter", timeout, body)
@@ -1111,7 +1107,7 @@ class Group:
         crossing hosts are the other hosts' blocks, ``(H-1) P`` parts."""
         intra, leaders = self._host_groups()
         hosts, P, h = self._host_layout()
-        n, N, dtype = self.size, mine.size, mine.dtype
+        N, dtype = mine.size, mine.dtype
 
         async def body(op: Op):
             full = np.empty(len(hosts) * P * N, dtype)
@@ -1125,9 +1121,7 @@ class Group:
             await intra.broadcast(full, 0, timeout=timeout)
             pairs = [(slots[g], full[(i * P + p) * N:(i * P + p + 1) * N])
                      for i, v in enumerate(hosts) for p, g in enumerate(v)]
-            await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
-            for b in out_bufs:
-                b.commit()
+            await _copy_out(pairs, out_bufs)
             return output
 
         return await self._collective("all_gather", timeout, body)
@@ -1159,9 +1153,7 @@ class Group:
                 await intra.scatter(ob.flat, parts, 0, timeout=timeout)
             else:
                 await intra.scatter(ob.flat, None, 0, timeout=timeout)
-            if rop is ReduceOp.AVG:
-                np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
-            ob.commit()
+            _average_and_commit(ob, rop, n)
             return output
 
         return await self._collective("reduce_scatter", timeout, body)
@@ -1239,21 +1231,29 @@ async def _pipelined_hierarchical(intra: Group, leaders: Group | None, chunks: l
     0..k-1 (a group runs its operations in call order; the first rank calls broadcast i once
     chunk i is all-reduced, which happens in chunk order). On a failure the rest are cancelled
     and the first error is raised."""
-    tasks = [asyncio.ensure_future(intra.reduce(c, 0, rop, timeout=timeout)) for c in chunks]
-    try:
-        if leaders is None:
-            tasks += [asyncio.ensure_future(intra.broadcast(c, 0, timeout=timeout)) for c in chunks]
-        else:
-            for i, c in enumerate(chunks):
-                await tasks[i]
-                await leaders.all_reduce(c, rop, timeout=timeout)
-                tasks.append(asyncio.ensure_future(intra.broadcast(c, 0, timeout=timeout)))
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    async def across_then_back(c) -> None:
+        if leaders is not None:
+            await leaders.all_reduce(c, rop, timeout=timeout)
+        await intra.broadcast(c, 0, timeout=timeout)
+
+    await _pipelined([functools.partial(intra.reduce, c, 0, rop, timeout=timeout) for c in chunks],
+                     [functools.partial(across_then_back, c) for c in chunks])
+
+
+async def _copy_out(pairs: list, out_bufs: list) -> None:
+    """A hierarchical all_gather's last step: its blocks into the output's parts, off the loop,
+    then the output's buffers written back (non-contiguous outputs)."""
+    await off_loop(sum(src.nbytes for _, src in pairs), copy_pairs, pairs)
+    for b in out_bufs:
+        b.commit()
+
+
+def _average_and_commit(ob: Buffer, rop: ReduceOp, n: int) -> None:
+    """A hierarchical reduce_scatter's last step: AVG (run as SUM) divided by the ``n`` ranks,
+    then the output written back."""
+    if rop is ReduceOp.AVG:
+        np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
+    ob.commit()
 
 
 def _chunk_bounds(N: int, nbytes: int) -> list[tuple[int, int]]:
