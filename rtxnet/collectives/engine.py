@@ -365,8 +365,12 @@ def check_signatures(name: str, sigs: dict[int, list]) -> None:
         vals = {rank: _hashable(s[i] if i < len(s) else None) for rank, s in sigs.items()}
         if len(set(vals.values())) > 1:
             shown = {rank: (s[i] if i < len(s) else None) for rank, s in sorted(sigs.items())}
+            also = ""
+            if fname == "numel":   # element counts differ: the shapes say more
+                k = SIG_FIELDS.index("shape")
+                also = f" (shapes {({rank: (s[k] if k < len(s) else None) for rank, s in sorted(sigs.items())})})"
             raise CollectiveMismatchError(
-                f"{name}: ranks disagree on {fname}: {shown}", field=fname, values=shown)
+                f"{name}: ranks disagree on {fname}: {shown}{also}", field=fname, values=shown)
 
 
 def _hashable(v):

@@ -167,6 +167,8 @@ def test_mismatch_on_every_rank(what, field):
         assert field in msg
         assert after == n
     assert len({o[2].split(": ", 1)[1] for o in res}) == 1, "every rank reports the same mismatch"
+    if what == "numel":   # element counts differ: the shapes are named too
+        assert res[0][2].endswith("ranks disagree on numel: {0: 8, 1: 9, 2: 8} (shapes {0: [8], 1: [9], 2: [8]})"), res[0][2]
 
 
 async def early_value_errors(engine):
