@@ -18,7 +18,8 @@ leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: t
 and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
 their rejoin window (with ``--nnodes``, counting every node's: the launchers share theirs through
 the job's store). The exit code is 0 when every rank's last process exited 0, else the code of
-the first rank whose last process failed (128+N for signal N).
+the first rank whose last process failed (128+N for signal N); a replacement that failed after
+the job had finished (every member left in order, as the coordinator says) counts as exited 0.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
@@ -393,6 +394,8 @@ class Launcher:
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
                     self._stop_if_below_min_ranks()
+            if self.first_failure is not None and self.stop_signal is None:
+                await self._forgive_replacements_after_the_end()
         finally:
             if sharing is not None:
                 sharing.cancel()
@@ -411,6 +414,32 @@ class Launcher:
         elif self.first_failure is not None:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
+
+    async def _forgive_replacements_after_the_end(self) -> None:
+        """A replacement that failed (``JobFinishedError`` from its ``init``, say) after the job
+        had finished, every member having left in order, does not fail the run: the job's result
+        stands (the process it replaced died after its own work was done). Asked of the
+        coordinator; without an answer nothing is forgiven."""
+        from transport.errors import RtxError
+
+        from .cli import _status
+
+        late = [s for s in self.slots if s.returncode not in (0, None) and s.restarts > 0]
+        if not late:
+            return
+        try:
+            finished = self.job in (await _status(self.address, _PROBE_S, self.job))["finished"]
+        except RtxError:
+            return
+        if not finished:
+            return
+        for s in late:
+            _say(f"rank {s.rank}'s replacement (restart {s.restarts}) exited with code "
+                 f"{s.returncode} after job {self.job} had finished (every member left in order): "
+                 f"the job's result stands; not counted as a failure")
+            s.returncode = 0
+        failed = [s for s in self.slots if s.returncode not in (0, None)]
+        self.first_failure = (self.first_failure[0], failed[0].returncode) if failed else None
 
     async def _supervise_coordinator(self, journal: str) -> None:
         """Restart the coordinator this launcher started if it dies: same address, same journal,

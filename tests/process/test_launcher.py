@@ -632,3 +632,38 @@ def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_g
     pauses = [float(x.rsplit(" in ", 1)[1].split(" s")[0]) for x in lines if "after it started; restarting" in x]
     assert pauses == [0.1 * 2 ** k for k in range(len(pauses))] and len(pauses) == restarts - 1, (pauses, text)
     assert 4 <= took < 30, took
+
+
+LATE_REPLACEMENT = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    import rtxnet
+    if os.environ["RTXNET_RESTART_COUNT"] != "0":
+        time.sleep(4)                        # the others finish meanwhile
+        rtxnet.init()                        # JobFinishedError, uncaught: exit 1, a traceback
+        sys.exit(5)
+    pg = rtxnet.init()
+    x = np.ones(4, np.float32)
+    pg.all_reduce(x)
+    if pg.rank == 2:                         # dies with its work done, before leaving
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while pg.world_size != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)                     # until rank 2 is declared lost
+    pg.close()
+""")
+
+
+def test_a_replacement_that_finds_the_job_finished_does_not_fail_the_run(tmp_path):
+    """Rank 2 is SIGKILLed after its work, the others finish; its replacement's init raises
+    JobFinishedError. The job's result stands: rtxnet-run exits 0 and says why (a fresh user's
+    run reported the finished job as failed, exit code 1)."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_REPLACEMENT)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "1",
+                           "--min-ranks", "2", str(script)], capture_output=True, text=True, timeout=90,
+                          cwd=ROOT, env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.1"))
+    assert "JobFinishedError" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("rank 2's replacement (restart 1) exited with code 1 after job" in proc.stderr
+            and "the job's result stands; not counted as a failure" in proc.stderr), proc.stderr[-3000:]
