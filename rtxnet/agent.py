@@ -125,6 +125,8 @@ class Agent:
         self._closed = False
         self._leaving = False
         self._admissions = 0  # memberships accepted so far (a rejoin waits for the next one)
+        # of those, the ones of at least min_ranks ranks (init returns once one came)
+        self.reached_min_ranks = 0
         # bumped at every admission and fence: a heartbeat answer computed before a push that
         # changed this agent's standing (its reply is read after the push) must not undo it
         self._standing = 0
@@ -321,6 +323,8 @@ class Agent:
         self._joining = False
         self.fenced = False
         self._admissions += 1
+        if msg["world_size"] >= self.min_ranks:
+            self.reached_min_ranks += 1
         self._standing += 1
         self.membership = Membership(
             job=self.job,

@@ -483,8 +483,9 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
     if engine is not None:
         _wire_engine(agent, engine)
     try:
+        reached = agent.reached_min_ranks
         await agent.join()
-        await _until_min_ranks(agent, timeouts.rendezvous_s)
+        await _until_min_ranks(agent, timeouts.rendezvous_s, reached)
     except BaseException:
         await agent.aclose(leave=False)
         if engine is not None:
@@ -493,19 +494,24 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
     return ProcessGroup(agent, engine, timeouts)
 
 
-async def _until_min_ranks(agent: Agent, timeout_s: float) -> None:
-    """Return once this rank's epoch has at least ``min_ranks`` ranks.
+async def _until_min_ranks(agent: Agent, timeout_s: float, reached: int) -> None:
+    """Return once this rank has been in an epoch of at least ``min_ranks`` ranks since it asked
+    to join (``agent.reached_min_ranks`` past ``reached``).
 
     A join into a running job (its ranks all crashed and are coming back one by one, or some died
     while the others wait for replacements) is admitted at once into an epoch of whoever is
-    there; ``init(world_size=2)`` must not hand back a world of 1.
+    there; ``init(world_size=2)`` must not hand back a world of 1 that never had 2. A world that
+    had them and shrank since (a peer that called ``close`` at once) is handed back: its
+    collectives raise ``PeerLostError`` below ``min_ranks`` (waiting here for a replacement that
+    never comes hung such an ``init`` until the rendezvous timeout).
 
     Raises:
         RendezvousTimeout: the world did not reach ``min_ranks`` within ``timeout_s``.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while agent.fenced or agent.membership.world_size < agent.min_ranks:
+    while agent.fenced or (agent.membership.world_size < agent.min_ranks
+                           and agent.reached_min_ranks == reached):
         if agent.fenced:
             await agent.join()
             continue
