@@ -164,14 +164,12 @@ PIPELINED = [(np.float32, ReduceOp.SUM, 700_001, "strided"), (np.int64, ReduceOp
 
 @pytest.mark.parametrize("hosts,split,cases", [
     # equal hosts: rails (across hosts) then within each host
-    ({0: "a", 1: "b", 2: "a", 3: "b"}, False, GS_CASES),             # interleaved ranks
-    ({0: "a", 1: "b", 2: "b", 3: "a"}, False, GS_CASES + PIPELINED),  # rail 1's order is b, a
+    ({0: "a", 1: "b", 2: "b", 3: "a"}, False, GS_CASES + PIPELINED),  # interleaved; rail 1: b, a
     ({0: "a", 1: "a", 2: "b", 3: "b"}, True, GS_CASES),              # group in descending order
-    # unequal hosts: through each host's first rank, a block of 2 padded to 3
-    (HOSTS, False, GS_CASES),
+    # unequal hosts: through each host's first rank, a block of 2 padded to 3, and the group
+    # in descending order
     (HOSTS, True, GS_CASES),
-], ids=["rails-interleaved", "rails-crossed", "rails-split-descending", "uneven",
-        "uneven-split-descending"])
+], ids=["rails-crossed", "rails-split-descending", "uneven-split-descending"])
 def test_hierarchical_all_gather_and_reduce_scatter_equal_flat(hosts, split, cases):
     res = run_world(len(hosts), gather_scatter, cases, split, hosts=hosts)
     for r, rows in enumerate(res):
@@ -243,8 +241,8 @@ async def gather_scatter_kill(engine, opname):
     return "completed"
 
 
-@pytest.mark.parametrize("opname", ["all_gather", "reduce_scatter"])
-@pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b"}, HOSTS], ids=["rails", "uneven"])
+@pytest.mark.parametrize("opname,hosts", [("all_gather", {0: "a", 1: "a", 2: "b", 3: "b"}),
+                                          ("reduce_scatter", HOSTS)], ids=["rails", "uneven"])
 def test_hierarchical_gather_and_scatter_report_a_killed_rank(opname, hosts):
     """Rank 3 SIGKILLed between two calls: every survivor gets a timeout or an abort naming it,
     whether it waits on rank 3 itself (its host, its rail) or on a rank that waits on it."""

@@ -103,7 +103,7 @@ async def every_case(engine, sizes, algorithms):
     return fails, digests
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])   # 2: a power of two for recursive doubling; 3, 5 not
 def test_every_op_dtype(n):
     algos = [None, "direct", "recursive_doubling", "ring", "shm"]
     results = run_world(n, every_case, SIZES, algos, timeout_s=200)
