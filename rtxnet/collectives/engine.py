@@ -488,8 +488,9 @@ class Engine:
         With ``leave_grace_s`` (the ``lost`` ranks left in order: they finished their own
         operations first, but what they sent may still be on its way, e.g. the last message of
         a barrier they completed before their leave reached this rank), operations in flight get
-        up to that long to finish before the view is entered; operations started meanwhile
-        fail at once, as they would in the new view.
+        up to that long to finish before the view is entered (at once when the last of them
+        ends); operations started meanwhile wait for it and then fail, as they would in it
+        (:meth:`wait_not_held`). A fence drops a held view; a newer view enters it first.
 
         Raises:
             ConfigError: the view is inconsistent or its epoch is older than the current one.
