@@ -181,12 +181,13 @@ class Agent:
                                           f"{t.request_s:g} s; {why}")
                 log.warning("join_waits_for_coordinator", coordinator=self.coordinator,
                             waited_s=t.request_s, up_to_s=max(t.request_s, t.coordinator_s))
-            await joining
-        except RtxTimeoutError as exc:
-            why = await asyncio.to_thread(nobody_there, self.coordinator)
-            if why is None or why in str(exc):
-                raise
-            raise RtxTimeoutError(f"{exc}; {why}") from None
+            try:
+                await joining
+            except RtxTimeoutError as exc:
+                why = await asyncio.to_thread(nobody_there, self.coordinator)
+                if why is None:
+                    raise
+                raise RtxTimeoutError(f"{exc}; {why}") from None
         finally:
             if not joining.done():
                 joining.cancel()

@@ -355,14 +355,15 @@ class FullyShardedDataParallel(torch.nn.Module):
         """
         if self._backward_open:
             self.reset()     # the previous backward failed half way
-        self._check_layout()
+        # Every collective of this forward and its backward goes to one world group, the one
+        # whose layout is checked.
+        self._round_epoch = self._step_world.begin()
+        self._check_layout(self._step_world)
         self._forward_id += 1
         if torch.is_grad_enabled():
             if not self._live and not self._pending:
                 self.last_gathers = 0
                 self.last_reduce_scatters = 0
-        # Every collective of this forward and its backward goes to one world group.
-        self._round_epoch = self._step_world.begin()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -552,14 +553,16 @@ class FullyShardedDataParallel(torch.nn.Module):
                         self._pg.broadcast(flat, src=0, **self._kw)
                     t.copy_(flat.view(t.shape).to(t.dtype))
 
-    def _check_layout(self) -> None:
+    def _check_layout(self, step: StepWorld | None = None) -> None:
         """Raises ConfigError when the world this runs in (the step's pinned world group under
         ``FaultTolerance``, else the current one) has another world size or rank than the layout.
         A membership that changed after the step began is not that: the step's collectives fail
         with ``PeerLostError``/``ClosedError``, and ``FaultTolerance`` reshards at its next sync
-        (a rank joining before the first commit made every rank raise ConfigError instead)."""
-        step = StepWorld(self._pg)
-        step.begin()
+        (a rank joining before the first commit made every rank raise ConfigError instead).
+        ``step``: the world already taken (a forward's), else it is taken here."""
+        if step is None:
+            step = StepWorld(self._pg)
+            step.begin()
         if step.world is not None:
             rank, world = int(step.world.rank), int(step.world.size)
         else:

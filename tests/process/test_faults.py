@@ -102,10 +102,12 @@ def test_the_launchers_coordinator_stopped_by_a_signal_mid_run_loses_no_committe
              "--steps", str(steps), "--step-sleep", "0.05", "--out", str(out)],
             stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, env=procs.env(**FAST))
     try:
-        wait_until(lambda: "step_committed" in err.read_text() or "epoch_opened" in err.read_text(),
-                   60, "the job formed")
-        time.sleep(1.0)       # training (steps of 50 ms)
-        pid = int(err.read_text().split("[rtxnet-run] coordinator ", 1)[1].split("pid ", 1)[1].split(")")[0])
+        line = wait_until(lambda: next((x for x in err.read_text().splitlines()
+                                        if x.startswith("[rtxnet-run] coordinator ")), None),
+                          60, "the coordinator's address and pid")
+        address, pid = line.split()[2], int(line.split("pid ", 1)[1].split(")")[0])
+        wait_until(lambda: any(j["committed_step"] >= 5 for j in coordinator_jobs(address)), 60,
+                   "5 committed steps")       # training (steps of 50 ms)
         os.kill(pid, sig)
         assert launcher.wait(100) == 0, err.read_text()[-5000:]
     finally:
