@@ -58,6 +58,9 @@ class Member:
     rank: int | None = None  # requested (pending) or assigned (member)
     last_seen: float = 0.0  # monotonic seconds; not journaled
     joined_at: float = 0.0
+    # the epoch that admitted this member (-1: unknown, a snapshot of an older coordinator);
+    # a member admitted after the epoch of the last commit has never voted for a step
+    since: int = -1
 
     def public(self) -> dict[str, Any]:
         return {
@@ -84,7 +87,10 @@ class Job:
     kv: dict[str, bytes] = field(default_factory=dict)
     kv_nbytes: int = 0   # keys (UTF-8) and values of kv, kept by apply_record
     committed_step: int = -1
+    committed_epoch: int = -1   # the epoch the last step was committed in
     commit_metadata: dict = field(default_factory=dict)
+    # A member said training is over (``finish``): no rank is admitted any more (see _finish).
+    finished_training: bool = False
     fenced: set[str] = field(default_factory=set)  # identities declared lost
     # Not journaled: since when a formed job has had neither members nor joiners (every rank
     # crashed); after a restart the wait starts again from the replay.
@@ -228,7 +234,8 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         job.epoch = rec["epoch"]
         job.members = {}
         for rank, pub in rec["members"].items():
-            prev = old.get(pub["identity"]) or job.pending.pop(pub["identity"], None)
+            was = old.get(pub["identity"])
+            prev = was or job.pending.pop(pub["identity"], None)
             last_seen = prev.last_seen if prev else now
             job.members[int(rank)] = Member(
                 identity=pub["identity"],
@@ -239,6 +246,7 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
                 rank=int(rank),
                 last_seen=last_seen,
                 joined_at=prev.joined_at if prev else now,
+                since=was.since if was else rec.get("since", {}).get(int(rank), rec["epoch"]),
             )
             state.where[pub["identity"]] = job.job
         for ident in rec.get("fenced", []):
@@ -260,7 +268,10 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
             job.kv_nbytes -= _kv_item_nbytes(rec["key"], old)
     elif kind == "commit":
         job.committed_step = rec["step"]
+        job.committed_epoch = rec.get("epoch", job.epoch)
         job.commit_metadata = rec.get("metadata") or {}
+    elif kind == "finish":
+        job.finished_training = True
     elif kind == "job_drop":
         for m in list(job.pending.values()):
             state.where.pop(m.identity, None)
@@ -290,8 +301,11 @@ def snapshot(state: State) -> dict[str, Any]:
                 "members": {r: m.public() for r, m in j.members.items()},
                 "kv": dict(j.kv),
                 "committed_step": j.committed_step,
+                "committed_epoch": j.committed_epoch,
                 "commit_metadata": j.commit_metadata,
                 "fenced": sorted(j.fenced),
+                "since": {r: m.since for r, m in j.members.items()},
+                "finished_training": j.finished_training,
             }
             for j in state.jobs.values()
         ]
@@ -307,10 +321,15 @@ def restore(snap: dict[str, Any], now: float) -> State:
         if j["epoch"] >= 0:
             apply_record(
                 state,
-                {"k": "epoch", "job": j["job"], "epoch": j["epoch"], "members": j["members"], "fenced": j["fenced"]},
+                {"k": "epoch", "job": j["job"], "epoch": j["epoch"], "members": j["members"],
+                 "fenced": j["fenced"],
+                 # (a snapshot without it: every member counts as having voted)
+                 "since": {int(r): e for r, e in j.get("since", dict.fromkeys(j["members"], -1)).items()}},
                 now,
             )
         job = state.jobs[j["job"]]
+        job.committed_epoch = j.get("committed_epoch", -1)
+        job.finished_training = bool(j.get("finished_training", False))
         job.kv = dict(j["kv"])
         job.kv_nbytes = sum(_kv_item_nbytes(k, v) for k, v in job.kv.items())
         job.committed_step = j["committed_step"]
@@ -477,17 +496,19 @@ def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Ac
         "job": job.job,
         "epoch": job.epoch + 1,
         "members": members,
-        "fenced": lost_ids if reason == "lost" else [],
+        "fenced": lost_ids if reason in ("lost", "finished") else [],
     }
     _fail_commit_waiters(job, actions, f"epoch changed: ranks {ranks} {reason}")
     _record(state, actions, rec, now)
     for ident in lost_ids:
         state.where.pop(ident, None)
-    if reason == "lost":
+    if reason in ("lost", "finished"):
         # A rank declared lost may still be alive (frozen, cut off): tell it, in case it hears.
+        # One turned away at the end of training (_finish) is alive: it hears why.
+        why = (f"declared lost; epoch {job.epoch} formed without it" if reason == "lost" else
+               f"{_finished_training(job)}; epoch {job.epoch} formed without this rank")
         for ident in lost_ids:
-            actions.append(Send(ident, wire.make("fenced", job=job.job, epoch=job.epoch,
-                                                 reason=f"declared lost; epoch {job.epoch} formed without it")))
+            actions.append(Send(ident, wire.make("fenced", job=job.job, epoch=job.epoch, reason=why)))
     if not job.members:
         if reason == "left":
             _record(state, actions, {"k": "job_end", "job": job.job}, now)
@@ -550,7 +571,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     if msg.get("token", "") != job.token:
         actions.append(_error(identity, msg, "RendezvousError", f"{t}: wrong token for job {job.job!r}"))
         return
-    if t in ("heartbeat", "leave", "reform") and msg["identity"] != identity:
+    if t in ("heartbeat", "leave", "reform", "finish") and msg["identity"] != identity:
         actions.append(_not_yours(identity, msg))
         return
     if t.startswith("kv_") and "" in (msg["keys"] if t == "kv_wait" else [msg["key"]]):
@@ -621,6 +642,8 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         actions.append(_reply(identity, msg, job, deleted=existed))
     elif t == "commit":
         _commit(state, job, identity, msg, now, actions)
+    elif t == "finish":
+        _finish(state, job, identity, msg, now, actions)
     elif t == "reform":
         member = job.member_by_identity(msg["identity"])
         if member is None:
@@ -637,6 +660,42 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_reply(identity, msg, job, epoch=job.epoch))  # someone already did
     else:  # pragma: no cover - wire.validate admits only known types
         actions.append(_error(identity, msg, "ProtocolError", f"{t!r} is not a request"))
+
+
+def _finished_training(job: Job) -> str:
+    return (f"job {job.job!r} finished training (last committed step {job.committed_step}): it "
+            f"admits no new ranks")
+
+
+def _finish(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    """A member says training is over (``FaultTolerance.finish``, called by every rank after its
+    last step): from now on the job admits no rank, so what the members do after training (an
+    evaluation, a final checkpoint, a handshake) runs in a world that no longer changes by joins.
+    Joiners still waiting are dropped (their next heartbeat is answered "unknown", their join
+    again is refused with ``JobFinishedError``), and members admitted after the epoch of the last
+    commit, which have not trained a step, are turned away: a new epoch without them, and they
+    are fenced (their rejoin is refused the same way). Idempotent: the other ranks' calls find
+    it done. The answer, after the new epoch's push on the same connection: the job's epoch and
+    how many ranks were turned away."""
+    member = job.member_by_identity(msg["identity"])
+    if member is None:
+        actions.append(_error(identity, msg, "RendezvousError",
+                              f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))
+        return
+    dropped = evicted = 0
+    if not job.finished_training:
+        _record(state, actions, {"k": "finish", "job": job.job}, now)
+        for ident in list(job.pending):
+            del job.pending[ident]
+            state.where.pop(ident, None)
+            dropped += 1
+        if job.committed_step >= 0 and job.committed_epoch >= 0:
+            late = [r for r, m in job.members.items()
+                    if m.since > job.committed_epoch and m.identity != member.identity]
+            if late:
+                evicted = len(late)
+                _lose(state, job, late, now, actions, reason="finished")
+    actions.append(_reply(identity, msg, job, epoch=job.epoch, turned_away=dropped + evicted))
 
 
 def _wake_kv(job: Job, actions: list[Action]) -> None:
@@ -819,6 +878,8 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         job.pending[ident].last_seen = now
         actions.append(_reply(identity, msg, job, state="pending"))
         return
+    if job.finished_training:
+        return refuse("JobFinishedError", f"{_finished_training(job)}; its members are ending")
     if len(job.members) + len(job.pending) >= job.max_ranks:
         return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
     job.pending[ident] = newcomer
@@ -906,6 +967,7 @@ def _status(state: State, now: float, only: str | None = None) -> list[dict[str,
             "max_ranks": job.max_ranks,
             "pending": len(job.pending),
             "committed_step": job.committed_step,
+            "finished_training": job.finished_training,
             "kv_keys": len(job.kv),
             "members": [
                 # no identity: it is the agent's ZeroMQ routing id, and a client that knows it

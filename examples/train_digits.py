@@ -379,6 +379,13 @@ def main(argv: list[str] | None = None) -> int:
                                samples_s=f"{samples / (time.perf_counter() - t0):.0f}", world=pg.world_size)
                 if step % 50 == 0 and rank0.is_me():
                     log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
+        # Training is over: the job admits no rank from now on, so the final checkpoint and
+        # evaluation below (collectives; with FSDP the forward gathers shards) run in a world
+        # that no replacement arriving now can grow.
+        ft.finish()
+        # (epoch, rank, world size) every rank that finished shares: the handshake at the end
+        # waits for exactly those (pg.epoch may differ between ranks later, when one is fenced)
+        final_world = (pg.epoch, pg.rank, pg.world_size)
     except rtxnet.JobFinishedError as exc:
         # This rank was frozen or cut off until the others finished: their result stands.
         rank0.close()
@@ -425,10 +432,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"recovery: {line}", flush=True)
         print(f"test_accuracy={acc:.4f}", flush=True)
     # Leave together, so nobody's last collective sees a peer's orderly leave as a failure: the
-    # ranks that voted for the last step, numbered as in that vote's epoch (pg.epoch may differ
-    # between ranks by now, e.g. while a muted rank is fenced and rejoins). The result is
-    # written already: a peer that never comes costs a warning, not the job.
-    epoch, me, world = ft.committed_world or (pg.epoch, pg.rank, pg.world_size)
+    # ranks that finished training together, numbered as then. The result is written already: a
+    # peer that never comes costs a warning, not the job.
+    epoch, me, world = final_world
     pg.store.set(f"train_digits/done/{epoch}/{me}", b"1")
     try:
         pg.store.wait([f"train_digits/done/{epoch}/{r}" for r in range(world)], timeout=30)

@@ -529,6 +529,22 @@ class Agent:
                                    identity=self.identity, reason=reason[:500])
         return body["epoch"]
 
+    async def finish(self) -> dict[str, Any]:
+        """Tell the coordinator training is over: the job admits no more ranks (see ``finish`` in
+        :mod:`transport.wire`). Returns ``{"epoch", "turned_away"}`` once this agent's membership
+        has reached that epoch (the one without the ranks turned away).
+
+        Raises:
+            RendezvousError: this agent is not a member (declared lost meanwhile).
+            RtxTimeoutError: no answer within ``timeouts.request_s``, or that epoch did not
+                arrive within it.
+        """
+        body = await self._request("finish", identity=self.identity)
+        epoch = int(body["epoch"])
+        if self.membership is None or self.membership.epoch < epoch:
+            await self.wait_epoch(epoch - 1, timeout_s=self.timeouts.request_s)
+        return {"epoch": epoch, "turned_away": int(body.get("turned_away", 0))}
+
     async def status(self) -> list[dict[str, Any]]:
         return (await self._request("status"))["jobs"]
 

@@ -263,6 +263,54 @@ class FaultTolerance:
             return
         await self._end(step)
 
+    def finish(self) -> int:
+        """Training is over (blocking API): see :meth:`afinish`."""
+        if self._portal is None:
+            raise ConfigError("finish() needs the blocking process group (rtxnet.init); use afinish() with connect()")
+        return self._portal.call(self.afinish)
+
+    async def afinish(self) -> int:
+        """Training is over: call it on every rank after the last step, before what runs after
+        training (an evaluation, a final checkpoint, ``full_state_dict``). Collective over the
+        ranks that committed the last step.
+
+        The coordinator then admits no rank into the job: a rank still waiting to join, or
+        admitted after the last commit (it never trained a step), is turned away with
+        :class:`JobFinishedError` (``rtxnet-run`` does not count a replacement that fails so,
+        once the job has ended, as a failure). Without it, a replacement arriving after the last
+        step was admitted one join window later and grew the world under the final collectives:
+        FSDP's evaluation forward raised ``ConfigError`` (shards laid out for the old world),
+        other collectives ``ClosedError``. If the world changed since the last sync (a rank lost
+        after the last step, the ranks turned away) the ranks sync as at the start of a step,
+        resharding a ``sharded_state`` for the smaller world, so the state is the committed
+        state of the last step laid out for the world that goes on. Every later call (any rank's)
+        finds the job finished already.
+
+        Returns:
+            How many ranks were turned away by this call (0 on every rank but the first caller).
+
+        Raises:
+            RendezvousError: this rank is not a member any more (declared lost after the last
+                step); as the guard, when the world is below ``min_world_size`` it is not
+                waited for (no rank may join any more) and the collectives refuse it.
+            RtxError: the sync failed ``max_step_retries`` + 1 times.
+        """
+        answer = await self.pg.agent.finish()
+        if answer["turned_away"]:
+            log.info("late_ranks_turned_away", ranks=answer["turned_away"], epoch=answer["epoch"],
+                     committed_step=self.committed_step)
+        while self._synced_epoch != self.pg.epoch or self._open_failure is not None:
+            try:
+                if self._synced_epoch != self.pg.epoch:
+                    if self._open_failure is None:
+                        self._note_loss_between_steps()
+                    await self._sync()
+                if self._open_failure is not None:
+                    await self._close_failure()
+            except RECOVERABLE as exc:
+                await self._recover(exc, self.step)
+        return answer["turned_away"]
+
     def report(self) -> list[str]:
         """One line per injected fault and per recovery: what was injected, when it was detected,
         how long recovery took and how many steps were lost (blocking API)."""
@@ -367,7 +415,12 @@ class FaultTolerance:
             epoch = membership.epoch
             self._note_launch_ranks(membership)
             before = self._launch_of.get(epoch - 1, {})
-            if membership.lost:
+            if reason == "finished":
+                # ranks turned away at the end of training (finish): admitted after the last
+                # commit, they never trained; neither a loss nor a join to report
+                gone = set(membership.lost)
+                self._pending_joins = [j for j in self._pending_joins if not gone & set(j["added"])]
+            elif membership.lost:
                 self._epoch_lost[epoch] = list(membership.lost)
                 named = [before.get(r) for r in membership.lost]
                 self._epoch_lost_launch[epoch] = None if None in named else named

@@ -95,7 +95,7 @@ def process_context() -> zmq.asyncio.Context:
 # lost, or a retry loop would count twice). Not ``join``/``leave``/``heartbeat``: the agent repeats
 # those itself, knowing the membership.
 RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_del", "commit", "reform",
-                                 "status"})
+                                 "finish", "status"})
 
 
 async def _monitor_events(monitor: zmq.asyncio.Socket):

@@ -37,6 +37,10 @@ Message types and their meaning:
   failed without anyone being lost (a timeout, a mismatch, a message lost to a partition): the
   ranks' sequence numbers may no longer agree, and only a fresh epoch realigns them. Only a request
   that names the current epoch acts, so many ranks asking at once open one epoch.
+- ``finish``: a member says training is over: the job admits no more ranks, waiting joiners are
+  dropped, and members admitted after the epoch of the last commit are turned away (fenced, in a
+  new epoch with reason ``finished``); the reply carries the job's ``epoch`` and how many ranks
+  were ``turned_away``. Idempotent.
 - ``status``: a snapshot of every job for ``rtxnet status``.
 - ``epoch`` (push): a new epoch was formed; carries the members and the ranks lost or added.
 - ``fenced`` (push): this agent belongs to an epoch that is gone; it must rejoin.
@@ -122,6 +126,8 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
         "timeout_s": (_Num, True),
     },
     "reform": {"identity": (str, True), "reason": (str, True)},
+    # training is over: the job admits no more ranks (coordinator.state._finish)
+    "finish": {"identity": (str, True)},
     "status": {},
     # --- answers ---------------------------------------------------------------------------------
     "reply": {"ok": (bool, True), "body": (dict, True)},
@@ -133,7 +139,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
         "members": (dict, True),
         "lost": (list, True),
         "added": (list, True),
-        "reason": (str, True),  # "formed", "lost", "left", "joined"
+        "reason": (str, True),  # "formed", "lost", "left", "joined", "reform", "finished"
         "committed_step": (int, True),  # last committed step of the job, -1 if none
     },
     "fenced": {"reason": (str, True)},
@@ -141,7 +147,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
 
 REQUESTS = frozenset(
     {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
-     "status"}
+     "finish", "status"}
 )
 PUSHES = frozenset({"epoch", "fenced"})
 

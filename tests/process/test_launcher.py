@@ -648,8 +648,9 @@ LATE_REPLACEMENT = textwrap.dedent("""
     if pg.rank == 2:                         # dies with its work done, before leaving
         os.kill(os.getpid(), signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while pg.world_size != 2 and time.monotonic() < deadline:
-        time.sleep(0.05)                     # until rank 2 is declared lost
+    while pg.world_size == 3 and time.monotonic() < deadline:
+        time.sleep(0.05)                     # until rank 2 is declared lost (the world may go
+                                             # from 3 to 1 at once if the other rank leaves first)
     pg.close()
 """)
 
@@ -667,3 +668,67 @@ def test_a_replacement_that_finds_the_job_finished_does_not_fail_the_run(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("rank 2's replacement (restart 1) exited with code 1 after job" in proc.stderr
             and "the job's result stands; not counted as a failure" in proc.stderr), proc.stderr[-3000:]
+
+
+AFTER_TRAINING = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    import rtxnet
+
+    class State:
+        def __init__(self):
+            self.v = np.zeros(4, np.float32)
+        def state_dict(self):
+            return {"v": self.v}
+        def load_state_dict(self, d):
+            self.v = np.array(d["v"])
+
+    pg = rtxnet.init()
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state)
+    try:
+        while ft.step < 5:
+            with ft.guard() as step:
+                x = np.ones(4, np.float32)
+                pg.all_reduce(x)
+                state.v += x
+    except rtxnet.JobFinishedError as exc:
+        print(f"turned away: {exc}", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if os.environ["RTXNET_RANK"] == "2" and os.environ["RTXNET_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)   # dies after the last step; rtxnet-run replaces it
+    # The replacement is admitted once no step decision came for a join window: wait for it
+    # (epoch 0: 3 ranks, 1: rank 2 lost, 2: its replacement added).
+    deadline = time.monotonic() + 30
+    while not (pg.epoch >= 2 and pg.world_size == 3) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    grown = pg.world_size
+    turned_away = ft.finish()
+    y = np.full(4, pg.rank + 1, np.float32)   # a collective after training, in the trained world
+    pg.all_reduce(y)
+    print(f"grown={grown} turned_away={turned_away} world={pg.world_size} v={state.v.tolist()} "
+          f"y={y.tolist()}", flush=True)
+    pg.close()
+""")
+
+
+def test_a_replacement_admitted_after_the_last_step_is_turned_away_by_finish(tmp_path):
+    """Rank 2 dies after the last step; its replacement is admitted a join window later, growing
+    the world under the collectives that run after training (with FSDP the final evaluation's
+    forward failed with ConfigError). FaultTolerance.finish() closes the job to joiners: the
+    replacement is turned away with JobFinishedError, the two ranks that trained go on alone, and
+    rtxnet-run does not count the turned-away replacement as a failure."""
+    script = tmp_path / "after.py"
+    script.write_text(AFTER_TRAINING)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "1",
+                           "--min-ranks", "2", str(script)], capture_output=True, text=True, timeout=90,
+                          cwd=ROOT, env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.1"))
+    out = [line for line in proc.stdout.splitlines() if "grown=" in line]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(out) == 2, proc.stdout + proc.stderr[-3000:]
+    for line in out:   # 5 steps of 3 ranks kept; y: the sum of ranks 1 and 2 in a world of 2
+        assert "grown=3" in line and "world=2 v=[15.0, 15.0, 15.0, 15.0] y=[3.0, 3.0, 3.0, 3.0]" in line, out
+    assert sorted(line.split("turned_away=")[1][0] for line in out) == ["0", "1"], out
+    assert "turned away: " in proc.stderr and "finished training (last committed step 4)" in proc.stderr
+    assert ("rank 2's replacement (restart 1) exited with code 3 after job" in proc.stderr
+            and "not counted as a failure" in proc.stderr), proc.stderr[-3000:]

@@ -109,12 +109,14 @@ def test_fsdp_rank_joining_after_the_others_built_their_shards_is_resharded_in(t
     rank stopped with ConfigError "the shards are laid out for world_size(2) ..." (a fresh user's
     run, 3 of 4 times): now the world-of-2 state is resharded for 3 (at the first sync, or after
     the step the join interrupted), and the job ends on 3 ranks."""
-    # 400 steps: the join must land well inside training (one that lands after the last step,
-    # before the final evaluation's forward, is a case this test does not cover; see the note)
-    run = train(tmp_path, "--min-ranks", "2", "--faults", "pause:rank=2:at=rendezvous:seconds=2", nproc=3,
-                script_args=("--strategy", "fsdp", "--steps", "400"))
+    # 120 steps of at least 40 ms (rank 0 is slowed): the join lands inside training, several
+    # seconds before its end (one after the last step is turned away by FaultTolerance.finish,
+    # tests/process/test_launcher.py)
+    run = train(tmp_path, "--min-ranks", "2", "--faults",
+                "pause:rank=2:at=rendezvous:seconds=2;delay:rank=0:ms=40", nproc=3,
+                script_args=("--strategy", "fsdp", "--steps", "120"))
     assert run["rc"] == 0, run["stderr"][-4000:]
-    assert run["metrics"]["world_size_end"] == 3 and run["metrics"]["steps"] == 400, run["metrics"]
+    assert run["metrics"]["world_size_end"] == 3 and run["metrics"]["steps"] == 120, run["metrics"]
     assert "saved_world_size=2" in run["stderr"] and "state_resharded" in run["stderr"], run["stderr"][-4000:]
     assert "ConfigError" not in run["stderr"], run["stderr"][-4000:]
 

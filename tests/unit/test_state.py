@@ -512,3 +512,76 @@ def test_a_join_with_a_bad_pid_or_a_nan_in_its_info_is_refused():
                   last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1,
                   info={"gpus": [{"mem": float("nan")}]})
     assert errors(sends)[0]["message"] == "join.info holds a NaN or infinite number"
+
+
+def _trained(h: Harness, members=("a", "b"), epoch: int = 0, step_no: int = 1) -> None:
+    for who in members:
+        h.req(who, "heartbeat", epoch=epoch, identity=who)
+        h.req(who, "commit", epoch=epoch, identity=who, step=step_no, ok=True, timeout_s=5.0)
+
+
+def test_finish_turns_away_a_rank_admitted_after_the_last_commit_and_refuses_later_joins():
+    # a and b commit their last step; c arrives after it and is admitted when no step decision
+    # comes within the join window. finish (training is over) turns c away, so what a and b do
+    # after training runs in the world that trained.
+    h = Harness()
+    for who in ("a", "b"):
+        h.join(who, min_ranks=2, max_ranks=4)
+    _trained(h)
+    assert h.join("c", min_ranks=2, max_ranks=4)[0].msg["body"]["state"] == "pending"
+    for dt in (1.0, 1.1):      # no step decision within the 2 s window: c is admitted
+        h.clock.now += dt
+        for who in ("a", "b", "c"):
+            h.req(who, "heartbeat", epoch=0, identity=who)
+        sends = h.tick()
+    assert pushes(sends)["c"]["added"] == [2] and pushes(sends)["c"]["epoch"] == 1
+    sends = h.req("a", "finish", epoch=1, identity="a")
+    ep, fenced = pushes(sends), pushes(sends, "fenced")
+    assert set(ep) == {"a", "b"} and ep["a"]["lost"] == [2] and ep["a"]["reason"] == "finished"
+    assert ep["a"]["epoch"] == 2 and ep["a"]["world_size"] == 2
+    assert set(fenced) == {"c"} and "finished training (last committed step 1)" in fenced["c"]["reason"]
+    kinds = [(s.identity, s.msg["t"]) for s in sends]
+    assert kinds.index(("a", "epoch")) < kinds.index(("a", "reply")), kinds  # the push first
+    assert [s.msg["body"] for s in sends if s.msg["t"] == "reply"] == [{"epoch": 2, "turned_away": 1}]
+    # every other rank's call finds it done
+    assert [s.msg["body"] for s in h.req("b", "finish", epoch=2, identity="b")] == [{"epoch": 2, "turned_away": 0}]
+    assert h.req("c", "heartbeat", epoch=1, identity="c")[0].msg["body"]["state"] == "fenced"
+    for who in ("c", "d"):   # c rejoining, a new replacement: refused for good
+        err = errors(h.join(who, min_ranks=2, max_ranks=4))
+        assert err and err[0]["error"] == "JobFinishedError" and "admits no new ranks" in err[0]["message"], err
+    assert h.req("a", "status")[0].msg["body"]["jobs"][0]["finished_training"] is True
+    # journaled: a restarted coordinator refuses the same way
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 5.0)
+    assert snapshot(replayed) == snapshot(h.state)
+    packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False, strict_map_key=False)
+    restored = restore(packed, 5.0)
+    assert snapshot(restored) == snapshot(h.state)
+    _, acts = step(restored, Request("e", wire.validate(wire.make(
+        "join", rid=99, job="j", epoch=-1, identity="e", token="t", rank=None, min_ranks=2, max_ranks=4,
+        last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:9", host="h", pid=1))), 5.1)
+    assert acts[-1].msg["t"] == "error" and acts[-1].msg["error"] == "JobFinishedError"
+
+
+def test_finish_drops_a_waiting_joiner_and_keeps_every_rank_that_voted():
+    h = Harness()
+    for who in ("a", "b"):
+        h.join(who, min_ranks=2, max_ranks=4)
+    h.join("c", min_ranks=2, max_ranks=4)             # before any commit: admitted at once
+    _trained(h, ("a", "b", "c"), epoch=1, step_no=1)
+    assert h.join("d", min_ranks=2, max_ranks=4)[0].msg["body"]["state"] == "pending"
+    sends = h.req("b", "finish", epoch=1, identity="b")
+    assert not pushes(sends) and not pushes(sends, "fenced")     # a, b and c all voted: kept
+    assert [s.msg["body"] for s in sends] == [{"epoch": 1, "turned_away": 1}]
+    # the joiner's next heartbeat finds it unknown; its join again is refused
+    assert h.req("d", "heartbeat", identity="d")[0].msg["body"]["state"] == "unknown"
+    assert errors(h.join("d", min_ranks=2, max_ranks=4))[0]["error"] == "JobFinishedError"
+    for _ in range(3):                                 # nobody admitted later either
+        h.clock.now += 1.0
+        for who in ("a", "b", "c"):
+            h.req(who, "heartbeat", epoch=1, identity=who)
+        assert not pushes(h.tick()) and len(h.state.jobs["j"].members) == 3
+    # a client that is not a member, or speaks for another, is refused
+    assert "not a member" in errors(h.req("d", "finish", identity="d"))[0]["message"]
+    assert "not this connection's" in errors(h.req("a", "finish", identity="b"))[0]["message"]
