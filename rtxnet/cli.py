@@ -68,6 +68,7 @@ def _render(status: dict) -> str:
             f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
             f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}, "
             f"last committed step {j['committed_step']}, {j['kv_keys']} key(s)"
+            + (", training finished (admits no ranks)" if j.get("finished_training") else "")
         )
         for m in j["members"]:
             topo = (m.get("info") or {}).get("topology") or {}
