@@ -6,6 +6,7 @@ Use it around each training step::
     while ft.step < total_steps:
         with ft.guard() as step:                   # async: `async with ft.aguard() as step:`
             train_step(step)
+    ft.finish()                                    # async: `await ft.afinish()`; see there
 
 On entry to a step the group is in sync: after every new epoch (a rank lost or added) the members
 agree collectively who holds the newest committed state (the lowest rank with the highest
@@ -271,29 +272,28 @@ class FaultTolerance:
 
     async def afinish(self) -> int:
         """Training is over: call it on every rank after the last step, before what runs after
-        training (an evaluation, a final checkpoint, ``full_state_dict``). Collective over the
-        ranks that committed the last step.
+        training (an evaluation, a final checkpoint, ``full_state_dict``).
 
-        The coordinator then admits no rank into the job: a rank still waiting to join, or
+        The coordinator then admits no rank into the job: a rank still waiting to join, or one
         admitted after the last commit (it never trained a step), is turned away with
-        :class:`JobFinishedError` (``rtxnet-run`` does not count a replacement that fails so,
-        once the job has ended, as a failure). Without it, a replacement arriving after the last
-        step was admitted one join window later and grew the world under the final collectives:
+        :class:`JobFinishedError` (``rtxnet-run`` does not count a replacement that fails so, once
+        the job has ended, as a failure). Without it, a replacement arriving after the last step
+        was admitted one join window later and grew the world under the final collectives:
         FSDP's evaluation forward raised ``ConfigError`` (shards laid out for the old world),
-        other collectives ``ClosedError``. If the world changed since the last sync (a rank lost
-        after the last step, the ranks turned away) the ranks sync as at the start of a step,
-        resharding a ``sharded_state`` for the smaller world, so the state is the committed
-        state of the last step laid out for the world that goes on. Every later call (any rank's)
-        finds the job finished already.
+        other collectives ``CollectiveMismatchError``. If the world changed since the last sync
+        (ranks turned away, a rank lost after the last step) the ranks then sync as at the start
+        of a step (a collective over the ranks that go on): the state is the last committed one,
+        a ``sharded_state`` resharded for that world. Replacements are not waited for, since none
+        may join. Calls after the first (any rank's) find the job closed already.
 
         Returns:
-            How many ranks were turned away by this call (0 on every rank but the first caller).
+            How many ranks this call turned away (0 on every rank but the first caller).
 
         Raises:
             RendezvousError: this rank is not a member any more (declared lost after the last
-                step); as the guard, when the world is below ``min_world_size`` it is not
-                waited for (no rank may join any more) and the collectives refuse it.
-            RtxError: the sync failed ``max_step_retries`` + 1 times.
+                step).
+            RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
+            RtxError: the sync failed ``max_step_retries`` + 1 times without a membership change.
         """
         answer = await self.pg.agent.finish()
         if answer["turned_away"]:
