@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="delete the journal (its segments, snapshot and lock file; then the folder, "
                         "if nothing else is in it) after a clean stop (SIGTERM/SIGINT), not after a "
                         "crash; rtxnet-run uses it for the temporary journal it creates")
-    p.add_argument("--journal-owner", type=int, default=None, metavar="PID",
+    p.add_argument("--journal-owner", type=_count, default=None, metavar="PID",
                    help="with --remove-journal-on-stop: while process PID (this daemon's parent, "
                         "rtxnet-run) lives, a clean stop keeps the journal, for PID to restart the "
                         "daemon on it (a SIGTERM from someone else loses nothing) or remove it; only "

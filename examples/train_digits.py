@@ -380,12 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                 if step % 50 == 0 and rank0.is_me():
                     log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
         # Training is over: the job admits no rank from now on, so the final checkpoint and
-        # evaluation below (collectives; with FSDP the forward gathers shards) run in a world
-        # that no replacement arriving now can grow.
+        # evaluation (collectives; with FSDP the forward gathers shards) run in a world that no
+        # replacement arriving now can grow.
         ft.finish()
-        # (epoch, rank, world size) every rank that finished shares: the handshake at the end
-        # waits for exactly those (pg.epoch may differ between ranks later, when one is fenced)
-        final_world = (pg.epoch, pg.rank, pg.world_size)
     except rtxnet.JobFinishedError as exc:
         # This rank was frozen or cut off until the others finished: their result stands.
         rank0.close()
@@ -397,15 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     duration_s = time.perf_counter() - t0
     rank0.close()
-    if state.step != resumed_from:               # the final state, whatever the period
-        try:
-            checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3)
-        except (rtxnet.RtxError, OSError) as exc:
-            log.warning("final_checkpoint_failed", error=str(exc))
-
-    with torch.no_grad():   # FSDP: a forward gathers the shards (every rank runs it)
-        model = state.model if state.sharded else state.model.module
-        acc = float((model(xte).argmax(1) == yte).float().mean())
+    final_world, acc = after_training(pg, ft, state, ckpt_dir, resumed_from, xte, yte)
     if rank0.is_me():   # asked once, now: rank 0 of the epoch the run ended in writes everything
         out.mkdir(parents=True, exist_ok=True)   # the process that made it may be gone
         events = _events(ft.events)
@@ -431,17 +420,62 @@ def main(argv: list[str] | None = None) -> int:
         for line in ft.report():
             print(f"recovery: {line}", flush=True)
         print(f"test_accuracy={acc:.4f}", flush=True)
-    # Leave together, so nobody's last collective sees a peer's orderly leave as a failure: the
-    # ranks that finished training together, numbered as then. The result is written already: a
-    # peer that never comes costs a warning, not the job.
-    epoch, me, world = final_world
-    pg.store.set(f"train_digits/done/{epoch}/{me}", b"1")
-    try:
-        pg.store.wait([f"train_digits/done/{epoch}/{r}" for r in range(world)], timeout=30)
-    except rtxnet.RtxTimeoutError as exc:
-        log.warning("leave_without_peers", error=str(exc))
+    leave_together(pg, final_world)
     pg.close()
     return 0
+
+
+AFTER_TRAINING_TRIES = 3
+
+
+def after_training(pg, ft, state, ckpt_dir: Path, resumed_from, xte, yte) -> tuple[tuple[int, int, int], float]:
+    """The final checkpoint and the test accuracy, after ``ft.finish()``. A rank lost meanwhile
+    (a collective raises, or FSDP's forward finds the world changed) makes every rank call
+    ``ft.finish()`` again, which syncs (reshards) the state for the smaller world, and redo
+    both, up to ``AFTER_TRAINING_TRIES`` times. Returns ``((epoch, rank, world size), accuracy)``:
+    the world both ran in, the same on every rank that ran them."""
+    for attempt in range(1, AFTER_TRAINING_TRIES + 1):
+        if attempt > 1:
+            ft.finish()
+        world = (pg.epoch, pg.rank, pg.world_size)
+        try:
+            if state.step != resumed_from:               # the final state, whatever the period
+                try:
+                    checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3)
+                except (rtxnet.RtxError, OSError) as exc:
+                    if pg.epoch != world[0]:
+                        raise
+                    log.warning("final_checkpoint_failed", error=str(exc))
+            with torch.no_grad():   # FSDP: a forward gathers the shards (every rank runs it)
+                model = state.model if state.sharded else state.model.module
+                return world, float((model(xte).argmax(1) == yte).float().mean())
+        except rtxnet.RtxError as exc:
+            if pg.epoch == world[0] or attempt == AFTER_TRAINING_TRIES:
+                raise
+            log.warning("world_changed_after_training", error=f"{type(exc).__name__}: {exc}",
+                        world_size=pg.world_size, attempt=attempt)
+    raise AssertionError("unreachable")
+
+
+def leave_together(pg, world: tuple[int, int, int]) -> None:
+    """Leave together, so nobody's last collective sees a peer's orderly leave as a failure: the
+    ranks of ``world`` (``after_training``'s; ``pg.epoch`` may differ between ranks by now, when
+    one is fenced) each say they are done and wait for the others, up to 30 s. A peer that leaves
+    in order says so first; once the membership changed (a peer lost), a missing one is not
+    waited for any more. The result is written already: a peer that never comes costs a
+    warning, not the job."""
+    epoch, me, n = world
+    keys = [f"train_digits/done/{epoch}/{r}" for r in range(n)]
+    pg.store.set(keys[me], b"1")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            pg.store.wait(keys, timeout=1.0)
+            return
+        except rtxnet.RtxTimeoutError as exc:
+            if pg.epoch != epoch or time.monotonic() >= deadline:
+                log.warning("leave_without_peers", error=str(exc))
+                return
 
 
 def _configure_logs(*, info: bool) -> None:

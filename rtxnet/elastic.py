@@ -216,6 +216,7 @@ class FaultTolerance:
         self._holds_state = True
         self._synced_epoch = -1
         self._step_epoch = -1
+        self._finished = False   # finish() was called: no step may run any more
         self.events: list[dict[str, Any]] = []
         self._open_failure: dict[str, Any] | None = None
         self._epoch_seen: dict[int, float] = {}
@@ -284,7 +285,11 @@ class FaultTolerance:
         (ranks turned away, a rank lost after the last step) the ranks then sync as at the start
         of a step (a collective over the ranks that go on): the state is the last committed one,
         a ``sharded_state`` resharded for that world. Replacements are not waited for, since none
-        may join. Calls after the first (any rank's) find the job closed already.
+        may join: below ``min_world_size`` no sync runs, each rank keeps its own committed state
+        (the whole state, unless it is sharded) and collectives refuse that world
+        (``PeerLostError``). Call it again on every rank when a rank is lost in what follows
+        (a collective raised ``PeerLostError``): the ranks sync again, for the smaller world.
+        A step after it (``guard``) raises ``ConfigError``.
 
         Returns:
             How many ranks this call turned away (0 on every rank but the first caller).
@@ -296,10 +301,17 @@ class FaultTolerance:
             RtxError: the sync failed ``max_step_retries`` + 1 times without a membership change.
         """
         answer = await self.pg.agent.finish()
+        self._finished = True
         if answer["turned_away"]:
             log.info("late_ranks_turned_away", ranks=answer["turned_away"], epoch=answer["epoch"],
                      committed_step=self.committed_step)
         while self._synced_epoch != self.pg.epoch or self._open_failure is not None:
+            if self.pg.world_size < self.min_world_size:
+                # no rank may join to make up the world, and collectives refuse it: each rank
+                # keeps its own committed state (the whole state, unless it is sharded)
+                log.warning("finished_below_min_world_size", world_size=self.pg.world_size,
+                            min_world_size=self.min_world_size, committed_step=self.committed_step)
+                break
             try:
                 if self._synced_epoch != self.pg.epoch:
                     if self._open_failure is None:
@@ -441,6 +453,10 @@ class FaultTolerance:
                                              for r, m in (membership.members or {}).items()}
 
     async def _begin(self) -> int:
+        if self._finished:
+            raise ConfigError(f"a step after finish(): training was declared over at step "
+                              f"{self.step} (the job admits no ranks any more); call finish() "
+                              f"after the last step, not before")
         while True:
             try:
                 agent = self.pg.agent

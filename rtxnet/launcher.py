@@ -64,6 +64,9 @@ class _Slot:
     returncode: int | None = None
     failed_at: float | None = None
     pumps: list = field(default_factory=list)
+    # failed after the job's training finished, with a restart left: not restarted (no rank may
+    # join any more); forgiven like a turned-away replacement if the others end in order
+    after_training: bool = False
 
 
 def _code(rc: int) -> int:
@@ -154,6 +157,7 @@ class Launcher:
         self.address = args.coordinator
         self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
         self.stopping = False
+        self.training_finished = False   # the coordinator said so (see _training_finished)
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
@@ -382,6 +386,16 @@ class Launcher:
                 if proc is not slot.proc:
                     continue
                 code = _code(rc)
+                if (code != 0 and not self.stopping and slot.restarts < a.max_restarts
+                        and await self._training_finished()):
+                    # a replacement would only be turned away (FaultTolerance.finish)
+                    slot.after_training, slot.returncode = True, code
+                    running -= 1
+                    _say(f"rank {slot.rank} exited with code {code} after job {self.job} finished "
+                         f"training: not restarted (the job admits no new ranks)")
+                    if self.first_failure is None:
+                        self.first_failure = (time.monotonic(), code)
+                    continue
                 if code != 0 and not self.stopping and slot.restarts < a.max_restarts:
                     slot.restarts += 1
                     _say(f"rank {slot.rank} exited with code {code}; restart {slot.restarts}/{a.max_restarts}")
@@ -393,7 +407,10 @@ class Launcher:
                     _say(f"rank {slot.rank} exited with code {code}")
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
-                    self._stop_if_below_min_ranks()
+                    if not await self._training_finished():
+                        # (after training, the others may still finish what runs after it: an
+                        # evaluation, writing results; nobody waits for replacements any more)
+                        self._stop_if_below_min_ranks()
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
@@ -415,16 +432,34 @@ class Launcher:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
 
+    async def _training_finished(self) -> bool:
+        """Whether the coordinator says this job's training is over (``FaultTolerance.finish``)
+        or the job has finished; False when it does not answer within ``_PROBE_S``. Once true,
+        remembered."""
+        from transport.errors import RtxError
+
+        from .cli import _status
+
+        if not self.training_finished:
+            try:
+                st = await _status(self.address, _PROBE_S, self.job)
+            except RtxError:
+                return False
+            self.training_finished = self.job in st["finished"] or any(
+                j["job"] == self.job and j.get("finished_training") for j in st["jobs"])
+        return self.training_finished
+
     async def _forgive_replacements_after_the_end(self) -> None:
         """A replacement that failed (``JobFinishedError`` from its ``init``, say) after the job
         had finished, every member having left in order, does not fail the run: the job's result
-        stands (the process it replaced died after its own work was done). Asked of the
+        stands (the process it replaced died after its own work was done). So does a rank that
+        failed after training finished and was not restarted for that reason. Asked of the
         coordinator; without an answer nothing is forgiven."""
         from transport.errors import RtxError
 
         from .cli import _status
 
-        late = [s for s in self.slots if s.returncode not in (0, None) and s.restarts > 0]
+        late = [s for s in self.slots if s.returncode not in (0, None) and (s.restarts > 0 or s.after_training)]
         if not late:
             return
         try:
@@ -434,9 +469,10 @@ class Launcher:
         if not finished:
             return
         for s in late:
-            _say(f"rank {s.rank}'s replacement (restart {s.restarts}) exited with code "
-                 f"{s.returncode} after job {self.job} had finished (every member left in order): "
-                 f"the job's result stands; not counted as a failure")
+            who = (f"rank {s.rank} (not restarted)" if s.after_training else
+                   f"rank {s.rank}'s replacement (restart {s.restarts})")
+            _say(f"{who} exited with code {s.returncode} after job {self.job} had finished (every "
+                 f"member left in order): the job's result stands; not counted as a failure")
             s.returncode = 0
         failed = [s for s in self.slots if s.returncode not in (0, None)]
         self.first_failure = (self.first_failure[0], failed[0].returncode) if failed else None
@@ -534,6 +570,11 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
     except RtxError as exc:
         raise RuntimeError(f"the coordinator at {address} did not give its status: {exc}; no rank "
                            f"was started") from None
+    done = [j for j in status["jobs"] if job and j["job"] == job and j.get("finished_training")]
+    if done:
+        raise JobIdTaken(f"job {job!r} on the coordinator at {address} finished training (last "
+                         f"committed step {done[0]['committed_step']}) and admits no ranks; a job id "
+                         f"is not reused: give a new --job; no rank was started")
     if job and job in status["finished"]:
         raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} (last committed "
                            f"step {status['finished'][job]}); a job id is not reused: give a new --job "

@@ -695,40 +695,68 @@ AFTER_TRAINING = textwrap.dedent("""
     except rtxnet.JobFinishedError as exc:
         print(f"turned away: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)
-    if os.environ["RTXNET_RANK"] == "2" and os.environ["RTXNET_RESTART_COUNT"] == "0":
+    dies = os.environ["RTXNET_RANK"] == "2" and os.environ["RTXNET_RESTART_COUNT"] == "0"
+    if dies and os.environ["KILL_AT"] == "before-finish":
         os.kill(os.getpid(), signal.SIGKILL)   # dies after the last step; rtxnet-run replaces it
-    # The replacement is admitted once no step decision came for a join window: wait for it
-    # (epoch 0: 3 ranks, 1: rank 2 lost, 2: its replacement added).
-    deadline = time.monotonic() + 30
-    while not (pg.epoch >= 2 and pg.world_size == 3) and time.monotonic() < deadline:
-        time.sleep(0.02)
     grown = pg.world_size
+    if os.environ["KILL_AT"] == "before-finish":
+        # The replacement is admitted once no step decision came for a join window: wait for it
+        # (epoch 0: 3 ranks, 1: rank 2 lost, 2: its replacement added).
+        deadline = time.monotonic() + 30
+        while not (pg.epoch >= 2 and pg.world_size == 3) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        grown = pg.world_size
     turned_away = ft.finish()
-    y = np.full(4, pg.rank + 1, np.float32)   # a collective after training, in the trained world
-    pg.all_reduce(y)
+    if dies:
+        os.kill(os.getpid(), signal.SIGKILL)   # dies after finish(): not restarted
+    for attempt in range(3):   # a collective after training, in the trained world
+        y = np.full(4, pg.rank + 1, np.float32)
+        try:
+            pg.all_reduce(y)
+            break
+        except rtxnet.PeerLostError:
+            ft.finish()                        # the world changed: sync again, then redo
+    try:
+        with ft.guard():
+            pass
+        after = "ran"
+    except rtxnet.ConfigError as exc:
+        after = "refused" if "a step after finish()" in str(exc) else str(exc)
     print(f"grown={grown} turned_away={turned_away} world={pg.world_size} v={state.v.tolist()} "
-          f"y={y.tolist()}", flush=True)
+          f"y={y.tolist()} step_after_finish={after}", flush=True)
     pg.close()
 """)
 
 
-def test_a_replacement_admitted_after_the_last_step_is_turned_away_by_finish(tmp_path):
-    """Rank 2 dies after the last step; its replacement is admitted a join window later, growing
-    the world under the collectives that run after training (with FSDP the final evaluation's
-    forward failed with ConfigError). FaultTolerance.finish() closes the job to joiners: the
-    replacement is turned away with JobFinishedError, the two ranks that trained go on alone, and
-    rtxnet-run does not count the turned-away replacement as a failure."""
+@pytest.mark.parametrize("kill_at", ["before-finish", "after-finish"])
+def test_a_rank_lost_after_the_last_step_costs_nothing_with_finish(tmp_path, kill_at):
+    """before-finish: rank 2 dies after the last step; its replacement is admitted a join window
+    later, growing the world under the collectives that run after training (with FSDP the final
+    evaluation's forward failed with ConfigError). FaultTolerance.finish() closes the job to
+    joiners: the replacement is turned away with JobFinishedError, the two ranks that trained go
+    on alone, and rtxnet-run does not count the turned-away replacement as a failure.
+    after-finish: rank 2 dies after finish(): rtxnet-run does not restart it (a replacement would
+    be turned away), the others' collective fails or runs without it, they finish() again and
+    redo it; the job's result stands, exit code 0."""
     script = tmp_path / "after.py"
     script.write_text(AFTER_TRAINING)
     proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "1",
                            "--min-ranks", "2", str(script)], capture_output=True, text=True, timeout=90,
-                          cwd=ROOT, env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.1"))
+                          cwd=ROOT, env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.1",
+                                                  KILL_AT=kill_at))
     out = [line for line in proc.stdout.splitlines() if "grown=" in line]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(out) == 2, proc.stdout + proc.stderr[-3000:]
     for line in out:   # 5 steps of 3 ranks kept; y: the sum of ranks 1 and 2 in a world of 2
         assert "grown=3" in line and "world=2 v=[15.0, 15.0, 15.0, 15.0] y=[3.0, 3.0, 3.0, 3.0]" in line, out
-    assert sorted(line.split("turned_away=")[1][0] for line in out) == ["0", "1"], out
-    assert "turned away: " in proc.stderr and "finished training (last committed step 4)" in proc.stderr
-    assert ("rank 2's replacement (restart 1) exited with code 3 after job" in proc.stderr
-            and "not counted as a failure" in proc.stderr), proc.stderr[-3000:]
+        assert "step_after_finish=refused" in line, out
+    if kill_at == "before-finish":
+        assert sorted(line.split("turned_away=")[1][0] for line in out) == ["0", "1"], out
+        assert "turned away: " in proc.stderr and "finished training (last committed step 4)" in proc.stderr
+        assert ("rank 2's replacement (restart 1) exited with code 3 after job" in proc.stderr
+                and "not counted as a failure" in proc.stderr), proc.stderr[-3000:]
+    else:
+        assert "rank 2 exited with code 137 after job" in proc.stderr and "not restarted" in proc.stderr
+        assert "restart 1" not in proc.stderr, proc.stderr[-3000:]
+        assert ("rank 2 (not restarted) exited with code 137 after job" in proc.stderr
+                and "not counted as a failure" in proc.stderr), proc.stderr[-3000:]

@@ -108,16 +108,25 @@ def test_fsdp_rank_joining_after_the_others_built_their_shards_is_resharded_in(t
     make their first steps, its shards built for a world of 3 and theirs for 2. Before, every
     rank stopped with ConfigError "the shards are laid out for world_size(2) ..." (a fresh user's
     run, 3 of 4 times): now the world-of-2 state is resharded for 3 (at the first sync, or after
-    the step the join interrupted), and the job ends on 3 ranks."""
+    the step the join interrupted).
+
+    Then rank 1 is killed while the final checkpoint is written, after FaultTolerance.finish():
+    the others sync again (resharded for 2), write the checkpoint and evaluate. Before, every
+    survivor's evaluation forward raised ConfigError (a fresh user's run)."""
     # 120 steps of at least 40 ms (rank 0 is slowed): the join lands inside training, several
     # seconds before its end (one after the last step is turned away by FaultTolerance.finish,
     # tests/process/test_launcher.py)
     run = train(tmp_path, "--min-ranks", "2", "--faults",
-                "pause:rank=2:at=rendezvous:seconds=2;delay:rank=0:ms=40", nproc=3,
-                script_args=("--strategy", "fsdp", "--steps", "120"))
-    assert run["rc"] == 0, run["stderr"][-4000:]
-    assert run["metrics"]["world_size_end"] == 3 and run["metrics"]["steps"] == 120, run["metrics"]
+                "pause:rank=2:at=rendezvous:seconds=2;delay:rank=0:ms=40;kill:rank=1:at=checkpoint:step=120",
+                nproc=3, script_args=("--strategy", "fsdp", "--steps", "120"))
+    assert run["rc"] == 137, run["stderr"][-4000:]     # rank 1's code: not restarted, not forgiven
     assert "saved_world_size=2" in run["stderr"] and "state_resharded" in run["stderr"], run["stderr"][-4000:]
+    assert "world_changed_after_training" in run["stderr"] and "saved_world_size=3" in run["stderr"]
+    m = run["metrics"]
+    assert m["world_size_end"] == 2 and m["steps"] == 120 and m["test_accuracy"] > 0.8, m
+    assert max(w for _, _, w in m["loss_history"]) == 3, m["loss_history"]   # the join trained
+    shards = sorted(p.name for p in (tmp_path / "checkpoints" / "step-120").glob("rank-*.pt"))
+    assert shards == ["rank-0.pt", "rank-1.pt"], shards
     assert "ConfigError" not in run["stderr"], run["stderr"][-4000:]
 
 
