@@ -56,7 +56,12 @@ _interrupted = False
 
 
 def _on_sigint(signum, frame):
+    # A Ctrl-C in a terminal reaches every rank twice: from the terminal (rtxnet-run and its
+    # ranks share its process group) and forwarded by rtxnet-run. The second is ignored: it would
+    # interrupt the first one's clean exit with a traceback.
     global _interrupted
+    if _interrupted:
+        return
     _interrupted = True
     raise KeyboardInterrupt
 
