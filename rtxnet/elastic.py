@@ -217,6 +217,7 @@ class FaultTolerance:
         self._synced_epoch = -1
         self._step_epoch = -1
         self._finished = False   # finish() was called: no step may run any more
+        self._noted_through = -1   # the newest epoch whose losses _note_loss_between_steps recorded
         self.events: list[dict[str, Any]] = []
         self._open_failure: dict[str, Any] | None = None
         self._epoch_seen: dict[int, float] = {}
@@ -306,6 +307,8 @@ class FaultTolerance:
             log.info("late_ranks_turned_away", ranks=answer["turned_away"], epoch=answer["epoch"],
                      committed_step=self.committed_step)
         while self._synced_epoch != self.pg.epoch or self._open_failure is not None:
+            if self._synced_epoch != self.pg.epoch and self._open_failure is None:
+                self._note_loss_between_steps()    # (a rank lost after the last step)
             if self.pg.world_size < self.min_world_size:
                 # no rank may join to make up the world, and collectives refuse it: each rank
                 # keeps its own committed state (the whole state, unless it is sharded)
@@ -314,8 +317,6 @@ class FaultTolerance:
                 break
             try:
                 if self._synced_epoch != self.pg.epoch:
-                    if self._open_failure is None:
-                        self._note_loss_between_steps()
                     await self._sync()
                 if self._open_failure is not None:
                     await self._close_failure()
@@ -877,9 +878,11 @@ class FaultTolerance:
         """Ranks lost after the last step committed and before this one began: no step failed
         and none is lost, but the world changed; recorded (``lost_between_steps``) so a report
         shows every loss, not only those that failed a step."""
-        epochs = [e for e in sorted(self._epoch_lost) if e > self._synced_epoch >= 0]
+        epochs = [e for e in sorted(self._epoch_lost)
+                  if e > max(self._synced_epoch, self._noted_through) and self._synced_epoch >= 0]
         if not epochs:
             return
+        self._noted_through = epochs[-1]   # (finish() may note again before any sync)
         named = [self._epoch_lost_launch.get(e) for e in epochs]
         rec = {"event": "lost_between_steps", "step": self.step, "epoch": self.pg.epoch,
                "lost": [r for e in epochs for r in self._epoch_lost[e]],

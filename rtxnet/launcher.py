@@ -54,6 +54,7 @@ __all__ = ["main", "start_coordinator"]
 
 MAX_NPROC = 1024
 _PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
+_FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training finished
 
 
 @dataclass
@@ -64,9 +65,6 @@ class _Slot:
     returncode: int | None = None
     failed_at: float | None = None
     pumps: list = field(default_factory=list)
-    # failed after the job's training finished, with a restart left: not restarted (no rank may
-    # join any more); forgiven like a turned-away replacement if the others end in order
-    after_training: bool = False
 
 
 def _code(rc: int) -> int:
@@ -389,10 +387,11 @@ class Launcher:
                 if (code != 0 and not self.stopping and slot.restarts < a.max_restarts
                         and await self._training_finished()):
                     # a replacement would only be turned away (FaultTolerance.finish)
-                    slot.after_training, slot.returncode = True, code
+                    slot.returncode = code
                     running -= 1
                     _say(f"rank {slot.rank} exited with code {code} after job {self.job} finished "
-                         f"training: not restarted (the job admits no new ranks)")
+                         f"training or ended: not restarted (the job admits no new ranks); its exit "
+                         f"code stands")
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
                     continue
@@ -407,7 +406,7 @@ class Launcher:
                     _say(f"rank {slot.rank} exited with code {code}")
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
-                    if not await self._training_finished():
+                    if self.stopping or not await self._training_finished():
                         # (after training, the others may still finish what runs after it: an
                         # evaluation, writing results; nobody waits for replacements any more)
                         self._stop_if_below_min_ranks()
@@ -434,15 +433,16 @@ class Launcher:
 
     async def _training_finished(self) -> bool:
         """Whether the coordinator says this job's training is over (``FaultTolerance.finish``)
-        or the job has finished; False when it does not answer within ``_PROBE_S``. Once true,
-        remembered."""
+        or the job has finished; False when it does not answer within ``_FINISHED_PROBE_S`` (a
+        coordinator that is down: stopped with the ranks by a Ctrl-C, being restarted) or the
+        launcher is stopping. Once true, remembered."""
         from transport.errors import RtxError
 
         from .cli import _status
 
-        if not self.training_finished:
+        if not self.training_finished and not self.stopping:
             try:
-                st = await _status(self.address, _PROBE_S, self.job)
+                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
             except RtxError:
                 return False
             self.training_finished = self.job in st["finished"] or any(
@@ -452,14 +452,15 @@ class Launcher:
     async def _forgive_replacements_after_the_end(self) -> None:
         """A replacement that failed (``JobFinishedError`` from its ``init``, say) after the job
         had finished, every member having left in order, does not fail the run: the job's result
-        stands (the process it replaced died after its own work was done). So does a rank that
-        failed after training finished and was not restarted for that reason. Asked of the
-        coordinator; without an answer nothing is forgiven."""
+        stands (the process it replaced died after its own work was done). Not a rank that was
+        not restarted because training had finished: its own exit code
+        stands, whatever ``--max-restarts`` (a survivor that could not produce its result exits
+        non-zero too). Asked of the coordinator; without an answer nothing is forgiven."""
         from transport.errors import RtxError
 
         from .cli import _status
 
-        late = [s for s in self.slots if s.returncode not in (0, None) and (s.restarts > 0 or s.after_training)]
+        late = [s for s in self.slots if s.returncode not in (0, None) and s.restarts > 0]
         if not late:
             return
         try:
@@ -469,10 +470,9 @@ class Launcher:
         if not finished:
             return
         for s in late:
-            who = (f"rank {s.rank} (not restarted)" if s.after_training else
-                   f"rank {s.rank}'s replacement (restart {s.restarts})")
-            _say(f"{who} exited with code {s.returncode} after job {self.job} had finished (every "
-                 f"member left in order): the job's result stands; not counted as a failure")
+            _say(f"rank {s.rank}'s replacement (restart {s.restarts}) exited with code "
+                 f"{s.returncode} after job {self.job} had finished (its last members left in "
+                 f"order): the job's result stands; not counted as a failure")
             s.returncode = 0
         failed = [s for s in self.slots if s.returncode not in (0, None)]
         self.first_failure = (self.first_failure[0], failed[0].returncode) if failed else None
