@@ -111,6 +111,7 @@ class Agent:
         self.identity = f"{self.host[:64]}/{os.getpid()}/{uuid.uuid4().hex}"
         self.membership: Membership | None = None
         self.fenced = False
+        self.training_finished = False   # this agent told the coordinator so (finish)
         self.last_heartbeat_ok: float | None = None
         # loop time of the first unanswered heartbeat of the current silence (None: answered)
         self._unreachable_since: float | None = None
@@ -540,6 +541,7 @@ class Agent:
                 arrive within it.
         """
         body = await self._request("finish", identity=self.identity)
+        self.training_finished = True
         epoch = int(body["epoch"])
         if self.membership is None or self.membership.epoch < epoch:
             await self.wait_epoch(epoch - 1, timeout_s=self.timeouts.request_s)

@@ -218,12 +218,19 @@ class ProcessGroup:
         if m is not None and m.world_size < lo:
             gone = (f"ranks {list(m.lost)} of the epoch before were lost or left" if m.lost else
                     "ranks were lost or left in an earlier epoch")
+            if self._agent.training_finished:
+                what = ("training was declared over (FaultTolerance.finish) and the job admits no "
+                        "replacement: what follows training runs below min_ranks only without "
+                        "collectives; start the job with --min-ranks below its world size for "
+                        "collectives after such a loss")
+            else:
+                what = ("rtxnet.FaultTolerance waits for replacements and restores their state; "
+                        "without it, end this process and let rtxnet-run --max-restarts start it "
+                        "again")
             raise PeerLostError(
                 f"{name}: the world of epoch {m.epoch} has {m.world_size} rank(s), fewer than "
-                f"min_ranks({lo}) ({gone}); no "
-                f"collective runs below min_ranks. rtxnet.FaultTolerance waits for replacements "
-                f"and restores their state; without it, end this process and let rtxnet-run "
-                f"--max-restarts start it again", ranks=m.lost, epoch=m.epoch)
+                f"min_ranks({lo}) ({gone}); no collective runs below min_ranks. {what}",
+                ranks=m.lost, epoch=m.epoch)
 
     def current_world(self) -> Any:
         """The world group collectives go to now: the pinned one (see :meth:`pinned`), else the

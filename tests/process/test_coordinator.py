@@ -769,6 +769,7 @@ def test_a_join_waits_for_a_frozen_coordinator_up_to_coordinator_s(coordinator, 
     script = tmp_path / "join.py"
     script.write_text(textwrap.dedent("""
         import sys, time, rtxnet
+        print("init", flush=True)
         t0 = time.monotonic()
         try:
             pg = rtxnet.init(job="frozen-join", world_size=1)
@@ -784,6 +785,8 @@ def test_a_join_waits_for_a_frozen_coordinator_up_to_coordinator_s(coordinator, 
     try:
         rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=ROOT, env=env)
+        # the freeze counts from the join (a loaded machine may take seconds to import rtxnet)
+        first = rank.stdout.readline()
         time.sleep(frozen_s)
     finally:
         coordinator.proc.send_signal(signal.SIGCONT)
@@ -793,6 +796,7 @@ def test_a_join_waits_for_a_frozen_coordinator_up_to_coordinator_s(coordinator, 
         if rank.poll() is None:
             rank.kill()
             rank.wait()
+    assert first == "init\n", first + out + err[-3000:]
     if joins:
         assert rank.returncode == 0 and out.startswith("joined after"), out + err[-3000:]
     else:

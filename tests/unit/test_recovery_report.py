@@ -26,7 +26,7 @@ def _ft() -> FaultTolerance:
     ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
     ft.injector = None
     ft.state = None
-    ft._synced_epoch = 2
+    ft._synced_epoch, ft._noted_through = 2, -1
     return ft
 
 
