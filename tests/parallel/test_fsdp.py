@@ -28,7 +28,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("fsdp")
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2", str(WORKER), str(out)],
-        capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
+        # the world forms with all 3 (with the default 1 s last call, a rank slow to import torch
+        # on two loaded cores joined a world of 2 that had begun the one-process comparisons)
+        capture_output=True, text=True, timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {s: [json.loads(p.read_text()) for p in sorted(out.glob(f"{s}-rank*.json"))]
             for s in ("basic", "fault")}

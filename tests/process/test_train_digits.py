@@ -19,8 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 
 
-def train(out: Path, *launcher_args: str, nproc: int = 4, script_args: tuple[str, ...] = ()) -> dict:
-    env = procs.env()
+def train(out: Path, *launcher_args: str, nproc: int = 4, script_args: tuple[str, ...] = (),
+          last_call: str = "30") -> dict:
+    # RTXNET_LAST_CALL: with --min-ranks below --nproc the world forms once all have joined, or
+    # last_call seconds after min_ranks did (1 s by default: on two loaded cores a rank importing
+    # torch came later and joined a running world, which some tests count as an event)
+    env = procs.env(RTXNET_LAST_CALL=last_call)
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), *launcher_args, "examples/train_digits.py",
          "--out", str(out), *script_args],
@@ -118,7 +122,7 @@ def test_fsdp_rank_joining_after_the_others_built_their_shards_is_resharded_in(t
     # tests/process/test_launcher.py)
     run = train(tmp_path, "--min-ranks", "2", "--faults",
                 "pause:rank=2:at=rendezvous:seconds=2;delay:rank=0:ms=40;kill:rank=1:at=checkpoint:step=120",
-                nproc=3, script_args=("--strategy", "fsdp", "--steps", "120"))
+                nproc=3, script_args=("--strategy", "fsdp", "--steps", "120"), last_call="0")
     assert run["rc"] == 137, run["stderr"][-4000:]     # rank 1's code: not restarted, not forgiven
     assert "saved_world_size=2" in run["stderr"] and "state_resharded" in run["stderr"], run["stderr"][-4000:]
     assert "world_changed_after_training" in run["stderr"] and "saved_world_size=3" in run["stderr"]
