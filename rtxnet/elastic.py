@@ -53,6 +53,7 @@ from transport.errors import (
     ClosedError,
     CollectiveError,
     ConfigError,
+    JobFinishedError,
     PeerLostError,
     RendezvousError,
     RtxError,
@@ -296,17 +297,26 @@ class FaultTolerance:
             How many ranks this call turned away (0 on every rank but the first caller).
 
         Raises:
-            RendezvousError: this rank is not a member any more (declared lost after the last
-                step).
+            JobFinishedError: this rank is not a member any more (declared lost, frozen or cut
+                off, after its last step): the others go on without it.
             RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
             RtxError: the sync failed ``max_step_retries`` + 1 times without a membership change.
         """
-        answer = await self.pg.agent.finish()
+        try:
+            if self.pg.agent.fenced:
+                raise RendezvousError("fenced")
+            answer = await self.pg.agent.finish()
+        except JobFinishedError:
+            raise
+        except RendezvousError as exc:   # not a member: declared lost since its last step
+            raise self._lost_after_training() from exc
         self._finished = True
         if answer["turned_away"]:
             log.info("late_ranks_turned_away", ranks=answer["turned_away"], epoch=answer["epoch"],
                      committed_step=self.committed_step)
         while self._synced_epoch != self.pg.epoch or self._open_failure is not None:
+            if self.pg.agent.fenced:
+                raise self._lost_after_training()
             if self._synced_epoch != self.pg.epoch and self._open_failure is None:
                 self._note_loss_between_steps()    # (a rank lost after the last step)
             if self.pg.world_size < self.min_world_size:
@@ -323,6 +333,14 @@ class FaultTolerance:
             except RECOVERABLE as exc:
                 await self._recover(exc, self.step)
         return answer["turned_away"]
+
+    def _lost_after_training(self) -> JobFinishedError:
+        """The error of a rank declared lost (frozen, cut off) after its last step: no rank may
+        (re)join a job whose training finished, so it ends; the others have the result."""
+        return JobFinishedError(
+            f"this rank was declared lost after its last step (committed step "
+            f"{self.committed_step}) and the job admits no rank any more: the others go on "
+            f"without it; their result stands")
 
     def report(self) -> list[str]:
         """One line per injected fault and per recovery: what was injected, when it was detected,

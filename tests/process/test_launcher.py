@@ -768,3 +768,59 @@ def test_a_rank_lost_after_the_last_step_costs_nothing_with_finish(tmp_path, kil
                 and "finished training or ended: not restarted (the job admits no new ranks); its "
                     "exit code stands" in proc.stderr), proc.stderr[-3000:]
         assert "restart 1" not in proc.stderr and "not counted" not in proc.stderr, proc.stderr[-3000:]
+
+
+FROZEN_AFTER_TRAINING = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    import numpy as np
+    import rtxnet
+
+    class State:
+        def __init__(self):
+            self.v = np.zeros(4, np.float32)
+        def state_dict(self):
+            return {"v": self.v}
+        def load_state_dict(self, d):
+            self.v = np.array(d["v"])
+
+    pg = rtxnet.init()
+    ft = rtxnet.FaultTolerance(pg, State())
+    while ft.step < 3:
+        with ft.guard() as step:
+            pg.all_reduce(np.ones(4, np.float32))
+    if pg.rank == 1:     # frozen for 3 s after its last step (a helper wakes it): declared lost
+        subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(3); "
+                          f"os.kill({os.getpid()}, signal.SIGCONT)"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(0.5)   # its heartbeat hears it was fenced
+        try:
+            ft.finish()
+        except rtxnet.JobFinishedError as exc:
+            print(f"frozen rank: {type(exc).__name__}: {exc}", flush=True)
+            sys.exit(0)
+        print("frozen rank finished", flush=True)
+    else:
+        deadline = time.monotonic() + 20
+        while pg.world_size == 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ft.finish()
+        x = np.ones(4, np.float32)
+        pg.all_reduce(x)
+        print(f"survivor: world={pg.world_size} x={x.tolist()}", flush=True)
+    pg.close()
+""")
+
+
+def test_a_rank_frozen_after_the_last_step_ends_with_job_finished(tmp_path):
+    """A rank declared lost (frozen) after its last step cannot rejoin a job whose training
+    finished: finish() raises JobFinishedError there (it used to be RendezvousError "not a
+    member", or a loop over a sync a fenced rank can never join); the other goes on alone."""
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN_AFTER_TRAINING)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1",
+                           str(script)], capture_output=True, text=True, timeout=90, cwd=ROOT,
+                          env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "survivor: world=1 x=[1.0, 1.0, 1.0, 1.0]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert ("frozen rank: JobFinishedError: this rank was declared lost after its last step "
+            "(committed step 2)") in proc.stdout, proc.stdout + proc.stderr[-3000:]
