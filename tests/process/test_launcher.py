@@ -674,10 +674,9 @@ def test_a_replacement_that_finds_the_job_finished_does_not_fail_the_run(tmp_pat
             and "the job's result stands; not counted as a failure" in proc.stderr), proc.stderr[-3000:]
 
 
-AFTER_TRAINING = textwrap.dedent("""
-    import os, signal, sys, time
+# a training state for FaultTolerance in the scripts below (NumPy, one array)
+NUMPY_STATE = textwrap.dedent("""
     import numpy as np
-    import rtxnet
 
     class State:
         def __init__(self):
@@ -686,6 +685,12 @@ AFTER_TRAINING = textwrap.dedent("""
             return {"v": self.v}
         def load_state_dict(self, d):
             self.v = np.array(d["v"])
+""")
+
+
+AFTER_TRAINING = NUMPY_STATE + textwrap.dedent("""
+    import os, signal, sys, time
+    import rtxnet
 
     pg = rtxnet.init()
     state = State()
@@ -770,18 +775,9 @@ def test_a_rank_lost_after_the_last_step_costs_nothing_with_finish(tmp_path, kil
         assert "restart 1" not in proc.stderr and "not counted" not in proc.stderr, proc.stderr[-3000:]
 
 
-FROZEN_AFTER_TRAINING = textwrap.dedent("""
+FROZEN_AFTER_TRAINING = NUMPY_STATE + textwrap.dedent("""
     import os, signal, subprocess, sys, time
-    import numpy as np
     import rtxnet
-
-    class State:
-        def __init__(self):
-            self.v = np.zeros(4, np.float32)
-        def state_dict(self):
-            return {"v": self.v}
-        def load_state_dict(self, d):
-            self.v = np.array(d["v"])
 
     pg = rtxnet.init()
     ft = rtxnet.FaultTolerance(pg, State())
