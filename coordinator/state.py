@@ -647,8 +647,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     elif t == "reform":
         member = job.member_by_identity(msg["identity"])
         if member is None:
-            actions.append(_error(identity, msg, "RendezvousError",
-                                  f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))
+            actions.append(_not_member(identity, msg, job))
         elif msg["epoch"] == job.epoch:
             members = {r: m.public() for r, m in job.members.items()}
             _fail_commit_waiters(job, actions, f"epoch reformed: {msg['reason']}")
@@ -679,8 +678,7 @@ def _finish(state: State, job: Job, identity: str, msg: dict, now: float, action
     how many ranks were turned away."""
     member = job.member_by_identity(msg["identity"])
     if member is None:
-        actions.append(_error(identity, msg, "RendezvousError",
-                              f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))
+        actions.append(_not_member(identity, msg, job))
         return
     dropped = evicted = 0
     if not job.finished_training:
@@ -723,6 +721,13 @@ def _not_yours(identity: str, msg: dict) -> Send:
                   f"a client acts only for itself")
 
 
+def _not_member(identity: str, msg: dict, job: Job) -> Send:
+    """The refusal of a member's request (commit, reform, finish) from an agent that is not one
+    (declared lost meanwhile)."""
+    return _error(identity, msg, "RendezvousError",
+                  f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}")
+
+
 def _commit(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     bad = _bad_duration(msg, "timeout_s")
     if bad:
@@ -733,7 +738,7 @@ def _commit(state: State, job: Job, identity: str, msg: dict, now: float, action
         return
     member = job.member_by_identity(msg["identity"])
     if member is None:
-        actions.append(_error(identity, msg, "RendezvousError", f"{msg['identity']} is not a member of epoch {job.epoch} of job {job.job!r}"))
+        actions.append(_not_member(identity, msg, job))
         return
     if msg["epoch"] != job.epoch:
         actions.append(_reply(identity, msg, job, committed=False, step=msg["step"], reason=f"stale epoch {msg['epoch']} (current {job.epoch})"))

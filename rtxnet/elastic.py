@@ -302,9 +302,9 @@ class FaultTolerance:
             RtxTimeoutError: the coordinator did not answer within ``timeouts.request_s``.
             RtxError: the sync failed ``max_step_retries`` + 1 times without a membership change.
         """
+        if self.pg.agent.fenced:
+            raise self._lost_after_training()
         try:
-            if self.pg.agent.fenced:
-                raise RendezvousError("fenced")
             answer = await self.pg.agent.finish()
         except JobFinishedError:
             raise

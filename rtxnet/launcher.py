@@ -384,18 +384,9 @@ class Launcher:
                 if proc is not slot.proc:
                     continue
                 code = _code(rc)
-                if (code != 0 and not self.stopping and slot.restarts < a.max_restarts
-                        and await self._training_finished()):
-                    # a replacement would only be turned away (FaultTolerance.finish)
-                    slot.returncode = code
-                    running -= 1
-                    _say(f"rank {slot.rank} exited with code {code} after job {self.job} finished "
-                         f"training or ended: not restarted (the job admits no new ranks); its exit "
-                         f"code stands")
-                    if self.first_failure is None:
-                        self.first_failure = (time.monotonic(), code)
-                    continue
-                if code != 0 and not self.stopping and slot.restarts < a.max_restarts:
+                restartable = code != 0 and not self.stopping and slot.restarts < a.max_restarts
+                # after FaultTolerance.finish() a replacement would only be turned away
+                if restartable and not await self._training_finished():
                     slot.restarts += 1
                     _say(f"rank {slot.rank} exited with code {code}; restart {slot.restarts}/{a.max_restarts}")
                     await self._spawn(slot)
@@ -403,10 +394,12 @@ class Launcher:
                 slot.returncode = code
                 running -= 1
                 if code != 0:
-                    _say(f"rank {slot.rank} exited with code {code}")
+                    _say(f"rank {slot.rank} exited with code {code}" + (
+                        f" after job {self.job} finished training or ended: not restarted (the job "
+                        f"admits no new ranks); its exit code stands" if restartable else ""))
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
-                    if self.stopping or not await self._training_finished():
+                    if not await self._training_finished():
                         # (after training, the others may still finish what runs after it: an
                         # evaluation, writing results; nobody waits for replacements any more)
                         self._stop_if_below_min_ranks()
