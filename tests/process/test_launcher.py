@@ -788,7 +788,12 @@ FROZEN_AFTER_TRAINING = NUMPY_STATE + textwrap.dedent("""
         subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(3); "
                           f"os.kill({os.getpid()}, signal.SIGCONT)"])
         os.kill(os.getpid(), signal.SIGSTOP)
-        try:   # (fenced already, or the coordinator answers that it is not a member)
+        # until a heartbeat answer says it was declared lost (a coordinator starved on a loaded
+        # machine credits its own stalls to the members: the verdict may come after the wake-up)
+        deadline = time.monotonic() + 20
+        while not pg.async_pg.agent.fenced and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
             ft.finish()
         except rtxnet.JobFinishedError as exc:
             print(f"frozen rank: {type(exc).__name__}: {exc}", flush=True)
