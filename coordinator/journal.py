@@ -359,6 +359,9 @@ class Journal:
         if self._state != "new":
             raise JournalError(f"journal {self._dir} is {self._state}; open() runs once")
         t0 = time.perf_counter()
+        if self._dir.exists() and not self._dir.is_dir():
+            raise JournalError(f"journal {self._dir} is not a folder: the journal is a folder "
+                               "of segments and snapshots; give a new or existing folder")
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
             self._lock_directory()

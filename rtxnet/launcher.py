@@ -10,7 +10,8 @@ ranks ``K*P .. K*P+P-1`` of a world of ``N*P``; each rank's data sockets listen 
 
 Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them. Every line a rank
-prints is prefixed with ``[rankN]``. SIGINT and SIGTERM are forwarded to the ranks. A rank that
+prints is prefixed with ``[rankN]``. SIGINT and SIGTERM are forwarded to the ranks; ranks still
+running ``--grace`` seconds later, or at a second SIGINT/SIGTERM, are killed (SIGKILL). A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
 ``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left
 running: the job re-forms around the loss. When the ranks that failed for good (restarts spent)
@@ -222,8 +223,13 @@ class Launcher:
 
     def _signal(self, sig: int) -> None:
         first = not self.stopping
+        if self.stop_signal is not None:
+            # A second SIGINT/SIGTERM (a second Ctrl-C): the user will not wait out --grace.
+            _say(f"second {signal.Signals(sig).name}: killing the ranks now (SIGKILL)")
+            self._kill_all(said=True)
+            return
         self.stopping = True
-        self.stop_signal = self.stop_signal or signal.Signals(sig).name
+        self.stop_signal = signal.Signals(sig).name
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 try:
@@ -324,10 +330,12 @@ class Launcher:
         finally:
             await client.aclose()
 
-    def _kill_all(self) -> None:
+    def _kill_all(self, said: bool = False) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
-                _say(f"rank {slot.rank} (pid {slot.proc.pid}) still running {self.args.grace:g} s after the signal: killing it")
+                if not said:
+                    _say(f"rank {slot.rank} (pid {slot.proc.pid}) still running {self.args.grace:g} s "
+                         "after the signal: killing it")
                 try:
                     slot.proc.kill()
                 except ProcessLookupError:
@@ -654,7 +662,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0)")
     p.add_argument("--faults", default=None, help="fault-injection plan (see README)")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds ranks get after SIGINT/SIGTERM before they are killed (default 10)")
+                   help="seconds ranks get after SIGINT/SIGTERM before they are killed (default 10; "
+                        "a second SIGINT/SIGTERM kills them at once)")
     p.add_argument("script", help="the Python script each rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -744,6 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_ranks is not None and not (1 <= args.min_ranks <= total):
         what = f"nproc({args.nproc})" if args.nnodes == 1 else f"nnodes*nproc({total})"
         errors.append(f"--min-ranks must be in 1..{what}, got {args.min_ranks}")
+    if args.journal is not None and os.path.exists(args.journal) and not os.path.isdir(args.journal):
+        errors.append(f"--journal {args.journal!r} is not a folder (the journal is a folder; "
+                      "give a new or existing folder)")
     if not os.path.exists(args.script):
         errors.append(f"script {args.script!r} does not exist")
     elif not os.path.isfile(args.script):

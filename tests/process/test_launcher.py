@@ -202,6 +202,16 @@ def test_bad_arguments_are_named():
     assert out.returncode == 2 and "--nproc must be in 1..1024, got 0" in out.stderr and "'nope.py' does not exist" in out.stderr
 
 
+def test_a_journal_that_is_a_file_is_refused_before_anything_starts(tmp_path):
+    journal = tmp_path / "journal"
+    journal.write_text("mine")
+    script = tmp_path / "one.py"
+    script.write_text("print('ran')\n")
+    out = run(["--nproc", "1", "--journal", str(journal), str(script)])
+    assert out.returncode == 2 and "is not a folder" in out.stderr and "ran" not in out.stdout, out.stderr
+    assert journal.read_text() == "mine"
+
+
 def test_sigterm_is_forwarded_to_ranks(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text(textwrap.dedent("""
@@ -230,6 +240,39 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
     assert out.count("got sigterm") == 2, out + err
     assert p.returncode == 0
     assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM, forwarded to the ranks; exit code 0"), err
+
+
+def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text(textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGTERM, lambda *a: print("ignoring sigterm", flush=True))
+        print("ready", flush=True)
+        time.sleep(120)
+    """))
+    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "300",
+                          str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=procs.env(), cwd=ROOT)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            seen += "ready" in line
+        os.kill(p.pid, signal.SIGTERM)
+        ignored = 0
+        while ignored < 2 and time.monotonic() < deadline:
+            ignored += "ignoring sigterm" in p.stdout.readline()
+        assert ignored == 2 and p.poll() is None    # the first one is forwarded, and waited on
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=30)        # not --grace's 300 s
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    assert "second SIGTERM: killing the ranks now (SIGKILL)" in err, err
+    assert p.returncode == 128 + signal.SIGKILL, err          # the ranks' own code: killed
+    assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM, forwarded to the ranks; exit code 137"), err
 
 
 def test_a_line_longer_than_a_pipe_buffer_does_not_stall_a_rank(tmp_path):

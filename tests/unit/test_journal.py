@@ -141,6 +141,14 @@ def test_default_record_size_limit_is_64_mib(tmp_path: Path) -> None:
         assert j.pending_records == 0
 
 
+def test_a_file_where_the_folder_should_be_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    path.write_bytes(b"not a journal")
+    with pytest.raises(JournalError, match=r"journal .*journal is not a folder"):
+        Journal(path).open()
+    assert path.read_bytes() == b"not a journal"
+
+
 def test_calls_outside_open_raise(tmp_path: Path) -> None:
     j = Journal(tmp_path)
     with pytest.raises(JournalError, match="open"):
