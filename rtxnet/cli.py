@@ -8,7 +8,8 @@ every rank lost, kept for restarted ranks), epoch, world size, last committed st
 rank, host, pid and heartbeat age; then the newest finished job ids, which cannot be used again
 (``--json``: entries ``{"job", "state": "finished", "committed_step", "members": []}`` after the
 jobs). ADDR defaults to ``RTXNET_COORDINATOR`` or
-``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time; 2 for a bad
+``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time (after about
+2 s when nothing listens on a TCP address at all: two refused connects 1 s apart); 2 for a bad
 argument (``S`` must be a finite number of seconds > 0) or address.
 
 ``topology`` prints this machine as rtxnet sees it (:func:`rtxnet.topology.local_topology`): the
@@ -45,6 +46,34 @@ async def _status(address: str, timeout_s: float, job: str = "") -> dict:
         await client.aclose()
     body.setdefault("finished", {})
     return body
+
+
+class _NobodyListens(Exception):
+    pass
+
+
+async def _status_unless_refused(address: str, timeout_s: float) -> dict:
+    """:func:`_status`, but given up early when a plain TCP connect to ``address`` is refused at
+    two checks 1 s apart (nothing listens there: waiting out ``timeout_s`` would not help; a
+    daemon that is starting binds its port well within that).
+
+    Raises:
+        _NobodyListens: with the reason, naming host and port.
+        RtxError: as :func:`_status`.
+    """
+    loop = asyncio.get_running_loop()
+    req = asyncio.ensure_future(_status(address, timeout_s))
+    end, refused = loop.time() + timeout_s, 0
+    while True:
+        done, _ = await asyncio.wait({req}, timeout=max(0.0, min(1.0, end - loop.time())))
+        if done or loop.time() >= end:
+            return await req
+        why = await asyncio.to_thread(nobody_there, address)
+        refused = refused + 1 if why and why.startswith("nothing is listening") else 0
+        if refused >= 2:
+            req.cancel()
+            await asyncio.gather(req, return_exceptions=True)
+            raise _NobodyListens(why)
 
 
 def _shown(text: Any) -> str:
@@ -94,7 +123,7 @@ def _seconds(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rtxnet", description="rtxnet command-line tools")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{status,topology}")
     st = sub.add_parser("status", help="show the coordinator's jobs, members, epochs and heartbeats")
     st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"))
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -124,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         return _print(json.dumps(topo, indent=2) if args.json else render_topology(topo))
     if args.cmd == "status":
         try:
-            status = asyncio.run(_status(args.coordinator, args.timeout))
+            status = asyncio.run(_status_unless_refused(args.coordinator, args.timeout))
+        except _NobodyListens as exc:
+            print(f"rtxnet status: no answer from {args.coordinator} ({exc})", file=sys.stderr)
+            return 1
         except ConnectError as exc:
             print(f"rtxnet status: {exc}", file=sys.stderr)
             return 2

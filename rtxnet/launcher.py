@@ -10,8 +10,9 @@ ranks ``K*P .. K*P+P-1`` of a world of ``N*P``; each rank's data sockets listen 
 
 Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them. Every line a rank
-prints is prefixed with ``[rankN]``. SIGINT and SIGTERM are forwarded to the ranks; ranks still
-running ``--grace`` seconds later, or at a second SIGINT/SIGTERM, are killed (SIGKILL). A rank that
+prints is prefixed with ``[rankN]``. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks
+(as torchrun does); ranks still running ``--grace`` seconds later, or at a second such signal, are
+killed (SIGKILL). A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
 ``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left
 running: the job re-forms around the loss. When the ranks that failed for good (restarts spent)
@@ -54,6 +55,8 @@ from transport.wire import MAX_JOB_ID
 __all__ = ["main", "start_coordinator"]
 
 MAX_NPROC = 1024
+# What rtxnet-run forwards to the ranks (torchrun's set); a second one kills them at once.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
 _FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training finished
 
@@ -224,7 +227,7 @@ class Launcher:
     def _signal(self, sig: int) -> None:
         first = not self.stopping
         if self.stop_signal is not None:
-            # A second SIGINT/SIGTERM (a second Ctrl-C): the user will not wait out --grace.
+            # A second signal (a second Ctrl-C): the user will not wait out --grace.
             _say(f"second {signal.Signals(sig).name}: killing the ranks now (SIGKILL)")
             self._kill_all(said=True)
             return
@@ -344,12 +347,9 @@ class Launcher:
     async def run(self) -> int:
         a = self.args
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in FORWARDED_SIGNALS:
             loop.add_signal_handler(sig, self._signal, sig)
         if self.address:
-            if a.journal is not None:
-                _say(f"--journal {a.journal} ignored: the coordinator at {self.address} keeps its own "
-                     "journal (--journal is for the coordinator this command starts)")
             await _probe_coordinator(self.address, self.job)   # (a fresh id: asks about that job only)
         else:
             journal = a.journal
@@ -514,16 +514,21 @@ class Launcher:
                 _say(f"coordinator exited with code {_code(rc)}; restarting it on {self.address} "
                      f"with journal {journal}")
             restarts += 1
+            said = ""
             for attempt in range(50):
                 try:
                     self.coordinator_proc, _ = await start_coordinator(
                         journal, bind=self.address, extra=self._coordinator_args())
                     break
                 except RuntimeError as exc:
-                    # The port may linger for a moment after a kill.
+                    # The port may linger for a moment after a kill; or the new process died
+                    # before it answered (killed again): said once per different reason.
                     if attempt == 49:
                         _say(f"could not restart the coordinator: {exc}")
                         return
+                    if str(exc) != said:
+                        said = str(exc)
+                        _say(f"coordinator restart failed ({exc}); trying again")
                     await asyncio.sleep(0.1)
             _say(f"coordinator restarted (pid {self.coordinator_proc.pid})")
 
@@ -662,8 +667,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0)")
     p.add_argument("--faults", default=None, help="fault-injection plan (see README)")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds ranks get after SIGINT/SIGTERM before they are killed (default 10; "
-                        "a second SIGINT/SIGTERM kills them at once)")
+                   help="seconds ranks get after SIGINT/SIGTERM/SIGHUP/SIGQUIT before they are killed "
+                        "(default 10; a second such signal kills them at once)")
     p.add_argument("script", help="the Python script each rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -753,7 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_ranks is not None and not (1 <= args.min_ranks <= total):
         what = f"nproc({args.nproc})" if args.nnodes == 1 else f"nnodes*nproc({total})"
         errors.append(f"--min-ranks must be in 1..{what}, got {args.min_ranks}")
-    if args.journal is not None and os.path.exists(args.journal) and not os.path.isdir(args.journal):
+    if args.journal is not None and args.coordinator:
+        errors.append(f"--journal {args.journal!r} is for the coordinator rtxnet-run starts; the one at "
+                      f"--coordinator {args.coordinator} keeps its own journal (give one or the other)")
+    elif args.journal is not None and os.path.exists(args.journal) and not os.path.isdir(args.journal):
         errors.append(f"--journal {args.journal!r} is not a folder (the journal is a folder; "
                       "give a new or existing folder)")
     if not os.path.exists(args.script):

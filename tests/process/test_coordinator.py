@@ -658,6 +658,18 @@ def test_status_of_a_port_where_nothing_listens_says_so():
                                   f"running there?)"), out.stderr
 
 
+def test_status_gives_up_early_where_connects_are_refused():
+    # a 60 s timeout is not waited out when nothing listens on the port (two refused connects)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", f"tcp://127.0.0.1:{port}",
+                          "--timeout", "60"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (f"rtxnet status: no answer from tcp://127.0.0.1:{port} (nothing is listening "
+                                  f"on 127.0.0.1 port {port}: is the coordinator running there?)"), out.stderr
+
+
 def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinator):
     # any client names jobs and hosts: they must not clear the screen or forge lines
     with procs.dealer(coordinator.address, routing_id=b"esc") as d:

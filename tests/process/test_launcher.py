@@ -212,13 +212,14 @@ def test_a_journal_that_is_a_file_is_refused_before_anything_starts(tmp_path):
     assert journal.read_text() == "mine"
 
 
-def test_sigterm_is_forwarded_to_ranks(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_is_forwarded_to_ranks(tmp_path, sig):
     script = tmp_path / "sleep.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(textwrap.dedent(f"""
         import signal, sys, time
         def bye(*a):
-            print("got sigterm", flush=True); sys.exit(0)
-        signal.signal(signal.SIGTERM, bye)
+            print("got {sig.lower()}", flush=True); sys.exit(0)
+        signal.signal(signal.{sig}, bye)
         print("ready", flush=True)
         time.sleep(60)
     """))
@@ -231,15 +232,15 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path):
         while seen < 2 and time.monotonic() < deadline:
             if "ready" in p.stdout.readline():
                 seen += 1
-        os.kill(p.pid, signal.SIGTERM)
+        os.kill(p.pid, getattr(signal, sig))
         out, err = p.communicate(timeout=30)
     finally:
         if p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-    assert out.count("got sigterm") == 2, out + err
+    assert out.count(f"got {sig.lower()}") == 2, out + err
     assert p.returncode == 0
-    assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM, forwarded to the ranks; exit code 0"), err
+    assert err.strip().splitlines()[-1].endswith(f"stopped by {sig}, forwarded to the ranks; exit code 0"), err
 
 
 def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path):
@@ -300,6 +301,9 @@ def test_more_arguments_are_checked(tmp_path):
         (["--bind-host", "0.0.0.0"], "--bind-host 0.0.0.0 is not an address other nodes can reach"),
         (["--bind-host", "192.0.2.7"], "--bind-host 192.0.2.7: the ranks could not listen there"),
         (["--bind-host", "eth0"], "--bind-host must be an IP address of this host, got 'eth0'"),
+        (["--coordinator", "tcp://127.0.0.1:9", "--journal", str(tmp_path / "j")],
+         f"--journal {str(tmp_path / 'j')!r} is for the coordinator rtxnet-run starts; the one at "
+         "--coordinator tcp://127.0.0.1:9 keeps its own journal (give one or the other)"),
     ]:
         out = run(["--nproc", "2", *args, "examples/rendezvous_demo.py"])
         assert out.returncode == 2 and f"rtxnet-run: {text}" in out.stderr, (args, out.stderr)
