@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     p = _parser()
     args = p.parse_args(argv)
+    if args.journal_owner is not None and not args.remove_journal_on_stop:
+        # it only says when that removal may happen: alone it would do nothing, silently
+        p.error("argument --journal-owner: only applies with --remove-journal-on-stop")
     try:
         configure_logging(level=args.log_level, json=args.log_json or None)
     except ValueError as exc:   # only RTXNET_LOG_LEVEL can get here: --log-level is a choice

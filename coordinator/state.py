@@ -338,6 +338,7 @@ def restore(snap: dict[str, Any], now: float) -> State:
 
 
 MAX_JOB_ID = wire.MAX_JOB_ID
+KV_WAIT_KEYS_SHOWN = 10   # missing keys a kv_wait timeout names (then "... and N more")
 # The stores are journaled and every snapshot holds them all in one message (the server's
 # _SNAPSHOT_LIMITS): a job's store, and all of them together, stay well below that.
 MAX_JOB_KV_NBYTES = wire.MAX_JOB_KV_NBYTES
@@ -449,8 +450,11 @@ def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None
         if now >= deadline:
             job.kv_waiters.remove(waiter)
             missing = [k for k in keys if k not in job.kv]
+            # the first few only: a wait on 100,000 keys must not answer with all of them
+            more = f" ... and {len(missing) - KV_WAIT_KEYS_SHOWN} more" if len(missing) > KV_WAIT_KEYS_SHOWN else ""
             actions.append(
-                _error(ident, {"rid": rid, "job": job.job}, "RtxTimeoutError", f"kv_wait timed out; keys still missing: {missing}")
+                _error(ident, {"rid": rid, "job": job.job}, "RtxTimeoutError",
+                       f"kv_wait timed out; keys still missing: {missing[:KV_WAIT_KEYS_SHOWN]}{more}")
             )
     for step_no, waiters in list(job.commit_waiters.items()):
         for w in list(waiters):
@@ -789,14 +793,26 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         return refuse("ConfigError", f"need 1 <= min_ranks({min_r}) <= max_ranks({max_r})")
     if max_r > MAX_RANKS:
         return refuse("ConfigError", f"max_ranks({max_r}) is above the {MAX_RANKS} ranks a job may have")
-    if msg["endpoint"] and not _ENDPOINT.fullmatch(msg["endpoint"]):
-        # every member connects to it: one that cannot be parsed would break the others' views
+    # every member connects to it: one that cannot be parsed (or empty: a real agent always has
+    # one) would break the others' views
+    endpoint = _ENDPOINT.fullmatch(msg["endpoint"])
+    if endpoint is None:
         return refuse("ConfigError", f"endpoint {msg['endpoint'][:100]!r} is not tcp://HOST:PORT[?bulk=PORT]")
-    if len(msg["host"]) > MAX_HOST or len(msg["endpoint"]) > MAX_ENDPOINT:
-        # both go into every member's epoch push and every status answer
-        return refuse("ConfigError", f"join.host must be at most {MAX_HOST} characters and "
-                      f"join.endpoint at most {MAX_ENDPOINT} (got {len(msg['host'])} and "
-                      f"{len(msg['endpoint'])})")
+    for port in endpoint.group("port", "bulk"):
+        if port is not None and not 1 <= int(port) <= 65535:
+            return refuse("ConfigError", f"endpoint {msg['endpoint'][:100]!r}: port {port} is not in 1..65535")
+    # both go into every member's epoch push and every status answer; the host name is also part
+    # of the agent's identity (rtxnet.topology.host_id checks the same bound)
+    host_nbytes = len(msg["host"].encode())
+    if not 0 < host_nbytes <= MAX_HOST_BYTES:
+        return refuse("ConfigError", f"join.host {msg['host'][:40]!r}{'...' if len(msg['host']) > 40 else ''} "
+                      f"is {host_nbytes} bytes of UTF-8; it must be 1 to {MAX_HOST_BYTES}")
+    if len(msg["endpoint"]) > MAX_ENDPOINT:
+        return refuse("ConfigError", f"join.endpoint must be at most {MAX_ENDPOINT} characters "
+                      f"(got {len(msg['endpoint'])})")
+    if len(msg["token"]) > MAX_TOKEN:
+        return refuse("ConfigError", f"join.token is {len(msg['token'])} characters, more than the "
+                      f"{MAX_TOKEN} a job token may have")
     if len(job_id) > MAX_JOB_ID or len(ident) > MAX_JOB_ID:
         return refuse("ConfigError", f"job id and identity must be at most {MAX_JOB_ID} characters "
                       f"(got {len(job_id)} and {len(ident)})")
@@ -930,11 +946,12 @@ def _admit(state: State, job: Job, now: float, actions: list[Action]) -> None:
 
 STATUS_FINISHED = 20   # finished job ids a status lists (the newest)
 MAX_RANKS = 65536      # ranks of one job
-_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(\?bulk=\d{1,5})?")
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})(\?bulk=(?P<bulk>\d{1,5}))?")
 MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
 MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
 MAX_JOBS = 4096               # jobs a coordinator holds at once (running, forming, crashed)
-MAX_HOST = 255                # characters of a member's host name (a DNS name is at most 253)
+MAX_HOST_BYTES = wire.MAX_HOST_BYTES   # bytes (UTF-8) of a member's host name
+MAX_TOKEN = wire.MAX_TOKEN             # characters of a job token
 MAX_ENDPOINT = 512            # characters of a member's data endpoint
 # a status answer above this leaves the members' info out (it must fit one message)
 STATUS_MAX_NBYTES = DEFAULT_LIMITS.max_message_nbytes // 2

@@ -26,6 +26,7 @@ import re
 import socket
 from typing import Any
 
+from transport import wire
 from transport.errors import ConfigError
 
 __all__ = ["host_id", "local_topology", "gpu_identity", "normalize_pci_bus_id", "format_uuid",
@@ -34,7 +35,7 @@ __all__ = ["host_id", "local_topology", "gpu_identity", "normalize_pci_bus_id", 
 _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 
-MAX_HOST_BYTES = 128
+MAX_HOST_BYTES = wire.MAX_HOST_BYTES   # 128; the coordinator refuses a join with a longer one
 
 
 def host_id() -> str:

@@ -11,7 +11,10 @@ A message is a msgpack map. Every message carries the header fields:
 and then the fields of its type, listed below with their types and whether they are required.
 Bytes travel as msgpack ``bin``; nothing is ever pickled. Integers must fit in 64 bits. A job id
 and an agent identity are at most :data:`MAX_JOB_ID` characters (the coordinator refuses a longer
-one with a ``ConfigError``; ``rtxnet-run`` checks ``--job`` against the same bound). Durations
+one with a ``ConfigError``; ``rtxnet-run`` checks ``--job`` against the same bound). A ``join``'s
+``token`` is at most :data:`MAX_TOKEN` characters, its ``host`` not empty and at most
+:data:`MAX_HOST_BYTES` bytes of UTF-8, and its ``endpoint`` ``tcp://HOST:PORT[?bulk=PORT]`` with
+ports in 1..65535 (a ``ConfigError`` naming the value otherwise). Durations
 (``*_s`` fields) must be finite: the coordinator answers a request with a NaN, infinite or negative
 duration (``heartbeat_timeout_s`` also 0) with a ``ConfigError`` naming the field and the value.
 
@@ -61,6 +64,8 @@ __all__ = [
     "INT64_MIN",
     "UINT64_MAX",
     "MAX_JOB_ID",
+    "MAX_TOKEN",
+    "MAX_HOST_BYTES",
     "validate",
     "make",
 ]
@@ -70,6 +75,8 @@ PROTOCOL_VERSION = 1
 INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 MAX_JOB_ID = 256   # characters of a job id or an agent identity
+MAX_TOKEN = 256    # characters of a job token (join refuses a longer one)
+MAX_HOST_BYTES = 128   # bytes (UTF-8) of a rank's host name (join refuses a longer or empty one)
 # bytes of keys and values a job's store holds, and all jobs' stores on one coordinator (a
 # snapshot of the journal holds them all); the coordinator refuses a kv_set past either with a
 # ConfigError, and the agent refuses one item above the first before sending it

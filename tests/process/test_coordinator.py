@@ -447,6 +447,7 @@ def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordin
     (["--dead-job-ttl", "-5"], "argument --dead-job-ttl: '-5' is not a finite, positive number of seconds"),
     (["--bind", "tcp://127.0.0.1:70000"], "argument --bind: 'tcp://127.0.0.1:70000': port '70000' is not in 0..65535"),
     (["--journal", ""], "argument --journal: '' is not a folder name (empty)"),
+    (["--journal-owner", "1"], "argument --journal-owner: only applies with --remove-journal-on-stop"),
 ])
 def test_daemon_arguments_are_argparse_errors_naming_the_value(tmp_path, args, text):
     argv = ["--bind", "tcp://127.0.0.1:0", "--journal", str(tmp_path / "j"), *args]
@@ -543,7 +544,18 @@ def test_hostile_joins_and_store_floods_are_refused_and_the_journal_stays_replay
         d.send(encode(_join_msg(4, "hostile", "bighost", host="h" * 2**20)))
         r = decode(d.recv())
         assert r["error"] == "ConfigError" and r["message"] == (
-            "join.host must be at most 255 characters and join.endpoint at most 512 (got 1048576 and 17)"), r
+            f"join.host {'h' * 40!r}... is 1048576 bytes of UTF-8; it must be 1 to 128"), r
+        # what a user speaking the raw protocol found accepted: an empty endpoint or host, port 0,
+        # a 100,000-character token
+        for rid, over, text in (
+                (5, {"endpoint": ""}, "endpoint '' is not tcp://HOST:PORT[?bulk=PORT]"),
+                (6, {"endpoint": "tcp://127.0.0.1:0"}, "endpoint 'tcp://127.0.0.1:0': port 0 is not in 1..65535"),
+                (7, {"host": ""}, "join.host '' is 0 bytes of UTF-8; it must be 1 to 128"),
+                (8, {"token": "t" * 100_000},
+                 "join.token is 100000 characters, more than the 256 a job token may have")):
+            d.send(encode(_join_msg(rid, "hostile", "badjoin", **over)))
+            r = decode(d.recv())
+            assert (r["rid"], r["error"], r["message"]) == (rid, "ConfigError", text), r
     p = probes(coordinator.address, job="flood", world_size=1)
     p.expect("joined")
     # status tells no identities: an identity is its agent's routing id, enough to take over its

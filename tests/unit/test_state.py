@@ -250,9 +250,37 @@ def test_a_join_with_an_endpoint_others_cannot_parse_or_absurd_bounds_is_refused
     assert "max_ranks(1000000000000) is above the 65536 ranks a job may have" in errors(sends)[0]["message"]
     sends = h.req("a", "join", identity="a", max_ranks=2, endpoint="junk", **base)
     assert "endpoint 'junk' is not tcp://HOST:PORT[?bulk=PORT]" in errors(sends)[0]["message"]
-    for ok in ("tcp://10.0.0.1:5000?bulk=5001", "tcp://[::1]:7", "tcp://host-1.example:9"):
+    for ok in ("tcp://10.0.0.1:5000?bulk=5001", "tcp://[::1]:7", "tcp://host-1.example:9",
+               "tcp://h:65535?bulk=1"):
         assert not errors(h.req(f"x{len(ok)}", "join", identity=f"x{len(ok)}", max_ranks=4, endpoint=ok,
                                 **base)), ok
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("endpoint", "", "endpoint '' is not tcp://HOST:PORT[?bulk=PORT]"),
+    ("endpoint", "ipc:///tmp/x", "endpoint 'ipc:///tmp/x' is not tcp://HOST:PORT[?bulk=PORT]"),
+    ("endpoint", "tcp://127.0.0.1:0", "endpoint 'tcp://127.0.0.1:0': port 0 is not in 1..65535"),
+    ("endpoint", "tcp://h:99999", "endpoint 'tcp://h:99999': port 99999 is not in 1..65535"),
+    ("endpoint", "tcp://h:1?bulk=0", "endpoint 'tcp://h:1?bulk=0': port 0 is not in 1..65535"),
+    ("endpoint", "tcp://h:1?bulk=65536", "endpoint 'tcp://h:1?bulk=65536': port 65536 is not in 1..65535"),
+    ("host", "", "join.host '' is 0 bytes of UTF-8; it must be 1 to 128"),
+    ("host", "h" * 129, f"join.host {'h' * 40!r}... is 129 bytes of UTF-8; it must be 1 to 128"),
+    ("host", "\u00e9" * 65, f"join.host {chr(0xe9) * 40!r}... is 130 bytes of UTF-8; it must be 1 to 128"),
+    ("token", "t" * 257, "join.token is 257 characters, more than the 256 a job token may have"),
+    ("token", "t" * 100_000, "join.token is 100000 characters, more than the 256 a job token may have"),
+])
+def test_a_join_with_an_empty_or_out_of_range_endpoint_host_or_token_is_refused_naming_it(field, value, text):
+    h = Harness()
+    fields = dict(job="j", identity="a", token="t", rank=None, min_ranks=1, max_ranks=1, last_call_s=0.0,
+                  heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1)
+    fields[field] = value
+    err = errors(h.req("a", "join", **fields))
+    assert [(e["error"], e["message"]) for e in err] == [("ConfigError", text)], err
+    assert not h.state.jobs and not h.records   # nothing kept of it
+    # the largest values are fine: a 128-byte host name, a 256-character token
+    fields.update(host="\u00e9" * 64, token="t" * 256, endpoint="tcp://h:65535?bulk=65535")
+    assert not errors(h.req("a", "join", **fields))
+    assert h.state.jobs["j"].members[0].host == "\u00e9" * 64
 
 
 def test_a_join_may_not_publish_more_than_status_can_carry(monkeypatch):
@@ -297,6 +325,19 @@ def test_kv_set_get_wait_cas_delete():
     h.req("a", "heartbeat", epoch=0, identity="a")
     err = errors(h.tick(0.3))
     assert err and err[0]["error"] == "RtxTimeoutError" and "never" in err[0]["message"]
+
+
+@pytest.mark.parametrize("n, shown, more", [(1, 1, ""), (10, 10, ""), (11, 10, " ... and 1 more"),
+                                            (100_000, 10, " ... and 99990 more")])
+def test_a_kv_wait_timeout_names_the_first_ten_missing_keys_and_counts_the_rest(n, shown, more):
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    h.req("a", "kv_set", epoch=0, key="k0", value=b"here")     # present: not missing
+    keys = [f"k{i}" for i in range(n + 1)]
+    assert h.req("a", "kv_wait", epoch=0, keys=keys, timeout_s=0.5) == []
+    err = errors(h.tick(0.6))
+    missing = keys[1:1 + shown]
+    assert [e["message"] for e in err] == [f"kv_wait timed out; keys still missing: {missing}{more}"], err
 
 
 def test_commit_needs_every_member_and_fails_on_epoch_change():
