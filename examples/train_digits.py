@@ -20,8 +20,13 @@ data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller 
 ``--rejoin-window`` seconds for one, then stop with one ``error: RendezvousError: ...`` line).
 Every ``--checkpoint-every`` steps a sharded checkpoint is committed under ``OUTDIR/checkpoints``;
 ``--resume`` starts from the newest intact one (with none intact among step folders that exist,
-every rank stops with one line before joining, exit code 2; with no step folder it starts afresh). A bad ``--out`` (not creatable, not writable) or a
-``--global-batch`` above the 1347 training samples stops every rank with one line before it joins.
+every rank stops with one line before joining, exit code 2; with no step folder it starts afresh).
+A checkpoint records the options that shape the state it holds (``--strategy``, ``--hidden``,
+``--global-batch``, ``--seed``); ``--resume`` with other values stops every rank with one line
+naming them, before joining, exit code 2 (a checkpoint from before that record: once its load
+fails, also one line and exit code 2). A bad ``--out`` (not creatable, not writable) or a
+``--global-batch`` above the 1347 training samples stops every rank with one line before it joins
+(and before ``--out`` is created).
 
 ``--strategy fsdp`` shards the model and Adam's state over the ranks instead
 (:class:`rtxnet.parallel.FullyShardedDataParallel`, CPU only) and runs ``FaultTolerance`` with
@@ -216,6 +221,45 @@ def make_model(hidden: int) -> torch.nn.Module:
     )
 
 
+# The options that shape the saved state (model and optimizer layout, sampler order): every
+# checkpoint records them in its manifest's metadata, and --resume refuses other values.
+SETUP_OPTIONS = ("strategy", "hidden", "global_batch", "seed")
+
+
+def run_setup(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in SETUP_OPTIONS}
+
+
+def _options(setup: dict[str, Any]) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in setup.items())
+
+
+def setup_mismatch(saved: dict[str, Any], args: argparse.Namespace) -> str | None:
+    """``None`` when ``saved`` (a checkpoint's setup; options it lacks are not compared) agrees
+    with this run's options, else ``"was saved with --hidden 128, got --hidden 64; resume with
+    --hidden 128"``."""
+    mine = run_setup(args)
+    differ = [k for k in SETUP_OPTIONS if k in saved and saved[k] != mine[k]]
+    if not differ:
+        return None
+    was = _options({k: saved[k] for k in differ})
+    return f"was saved with {was}, got {_options({k: mine[k] for k in differ})}; resume with {was}"
+
+
+def saved_setup(ckpt_dir: Path, step: int) -> dict[str, Any] | None:
+    """The setup checkpoint ``step`` recorded (``None`` for one saved without it)."""
+    try:
+        setup = checkpoint.read_manifest(ckpt_dir, step).get("metadata", {}).get("setup")
+    except (checkpoint.CheckpointError, OSError):   # the load that follows says what is wrong
+        return None
+    return setup if isinstance(setup, dict) else None
+
+
+# What loading a state of another shape raises: torch's load_state_dict (RuntimeError, ValueError),
+# rtxnet's FSDP and sampler loaders (ConfigError, a ValueError), a missing entry.
+LOAD_MISMATCH_ERRORS = (RuntimeError, ValueError, KeyError, TypeError, IndexError)
+
+
 class TrainState:
     """Everything a step changes: model, optimizer, sampler position, step, RNG, loss history.
 
@@ -295,15 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     ckpt_dir = out / "checkpoints"
     # Before joining, each rank for itself: a rank that cannot run says so and nobody waits for it.
-    if (why := check_out_folder(out)) is not None:
-        print(f"train_digits: {why}", file=sys.stderr)
-        return 2
+    # The refusals that need no folder come before --out is created, so they leave none behind.
     device = pick_device(args.device)
-    xtr, ytr, xte, yte = (t.to(device) for t in load_data())
+    xtr, ytr, xte, yte = load_data()
     if args.global_batch > len(xtr):
         print(f"train_digits: --global-batch must be at most the {len(xtr)} training samples, "
               f"got {args.global_batch}", file=sys.stderr)
         return 2
+    if (why := check_out_folder(out)) is not None:
+        print(f"train_digits: {why}", file=sys.stderr)
+        return 2
+    xtr, ytr, xte, yte = (t.to(device) for t in (xtr, ytr, xte, yte))
     resume_step = checkpoint.latest(ckpt_dir) if args.resume else None
     if args.resume and resume_step is None and any(ckpt_dir.glob("step-*")):
         # step folders, none intact: starting afresh would overwrite them; say so instead
@@ -311,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
               f"a manifest or fail their checksums); without --resume training starts afresh and "
               f"replaces them", file=sys.stderr)
         return 2
+    resume_what = f"--resume: checkpoint step-{resume_step} in {ckpt_dir}"
+    if resume_step is not None and (saved := saved_setup(ckpt_dir, resume_step)) is not None:
+        if (why := setup_mismatch(saved, args)) is not None:
+            print(f"train_digits: {resume_what} {why}", file=sys.stderr)
+            return 2
+    ckpt_metadata = {"setup": run_setup(args)}
     pg = rtxnet.init()
     structlog.contextvars.bind_contextvars(rank=pg.rank)   # kept current by RankZeroOutput.is_me
 
@@ -333,7 +385,21 @@ def main(argv: list[str] | None = None) -> int:
         if resume_step is None:    # no step folder at all: nothing to resume, a fresh start
             log.warning("resume_no_checkpoint", folder=str(ckpt_dir))
         else:
-            load_checkpoint(resume_step, ckpt_dir)
+            try:
+                load_checkpoint(resume_step, ckpt_dir)
+            except LOAD_MISMATCH_ERRORS as exc:
+                # Saved before checkpoints recorded their setup (the check above): the state has
+                # another shape. One line, naming this run's options, instead of a traceback.
+                err = " ".join(str(exc).split())
+                print(f"train_digits: {resume_what} does not fit this run's "
+                      f"{_options(run_setup(args))} (it does not record the options it was saved "
+                      f"with; resume with those): {type(exc).__name__}: {err[:300]}"
+                      f"{'...' if len(err) > 300 else ''}", file=sys.stderr)
+                try:
+                    pg.close()
+                except rtxnet.RtxError:
+                    pass
+                return 2
             resumed_from = state.step
             log.info("resumed", step=state.step, checkpoint=resume_step)
 
@@ -376,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             with ft.guard() as step:
                 if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
                     checkpoint.save(ckpt_dir, step, state.state_dict(), pg=pg, keep=3,
-                                    metadata={"world_size": pg.world_size})
+                                    metadata={"world_size": pg.world_size, **ckpt_metadata})
                 loss_value, global_n = train_step(step)
             if ft.step == step + 1:                   # committed
                 samples += global_n
@@ -399,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     duration_s = time.perf_counter() - t0
     rank0.close()
-    final_world, acc = after_training(pg, ft, state, ckpt_dir, resumed_from, xte, yte)
+    final_world, acc = after_training(pg, ft, state, ckpt_dir, resumed_from, xte, yte, ckpt_metadata)
     if rank0.is_me():   # asked once, now: rank 0 of the epoch the run ended in writes everything
         out.mkdir(parents=True, exist_ok=True)   # the process that made it may be gone
         events = _events(ft.events)
@@ -433,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
 AFTER_TRAINING_TRIES = 3
 
 
-def after_training(pg, ft, state, ckpt_dir: Path, resumed_from, xte, yte) -> tuple[tuple[int, int, int], float]:
+def after_training(pg, ft, state, ckpt_dir: Path, resumed_from, xte, yte,
+                   metadata: dict[str, Any]) -> tuple[tuple[int, int, int], float]:
     """The final checkpoint and the test accuracy, after ``ft.finish()``. A rank lost meanwhile
     (a collective raises, or FSDP's forward finds the world changed) makes every rank call
     ``ft.finish()`` again, which syncs (reshards) the state for the smaller world, and redo
@@ -446,7 +513,8 @@ def after_training(pg, ft, state, ckpt_dir: Path, resumed_from, xte, yte) -> tup
         try:
             if state.step != resumed_from:               # the final state, whatever the period
                 try:
-                    checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3)
+                    checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3,
+                                    metadata={"world_size": pg.world_size, **metadata})
                 except (rtxnet.RtxError, OSError) as exc:
                     if pg.epoch != world[0]:
                         raise

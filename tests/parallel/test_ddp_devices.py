@@ -59,11 +59,12 @@ def test_train_digits_asked_for_cuda_without_cuda_says_so(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = procs.env(RTXNET_COORDINATOR="tcp://127.0.0.1:9")
     r = subprocess.run([sys.executable, str(root / "examples" / "train_digits.py"), "--out",
-                        str(tmp_path), "--device", "cuda"], capture_output=True, text=True,
+                        str(tmp_path / "out"), "--device", "cuda"], capture_output=True, text=True,
                        timeout=60, env=env, cwd=root)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "train_digits: --device cuda, but torch" in r.stderr
     assert "use --device cpu" in r.stderr
+    assert not (tmp_path / "out").exists()   # refused before the folder is made
 
 
 @pytest.mark.timeout(60)

@@ -37,11 +37,26 @@ BENCHES = {
 @pytest.mark.parametrize("name", sorted(BENCHES))
 def test_benchmark_runs_and_writes_its_json(name, tmp_path):
     args, check = BENCHES[name]
-    out = tmp_path / f"{name}.json"
+    out = tmp_path / "new" / f"{name}.json"   # a folder that does not exist yet: made at the end
     proc = subprocess.run([sys.executable, f"tools/bench/{name}.py", *args, "--json", str(out)],
                           capture_output=True, text=True, timeout=110, cwd=ROOT, env=procs.env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert check(json.loads(out.read_text())), out.read_text()[:2000]
+
+
+@pytest.mark.timeout(60)
+def test_collectives_table_keeps_wide_values_apart(capsys):
+    # Before: fixed widths ran a 4-digit algbw into its neighbour ("41.3us1626.211").
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("collectives", ROOT / "tools" / "bench" / "collectives.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.print_table([{"impl": "rtxnet", "op": "all_reduce", "ranks": 1, "nbytes": 64 << 20, "time_s": 41.3e-6,
+                      "algbw_gbps": 1626.211, "busbw_gbps": 123456.0}])
+    head, rule, row = capsys.readouterr().out.splitlines()
+    assert row.split() == ["all_reduce", "1", "64MiB", "|", "41.3us", "1626.211", "123456.000"], row
+    assert len(head) == len(rule) == len(row) and row.endswith(" 123456.000")
 
 
 def test_collectives_bench_refuses_an_algorithm_an_op_does_not_have(tmp_path):

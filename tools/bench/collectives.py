@@ -399,42 +399,59 @@ def to_rows(impl, n, transport, runs):
     return rows
 
 
+def columns(lines: list[list[str]]) -> list[str]:
+    """``lines`` of cells as text columns, each as wide as its widest cell (the first one
+    left-aligned, the others right-aligned) and one space apart, so a value wider than usual
+    shifts its column instead of running into its neighbour."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return [" ".join([line[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(line[1:], widths[1:], strict=True)])
+            for line in lines]
+
+
 def print_table(rows):
     by = {(r["op"], r["ranks"], r["nbytes"], r["impl"]): r for r in rows}
     impls = sorted({r["impl"] for r in rows})
     limits = any("frac_of_limit" in r for r in rows)
-    head = f"{'op':<15}{'ranks':>5}{'size':>9}"
+    head = ["op", "ranks", "size"]
     for impl in impls:
-        head += f" | {impl + ' time':>14}{'algbw':>8}{'busbw':>8}"
+        head += ["|", f"{impl} time", "algbw", "busbw"]
     if len(impls) == 2:
-        head += f" | {'busbw ratio':>11}"
+        head += ["|", "busbw ratio"]
     if limits:
-        head += f" | {'algbw_max':>9}{'of max':>8}{'check':>6}"
-    print(head)
-    print("-" * len(head))
+        head += ["|", "algbw_max", "of max", "check"]
+    lines = [head]
     for op, n, nb in sorted({(r["op"], r["ranks"], r["nbytes"]) for r in rows},
                             key=lambda k: (OPS.index(k[0]) if k[0] in OPS else 9, k[1], k[2])):
-        line = f"{op:<15}{n:>5}{fmt_size(nb):>9}"
+        line = [op, str(n), fmt_size(nb)]
         for impl in impls:
             r = by.get((op, n, nb, impl))
             if r is None:
-                line += f" | {'-':>14}{'-':>8}{'-':>8}"
+                line += ["|", "-", "-", "-"]
             else:
                 t = r["time_s"]
                 ts = f"{t * 1e6:.1f}us" if t < 1e-3 else f"{t * 1e3:.2f}ms"
-                line += f" | {ts:>14}{r['algbw_gbps']:>8.3f}{r['busbw_gbps']:>8.3f}"
+                line += ["|", ts, f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}"]
         if len(impls) == 2:
             a, b = (by.get((op, n, nb, i)) for i in impls)
-            if a and b and a["busbw_gbps"] > 0:
+            if a and b and a["busbw_gbps"] > 0 and b["busbw_gbps"] > 0:
                 # rtxnet / gloo, whichever order the names sort in
                 rt = a if a["impl"].startswith("rtxnet") else b
                 gl = b if rt is a else a
-                line += f" | {rt['busbw_gbps'] / gl['busbw_gbps']:>10.2f}x"
+                line += ["|", f"{rt['busbw_gbps'] / gl['busbw_gbps']:.2f}x"]
+            else:
+                line += ["|", "-"]
         if limits:
             r = by.get((op, n, nb, impls[0]))
             if r is not None and "frac_of_limit" in r:
-                line += (f" | {r['algbw_max_gbps']:>9.1f}{r['frac_of_limit'] * 100:>7.1f}%"
-                         f"{'ok' if r.get('ok', True) else 'WRONG':>6}")
+                line += ["|", f"{r['algbw_max_gbps']:.1f}", f"{r['frac_of_limit'] * 100:.1f}%",
+                         "ok" if r.get("ok", True) else "WRONG"]
+            else:
+                line += ["|", "-", "-", "-"]
+        lines.append(line)
+    text = columns(lines)
+    print(text[0])
+    print("-" * len(text[0]))
+    for line in text[1:]:
         print(line)
 
 
@@ -444,14 +461,14 @@ def print_phases(rows) -> None:
     rows = [r for r in rows if r.get("phases_us")]
     if not rows:
         return
-    head = f"{'op':<15}{'ranks':>5}{'size':>9}{'total':>10}" + "".join(f"{p:>12}" for p in PHASES)
-    print("\nIPC phases (median us from the start of the exchange):", file=sys.stderr)
-    print(head, file=sys.stderr)
+    lines = [["op", "ranks", "size", "total", *PHASES]]
     for r in rows:
         ph = r["phases_us"]
-        print(f"{r['op']:<15}{r['ranks']:>5}{fmt_size(r['nbytes']):>9}{r['time_s'] * 1e6:>10.0f}"
-              + "".join(f"{ph[p]:>12.0f}" if p in ph else f"{'-':>12}" for p in PHASES),
-              file=sys.stderr)
+        lines.append([r["op"], str(r["ranks"]), fmt_size(r["nbytes"]), f"{r['time_s'] * 1e6:.0f}",
+                      *(f"{ph[p]:.0f}" if p in ph else "-" for p in PHASES)])
+    print("\nIPC phases (median us from the start of the exchange):", file=sys.stderr)
+    for line in columns(lines):
+        print(line, file=sys.stderr)
 
 
 def plot(rows, path):
@@ -538,12 +555,15 @@ def main(argv=None):
     else:
         rows = run_cpu(args)
     print_table(rows)
+    # output_file checked the nearest existing folder at the start; the missing ones are made now
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"json: {args.json}")
-    path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    path = args.plot or (args.json.with_suffix(".png") if args.json else None)
     if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
         plot(rows, path)
 
 

@@ -118,6 +118,7 @@ def main() -> int:
             print(f"{row['world_size']:>3} {k:>5} {m['params_B']:>12,} {m['grads_B']:>12,} "
                   f"{m['optim_B']:>12,} {m['total_B']:>12,} {ratio:>9}")
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"width": a.width, "depth": a.depth, "rows": rows}, indent=1))
     return 0
 
