@@ -94,16 +94,11 @@ class LateLaunch:
         return getattr(self._pg, name)
 
 
-EXIT_FAST = ROOT / "tests" / "exitfast"   # its sitecustomize skips torch's collection at exit
-
-
 def env(**extra: str) -> dict[str, str]:
     """This process's environment for a child: the repository first on ``PYTHONPATH``, whatever
-    was there kept (the GPU host brings packages that way), plus ``extra``. ``tests/exitfast``
-    comes next (see its ``sitecustomize``) unless ``RTXNET_TEST_FULL_EXIT=1``."""
+    was there kept (the GPU host brings packages that way), plus ``extra``."""
     e = dict(os.environ, **extra)
-    fast = None if e.get("RTXNET_TEST_FULL_EXIT") == "1" else str(EXIT_FAST)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), fast, os.environ.get("PYTHONPATH")) if p)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return e
 
 
