@@ -9,7 +9,8 @@ ranks ``K*P .. K*P+P-1`` of a world of ``N*P``; each rank's data sockets listen 
 ``--bind-host`` (default: this host's address on the route to the coordinator).
 
 Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them. Every line a rank
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them, and, as torchrun
+does with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set already. Every line a rank
 prints is prefixed with ``[rankN]``. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks
 (as torchrun does); ranks still running ``--grace`` seconds later, or at a second such signal, are
 killed (SIGKILL). A rank that
@@ -195,6 +196,10 @@ class Launcher:
             "GROUP_RANK": str(a.node_rank),
             "PYTHONUNBUFFERED": "1",
         })
+        if a.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # torchrun's default: N ranks each running a thread per core would oversubscribe
+            # the cores (OpenMP threads spin while they wait); set it to choose another value
+            env["OMP_NUM_THREADS"] = "1"
         if self.bind_host is not None:
             env["RTXNET_BIND_HOST"] = self.bind_host
         if a.faults:
@@ -376,6 +381,9 @@ class Launcher:
                  f"(data sockets on {self.bind_host})")
         else:
             _say(f"job {self.job}: starting {a.nproc} rank{'s' if a.nproc > 1 else ''} of {a.script}")
+        if a.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+            _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
+                 "tune the threads of each rank's math libraries")
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         try:
             for slot in self.slots:

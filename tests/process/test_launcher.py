@@ -243,6 +243,24 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path, sig):
     assert err.strip().splitlines()[-1].endswith(f"stopped by {sig}, forwarded to the ranks; exit code 0"), err
 
 
+@pytest.mark.parametrize("given", [None, "3"])
+def test_omp_num_threads_is_1_for_each_rank_unless_given(tmp_path, given):
+    # torchrun's default with more than one rank: each rank's OpenMP pool, a thread per core,
+    # would oversubscribe the cores
+    script = tmp_path / "omp.py"
+    script.write_text("import os\nprint('omp', os.environ.get('OMP_NUM_THREADS'))\n")
+    env = procs.env()
+    env.pop("OMP_NUM_THREADS", None)
+    if given:
+        env["OMP_NUM_THREADS"] = given
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert sorted(line for line in out.stdout.splitlines() if "omp" in line) == [
+        f"[rank{r}] omp {given or '1'}" for r in (0, 1)], out.stdout
+    assert ("OMP_NUM_THREADS=1 for each rank, as torchrun sets it" in out.stderr) == (given is None)
+
+
 def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path):
     script = tmp_path / "stubborn.py"
     script.write_text(textwrap.dedent("""
