@@ -362,13 +362,18 @@ def main(argv: list[str] | None = None) -> int:
         if (why := setup_mismatch(saved, args)) is not None:
             print(f"train_digits: {resume_what} {why}", file=sys.stderr)
             return 2
-    ckpt_metadata = {"setup": run_setup(args)}
+    setup = run_setup(args)
     pg = rtxnet.init()
     structlog.contextvars.bind_contextvars(rank=pg.rank)   # kept current by RankZeroOutput.is_me
 
     if device.type == "cuda":
         log.info("device", device=str(device), name=torch.cuda.get_device_name(device))
     state = TrainState(pg, args, len(xtr), device)
+
+    def save_checkpoint(step: int) -> None:
+        """Commit ``state`` as checkpoint ``step`` (the last 3 kept), with this run's setup."""
+        checkpoint.save(ckpt_dir, step, state.state_dict(), pg=pg, keep=3,
+                        metadata={"world_size": pg.world_size, "setup": setup})
 
     def load_checkpoint(step: int, root: str | Path) -> None:
         # --resume, and FaultTolerance when no live rank holds the last committed state
@@ -392,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 # another shape. One line, naming this run's options, instead of a traceback.
                 err = " ".join(str(exc).split())
                 print(f"train_digits: {resume_what} does not fit this run's "
-                      f"{_options(run_setup(args))} (it does not record the options it was saved "
+                      f"{_options(setup)} (it does not record the options it was saved "
                       f"with; resume with those): {type(exc).__name__}: {err[:300]}"
                       f"{'...' if len(err) > 300 else ''}", file=sys.stderr)
                 try:
@@ -441,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise KeyboardInterrupt
             with ft.guard() as step:
                 if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
-                    checkpoint.save(ckpt_dir, step, state.state_dict(), pg=pg, keep=3,
-                                    metadata={"world_size": pg.world_size, **ckpt_metadata})
+                    save_checkpoint(step)
                 loss_value, global_n = train_step(step)
             if ft.step == step + 1:                   # committed
                 samples += global_n
@@ -465,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     duration_s = time.perf_counter() - t0
     rank0.close()
-    final_world, acc = after_training(pg, ft, state, ckpt_dir, resumed_from, xte, yte, ckpt_metadata)
+    final_world, acc = after_training(pg, ft, state, save_checkpoint, resumed_from, xte, yte)
     if rank0.is_me():   # asked once, now: rank 0 of the epoch the run ended in writes everything
         out.mkdir(parents=True, exist_ok=True)   # the process that made it may be gone
         events = _events(ft.events)
@@ -499,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
 AFTER_TRAINING_TRIES = 3
 
 
-def after_training(pg, ft, state, ckpt_dir: Path, resumed_from, xte, yte,
-                   metadata: dict[str, Any]) -> tuple[tuple[int, int, int], float]:
+def after_training(pg, ft, state, save_checkpoint, resumed_from, xte,
+                   yte) -> tuple[tuple[int, int, int], float]:
     """The final checkpoint and the test accuracy, after ``ft.finish()``. A rank lost meanwhile
     (a collective raises, or FSDP's forward finds the world changed) makes every rank call
     ``ft.finish()`` again, which syncs (reshards) the state for the smaller world, and redo
@@ -513,8 +517,7 @@ def after_training(pg, ft, state, ckpt_dir: Path, resumed_from, xte, yte,
         try:
             if state.step != resumed_from:               # the final state, whatever the period
                 try:
-                    checkpoint.save(ckpt_dir, state.step, state.state_dict(), pg=pg, keep=3,
-                                    metadata={"world_size": pg.world_size, **metadata})
+                    save_checkpoint(state.step)
                 except (rtxnet.RtxError, OSError) as exc:
                     if pg.epoch != world[0]:
                         raise

@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from transport.channel import ControlClient, nobody_there
+from transport.channel import NOTHING_LISTENS, ControlClient, nobody_there
 from transport.errors import ConnectError, RtxError, RtxTimeoutError
 
 __all__ = ["main"]
@@ -69,7 +69,7 @@ async def _status_unless_refused(address: str, timeout_s: float) -> dict:
         if done or loop.time() >= end:
             return await req
         why = await asyncio.to_thread(nobody_there, address)
-        refused = refused + 1 if why and why.startswith("nothing is listening") else 0
+        refused = refused + 1 if why and why.startswith(NOTHING_LISTENS) else 0
         if refused >= 2:
             req.cancel()
             await asyncio.gather(req, return_exceptions=True)

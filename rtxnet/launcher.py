@@ -164,6 +164,9 @@ class Launcher:
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
+        # torchrun's default: N ranks each running a thread per core would oversubscribe the
+        # cores (OpenMP threads spin while they wait); a value set by the user is kept
+        self.omp_one = args.nproc > 1 and "OMP_NUM_THREADS" not in os.environ
         self.done = False
         self._exited: asyncio.Queue = asyncio.Queue()
         # --nnodes > 1: the other nodes' ranks that failed for good, by node (their launchers
@@ -196,9 +199,7 @@ class Launcher:
             "GROUP_RANK": str(a.node_rank),
             "PYTHONUNBUFFERED": "1",
         })
-        if a.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # torchrun's default: N ranks each running a thread per core would oversubscribe
-            # the cores (OpenMP threads spin while they wait); set it to choose another value
+        if self.omp_one:
             env["OMP_NUM_THREADS"] = "1"
         if self.bind_host is not None:
             env["RTXNET_BIND_HOST"] = self.bind_host
@@ -381,7 +382,7 @@ class Launcher:
                  f"(data sockets on {self.bind_host})")
         else:
             _say(f"job {self.job}: starting {a.nproc} rank{'s' if a.nproc > 1 else ''} of {a.script}")
-        if a.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if self.omp_one:
             _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
                  "tune the threads of each rank's math libraries")
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None

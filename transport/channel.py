@@ -491,6 +491,9 @@ def _ipc_in_use(address: str) -> str | None:
     return f"a process already listens on {path} (Address already in use)"
 
 
+NOTHING_LISTENS = "nothing is listening"   # how nobody_there's answer for a refused connect begins
+
+
 def nobody_there(address: str) -> str | None:
     """Why ``tcp://HOST:PORT`` did not answer, when a plain TCP connect can tell: nothing listens
     there (refused), or the host cannot be reached. None when something accepts connections (a
@@ -508,6 +511,6 @@ def nobody_there(address: str) -> str | None:
         with socket.create_connection((host, port), timeout=2.0):
             return None
     except ConnectionRefusedError:
-        return f"nothing is listening on {host} port {port}: is the coordinator running there?"
+        return f"{NOTHING_LISTENS} on {host} port {port}: is the coordinator running there?"
     except OSError as exc:
         return f"{host} port {port} cannot be reached: {exc.strerror or exc}"

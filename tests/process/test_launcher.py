@@ -212,6 +212,15 @@ def test_a_journal_that_is_a_file_is_refused_before_anything_starts(tmp_path):
     assert journal.read_text() == "mine"
 
 
+def _read_until(p: subprocess.Popen, text: str, count: int, deadline: float) -> int:
+    """Read ``p``'s stdout lines until ``count`` of them hold ``text`` or ``deadline`` (a
+    ``time.monotonic()``) passed; returns how many did."""
+    seen = 0
+    while seen < count and time.monotonic() < deadline:
+        seen += text in p.stdout.readline()
+    return seen
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_sigterm_is_forwarded_to_ranks(tmp_path, sig):
     script = tmp_path / "sleep.py"
@@ -227,11 +236,7 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path, sig):
     p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        seen = 0
-        deadline = time.monotonic() + 30
-        while seen < 2 and time.monotonic() < deadline:
-            if "ready" in p.stdout.readline():
-                seen += 1
+        _read_until(p, "ready", 2, time.monotonic() + 30)
         os.kill(p.pid, getattr(signal, sig))
         out, err = p.communicate(timeout=30)
     finally:
@@ -273,16 +278,11 @@ def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path
                           str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=procs.env(), cwd=ROOT)
     try:
-        seen = 0
         deadline = time.monotonic() + 30
-        while seen < 2 and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            seen += "ready" in line
+        _read_until(p, "ready", 2, deadline)
         os.kill(p.pid, signal.SIGTERM)
-        ignored = 0
-        while ignored < 2 and time.monotonic() < deadline:
-            ignored += "ignoring sigterm" in p.stdout.readline()
-        assert ignored == 2 and p.poll() is None    # the first one is forwarded, and waited on
+        assert _read_until(p, "ignoring sigterm", 2, deadline) == 2
+        assert p.poll() is None    # the first one is forwarded, and waited on
         os.kill(p.pid, signal.SIGTERM)
         out, err = p.communicate(timeout=30)        # not --grace's 300 s
     finally:
