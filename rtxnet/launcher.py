@@ -205,6 +205,8 @@ class Launcher:
             env["RTXNET_BIND_HOST"] = self.bind_host
         if a.faults:
             env["RTXNET_FAULTS"] = a.faults
+        elif a.faults is not None:   # --faults "": no fault, whatever RTXNET_FAULTS says
+            env.pop("RTXNET_FAULTS", None)
         if self.coordinator_proc is not None:
             env["RTXNET_COORDINATOR_PID"] = str(self.coordinator_proc.pid)
         return env
@@ -597,6 +599,21 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
                            f"no rank was started")
 
 
+def _journal_folder_error(path: str) -> str | None:
+    """Why the coordinator could not keep its journal in folder ``path`` (it cannot be made, or
+    a file cannot be written in it), or None. Makes the folder, as the coordinator would."""
+    if not path:
+        return "--journal must name a folder, got ''"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".rtxnet-run-probe-"):
+            pass
+    except OSError as exc:
+        return (f"--journal {path!r}: the coordinator could not keep its journal there "
+                f"({exc.strerror or exc}{': ' + exc.filename if exc.filename else ''})")
+    return None
+
+
 def _bind_host_error(host: str, name: str = "--bind-host") -> str | None:
     """Why the ranks could not listen on ``host`` (not an IP address, not one of this host's),
     or None; ``name`` is where the value came from."""
@@ -674,7 +691,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--job", default=None, help="job id (default: a fresh random one)")
     p.add_argument("--min-ranks", type=int, default=None, help="smallest world the job may shrink to (default nproc)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0)")
-    p.add_argument("--faults", default=None, help="fault-injection plan (see README)")
+    p.add_argument("--faults", default=None,
+                   help="fault-injection plan (see README); overrides RTXNET_FAULTS, and --faults '' "
+                        "injects none")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds ranks get after SIGINT/SIGTERM/SIGHUP/SIGQUIT before they are killed "
                         "(default 10; a second such signal kills them at once)")
@@ -773,13 +792,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.journal is not None and os.path.exists(args.journal) and not os.path.isdir(args.journal):
         errors.append(f"--journal {args.journal!r} is not a folder (the journal is a folder; "
                       "give a new or existing folder)")
+    elif args.journal is not None:
+        bad = _journal_folder_error(args.journal)
+        if bad:
+            errors.append(bad)
     if not os.path.exists(args.script):
         errors.append(f"script {args.script!r} does not exist")
     elif not os.path.isfile(args.script):
         errors.append(f"script {args.script!r} is not a file")
     # --faults wins over RTXNET_FAULTS (the ranks get --faults); either is checked here, once,
     # instead of by every rank with a traceback.
-    plan, where = ((args.faults, "--faults") if args.faults else
+    plan, where = ((args.faults, "--faults") if args.faults is not None else
                    (os.environ.get("RTXNET_FAULTS"), "RTXNET_FAULTS"))
     if plan:
         from .faults import parse_plan

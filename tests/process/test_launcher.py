@@ -322,6 +322,9 @@ def test_more_arguments_are_checked(tmp_path):
         (["--coordinator", "tcp://127.0.0.1:9", "--journal", str(tmp_path / "j")],
          f"--journal {str(tmp_path / 'j')!r} is for the coordinator rtxnet-run starts; the one at "
          "--coordinator tcp://127.0.0.1:9 keeps its own journal (give one or the other)"),
+        (["--journal", "/proc/rtxnet-nope/j"], "--journal '/proc/rtxnet-nope/j': the coordinator could not "
+                                               "keep its journal there (No such file or directory"),
+        (["--journal", ""], "--journal must name a folder, got ''"),
     ]:
         out = run(["--nproc", "2", *args, "examples/rendezvous_demo.py"])
         assert out.returncode == 2 and f"rtxnet-run: {text}" in out.stderr, (args, out.stderr)
@@ -437,14 +440,16 @@ def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(tmp_pat
     assert "Traceback" not in out.stderr and not list(tmp_path.glob("*.started"))
 
 
-def test_a_faults_flag_wins_over_a_bad_environment_plan(tmp_path):
+@pytest.mark.parametrize("flag", ["kill:rank=0:step=99", ""])
+def test_a_faults_flag_wins_over_a_bad_environment_plan(tmp_path, flag):
+    # --faults "" is no fault: the ranks do not see the environment's plan either
     script = tmp_path / "marks.py"
-    script.write_text(MARKS_START + "print(os.environ['RTXNET_FAULTS'])\n")
-    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", "--faults", "kill:rank=0:step=99",
+    script.write_text(MARKS_START + "print('plan', repr(os.environ.get('RTXNET_FAULTS')))\n")
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", "--faults", flag,
                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=60,
                          env=procs.env(RTXNET_FAULTS="bogus:x"), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "[rank0] kill:rank=0:step=99" in out.stdout
+    assert f"[rank0] plan {flag or None!r}" in out.stdout, out.stdout
 
 
 def test_a_coordinator_that_does_not_answer_is_named_before_any_rank_starts(tmp_path):
