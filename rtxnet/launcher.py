@@ -13,7 +13,8 @@ Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK
 does with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set already. Every line a rank
 prints is prefixed with ``[rankN]``. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks
 (as torchrun does); ranks still running ``--grace`` seconds later, or at a second such signal, are
-killed (SIGKILL). A rank that
+killed (SIGKILL); the same signal again within 0.5 s is the first delivered twice (coreutils
+``timeout`` signals rtxnet-run, then its process group), not a second one. A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
 ``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left
 running: the job re-forms around the loss. When the ranks that failed for good (restarts spent)
@@ -58,6 +59,9 @@ __all__ = ["main", "start_coordinator"]
 MAX_NPROC = 1024
 # What rtxnet-run forwards to the ranks (torchrun's set); a second one kills them at once.
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# The same signal again within this many seconds is the first one delivered twice, not a second
+# Ctrl-C: coreutils `timeout` signals its child, then the child's whole process group.
+_SAME_SIGNAL_S = 0.5
 _PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
 _FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training finished
 
@@ -164,6 +168,7 @@ class Launcher:
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
+        self._stop_signal_at = 0.0             # when (time.monotonic())
         # torchrun's default: N ranks each running a thread per core would oversubscribe the
         # cores (OpenMP threads spin while they wait); a value set by the user is kept
         self.omp_one = args.nproc > 1 and "OMP_NUM_THREADS" not in os.environ
@@ -234,13 +239,18 @@ class Launcher:
 
     def _signal(self, sig: int) -> None:
         first = not self.stopping
+        now = time.monotonic()
         if self.stop_signal is not None:
+            if (sig == signal.Signals[self.stop_signal]
+                    and now - self._stop_signal_at < _SAME_SIGNAL_S):
+                return   # one signal delivered twice (coreutils timeout: to us, then our group)
             # A second signal (a second Ctrl-C): the user will not wait out --grace.
             _say(f"second {signal.Signals(sig).name}: killing the ranks now (SIGKILL)")
             self._kill_all(said=True)
             return
         self.stopping = True
         self.stop_signal = signal.Signals(sig).name
+        self._stop_signal_at = now
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 try:
