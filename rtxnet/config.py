@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transport.errors import ConfigError
 
-__all__ = ["Timeouts", "env_float", "env_int", "int_in", "is_seconds", "output_file"]
+__all__ = ["Timeouts", "env_float", "env_int", "int_in", "ipv6_bind_error", "is_seconds", "output_file"]
 
 
 def is_seconds(v: object) -> bool:
@@ -114,6 +114,22 @@ class Timeouts:
         }
         vals.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**vals)
+
+
+def ipv6_bind_error(host: str, where: str) -> str | None:
+    """Why the ranks' data sockets cannot listen on ``host``, if it is an IPv6 address (they
+    listen on IPv4 only; the coordinator's ``--bind`` takes ``tcp://[::1]:PORT``), else None.
+    ``where`` names the setting (``--bind-host``, ``RTXNET_BIND_HOST``)."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 6:
+        return (f"{where} {host} is an IPv6 address; the ranks' data sockets listen on IPv4 only: "
+                f"give an IPv4 address of this host")
+    return None
 
 
 def output_file(text: str) -> Path:

@@ -630,10 +630,14 @@ def _bind_host_error(host: str, name: str = "--bind-host") -> str | None:
     import ipaddress
     import socket
 
+    from .config import ipv6_bind_error
+
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return f"{name} must be an IP address of this host, got {host!r}"
+    if ip.version == 6:
+        return ipv6_bind_error(host, name)
     try:
         with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))

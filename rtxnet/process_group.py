@@ -12,7 +12,7 @@ Arguments not given are read from the environment the launcher sets:
     RTXNET_RANK          requested rank                 (default: any free rank)
     RTXNET_WORLD_SIZE    sets min_ranks = max_ranks
     RTXNET_MIN_RANKS / RTXNET_MAX_RANKS / RTXNET_LAST_CALL
-    RTXNET_BIND_HOST     address for this rank's data socket (default 127.0.0.1)
+    RTXNET_BIND_HOST     IPv4 address for this rank's data socket (default 127.0.0.1)
     RTXNET_SHM           0 disables shared memory between ranks on one host
 """
 
@@ -32,7 +32,7 @@ from transport import wire
 from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxTimeoutError
 
 from .agent import Agent, Membership
-from .config import Timeouts, env_float, env_int, is_seconds
+from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
 from .portal import Portal, Work
 
 __all__ = ["ProcessGroup", "BlockingProcessGroup", "Store", "connect", "init"]
@@ -420,6 +420,9 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
         return None
     host = bind_host or os.environ.get("RTXNET_BIND_HOST", "127.0.0.1")
     shm = os.environ.get("RTXNET_SHM", "1") not in ("0", "false")
+    ipv6 = ipv6_bind_error(host, "bind_host" if bind_host else "RTXNET_BIND_HOST")
+    if ipv6:
+        raise ConfigError(ipv6)
     import zmq
 
     try:

@@ -324,6 +324,8 @@ def test_more_arguments_are_checked(tmp_path):
         (["--bind-host", "0.0.0.0"], "--bind-host 0.0.0.0 is not an address other nodes can reach"),
         (["--bind-host", "192.0.2.7"], "--bind-host 192.0.2.7: the ranks could not listen there"),
         (["--bind-host", "eth0"], "--bind-host must be an IP address of this host, got 'eth0'"),
+        (["--bind-host", "::1"], "--bind-host ::1 is an IPv6 address; the ranks' data sockets listen on "
+                                 "IPv4 only: give an IPv4 address of this host"),
         (["--coordinator", "tcp://127.0.0.1:9", "--journal", str(tmp_path / "j")],
          f"--journal {str(tmp_path / 'j')!r} is for the coordinator rtxnet-run starts; the one at "
          "--coordinator tcp://127.0.0.1:9 keeps its own journal (give one or the other)"),

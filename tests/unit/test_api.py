@@ -95,6 +95,9 @@ def test_init_without_coordinator_names_the_missing_setting(monkeypatch):
     ({"RTXNET_MIN_RANKS": "3", "RTXNET_MAX_RANKS": "2"}, {},
      "got RTXNET_MIN_RANKS=3 and RTXNET_MAX_RANKS=2"),
     ({}, {"min_ranks": 3, "max_ranks": 2}, "got min_ranks=3 and max_ranks=2"),
+    # the data sockets are IPv4 only: the advice was "give an address of this host", which ::1 is
+    ({"RTXNET_WORLD_SIZE": "1"}, {"bind_host": "::1"},
+     "bind_host ::1 is an IPv6 address; the ranks' data sockets listen on IPv4 only"),
 ])
 def test_a_bad_world_size_names_the_setting_it_came_from(monkeypatch, env, kw, message):
     for name in ("RTXNET_WORLD_SIZE", "RTXNET_MIN_RANKS", "RTXNET_MAX_RANKS", "RTXNET_RANK", "RTXNET_REJOIN"):
