@@ -816,6 +816,9 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if len(job_id) > MAX_JOB_ID or len(ident) > MAX_JOB_ID:
         return refuse("ConfigError", f"job id and identity must be at most {MAX_JOB_ID} characters "
                       f"(got {len(job_id)} and {len(ident)})")
+    if not job_id.isprintable():   # it is printed in every log line and status answer of the job
+        return refuse("ConfigError", f"job id {job_id[:40]!r} holds a control character (a newline, "
+                      f"an escape, ...); give a printable one")
     if not (math.isfinite(msg["heartbeat_timeout_s"]) and math.isfinite(msg["last_call_s"])):
         return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) and "
                       f"last_call_s({msg['last_call_s']}) must be finite")

@@ -52,7 +52,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from transport.shm import remove_segments
-from transport.wire import MAX_JOB_ID
+from transport.wire import MAX_JOB_ID, MAX_TOKEN
 
 __all__ = ["main", "start_coordinator"]
 
@@ -725,7 +725,8 @@ def _environment_errors() -> list[str]:
     timeouts (parsed and checked by :meth:`rtxnet.Timeouts.from_env`, as a rank's ``init`` does
     when it is given no ``Timeouts``), ``RTXNET_LAST_CALL`` (the coordinator refuses a join whose
     ``last_call_s`` is negative or not finite), ``RTXNET_LOG_LEVEL``, ``RTXNET_HOST`` (too long
-    for an identity) and ``RTXNET_BIND_HOST`` (an address the ranks could not listen on)."""
+    for an identity), ``RTXNET_TOKEN`` (longer than the coordinator takes) and ``RTXNET_BIND_HOST``
+    (an address the ranks could not listen on)."""
     from transport.errors import ConfigError
 
     from .config import Timeouts, env_float
@@ -756,6 +757,10 @@ def _environment_errors() -> list[str]:
         host_id()
     except ConfigError as exc:
         errors.append(str(exc))
+    token = os.environ.get("RTXNET_TOKEN", "")
+    if len(token) > MAX_TOKEN:   # the coordinator refuses the join
+        errors.append(f"RTXNET_TOKEN is {len(token)} characters, more than the {MAX_TOKEN} a job "
+                      f"token may have")
     bind = os.environ.get("RTXNET_BIND_HOST")
     if bind:
         bad = _bind_host_error(bind, "RTXNET_BIND_HOST")
@@ -776,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.job is not None and len(args.job) > MAX_JOB_ID:
         errors.append(f"--job must be at most {MAX_JOB_ID} characters, got {len(args.job)} "
                       f"({args.job[:20]!r}...)")
+    elif args.job is not None and not args.job.isprintable():
+        errors.append(f"--job {args.job!r} holds a control character (a newline, an escape, ...); "
+                      f"give a printable one")
     if args.coordinator is not None:
         from transport.channel import check_address
 

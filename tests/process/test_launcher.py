@@ -435,6 +435,9 @@ MARKS_START = "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']
     ([], {"RTXNET_LOG_LEVEL": "loud"}, "RTXNET_LOG_LEVEL='loud' is not one of debug, info, warning, error"),
     ([], {"RTXNET_BIND_HOST": "192.0.2.77"}, "RTXNET_BIND_HOST 192.0.2.77: the ranks could not listen there"),
     ([], {"RTXNET_HOST": "h" * 300}, "is 300 bytes; at most 128 (it is part of the rank's ZeroMQ identity)"),
+    ([], {"RTXNET_TOKEN": "t" * 300}, "RTXNET_TOKEN is 300 characters, more than the 256 a job token may have"),
+    (["--job", "a\nb"], {}, "--job 'a\\nb' holds a control character (a newline, an escape, ...); give a "
+                            "printable one"),
 ])
 def test_what_every_rank_would_refuse_is_one_line_before_any_rank_starts(tmp_path, args, env, line):
     script = tmp_path / "marks.py"

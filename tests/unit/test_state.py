@@ -268,6 +268,9 @@ def test_a_join_with_an_endpoint_others_cannot_parse_or_absurd_bounds_is_refused
     ("host", "\u00e9" * 65, f"join.host {chr(0xe9) * 40!r}... is 130 bytes of UTF-8; it must be 1 to 128"),
     ("token", "t" * 257, "join.token is 257 characters, more than the 256 a job token may have"),
     ("token", "t" * 100_000, "join.token is 100000 characters, more than the 256 a job token may have"),
+    ("job", "a\nb", "job id 'a\\nb' holds a control character (a newline, an escape, ...); give a printable one"),
+    ("job", "x\x1b[2Jy", "job id 'x\\x1b[2Jy' holds a control character (a newline, an escape, ...); give a "
+                         "printable one"),
 ])
 def test_a_join_with_an_empty_or_out_of_range_endpoint_host_or_token_is_refused_naming_it(field, value, text):
     h = Harness()
@@ -278,7 +281,7 @@ def test_a_join_with_an_empty_or_out_of_range_endpoint_host_or_token_is_refused_
     assert [(e["error"], e["message"]) for e in err] == [("ConfigError", text)], err
     assert not h.state.jobs and not h.records   # nothing kept of it
     # the largest values are fine: a 128-byte host name, a 256-character token
-    fields.update(host="\u00e9" * 64, token="t" * 256, endpoint="tcp://h:65535?bulk=65535")
+    fields.update(host="\u00e9" * 64, token="t" * 256, endpoint="tcp://h:65535?bulk=65535", job="j")
     assert not errors(h.req("a", "join", **fields))
     assert h.state.jobs["j"].members[0].host == "\u00e9" * 64
 
