@@ -231,6 +231,8 @@ def test_tool_arguments_output_file_and_int_in(tmp_path):
 @pytest.mark.parametrize("argv, line", [
     (["tools/bench/collectives.py", "--ranks", "0"], "argument --ranks: must be in 1..64, got 0"),
     (["tools/bench/collectives.py", "--json", "/proc/x.json"], "no file can be made in folder '/proc'"),
+    (["tools/bench/collectives.py", "--algorithm", "shm", "--no-shm"],
+     "--algorithm shm moves data through shared memory, which --no-shm turns off"),
     (["tools/faultrun.py", "--plan", "kill:rank=1:step=5", "--json", "/proc/x.json", "--", "x.py"],
      "argument --json: cannot write '/proc/x.json'"),
 ])

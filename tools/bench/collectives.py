@@ -550,6 +550,9 @@ def main(argv=None):
         if bad:
             allowed = "; ".join(f"{op}: {', '.join(ALGORITHMS[op])}" for op in bad)
             p.error(f"--algorithm {args.algorithm!r} does not apply to {', '.join(bad)} ({allowed})")
+        if args.algorithm == "shm" and args.no_shm:
+            p.error("--algorithm shm moves data through shared memory, which --no-shm turns off; "
+                    "give one or the other")
     if cuda:
         rows = run_cuda(args)
     else:
