@@ -21,7 +21,8 @@ running: the job re-forms around the loss. When the ranks that failed for good (
 leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: the launcher says so
 and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
 their rejoin window (with ``--nnodes``, counting every node's: the launchers share theirs through
-the job's store). The exit code is 0 when every rank's last process exited 0, else the code of
+the job's store). A rank that exits 0 while its job's rendezvous is open counts as failed for
+good here: it will not join. The exit code is 0 when every rank's last process exited 0, else the code of
 the first rank whose last process failed (128+N for signal N); a replacement that failed after
 the job had finished (every member left in order, as the coordinator says) counts as exited 0.
 
@@ -74,6 +75,8 @@ class _Slot:
     returncode: int | None = None
     failed_at: float | None = None
     pumps: list = field(default_factory=list)
+    # exited 0 while the job's rendezvous was open: it will not join (exit 0 is not restarted)
+    left_before_forming: bool = False
 
 
 def _code(rc: int) -> int:
@@ -177,6 +180,8 @@ class Launcher:
         # --nnodes > 1: the other nodes' ranks that failed for good, by node (their launchers
         # write them to the job's store; see _share_failures)
         self.others_failed: dict[int, list[int]] = {}
+        self._exited_0: list[_Slot] = []     # ranks that exited 0 while others still ran
+        self._forming_watch: asyncio.Future | None = None
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -262,14 +267,16 @@ class Launcher:
             asyncio.get_running_loop().call_later(self.args.grace, self._kill_all)
 
     def _stop_if_below_min_ranks(self) -> None:
-        """Stop the job when the ranks that failed for good leave fewer than --min-ranks: the
-        others could only wait out their rejoin window (and be restarted to wait again)."""
+        """Stop the job when the ranks that failed for good (or exited 0 before the job formed)
+        leave fewer than --min-ranks: the others could only wait out their rejoin window or
+        rendezvous timeout (and be restarted to wait again)."""
         if self.stopping:
             return
         a = self.args
         lost = [s.rank for s in self.slots if s.returncode not in (0, None)]
+        early = [s.rank for s in self.slots if s.left_before_forming]
         others = sorted(r for ranks in self.others_failed.values() for r in ranks)
-        left = self.total - len(lost) - len(others)
+        left = self.total - len(lost) - len(early) - len(others)
         min_ranks = a.min_ranks or self.total
         if left >= min_ranks:
             return
@@ -281,6 +288,8 @@ class Launcher:
         why = []
         if lost:
             why.append(f"{_ranks(lost)} failed for good (--max-restarts {a.max_restarts})")
+        if early:
+            why.append(f"{_ranks(early)} exited 0 before the job formed")
         for node, ranks in sorted(self.others_failed.items()):
             if ranks:
                 why.append(f"{_ranks(ranks)} failed for good on node {node} (its launcher said "
@@ -422,6 +431,10 @@ class Launcher:
                     continue
                 slot.returncode = code
                 running -= 1
+                if code == 0 and running and not self.stopping:
+                    self._exited_0.append(slot)
+                    if self._forming_watch is None:
+                        self._forming_watch = asyncio.ensure_future(self._watch_exits_before_forming())
                 if code != 0:
                     _say(f"rank {slot.rank} exited with code {code}" + (
                         f" after job {self.job} finished training or ended: not restarted (the job "
@@ -435,9 +448,10 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
-            if sharing is not None:
-                sharing.cancel()
-                await asyncio.gather(sharing, return_exceptions=True)
+            for task in (sharing, self._forming_watch):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await self._shutdown()
         if self.stop_signal is not None:
             unstarted = [s.rank for s in self.slots if s.proc is None]
@@ -452,6 +466,39 @@ class Launcher:
         elif self.first_failure is not None:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
+
+    async def _watch_exits_before_forming(self) -> None:
+        """Ranks that exited 0 while their job had not formed will not come back (exit 0 is not
+        restarted): once the coordinator shows the job's rendezvous open (ranks waiting for the
+        world to form), say so, and stop the job when the ranks that can still join are fewer
+        than --min-ranks, instead of letting the others wait out their rendezvous timeout (300 s
+        by default). Asked of the coordinator every second while other ranks run; a job that has
+        formed or finished ends the watch, and so does a script that never calls
+        ``rtxnet.init`` (its job never appears) when its ranks end."""
+        from transport.errors import RtxError
+
+        from .cli import _status
+
+        while not self.stopping and any(s.proc is not None and s.returncode is None for s in self.slots):
+            try:
+                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+            except RtxError:
+                st = None
+            if st is not None:
+                if self.job in st["finished"]:
+                    return
+                job = next((j for j in st["jobs"] if j["job"] == self.job), None)
+                if job is not None and job["state"] != "rendezvous":
+                    return    # formed: a rank leaving now is a member leaving
+                if job is not None:
+                    for slot in self._exited_0:
+                        slot.left_before_forming = True
+                    _say(f"{_ranks([s.rank for s in self._exited_0])} exited with code 0 before job "
+                         f"{self.job} formed: {'they' if len(self._exited_0) > 1 else 'it'} will not "
+                         f"join (a rank that exits 0 is not restarted)")
+                    self._stop_if_below_min_ranks()
+                    return
+            await asyncio.sleep(1.0)
 
     async def _training_finished(self) -> bool:
         """Whether the coordinator says this job's training is over (``FaultTolerance.finish``)

@@ -116,6 +116,33 @@ def test_a_rank_failed_for_good_below_min_ranks_stops_the_others_at_once(tmp_pat
             "restarted 0 of 1 times) failed. Exit code 5") in last, last
 
 
+def test_a_rank_that_exits_0_before_the_job_formed_stops_the_others_at_once(tmp_path):
+    # rank 1 returns before rtxnet.init (a script bug): rank 0 waited its 300 s rendezvous
+    # timeout for it, and the launcher said nothing (a fresh user's find)
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        if os.environ['RANK'] == '1':
+            sys.exit(0)
+        import rtxnet
+        rtxnet.init()
+        print('formed', flush=True)
+    """))
+    t0 = time.monotonic()
+    out = run(["--nproc", "2", "--job", "early", str(script)], timeout=60)
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    assert time.monotonic() - t0 < 30 and "formed" not in out.stdout
+    assert ("rank 1 exited with code 0 before job early formed: it will not join (a rank that exits 0 "
+            "is not restarted)") in out.stderr, out.stderr
+    assert ("rank 1 exited 0 before the job formed: 1 rank left, fewer than --min-ranks 2; stopping "
+            "rank 0 (SIGTERM, SIGKILL after 10 s)") in out.stderr, out.stderr
+    # a script that never calls rtxnet.init: a rank ending first is no reason to stop the other
+    script.write_text("import os, time\nif os.environ['RANK'] == '0':\n    time.sleep(2.5)\nprint('done')\n")
+    out = run(["--nproc", "2", str(script)], timeout=60)
+    assert out.returncode == 0 and out.stdout.count("done") == 2, out.stderr[-3000:]
+    assert "before job" not in out.stderr, out.stderr
+
+
 def test_a_rank_failed_for_good_above_min_ranks_leaves_the_others_running(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\n"
