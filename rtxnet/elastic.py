@@ -707,12 +707,13 @@ class FaultTolerance:
 
     def _load_snapshot(self, blob: bytes, what: str, quiet: bool = False) -> bool:
         """Load ``blob`` into the state; False (logged) when the state refuses it. ``quiet``: a
-        refusal is expected (sharded state after the world changed: the sync reshards it)."""
+        refusal is expected (sharded state after the world changed: the sync reshards it) and
+        logged at debug level only: a user read the line as an error in a recovery that went well."""
         try:
             self.state.load_state_dict(unpack_state(blob))
             return True
         except Exception as exc:   # noqa: BLE001 - the user's loader: any refusal means "cannot"
-            (log.info if quiet else log.warning)(
+            (log.debug if quiet else log.warning)(
                 "state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
                 world_size=self.pg.world_size, rank=self.pg.rank)
             return False
