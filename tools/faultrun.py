@@ -57,7 +57,8 @@ def read_events(folder: Path) -> list[dict]:
     return events
 
 
-def summarize(events: list[dict], output: str = "", plan: str | None = None) -> dict:
+def summarize(events: list[dict], output: str = "", plan: str | None = None,
+              world_size: int | None = None) -> dict:
     """The run in numbers, from the ranks' events and (when given) the run's output.
 
     Returns:
@@ -120,19 +121,21 @@ def summarize(events: list[dict], output: str = "", plan: str | None = None) -> 
                                    "message": es[0].get("message")})
     out.update(scan_output(output))
     if plan is not None:
-        out["faults"] = fault_status(plan, output)
+        out["faults"] = fault_status(plan, output, world_size)
     return out
 
 
-def fault_status(plan: str, output: str) -> list[dict]:
-    """What became of each fault of ``plan``, from the run's output.
+def fault_status(plan: str, output: str, world_size: int | None = None) -> list[dict]:
+    """What became of each fault of ``plan``, from the run's output. ``world_size`` (the run's
+    ranks) names the rank a ``rank=any`` fault was meant for, picked from the plan's seed as the
+    ranks pick it (while the world has not shrunk).
 
     Returns:
         One record per fault, in the plan's order: ``fault`` (its text), ``injected`` (a rank
         logged ``fault_injected`` for it), ``ranks`` (the launch ranks that injected it, or that
         said why not) and ``reason`` (why it was not injected: the rank's own line at exit, a
         ``fault_skipped`` reason, or, when no rank said, that the rank it was meant for never
-        exited normally, e.g. killed by an earlier fault).
+        exited normally: a process killed, by a fault or from outside, says nothing at exit).
     """
     from rtxnet.faults import label, parse_plan
 
@@ -140,6 +143,8 @@ def fault_status(plan: str, output: str) -> list[dict]:
         return {"injected": False, "ranks": set(), "reason": None}
 
     faults = parse_plan(plan)
+    picked = ({g.index: g.rank for g in parse_plan(plan, world_size=world_size)}
+              if world_size else {})
     first = {}                               # text -> index of its first fault in the plan
     for f in faults:
         first.setdefault(f.text, f.index)
@@ -183,17 +188,19 @@ def fault_status(plan: str, output: str) -> list[dict]:
         reason = None if rec["injected"] else rec["reason"]
         if not rec["injected"] and reason is None:
             # faults fire only in a rank's first process: one that an earlier kill ended
-            killer = next((k for k in faults if k.kind == "kill" and k is not f and k.rank == f.rank
-                           and f.rank is not None and f.rank >= 0 and seen.get(k.index, {}).get("injected")), None)
+            rank = picked.get(f.index, f.rank)
+            killer = next((k for k in faults if k.kind == "kill" and k is not f
+                           and picked.get(k.index, k.rank) == rank and rank is not None and rank >= 0
+                           and seen.get(k.index, {}).get("injected")), None)
             if killer is not None:
-                reason = (f"{label(killer, faults)} killed launch rank {f.rank}'s first process first, and "
+                reason = (f"{label(killer, faults)} killed launch rank {rank}'s first process first, and "
                           f"faults fire only in a rank's first process (a replacement runs none)")
             else:
-                who = "rank 0" if f.kind == "kill-coordinator" and f.rank is None else (
-                    "the ranks" if f.rank is None else "the rank picked (rank=any)" if f.rank == -1
-                    else f"launch rank {f.rank}")
-                reason = (f"no rank said why; {who} it was meant for did not exit normally "
-                          f"(killed by an earlier fault?)")
+                who = "rank 0" if f.kind == "kill-coordinator" and rank is None else (
+                    "the ranks" if rank is None else "the rank picked (rank=any)" if rank == -1
+                    else f"launch rank {rank}" + (" (picked by the seed: rank=any)" if f.rank == -1 else ""))
+                reason = (f"no rank said why; {who} it was meant for did not exit normally (a "
+                          f"process killed, by a fault or from outside, says nothing at exit)")
         out.append({"fault": f.text, "index": f.index, "label": label(f, faults),
                     "injected": rec["injected"], "ranks": sorted(rec["ranks"]), "reason": reason})
     return out
@@ -353,7 +360,7 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
                 t.join(timeout=10)
         events = read_events(Path(tmp))
     stdout, stderr = "".join(out_lines), "".join(err_lines)
-    return {"returncode": proc.returncode, "events": events, "summary": summarize(events, stdout + stderr, plan),
+    return {"returncode": proc.returncode, "events": events, "summary": summarize(events, stdout + stderr, plan, nproc),
             "stdout": stdout, "stderr": stderr}
 
 

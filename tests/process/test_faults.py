@@ -329,8 +329,8 @@ def test_faultrun_names_each_fault_and_why_it_was_not_injected():
         {"fault": "kill-coordinator:step=3", "injected": False, "ranks": [0],
          "reason": "skipped: coordinator already gone"},
         {"fault": "delay:rank=2:ms=5", "injected": False, "ranks": [],
-         "reason": "no rank said why; launch rank 2 it was meant for did not exit normally (killed by an "
-                   "earlier fault?)"},
+         "reason": "no rank said why; launch rank 2 it was meant for did not exit normally (a process "
+                   "killed, by a fault or from outside, says nothing at exit)"},
         {"fault": "kill:rank=1:step=20", "injected": False, "ranks": [],
          "reason": "'kill:rank=1:step=5' killed launch rank 1's first process first, and faults fire "
                    "only in a rank's first process (a replacement runs none)"},
@@ -352,14 +352,24 @@ def test_faultrun_tells_apart_faults_with_the_same_text():
         ("'kill:rank=any:step=5' (#1 in the plan)", False, [0], "this process's last FaultTolerance step was 3"),
         ("'kill:rank=any:step=5' (#2 in the plan)", True, [2], None),
         ("'kill:rank=any:step=7'", False, [],
-         "no rank said why; the rank picked (rank=any) it was meant for did not exit normally (killed by "
-         "an earlier fault?)"),
+         "no rank said why; the rank picked (rank=any) it was meant for did not exit normally (a process "
+         "killed, by a fault or from outside, says nothing at exit)"),
     ]
+    # knowing the world size, the rank the seed picked is named (as the ranks pick it: seed=1 over
+    # 4 ranks gives 1, 0 and 2 to the three rank=any faults)
+    import random
+
+    rng = random.Random(1)
+    assert [rng.randrange(4) for _ in range(3)] == [1, 0, 2]
+    (last,) = [f for f in faultrun.summarize([], out, plan, 4)["faults"] if f["fault"] == "kill:rank=any:step=7"]
+    assert last["reason"] == ("no rank said why; launch rank 2 (picked by the seed: rank=any) it was meant for "
+                              "did not exit normally (a process killed, by a fault or from outside, says "
+                              "nothing at exit)"), last
     assert faultrun.report(s)[1:] == [
         "fault 'kill:rank=any:step=5' (#1 in the plan) was not injected: this process's last "
         "FaultTolerance step was 3",
         "fault 'kill:rank=any:step=7' was not injected: no rank said why; the rank picked (rank=any) it "
-        "was meant for did not exit normally (killed by an earlier fault?)",
+        "was meant for did not exit normally (a process killed, by a fault or from outside, says nothing at exit)",
     ]
 
 
