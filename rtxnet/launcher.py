@@ -639,8 +639,12 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
     try:
         status = await _status(address, _PROBE_S, job or "")
     except RtxTimeoutError:
-        raise RuntimeError(f"the coordinator at {address} did not answer within {_PROBE_S:g} s "
-                           f"(is it running, and is --coordinator right?); no rank was started") from None
+        from transport.channel import nobody_there
+
+        why = await asyncio.to_thread(nobody_there, address)   # refused, unknown host, ...
+        raise RuntimeError(f"the coordinator at {address} did not answer within {_PROBE_S:g} s"
+                           + (f": {why}" if why else " (is it running, and is --coordinator right?)")
+                           + "; no rank was started") from None
     except RtxError as exc:
         raise RuntimeError(f"the coordinator at {address} did not give its status: {exc}; no rank "
                            f"was started") from None

@@ -504,6 +504,12 @@ def test_a_coordinator_that_does_not_answer_is_named_before_any_rank_starts(tmp_
         f"rtxnet-run: the coordinator at {address} did not answer within 3 s (is it running, and is "
         f"--coordinator right?); no rank was started"), out.stderr[-3000:]
     assert not list(tmp_path.glob("*.started")) and took < 20, took
+    # a host name that does not resolve is said (it was "is it running?")
+    out = run(["--nproc", "2", "--coordinator", "tcp://rtxnet-nohost.invalid:29600", str(script), str(tmp_path)],
+              timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith(
+        "rtxnet-run: the coordinator at tcp://rtxnet-nohost.invalid:29600 did not answer within 3 s: "
+        "rtxnet-nohost.invalid port 29600 cannot be reached: "), out.stderr[-3000:]
 
 
 def test_ctrl_c_before_any_rank_started_exits_130(tmp_path, coordinator):
