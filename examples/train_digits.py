@@ -26,7 +26,8 @@ A checkpoint records the options that shape the state it holds (``--strategy``, 
 naming them, before joining, exit code 2 (a checkpoint from before that record: once its load
 fails, also one line and exit code 2). A bad ``--out`` (not creatable, not writable) or a
 ``--global-batch`` above the 1347 training samples stops every rank with one line before it joins
-(and before ``--out`` is created).
+(and before ``--out`` is created). So does an ``--out`` that another run, still running, writes to
+(``OUTDIR/.train_digits.lock`` holds its job id; the ranks of one run share it).
 
 ``--strategy fsdp`` shards the model and Adam's state over the ranks instead
 (:class:`rtxnet.parallel.FullyShardedDataParallel`, CPU only) and runs ``FaultTolerance`` with
@@ -166,6 +167,52 @@ def check_out_folder(out: Path) -> str | None:
     except OSError as exc:
         return f"--out {str(out)!r}: cannot write in the folder: {exc.strerror or exc}"
     return None
+
+
+OUT_LOCK = ".train_digits.lock"   # in --out: the job id of the run writing there
+
+
+def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | None, str | None]:
+    """Share folder ``out`` with the other ranks of job ``job`` and keep other runs out: two runs
+    writing one ``--out`` at once would interleave their checkpoints and metrics.
+
+    The first rank takes an exclusive ``flock`` on ``out/.train_digits.lock``, writes its job id
+    there and turns the lock into a shared one; a rank that finds it held reads the id (a shared
+    lock, waiting up to ``wait_s`` seconds while another rank writes it) and joins in if it is its
+    own. The kernel drops a process's lock when it exits, however it ends, so a run that is over,
+    or killed, leaves nothing to clean up; replacements and ``--resume`` get the folder again.
+
+    Returns:
+        ``(fd, None)``: the lock's descriptor, to keep open while the rank runs; or ``(None, why)``
+        with one line naming the job of the run that holds ``out``.
+    """
+    import fcntl
+
+    fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:       # another rank, of this run or of another, holds it
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:   # held exclusively: its holder is writing its id
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    return None, (f"--out {str(out)!r} is locked by another process for more than "
+                                  f"{wait_s:g} s ({out / OUT_LOCK}); give another --out")
+                time.sleep(0.05)
+        holder = os.pread(fd, 1024, 0).decode(errors="replace")
+        if holder != job:
+            os.close(fd)
+            return None, (f"--out {str(out)!r} is in use by another run (job {holder!r}) that is still "
+                          f"running; give another --out, or wait for that run to end")
+    else:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, job.encode(), 0)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd, None
 
 
 def pick_device(name: str) -> torch.device:
@@ -347,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
               f"got {args.global_batch}", file=sys.stderr)
         return 2
     if (why := check_out_folder(out)) is not None:
+        print(f"train_digits: {why}", file=sys.stderr)
+        return 2
+    # held until this process exits
+    _out_lock, why = claim_out_folder(out, os.environ.get("RTXNET_JOB") or "default")
+    if why is not None:
         print(f"train_digits: {why}", file=sys.stderr)
         return 2
     xtr, ytr, xte, yte = (t.to(device) for t in (xtr, ytr, xte, yte))

@@ -677,16 +677,20 @@ def test_status_of_a_port_where_nothing_listens_says_so(timeout, says):
 
 
 def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinator):
-    # any client names jobs and hosts: they must not clear the screen or forge lines
+    # any client names hosts: they must not clear the screen or forge lines; a job id with a
+    # control character is refused (status escapes those too, as a journal may hold one)
     with procs.dealer(coordinator.address, routing_id=b"esc") as d:
-        d.send(encode(_join_msg(1, "esc", "ansi\x1b[2Jjob\nFAKE", host="evil\n\x1b[31mjob-x", max_ranks=2,
-                                min_ranks=2, last_call_s=30.0)))
-        wait_pending(coordinator.address, "ansi\x1b[2Jjob\nFAKE", 1)
+        d.send(encode(_join_msg(1, "esc", "ansi\x1b[2Jjob\nFAKE")))
+        r = decode(d.recv())
+        assert r["error"] == "ConfigError" and "holds a control character" in r["message"], r
+        d.send(encode(_join_msg(2, "esc", "esc-job", host="evil\n\x1b[31mjob-x")))
+        r = decode(d.recv())
+        assert r["t"] != "error", r
         out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                              capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert "\x1b" not in out.stdout and "\nFAKE" not in out.stdout, out.stdout
-    assert "job ansi\\x1b[2Jjob\\nFAKE: rendezvous" in out.stdout, out.stdout
+    assert "\x1b" not in out.stdout and "\njob-x" not in out.stdout, out.stdout
+    assert "evil\\n\\x1b[31mjob-x  pid" in out.stdout, out.stdout
 
 
 def test_a_coordinator_whose_log_reader_is_gone_still_stops_cleanly(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -229,6 +230,33 @@ def test_out_folder_check_names_the_path_and_the_reason(tmp_path):
     assert td.check_out_folder(f) == f"--out {str(f)!r} exists and is not a folder"
     assert td.check_out_folder(f / "out") == f"--out {str(f / 'out')!r}: cannot create the folder: Not a directory"
     assert td.check_out_folder(tmp_path / "new" / "out") is None and (tmp_path / "new" / "out").is_dir()
+
+
+def test_a_second_run_on_an_out_in_use_is_refused_and_the_ranks_of_one_run_share_it(tmp_path, capsys,
+                                                                                   monkeypatch):
+    # two runs writing one --out at once interleaved their checkpoints (a fresh user's find)
+    td = _train_digits_module()
+    out = tmp_path / "out"
+    out.mkdir()
+    first, why = td.claim_out_folder(out, "job-a")
+    assert why is None
+    try:
+        again, why = td.claim_out_folder(out, "job-a")      # another rank of the same run
+        assert why is None
+        os.close(again)
+        assert td.claim_out_folder(out, "job-b") == (None, (
+            f"--out {str(out)!r} is in use by another run (job 'job-a') that is still running; give "
+            f"another --out, or wait for that run to end"))
+        monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)     # refused before joining
+        monkeypatch.setenv("RTXNET_JOB", "job-b")
+        assert td.main(["--out", str(out)]) == 2
+        assert "train_digits: --out" in capsys.readouterr().err
+    finally:
+        os.close(first)
+    # the run is over (its processes gone, their locks with them): the folder is free again
+    later, why = td.claim_out_folder(out, "job-b")
+    assert why is None and (out / td.OUT_LOCK).read_text() == "job-b"
+    os.close(later)
 
 
 @pytest.mark.timeout(60)
