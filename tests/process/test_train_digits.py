@@ -297,9 +297,13 @@ def test_unwritable_out_stops_every_rank_at_once(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_global_batch_larger_than_the_training_set_is_refused(tmp_path):
-    run = train(tmp_path / "out", nproc=2, script_args=("--steps", "3", "--global-batch", "100000"))
-    _refused_by_every_rank(run, "train_digits: --global-batch must be at most the 1347 training samples, got 100000")
+def test_global_batch_larger_than_the_training_set_is_refused(tmp_path, capsys, monkeypatch):
+    # each rank for itself, before joining (main() in this process; that every rank of a run stops
+    # at once on such a refusal: test_unwritable_out_stops_every_rank_at_once)
+    monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)     # it must not get as far as joining
+    assert _train_digits_module().main(["--out", str(tmp_path / "out"), "--global-batch", "100000"]) == 2
+    assert ("train_digits: --global-batch must be at most the 1347 training samples, got 100000"
+            in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()   # refused before the folder is made
 
 
@@ -353,11 +357,12 @@ RESUME_MISMATCHES = {   # id: (the checkpoint's strategy, the resuming run's opt
                          ids=[f"{c}-recorded" for c in RESUME_MISMATCHES] + ["fsdp-as-ddp-unrecorded",
                                                                              "ddp-as-fsdp-unrecorded"])
 def test_resume_with_another_model_setup_stops_every_rank_naming_it(saved, tmp_path, case, recorded, capsys,
-                                                                      monkeypatch):
+                                                                      monkeypatch, coordinator):
     # Before: torch's 15-line load_state_dict traceback on every rank (ddp resuming fsdp, or
     # another --hidden), or a ConfigError that did not say why (fsdp resuming ddp).
-    # recorded: the manifest's setup is checked before joining (main() in this process);
-    # unrecorded: the failed load is turned into one line, after joining (through rtxnet-run).
+    # recorded: the manifest's setup is checked before joining; unrecorded: the failed load is
+    # turned into one line after joining (a world of 1 on a real coordinator); main() in this
+    # process either way.
     strategy, args, says = RESUME_MISMATCHES[case]
     out = _copy_saved(saved, strategy, tmp_path, recorded=recorded)
     if not recorded:   # the options this run has, and the load's own error, on one line
@@ -367,11 +372,13 @@ def test_resume_with_another_model_setup_stops_every_rank_naming_it(saved, tmp_p
     line = f"train_digits: --resume: checkpoint step-2 in {out / 'checkpoints'} {says}"
     if recorded:
         monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)     # it must not get as far as joining
-        assert _train_digits_module().main(["--out", str(out), "--resume", "--steps", "4", *args]) == 2
-        assert line in capsys.readouterr().err
-        return
-    run = train(out, nproc=1, script_args=("--resume", "--steps", "4", *args))
-    _refused_by_every_rank(run, line, ranks=(0,))
+    else:
+        for name, value in dict(RTXNET_COORDINATOR=coordinator.address, RTXNET_JOB=f"unrecorded-{case}",
+                                RTXNET_WORLD_SIZE="1", RTXNET_RANK="0").items():
+            monkeypatch.setenv(name, value)
+    assert _train_digits_module().main(["--out", str(out), "--resume", "--steps", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err, err[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
 
 
