@@ -157,9 +157,12 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 # -- paths and files ------------------------------------------------------------------------------
 
+MAX_STEP = 2**63 - 1   # steps travel as int64 (the ranks' agreement, the journal)
+
+
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        raise ConfigError(f"step({step!r}) must be an integer >= 0")
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step({step!r}) must be an integer in 0..2**63-1")
     return int(step)
 
 
@@ -299,8 +302,8 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             ``FaultTolerance(start_step=N)`` and its ``load_checkpoint`` take it. Saving a step
             again replaces it when the new save commits; until then (and for good if the new save
             fails or a rank dies during it) the old one stays committed and loadable.
-        state: this rank's state: nested dicts/lists/tuples of tensors, numbers, strings, bools,
-            None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
+        state: this rank's state, a dict of nested dicts/lists/tuples of tensors, numbers,
+            strings, bools, None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
             "sampler": sampler.state_dict(), "rng": capture_rng()}``).
         pg: the :class:`rtxnet.BlockingProcessGroup`; ``None`` for a single process.
         keep: after a successful save, rank 0 deletes all but the newest ``keep`` step folders.
@@ -311,11 +314,12 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         The step folder.
 
     Raises:
-        CheckpointError: some rank failed to write its shard, or rank 0 failed to write the
+        CheckpointError: some rank failed to write its shard (its state is not a dict, holds a
+            value no safe load could read, or the write failed), or rank 0 failed to write the
             manifest or could not see a rank's shard (a root not shared by the ranks); raised on
             every rank, ``exc.ranks`` names the failed ranks. Nothing was committed: the step is
             what it was before (a committed step stays committed, with its old shards).
-        ConfigError: bad ``step`` or ``keep``.
+        ConfigError: bad ``step`` (not an integer in 0..2**63-1) or ``keep``.
         CollectiveMismatchError: the ranks asked for different steps (``field="step"``) or passed
             different roots (``field="root"``, ``values`` maps rank to its resolved root); raised
             on every rank, nothing written.
@@ -353,6 +357,9 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
             name = f"rank-{rank}.{uuid.uuid4().hex[:12]}.pt"
         else:
             _remove_stale_temps(folder, name)
+        if not isinstance(state, dict):   # load() returns a dict, with "_checkpoint" added
+            raise TypeError(f"state must be a dict (e.g. {{'model': model.state_dict()}}), got "
+                            f"{type(state).__name__}")
         _check_loadable(state, "state")
         buf = io.BytesIO()
         torch.save(state, buf)

@@ -690,8 +690,19 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
     Takes the arguments of :class:`connect`; reads the environment ``rtxnet-run`` sets.
 
     Raises:
-        ConfigError, RendezvousError, RendezvousTimeout: as :class:`connect`.
+        ConfigError, RendezvousError, RendezvousTimeout: as :class:`connect`; ConfigError also
+            when this process already holds an open group of the same job on the same
+            coordinator (a second ``init``: one process is one rank, as torch.distributed's
+            "initialize the default process group twice" says).
     """
+    address = coordinator or os.environ.get("RTXNET_COORDINATOR")
+    job = kwargs.get("job") or os.environ.get("RTXNET_JOB") or "default"
+    _OPEN_GROUPS[:] = [(p, g) for p, g in _OPEN_GROUPS if not p.stopped]
+    for _, g in _OPEN_GROUPS:
+        if g.job == job and g._agent.coordinator == address:
+            raise ConfigError(f"this process already holds rank {g.rank} of job {job!r} on {address} "
+                              f"(an earlier rtxnet.init() whose group is open): a process is one rank; "
+                              f"use that group, or close() it before joining again")
     portal = Portal()
     try:
         pg = portal.call(_connect, coordinator, **kwargs)
@@ -699,7 +710,12 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
         portal.stop()
         raise
     atexit.register(_release_at_exit, portal, pg)
+    _OPEN_GROUPS.append((portal, pg))
     return BlockingProcessGroup(portal, pg)
+
+
+# (portal, group) of every init() of this process, until its portal stops (close, exit)
+_OPEN_GROUPS: list[tuple[Portal, ProcessGroup]] = []
 
 
 AT_EXIT_RELEASE_S = 5.0

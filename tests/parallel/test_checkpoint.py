@@ -203,6 +203,13 @@ def test_keep_prunes_old_steps_and_bad_arguments_are_named(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
     with pytest.raises(ValueError, match=r"step\(-1\)"):
         checkpoint.save(tmp_path, -1, {})
+    # an OverflowError from the ranks' int64 agreement before (a fresh user's find)
+    with pytest.raises(ValueError, match=r"step\(1000000000000000000000000000000\) must be an integer in 0..2\*\*63-1"):
+        checkpoint.save(tmp_path, 10**30, {})
+    # a list was committed, and its load failed with TypeError: list indices must be integers
+    with pytest.raises(CheckpointError, match=r"state must be a dict \(e.g. \{'model': model.state_dict\(\)\}\), got list"):
+        checkpoint.save(tmp_path, 6, [1, 2, 3])
+    assert checkpoint.latest(tmp_path) == 3
     with pytest.raises(ValueError, match=r"keep\(0\)"):
         checkpoint.save(tmp_path, 5, {}, keep=0)
 

@@ -193,8 +193,16 @@ def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
             with pytest.raises(ValueError, match=f"reform: epoch must be an epoch this rank was in, 0..0, got {bad!r}"):
                 pg.reform(epoch=bad)
         assert pg.reform(epoch=0) == 1 and pg.epoch == 1
+        # a second init of the same job in this process: "job is full", or a second member once
+        # a slot was free, before (a fresh user's find)
+        with pytest.raises(rtxnet.ConfigError, match=r"this process already holds rank 0 of job 'ft-args' on "
+                                                     r"tcp://.*: a process is one rank"):
+            rtxnet.init(coordinator.address, job="ft-args", world_size=1)
     finally:
         pg.close()
+    # closed, it no longer counts: the join reaches the coordinator (which says the job is over)
+    with pytest.raises(rtxnet.JobFinishedError):
+        rtxnet.init(coordinator.address, job="ft-args", world_size=1)
 
 
 @pytest.mark.timeout(60)
