@@ -666,7 +666,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
 
 
 def _finished_training(job: Job) -> str:
-    return (f"job {job.job!r} finished training (last committed step {job.committed_step}): it "
+    return (f"job {job.job!r} finished training ({wire.last_committed(job.committed_step)}): it "
             f"admits no new ranks")
 
 
@@ -844,8 +844,8 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                       f"it keeps (MAX_JOBS); job {job_id[:100]!r} cannot start until one ends or a "
                       f"crashed one expires (rtxnet-coordinator --dead-job-ttl)")
     if job is None and job_id in state.finished:
-        return refuse("JobFinishedError", f"job {job_id!r} has finished (last committed step "
-                      f"{state.finished[job_id]}); a job id is used once: start a new one "
+        return refuse("JobFinishedError", f"job {job_id!r} has finished "
+                      f"({wire.last_committed(state.finished[job_id])}); a job id is used once: start a new one "
                       f"(RTXNET_JOB or rtxnet.init(job=...); rtxnet-run makes a fresh one unless "
                       f"given --job)")
     if job is None and msg.get("rejoin"):

@@ -32,6 +32,7 @@ import structlog
 
 from transport.channel import NOTHING_LISTENS, ControlClient, nobody_there
 from transport.errors import ConnectError, RtxError, RtxTimeoutError
+from transport.wire import last_committed
 
 __all__ = ["main"]
 
@@ -91,12 +92,12 @@ def _render(status: dict) -> str:
     if finished:
         more = status.get("finished_total", len(finished)) - len(finished)
         lines.append(f"finished (ids not reusable){f', newest {len(finished)} of {len(finished) + more}' if more else ''}: "
-                     + ", ".join(f"{_shown(j)} (last committed step {s})" for j, s in finished.items()))
+                     + ", ".join(f"{_shown(j)} ({last_committed(s)})" for j, s in finished.items()))
     for j in jobs:
         lines.append(
             f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
             f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}, "
-            f"last committed step {j['committed_step']}, {j['kv_keys']} key(s)"
+            f"{last_committed(j['committed_step'])}, {j['kv_keys']} key(s)"
             + (", training finished (admits no ranks)" if j.get("finished_training") else "")
         )
         for m in j["members"]:

@@ -53,7 +53,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from transport.shm import remove_segments
-from transport.wire import MAX_JOB_ID, MAX_TOKEN
+from transport.wire import MAX_JOB_ID, MAX_TOKEN, last_committed
 
 __all__ = ["main", "start_coordinator"]
 
@@ -650,12 +650,12 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
                            f"was started") from None
     done = [j for j in status["jobs"] if job and j["job"] == job and j.get("finished_training")]
     if done:
-        raise JobIdTaken(f"job {job!r} on the coordinator at {address} finished training (last "
-                         f"committed step {done[0]['committed_step']}) and admits no ranks; a job id "
+        raise JobIdTaken(f"job {job!r} on the coordinator at {address} finished training "
+                         f"({last_committed(done[0]['committed_step'])}) and admits no ranks; a job id "
                          f"is not reused: give a new --job; no rank was started")
     if job and job in status["finished"]:
-        raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} (last committed "
-                           f"step {status['finished'][job]}); a job id is not reused: give a new --job "
+        raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} "
+                           f"({last_committed(status['finished'][job])}); a job id is not reused: give a new --job "
                            f"(to continue its training, e.g. from its checkpoints, under a new id); "
                            f"no rank was started")
 

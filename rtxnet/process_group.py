@@ -73,6 +73,12 @@ class Store:
         self._agent = agent
 
     @staticmethod
+    def _k(key: str) -> str:
+        if not isinstance(key, str):   # what would reach the wire as a key of another type
+            raise TypeError(f"store keys are str, got {type(key).__name__} ({key!r:.60})")
+        return key
+
+    @staticmethod
     def _b(value: bytes | str, key: str = "") -> bytes:
         if isinstance(value, str):
             value = value.encode()
@@ -94,13 +100,17 @@ class Store:
         Raises:
             ConfigError: the job's store would hold more than 16 MiB (this item alone, or with
                 what it holds), or the coordinator's more than 48 MiB; the key is empty.
-            TypeError: ``value`` is not bytes or str.
+            TypeError: ``key`` is not a str, ``value`` not bytes or str.
         """
-        await self._agent.kv_set(key, self._b(value, key))
+        await self._agent.kv_set(self._k(key), self._b(value, key))
 
     async def get(self, key: str) -> bytes | None:
-        """The value, or None when the key is absent."""
-        return await self._agent.kv_get(key)
+        """The value, or None when the key is absent.
+
+        Raises:
+            TypeError: ``key`` is not a str.
+        """
+        return await self._agent.kv_get(self._k(key))
 
     async def wait(self, keys: list[str] | str, timeout: float | None = None) -> dict[str, bytes]:
         """Wait until every key exists; returns their values.
@@ -111,7 +121,7 @@ class Store:
         """
         if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
-        keys = [keys] if isinstance(keys, str) else list(keys)
+        keys = [keys] if isinstance(keys, str) else [self._k(k) for k in keys]
         return await self._agent.kv_wait(keys, timeout if timeout is not None else self._agent.timeouts.op_s)
 
     async def compare_set(self, key: str, expected: bytes | str | None, value: bytes | str) -> tuple[bool, bytes | None]:
@@ -126,12 +136,16 @@ class Store:
                 race), so one in flight when the coordinator dies fails this way; read the key
                 to learn what happened.
         """
-        return await self._agent.kv_cas(key, None if expected is None else self._b(expected),
+        return await self._agent.kv_cas(self._k(key), None if expected is None else self._b(expected),
                                         self._b(value, key))
 
     async def delete(self, key: str) -> bool:
-        """Remove ``key``; True if it existed."""
-        return await self._agent.kv_del(key)
+        """Remove ``key``; True if it existed.
+
+        Raises:
+            TypeError: ``key`` is not a str.
+        """
+        return await self._agent.kv_del(self._k(key))
 
     def epoch_key(self, key: str) -> str:
         """``key`` scoped to the current epoch (``epoch/<n>/<key>``)."""

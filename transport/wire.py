@@ -65,6 +65,7 @@ __all__ = [
     "UINT64_MAX",
     "MAX_JOB_ID",
     "MAX_TOKEN",
+    "last_committed",
     "MAX_HOST_BYTES",
     "validate",
     "make",
@@ -76,6 +77,12 @@ INT64_MIN = -(2**63)
 UINT64_MAX = 2**64 - 1
 MAX_JOB_ID = 256   # characters of a job id or an agent identity
 MAX_TOKEN = 256    # characters of a job token (join refuses a longer one)
+
+
+def last_committed(step: int) -> str:
+    """``"last committed step N"``, or ``"no step committed"`` for -1 (a job that committed none),
+    as status lines and refusals word a job's progress."""
+    return f"last committed step {step}" if step >= 0 else "no step committed"
 MAX_HOST_BYTES = 128   # bytes (UTF-8) of a rank's host name (join refuses a longer or empty one)
 # bytes of keys and values a job's store holds, and all jobs' stores on one coordinator (a
 # snapshot of the journal holds them all); the coordinator refuses a kv_set past either with a

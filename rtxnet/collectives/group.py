@@ -313,7 +313,7 @@ class Group:
                 None if shape is None else list(shape), splits]
 
     def _check_root(self, name: str, root: int) -> int:
-        if not (isinstance(root, (int, np.integer)) and 0 <= int(root) < self.size):
+        if isinstance(root, bool) or not (isinstance(root, (int, np.integer)) and 0 <= int(root) < self.size):
             raise ValueError(f"{name}: rank {root!r} not in group of size {self.size}")
         return int(root)
 

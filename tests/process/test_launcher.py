@@ -553,12 +553,12 @@ def test_a_finished_job_id_is_refused_before_any_rank_starts(tmp_path, coordinat
     assert run(args).returncode == 0
     out = run(args)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert (f"rtxnet-run: job 'once' has finished on the coordinator at {coordinator.address} (last "
-            "committed step -1); a job id is not reused: give a new --job") in out.stderr, out.stderr
+    assert (f"rtxnet-run: job 'once' has finished on the coordinator at {coordinator.address} (no step "
+            "committed); a job id is not reused: give a new --job") in out.stderr, out.stderr
     assert "[rank0]" not in out.stdout + out.stderr
     status = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                             capture_output=True, text=True, timeout=30, env=procs.env(), cwd=ROOT)
-    assert "finished (ids not reusable): once (last committed step -1)" in status.stdout, status.stdout
+    assert "finished (ids not reusable): once (no step committed)" in status.stdout, status.stdout
 
 
 def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):

@@ -163,6 +163,23 @@ def test_zmq_context_is_never_shared_with_a_forked_child():
     assert os.read(r, 1) == b"1"
 
 
+def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coordinator):
+    # a fresh user's finds: store.set(None, ...) was an AttributeError from the encoder, and
+    # broadcast(x, src=True) broadcast from rank 1
+    import numpy as np
+
+    with rtxnet.init(coordinator.address, job="bad-keys", world_size=1) as pg:
+        for call in (lambda: pg.store.set(None, b"x"), lambda: pg.store.get(3),
+                     lambda: pg.store.delete(b"k"), lambda: pg.store.wait(["a", None], timeout=1),
+                     lambda: pg.store.compare_set(1.5, None, b"x")):
+            with pytest.raises(TypeError, match=r"store keys are str, got (NoneType|int|bytes|float)"):
+                call()
+        with pytest.raises(ValueError, match=r"broadcast: rank True not in group of size 1"):
+            pg.broadcast(np.ones(2), True)
+        pg.store.set("k", b"v")      # the group goes on
+        assert pg.store.get("k") == b"v"
+
+
 def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
     # Before: NaN or a str rejoin window, a non-callable load_checkpoint or an impossible
     # min_world_size were taken, and failed only in the middle of a recovery.
