@@ -181,6 +181,8 @@ def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | No
     lock, waiting up to ``wait_s`` seconds while another rank writes it) and joins in if it is its
     own. The kernel drops a process's lock when it exits, however it ends, so a run that is over,
     or killed, leaves nothing to clean up; replacements and ``--resume`` get the folder again.
+    (Turning the exclusive lock into a shared one is not atomic: a second run starting in that
+    instant would take the folder, and this run's other ranks would be refused, never both.)
 
     Returns:
         ``(fd, None)``: the lock's descriptor, to keep open while the rank runs; or ``(None, why)``

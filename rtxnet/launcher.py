@@ -22,9 +22,10 @@ leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: t
 and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
 their rejoin window (with ``--nnodes``, counting every node's: the launchers share theirs through
 the job's store). A rank that exits 0 while its job's rendezvous is open counts as failed for
-good here: it will not join. The exit code is 0 when every rank's last process exited 0, else the code of
-the first rank whose last process failed (128+N for signal N); a replacement that failed after
-the job had finished (every member left in order, as the coordinator says) counts as exited 0.
+good here: it will not join. The exit code is 0 when every rank's last process exited 0, else
+the code of the first rank whose last process failed (128+N for signal N); a replacement that
+failed after the job had finished (every member left in order, as the coordinator says) counts
+as exited 0.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
@@ -690,7 +691,7 @@ def _bind_host_error(host: str, name: str = "--bind-host") -> str | None:
     if ip.version == 6:
         return ipv6_bind_error(host, name)
     try:
-        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # IPv6 refused above
             s.bind((host, 0))
     except OSError as exc:
         return f"{name} {host}: the ranks could not listen there ({exc.strerror or exc})"

@@ -118,6 +118,7 @@ class Store:
         Raises:
             RtxTimeoutError: some key is still missing after ``timeout`` seconds (names them).
             ConfigError: ``timeout`` is not a finite number of seconds > 0 (names it).
+            TypeError: a key is not a str.
         """
         if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
@@ -135,6 +136,7 @@ class Store:
                 sent twice (a second send could find its own first write and report a lost
                 race), so one in flight when the coordinator dies fails this way; read the key
                 to learn what happened.
+            TypeError: ``key`` is not a str, ``expected`` or ``value`` not bytes or str.
         """
         return await self._agent.kv_cas(self._k(key), None if expected is None else self._b(expected),
                                         self._b(value, key))
