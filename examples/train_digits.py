@@ -182,7 +182,8 @@ def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | No
     own. The kernel drops a process's lock when it exits, however it ends, so a run that is over,
     or killed, leaves nothing to clean up; replacements and ``--resume`` get the folder again.
     (Turning the exclusive lock into a shared one is not atomic: a second run starting in that
-    instant would take the folder, and this run's other ranks would be refused, never both.)
+    instant may write its id in between; every rank reads the id under its shared lock, so the
+    run whose id is there keeps the folder and every rank of the other is refused.)
 
     Returns:
         ``(fd, None)``: the lock's descriptor, to keep open while the rank runs; or ``(None, why)``
@@ -205,15 +206,15 @@ def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | No
                     return None, (f"--out {str(out)!r} is locked by another process for more than "
                                   f"{wait_s:g} s ({out / OUT_LOCK}); give another --out")
                 time.sleep(0.05)
-        holder = os.pread(fd, 1024, 0).decode(errors="replace")
-        if holder != job:
-            os.close(fd)
-            return None, (f"--out {str(out)!r} is in use by another run (job {holder!r}) that is still "
-                          f"running; give another --out, or wait for that run to end")
     else:
         os.ftruncate(fd, 0)
         os.pwrite(fd, job.encode(), 0)
         fcntl.flock(fd, fcntl.LOCK_SH)
+    holder = os.pread(fd, 1024, 0).decode(errors="replace")
+    if holder != job:
+        os.close(fd)
+        return None, (f"--out {str(out)!r} is in use by another run (job {holder!r}) that is still "
+                      f"running; give another --out, or wait for that run to end")
     return fd, None
 
 
