@@ -484,22 +484,22 @@ class Launcher:
             try:
                 st = await _status(self.address, _FINISHED_PROBE_S, self.job)
             except RtxError:
-                st = None
-            if st is not None:
-                if self.job in st["finished"]:
-                    return
-                job = next((j for j in st["jobs"] if j["job"] == self.job), None)
-                if job is not None and job["state"] != "rendezvous":
-                    return    # formed: a rank leaving now is a member leaving
-                if job is not None:
-                    for slot in self._exited_0:
-                        slot.left_before_forming = True
-                    _say(f"{_ranks([s.rank for s in self._exited_0])} exited with code 0 before job "
-                         f"{self.job} formed: {'they' if len(self._exited_0) > 1 else 'it'} will not "
-                         f"join (a rank that exits 0 is not restarted)")
-                    self._stop_if_below_min_ranks()
-                    return
-            await asyncio.sleep(1.0)
+                st = {"jobs": [], "finished": {}}   # no answer: ask again
+            if self.job in st["finished"]:
+                return
+            job = _job_entry(st, self.job)
+            if job is None:                      # no rank has joined yet
+                await asyncio.sleep(1.0)
+                continue
+            if job["state"] != "rendezvous":
+                return    # formed: a rank leaving now is a member leaving
+            for slot in self._exited_0:
+                slot.left_before_forming = True
+            _say(f"{_ranks([s.rank for s in self._exited_0])} exited with code 0 before job "
+                 f"{self.job} formed: {'they' if len(self._exited_0) > 1 else 'it'} will not "
+                 f"join (a rank that exits 0 is not restarted)")
+            self._stop_if_below_min_ranks()
+            return
 
     async def _training_finished(self) -> bool:
         """Whether the coordinator says this job's training is over (``FaultTolerance.finish``)
@@ -515,8 +515,8 @@ class Launcher:
                 st = await _status(self.address, _FINISHED_PROBE_S, self.job)
             except RtxError:
                 return False
-            self.training_finished = self.job in st["finished"] or any(
-                j["job"] == self.job and j.get("finished_training") for j in st["jobs"])
+            job = _job_entry(st, self.job)
+            self.training_finished = self.job in st["finished"] or bool(job and job.get("finished_training"))
         return self.training_finished
 
     async def _forgive_replacements_after_the_end(self) -> None:
@@ -649,16 +649,22 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
     except RtxError as exc:
         raise RuntimeError(f"the coordinator at {address} did not give its status: {exc}; no rank "
                            f"was started") from None
-    done = [j for j in status["jobs"] if job and j["job"] == job and j.get("finished_training")]
-    if done:
+    entry = _job_entry(status, job) if job else None
+    if entry is not None and entry.get("finished_training"):
         raise JobIdTaken(f"job {job!r} on the coordinator at {address} finished training "
-                         f"({last_committed(done[0]['committed_step'])}) and admits no ranks; a job id "
+                         f"({last_committed(entry['committed_step'])}) and admits no ranks; a job id "
                          f"is not reused: give a new --job; no rank was started")
     if job and job in status["finished"]:
         raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} "
                            f"({last_committed(status['finished'][job])}); a job id is not reused: give a new --job "
                            f"(to continue its training, e.g. from its checkpoints, under a new id); "
                            f"no rank was started")
+
+
+def _job_entry(status: dict, job: str) -> dict | None:
+    """Job ``job``'s entry in a coordinator's status answer, or None when it holds no such job
+    (not begun, or finished: see ``status["finished"]``)."""
+    return next((j for j in status["jobs"] if j["job"] == job), None)
 
 
 def _journal_folder_error(path: str) -> str | None:

@@ -711,8 +711,10 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
             coordinator (a second ``init``: one process is one rank, as torch.distributed's
             "initialize the default process group twice" says).
     """
-    address = coordinator or os.environ.get("RTXNET_COORDINATOR")
-    job = kwargs.get("job") or os.environ.get("RTXNET_JOB") or "default"
+    # the coordinator and job this join would use, as _connect resolves them (and checks them)
+    settings = _settings(coordinator, *(kwargs.get(k) for k in (
+        "job", "token", "rank", "world_size", "min_ranks", "max_ranks", "last_call_s")))
+    address, job = settings["coordinator"], settings["job"]
     _OPEN_GROUPS[:] = [(p, g) for p, g in _OPEN_GROUPS if not p.stopped]
     for _, g in _OPEN_GROUPS:
         if g.job == job and g._agent.coordinator == address:
