@@ -61,6 +61,9 @@ class Member:
     # the epoch that admitted this member (-1: unknown, a snapshot of an older coordinator);
     # a member admitted after the epoch of the last commit has never voted for a step
     since: int = -1
+    # the world size this member waits for, as its last heartbeat said (None: it waits for
+    # nothing); not journaled: the next heartbeat after a restart says it again
+    waiting_for: int | None = None
 
     def public(self) -> dict[str, Any]:
         return {
@@ -585,6 +588,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         member = job.member_by_identity(msg["identity"])
         if member is not None:
             member.last_seen = now
+            member.waiting_for = msg.get("waiting_for")
             state.where[member.identity] = job.job
             body: dict[str, Any] = {"state": "member", "rank": member.rank}
             if msg["epoch"] != job.epoch:
@@ -998,7 +1002,8 @@ def _status(state: State, now: float, only: str | None = None) -> list[dict[str,
                 # no identity: it is the agent's ZeroMQ routing id, and a client that knows it
                 # could take over the agent's connection (ROUTER_HANDOVER)
                 {"rank": r, "host": m.host, "pid": m.pid,
-                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3), "info": m.info}
+                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3), "info": m.info,
+                 "waiting_for": m.waiting_for}
                 for r, m in sorted(job.members.items())
             ],
         })

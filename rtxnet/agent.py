@@ -135,6 +135,9 @@ class Agent:
         # settings): whoever waits for admission raises it instead of waiting out its timeout
         self._join_refused: RtxError | None = None
         self._muted_until = 0.0  # fault injection: no heartbeats until this time.monotonic()
+        # the world size this member waits for (rtxnet.elastic, below min_world_size), told to
+        # the coordinator with each heartbeat (rtxnet-run reads it from status); None: nothing
+        self.waiting_for: int | None = None
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -366,8 +369,10 @@ class Agent:
                 continue
             standing = self._standing
             try:
+                extra = {} if self.waiting_for is None else {"waiting_for": self.waiting_for}
                 body = await self._request("heartbeat", identity=self.identity,
-                                           deadline_s=max(interval, self.timeouts.heartbeat_timeout_s))
+                                           deadline_s=max(interval, self.timeouts.heartbeat_timeout_s),
+                                           **extra)
             except RtxTimeoutError:
                 if self._unreachable_since is None:
                     log.warning("coordinator_unreachable", coordinator=self.coordinator)

@@ -5,7 +5,9 @@
 
 ``status`` prints every job on the coordinator: state (``rendezvous``, ``running``, or ``crashed``:
 every rank lost, kept for restarted ranks), epoch, world size, last committed step and, per member,
-rank, host, pid and heartbeat age; then the newest finished job ids, which cannot be used again
+rank, host, pid, heartbeat age and, for a member that waits for the world to grow (a
+fault-tolerant job below its ``min_world_size``, a rank rejoining below ``min_ranks``), the world
+size it waits for; then the newest finished job ids, which cannot be used again
 (``--json``: entries ``{"job", "state": "finished", "committed_step", "members": []}`` after the
 jobs). ADDR defaults to ``RTXNET_COORDINATOR`` or
 ``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time (after about
@@ -103,8 +105,9 @@ def _render(status: dict) -> str:
         for m in j["members"]:
             topo = (m.get("info") or {}).get("topology") or {}
             gpus = f"  {len(topo['gpus'])} GPU(s)" if topo.get("gpus") else ""
+            waits = f"  waiting for a world of {m['waiting_for']}" if m.get("waiting_for") else ""
             lines.append(
-                f"  rank {m['rank']:>3}  {_shown(m['host'])}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}"
+                f"  rank {m['rank']:>3}  {_shown(m['host'])}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}{waits}"
             )
     if status.get("jobs_omitted"):
         lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "

@@ -584,26 +584,34 @@ class FaultTolerance:
     async def _wait_world(self) -> None:
         agent = self.pg.agent
         loop_deadline = time.monotonic() + self.rejoin_window_s
-        while agent.fenced or self.pg.world_size < self.min_world_size:
-            if agent.fenced:
-                # declared lost while waiting (frozen, cut off): no epoch comes to a fenced rank,
-                # so join again now rather than wait out the window in a world that left it
-                log.warning("rejoining", reason="fenced while waiting for ranks")
-                await agent.join()
-                continue
-            remaining = loop_deadline - time.monotonic()
-            if remaining <= 0:
-                raise RendezvousError(
-                    f"world_size({self.pg.world_size}) < min_world_size({self.min_world_size}) after "
-                    f"waiting rejoin_window_s({self.rejoin_window_s}) for replacements; let the job "
-                    f"go on with fewer ranks (rtxnet-run --min-ranks, or RTXNET_MIN_RANKS for "
-                    f"ranks started by hand) or restart lost ones "
-                    f"(--max-restarts)")
-            log.info("waiting_for_ranks", world_size=self.pg.world_size, min_world_size=self.min_world_size)
-            try:
-                await agent.wait_epoch(self.pg.epoch, timeout_s=remaining, or_fenced=True)
-            except RtxTimeoutError:
-                continue
+        try:
+            while agent.fenced or self.pg.world_size < self.min_world_size:
+                if agent.fenced:
+                    # declared lost while waiting (frozen, cut off): no epoch comes to a fenced
+                    # rank, so join again now rather than wait out the window in a world that
+                    # left it
+                    log.warning("rejoining", reason="fenced while waiting for ranks")
+                    await agent.join()
+                    continue
+                remaining = loop_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RendezvousError(
+                        f"world_size({self.pg.world_size}) < min_world_size({self.min_world_size}) "
+                        f"after waiting rejoin_window_s({self.rejoin_window_s}) for replacements; "
+                        f"let the job go on with fewer ranks (rtxnet-run --min-ranks, or "
+                        f"RTXNET_MIN_RANKS for ranks started by hand) or restart lost ones "
+                        f"(--max-restarts)")
+                log.info("waiting_for_ranks", world_size=self.pg.world_size,
+                         min_world_size=self.min_world_size)
+                # the heartbeats say so: rtxnet-run reads it from status, and stops the job at
+                # once when no rank can come (a rank that exited 0 before finish())
+                agent.waiting_for = self.min_world_size
+                try:
+                    await agent.wait_epoch(self.pg.epoch, timeout_s=remaining, or_fenced=True)
+                except RtxTimeoutError:
+                    continue
+        finally:
+            agent.waiting_for = None
 
     async def _sync(self) -> None:
         """Agree on the newest committed state and give it to every member (one collective round)."""

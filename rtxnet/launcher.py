@@ -21,8 +21,10 @@ running: the job re-forms around the loss. When the ranks that failed for good (
 leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: the launcher says so
 and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
 their rejoin window (with ``--nnodes``, counting every node's: the launchers share theirs through
-the job's store). A rank that exits 0 while its job's rendezvous is open counts as failed for
-good here: it will not join. The exit code is 0 when every rank's last process exited 0, else
+the job's store). A rank that exits 0 while the job still needs it counts as failed for good
+here, since it will not come back: while its job's rendezvous is open (it will not join), or
+during training (before ``FaultTolerance.finish()``) once the ranks left wait for the world to
+grow, as the coordinator's status shows. The exit code is 0 when every rank's last process exited 0, else
 the code of the first rank whose last process failed (128+N for signal N); a replacement that
 failed after the job had finished (every member left in order, as the coordinator says) counts
 as exited 0.
@@ -76,8 +78,9 @@ class _Slot:
     returncode: int | None = None
     failed_at: float | None = None
     pumps: list = field(default_factory=list)
-    # exited 0 while the job's rendezvous was open: it will not join (exit 0 is not restarted)
-    left_before_forming: bool = False
+    # exited 0 while the job still needed it, and will not come back (exit 0 is not restarted):
+    # "before the job formed" or "during training" (see _watch_exits_0); "" otherwise
+    left_early: str = ""
 
 
 def _code(rc: int) -> int:
@@ -182,7 +185,7 @@ class Launcher:
         # write them to the job's store; see _share_failures)
         self.others_failed: dict[int, list[int]] = {}
         self._exited_0: list[_Slot] = []     # ranks that exited 0 while others still ran
-        self._forming_watch: asyncio.Future | None = None
+        self._exits_0_watch: asyncio.Future | None = None
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -268,14 +271,14 @@ class Launcher:
             asyncio.get_running_loop().call_later(self.args.grace, self._kill_all)
 
     def _stop_if_below_min_ranks(self) -> None:
-        """Stop the job when the ranks that failed for good (or exited 0 before the job formed)
-        leave fewer than --min-ranks: the others could only wait out their rejoin window or
-        rendezvous timeout (and be restarted to wait again)."""
+        """Stop the job when the ranks that failed for good (or exited 0 while the job still
+        needed them, ``_watch_exits_0``) leave fewer than --min-ranks: the others could only
+        wait out their rejoin window or rendezvous timeout (and be restarted to wait again)."""
         if self.stopping:
             return
         a = self.args
         lost = [s.rank for s in self.slots if s.returncode not in (0, None)]
-        early = [s.rank for s in self.slots if s.left_before_forming]
+        early = [s for s in self.slots if s.left_early]
         others = sorted(r for ranks in self.others_failed.values() for r in ranks)
         left = self.total - len(lost) - len(early) - len(others)
         min_ranks = a.min_ranks or self.total
@@ -289,8 +292,8 @@ class Launcher:
         why = []
         if lost:
             why.append(f"{_ranks(lost)} failed for good (--max-restarts {a.max_restarts})")
-        if early:
-            why.append(f"{_ranks(early)} exited 0 before the job formed")
+        for when in sorted({s.left_early for s in early}):
+            why.append(f"{_ranks([s.rank for s in early if s.left_early == when])} exited 0 {when}")
         for node, ranks in sorted(self.others_failed.items()):
             if ranks:
                 why.append(f"{_ranks(ranks)} failed for good on node {node} (its launcher said "
@@ -331,7 +334,7 @@ class Launcher:
 
         async def publish() -> None:
             nonlocal published
-            mine = [s.rank for s in self.slots if s.returncode not in (0, None)]
+            mine = [s.rank for s in self.slots if s.returncode not in (0, None) or s.left_early]
             if mine != published:
                 await ask("kv_set", key=_FAILED_KEY.format(a.node_rank), value=json.dumps(mine).encode())
                 published = mine
@@ -434,8 +437,8 @@ class Launcher:
                 running -= 1
                 if code == 0 and running and not self.stopping:
                     self._exited_0.append(slot)
-                    if self._forming_watch is None:
-                        self._forming_watch = asyncio.ensure_future(self._watch_exits_before_forming())
+                    if self._exits_0_watch is None:
+                        self._exits_0_watch = asyncio.ensure_future(self._watch_exits_0())
                 if code != 0:
                     _say(f"rank {slot.rank} exited with code {code}" + (
                         f" after job {self.job} finished training or ended: not restarted (the job "
@@ -449,7 +452,7 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
-            for task in (sharing, self._forming_watch):
+            for task in (sharing, self._exits_0_watch):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -468,14 +471,19 @@ class Launcher:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
         return self.first_failure[1] if self.first_failure else 0
 
-    async def _watch_exits_before_forming(self) -> None:
-        """Ranks that exited 0 while their job had not formed will not come back (exit 0 is not
-        restarted): once the coordinator shows the job's rendezvous open (ranks waiting for the
-        world to form), say so, and stop the job when the ranks that can still join are fewer
-        than --min-ranks, instead of letting the others wait out their rendezvous timeout (300 s
-        by default). Asked of the coordinator every second while other ranks run; a job that has
-        formed or finished ends the watch, and so does a script that never calls
-        ``rtxnet.init`` (its job never appears) when its ranks end."""
+    async def _watch_exits_0(self) -> None:
+        """Ranks that exited 0 while others ran are not restarted, so they will not come back;
+        that matters while the job still needs them: its rendezvous is open (a script that
+        returned before ``rtxnet.init``), or it is training and its members wait for the world
+        to grow (a rank that returned mid-training, before ``FaultTolerance.finish()``: the
+        others roll back and wait for a replacement). Then say so, count those ranks as failed
+        for good, and stop the job when the ranks that can still come are fewer than
+        --min-ranks, instead of letting the others wait out their rendezvous timeout (300 s by
+        default) or rejoin window (60 s), then be restarted to wait again. Asked of the
+        coordinator every second while other ranks run; ends when the job has finished or
+        finished training (ranks exiting 0 then are ending in order). Left alone: a script that
+        never calls ``rtxnet.init`` (its job never appears), and a job whose ranks go on without
+        waiting (a world still at --min-ranks; a script without ``FaultTolerance``)."""
         from transport.errors import RtxError
 
         from .cli import _status
@@ -488,18 +496,27 @@ class Launcher:
             if self.job in st["finished"]:
                 return
             job = _job_entry(st, self.job)
-            if job is None:                      # no rank has joined yet
-                await asyncio.sleep(1.0)
-                continue
-            if job["state"] != "rendezvous":
-                return    # formed: a rank leaving now is a member leaving
-            for slot in self._exited_0:
-                slot.left_before_forming = True
-            _say(f"{_ranks([s.rank for s in self._exited_0])} exited with code 0 before job "
-                 f"{self.job} formed: {'they' if len(self._exited_0) > 1 else 'it'} will not "
-                 f"join (a rank that exits 0 is not restarted)")
-            self._stop_if_below_min_ranks()
-            return
+            if job is not None and job.get("finished_training"):
+                return
+            new = [s for s in self._exited_0 if not s.left_early]
+            when = None
+            if job is None or not new:
+                pass                             # no rank has joined yet; nothing new
+            elif job["state"] == "rendezvous":
+                when, said = "before the job formed", (
+                    f"before job {self.job} formed: {{}} will not join")
+            elif any(m.get("waiting_for") for m in job["members"]):
+                when, said = "during training", (
+                    f"during the training of job {self.job}, before FaultTolerance.finish(), and "
+                    f"the ranks left wait for the world to grow: {{}} will not come back")
+            if when is not None:
+                for slot in new:
+                    slot.left_early = when
+                _say(f"{_ranks([s.rank for s in new])} exited with code 0 "
+                     + said.format("they" if len(new) > 1 else "it")
+                     + " (a rank that exits 0 is not restarted)")
+                self._stop_if_below_min_ranks()
+            await asyncio.sleep(1.0)
 
     async def _training_finished(self) -> bool:
         """Whether the coordinator says this job's training is over (``FaultTolerance.finish``)

@@ -536,23 +536,27 @@ async def _until_min_ranks(agent: Agent, timeout_s: float, reached: int) -> None
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while agent.fenced or (agent.membership.world_size < agent.min_ranks
-                           and agent.reached_min_ranks == reached):
-        if agent.fenced:
-            await agent.join()
-            continue
-        log.info("waiting_for_min_ranks", world_size=agent.membership.world_size,
-                 min_ranks=agent.min_ranks, epoch=agent.membership.epoch)
-        remaining = deadline - loop.time()
-        try:
-            if remaining <= 0:
-                raise RtxTimeoutError("deadline passed")
-            await agent.wait_epoch(agent.membership.epoch, timeout_s=remaining, or_fenced=True)
-        except RtxTimeoutError:
-            raise RendezvousTimeout(
-                f"job {agent.job!r}: joined a running job of world_size({agent.membership.world_size})"
-                f" < min_ranks({agent.min_ranks}), and it did not grow to min_ranks within "
-                f"{timeout_s:g} s (rendezvous timeout)") from None
+    try:
+        while agent.fenced or (agent.membership.world_size < agent.min_ranks
+                               and agent.reached_min_ranks == reached):
+            if agent.fenced:
+                await agent.join()
+                continue
+            log.info("waiting_for_min_ranks", world_size=agent.membership.world_size,
+                     min_ranks=agent.min_ranks, epoch=agent.membership.epoch)
+            agent.waiting_for = agent.min_ranks   # the heartbeats say so (status, rtxnet-run)
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    raise RtxTimeoutError("deadline passed")
+                await agent.wait_epoch(agent.membership.epoch, timeout_s=remaining, or_fenced=True)
+            except RtxTimeoutError:
+                raise RendezvousTimeout(
+                    f"job {agent.job!r}: joined a running job of world_size({agent.membership.world_size})"
+                    f" < min_ranks({agent.min_ranks}), and it did not grow to min_ranks within "
+                    f"{timeout_s:g} s (rendezvous timeout)") from None
+    finally:
+        agent.waiting_for = None
 
 
 class connect:  # noqa: N801 - used like a function: `await connect()` / `async with connect()`

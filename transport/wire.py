@@ -30,7 +30,8 @@ Message types and their meaning:
 - ``heartbeat``: "I am alive"; answered with the job's epoch and this agent's standing (``member``,
   ``pending``, ``fenced`` or ``unknown``), so an agent learns that the coordinator restarted or that
   it was declared lost; a ``pending`` answer also says how many have ``joined`` the rendezvous and
-  its ``min_ranks`` / ``max_ranks``.
+  its ``min_ranks`` / ``max_ranks``. A member waiting for the world to grow (a fault-tolerant
+  job below its ``min_world_size``) says for what size (``waiting_for``), for ``status``.
 - ``leave``: orderly exit of a rank; distinct from a crash.
 - ``kv_set`` / ``kv_get`` / ``kv_wait`` / ``kv_cas`` / ``kv_del``: the job's key-value store. A
   ``kv_wait`` reply comes when the key exists or the request's ``timeout_s`` runs out.
@@ -121,7 +122,9 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
         "info": (dict, False),  # free-form topology facts (GPU UUID, ...)
         "rejoin": (bool, False),  # this agent was a member before: never create the job anew
     },
-    "heartbeat": {"identity": (str, True)},
+    # waiting_for: the world size this member waits for (FaultTolerance below min_world_size,
+    # rtxnet.elastic); absent when it waits for nothing. Shown by status, read by rtxnet-run.
+    "heartbeat": {"identity": (str, True), "waiting_for": (int, False)},
     "leave": {"identity": (str, True)},
     "kv_set": {"key": (str, True), "value": (bytes, True)},
     "kv_get": {"key": (str, True)},

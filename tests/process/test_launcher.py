@@ -143,6 +143,58 @@ def test_a_rank_that_exits_0_before_the_job_formed_stops_the_others_at_once(tmp_
     assert "before job" not in out.stderr, out.stderr
 
 
+EXITS_0_MID_TRAINING = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import rtxnet
+    class State:
+        v = 0
+        def state_dict(self): return {"v": self.v}
+        def load_state_dict(self, d): self.v = d["v"]
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10,
+                                               rendezvous_s=60))
+    me, state = os.environ["RANK"], State()
+    if sys.argv[1] == "plain":      # no FaultTolerance: rank 0 ends first, without close()
+        if me != "0":
+            time.sleep(2.5)
+        print("done", flush=True)
+        sys.exit(0)
+    ft = rtxnet.FaultTolerance(pg, state)
+    while ft.step < 20:
+        with ft.guard() as step:
+            if me == "1" and step == 5:
+                sys.exit(0)          # returns mid-training: no finish(), no close()
+            pg.all_reduce(np.ones(4))
+            state.v += 1
+    ft.finish()
+    print(f"done v={state.v} world={pg.world_size}", flush=True)
+""")
+
+
+def test_a_rank_that_exits_0_mid_training_stops_the_others_when_they_wait_in_vain(tmp_path):
+    # it was not restarted (exit 0), and the others waited out their 60 s rejoin window, then were
+    # restarted into a job below min_ranks and waited 300 s more: 6 minutes, then exit 1
+    script = tmp_path / "exits0.py"
+    script.write_text(EXITS_0_MID_TRAINING)
+    t0 = time.monotonic()
+    out = run(["--nproc", "3", "--max-restarts", "1", "--job", "mid", str(script), "ft"], timeout=60)
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    assert time.monotonic() - t0 < 30 and "done" not in out.stdout
+    assert ("rank 1 exited with code 0 during the training of job mid, before FaultTolerance.finish(), "
+            "and the ranks left wait for the world to grow: it will not come back") in out.stderr, out.stderr
+    assert ("rank 1 exited 0 during training: 2 ranks left, fewer than --min-ranks 3; stopping ranks 0, 2 "
+            "(SIGTERM, SIGKILL after 10 s)") in out.stderr, out.stderr
+    # at --min-ranks 2 the others go on without waiting: nothing to stop
+    out = run(["--nproc", "3", "--min-ranks", "2", str(script), "ft"], timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("done v=20 world=2") == 2, out.stdout
+    assert "exited with code 0" not in out.stderr, out.stderr
+    # without FaultTolerance nobody waits for the world to grow: the other rank finishes its work
+    out = run(["--nproc", "2", str(script), "plain"], timeout=60)
+    assert out.returncode == 0 and out.stdout.count("done") == 2, out.stderr[-3000:]
+    assert "exited with code 0" not in out.stderr, out.stderr
+
+
 def test_a_rank_failed_for_good_above_min_ranks_leaves_the_others_running(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\n"

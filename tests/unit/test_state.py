@@ -162,6 +162,23 @@ def test_missed_heartbeats_open_a_new_epoch_naming_the_lost_rank():
     assert sends[0].msg["body"]["state"] == "fenced"
 
 
+def test_status_shows_what_world_size_a_member_waits_for_until_its_next_heartbeat():
+    h = Harness()
+    h.join("a")
+    h.join("b")
+
+    def waits():
+        return [m["waiting_for"] for m in h.req("s", "status")[0].msg["body"]["jobs"][0]["members"]]
+
+    assert waits() == [None, None]
+    h.req("a", "heartbeat", epoch=0, identity="a", waiting_for=2)
+    assert waits() == [2, None]
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    assert waits() == [None, None]
+    with pytest.raises(wire.ProtocolError, match="heartbeat.waiting_for: expected int, got str"):
+        h.req("a", "heartbeat", epoch=0, identity="a", waiting_for="2")
+
+
 def test_disconnect_is_a_crash_and_leave_is_not():
     h = Harness()
     for i in "abc":
