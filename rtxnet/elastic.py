@@ -52,6 +52,7 @@ import structlog
 from transport.errors import (
     ClosedError,
     CollectiveError,
+    CollectiveTimeout,
     ConfigError,
     JobFinishedError,
     PeerLostError,
@@ -387,6 +388,8 @@ class FaultTolerance:
                                                          for x in e["losses"])
                 else:
                     lost = f"lost ranks {e['lost']}" if e["lost"] else "no rank lost"
+                if e.get("late"):
+                    lost += f"; {event_ranks(e, 'late')} did not contribute in time"
                 if e["detection_latency_s"] is None:   # no injected fault to measure from
                     timing = (f"training resumed {e['time_to_recover_s']:.2f} s after the failure "
                               f"was detected,")
@@ -547,9 +550,16 @@ class FaultTolerance:
         if self._open_failure is None:
             seen = [t for e, t in self._epoch_seen.items() if e > self._synced_epoch or e == -1]
             detected = min(seen + [now])
+            # a fence (-1) counts once: a later failure of a rank fenced before, and rejoined, is
+            # detected when it happens (its time to recover was measured from the old fence)
+            self._epoch_seen.pop(-1, None)
             self._open_failure = {
                 "event": "failure", "step": step, "error": type(exc).__name__, "message": str(exc),
-                "lost": list(getattr(exc, "ranks", [])), "epoch": self._synced_epoch,
+                # only a PeerLostError's ranks are lost; a CollectiveTimeout's did not contribute
+                # in time (slow, frozen for a while) and may still be members
+                "lost": list(exc.ranks) if isinstance(exc, PeerLostError) else [],
+                "late": list(exc.ranks) if isinstance(exc, CollectiveTimeout) else [],
+                "epoch": self._synced_epoch,
                 # this rank itself was declared lost (frozen, cut off) and must rejoin
                 "fenced": bool(self.pg.agent.fenced),
                 "t_detected": detected, "t_caught": now, "committed_step": self.committed_step,
@@ -889,6 +899,8 @@ class FaultTolerance:
             "lost": [r for x in losses for r in x["ranks"]] if losses else f["lost"],
             "losses": losses,
             "lost_launch": lost_launch if not f.get("fenced") else [],
+            "late": f.get("late", []),   # a CollectiveTimeout's ranks, numbered as of f["epoch"]
+            "late_launch": self._launch_ranks(f["epoch"], f.get("late", [])),
             "fenced": f.get("fenced", False),
             "epoch": self.pg.epoch,
             "world_size": self.pg.world_size,
@@ -923,8 +935,12 @@ class FaultTolerance:
         if losses:
             named = [self._epoch_lost_launch.get(x["epoch"]) for x in losses]
             return None if None in named else sorted(r for x in named for r in x)
-        at = self._launch_of.get(failure["epoch"], {})
-        named = [at.get(r) for r in failure["lost"]]
+        return self._launch_ranks(failure["epoch"], failure["lost"])
+
+    def _launch_ranks(self, epoch: int, ranks: list[int]) -> list[int] | None:
+        """``ranks`` as numbered in ``epoch``, as launch ranks, sorted; None if any is unknown."""
+        at = self._launch_of.get(epoch, {})
+        named = [at.get(r) for r in ranks]
         return None if None in named else sorted(named)
 
     def _event(self, rec: dict[str, Any]) -> None:
@@ -1012,7 +1028,7 @@ def name_ranks(ranks: list[int], *, launch: bool) -> str:
     return f"{kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _named(e: dict[str, Any], key: str) -> str:
+def event_ranks(e: dict[str, Any], key: str) -> str:
     """``e[key + "_launch"]`` by launch rank when every one is known, else ``e[key]``."""
     launch = e.get(f"{key}_launch")
     return name_ranks(launch, launch=True) if launch else name_ranks(e[key], launch=False)
@@ -1020,14 +1036,14 @@ def _named(e: dict[str, Any], key: str) -> str:
 
 def describe_loss_between_steps(e: dict[str, Any]) -> str:
     """One line for a ``lost_between_steps`` event."""
-    return (f"epoch {e['epoch']}: {_named(e, 'lost')} lost between steps (before step {e['step']}): "
+    return (f"epoch {e['epoch']}: {event_ranks(e, 'lost')} lost between steps (before step {e['step']}): "
             f"no step failed; world of {e['world_size']}")
 
 
 def describe_join(e: dict[str, Any]) -> str:
     """One line for a ``joined`` event: ``epoch 4: launch rank 3 joined at step 65; world of 4``
     (launch ranks when every joiner has one, else ranks numbered as of that epoch)."""
-    return f"epoch {e['epoch']}: {_named(e, 'added')} joined at step {e['step']}; world of {e['world_size']}"
+    return f"epoch {e['epoch']}: {event_ranks(e, 'added')} joined at step {e['step']}; world of {e['world_size']}"
 
 
 def _fault_where(at: str, step: int | None, collective: int | None) -> str:

@@ -845,6 +845,14 @@ def _environment_errors() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # Ctrl-C before the launcher's own handler was installed
+        print("rtxnet-run: interrupted before any rank started", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     errors = []
     if not 1 <= args.nproc <= MAX_NPROC:
@@ -928,9 +936,6 @@ def main(argv: list[str] | None = None) -> int:
     launcher = Launcher(args)
     try:
         return runner(launcher.run())
-    except KeyboardInterrupt:   # Ctrl-C before the launcher's own handler was installed
-        print("rtxnet-run: interrupted before any rank started", file=sys.stderr)
-        return 128 + signal.SIGINT
     except RuntimeError as exc:  # the coordinator could not start (bad --journal, ...)
         if launcher.stop_signal is not None:   # ... or did not answer: Ctrl-C came first
             print(f"rtxnet-run: stopped by {launcher.stop_signal} before any rank started",

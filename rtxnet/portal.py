@@ -41,9 +41,10 @@ class Work:
         """Block until the operation finished; raise its error if it failed.
 
         Raises:
-            TimeoutError: ``timeout`` seconds passed first (the operation goes on).
+            TimeoutError: ``timeout`` seconds passed first (the operation goes on; its own
+                deadline still applies), naming ``timeout``.
         """
-        self._future.result(timeout)
+        self.result(timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -56,7 +57,14 @@ class Work:
         return self._future.exception() if self._future.done() else None
 
     def result(self, timeout: float | None = None) -> Any:
-        return self._future.result(timeout)
+        """What the operation returned, once it finished (``timeout``: as :meth:`wait`)."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._future.done():   # the operation's own error (a TimeoutError of its own)
+                raise
+            raise TimeoutError(f"the operation did not finish within timeout={timeout!r} s; it goes "
+                               f"on (until its own deadline): wait again, or poll is_completed()") from None
 
 
 class Portal:

@@ -87,6 +87,9 @@ def summarize(events: list[dict], output: str = "", plan: str | None = None,
             "lost": es[0]["lost"],
             "losses": es[0].get("losses") or [],
             "lost_launch": es[0].get("lost_launch"),
+            # a CollectiveTimeout's ranks: they did not contribute in time (not lost)
+            "late": es[0].get("late") or [],
+            "late_launch": es[0].get("late_launch"),
             # launch ranks that were declared lost themselves (frozen, cut off) and rejoined
             "fenced": sorted(e.get("launch_rank") for e in es if e.get("fenced")),
             "ranks_reporting": len(es),
@@ -366,7 +369,7 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
 
 def report(summary: dict) -> list[str]:
     """The summary as lines for people; a line starting with ``FAILED`` fails the check."""
-    from rtxnet.elastic import describe_join, describe_loss_between_steps, name_ranks
+    from rtxnet.elastic import describe_join, describe_loss_between_steps, event_ranks, name_ranks
     from rtxnet.launcher import signal_suffix
 
     by_epoch = []   # (epoch, line): recoveries and joins in the order they happened
@@ -382,6 +385,8 @@ def report(summary: dict) -> list[str]:
                 f"(numbered as of epoch {x['epoch'] - 1})" for x in r["losses"])
         else:
             lost = f"lost ranks {r['lost']}" if r["lost"] else "no rank lost"
+        if r.get("late"):
+            lost += f"; {event_ranks(r, 'late')} did not contribute in time"
         det = ("" if r["detection_latency_s"] is None
                else f"detected after {r['detection_latency_s'] * 1000:.0f} ms, ")
         by_epoch.append((r["epoch"], f"epoch {r['epoch']}: {r['error']} ({lost}): {det}recovered after "

@@ -85,6 +85,12 @@ class Buffer:
             self._scratch = True
         if not readonly and not a.flags.writeable:
             raise ValueError("output array is read-only")
+        if not readonly and _self_overlapping(a):
+            raise ValueError(
+                f"output array of shape {a.shape} and strides {a.strides} has elements that share "
+                f"memory (a stride of 0: torch's expand, np.broadcast_to): a result written in "
+                f"place would be undefined, as torch.distributed refuses it; pass one with memory "
+                f"of its own (.clone(), np.array(a))")
 
     @property
     def dtype(self) -> np.dtype:
@@ -102,6 +108,21 @@ class Buffer:
         """Write ``flat`` back into the user's (non-contiguous) memory."""
         if self._scratch:
             np.copyto(self.array, self.flat.reshape(self.array.shape))
+
+
+def _self_overlapping(a: np.ndarray) -> bool:
+    """Whether two elements of ``a`` may share memory: True unless, taking its dimensions by
+    increasing stride, each stride clears the span of the smaller ones (a sufficient test for no
+    overlap: dense, sliced and transposed views pass; a stride of 0 on a dimension of two or more
+    elements fails)."""
+    if a.size == 0:
+        return False
+    span = a.itemsize
+    for stride, n in sorted((abs(st), n) for st, n in zip(a.strides, a.shape, strict=True) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
 
 
 def payload_view(payload, dtype: np.dtype, count: int) -> np.ndarray:

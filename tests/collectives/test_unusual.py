@@ -187,6 +187,8 @@ async def early_value_errors(engine):
         lambda: g.all_gather([np.ones(3)], np.ones(3)),
         lambda: g.all_gather(np.ones(5), np.ones(3)),
         lambda: g.all_reduce(np.ones(3), timeout=-1),
+        # a writable output whose elements share memory (torch's expand): refused, not written
+        lambda: g.all_reduce(np.lib.stride_tricks.as_strided(np.zeros(1), shape=(3,), strides=(0,))),
         lambda: g.send(np.ones(3), g.rank),
     ):
         try:
@@ -206,7 +208,8 @@ def test_value_errors_before_anything_is_sent():
     for errors, x0, seq in res:
         assert all(e is not None for e in errors), errors
         assert "bool" in errors[0] and "PROD" in errors[0]
-        assert x0 == 2.0 and seq == 13   # 12 refused collectives and the all_reduce
+        assert "strides (0,) has elements that share memory" in errors[-2], errors[-2]
+        assert x0 == 2.0 and seq == 14   # 13 refused collectives and the all_reduce
 
 
 async def slow_rank(engine, algo):

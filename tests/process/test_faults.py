@@ -72,13 +72,64 @@ def test_killed_rank_is_replaced_and_gets_state_from_a_peer(tmp_path):
 
 def test_frozen_rank_is_fenced_then_rejoins(tmp_path):
     # SIGSTOP for 2.5 s > heartbeat timeout: declared lost; on waking it is fenced out and rejoins.
-    results, proc = run_job(tmp_path, "pause:rank=3:step=10:seconds=2.5", "--min-ranks", "3",
-                            steps=200, step_sleep=0.02)
-    assert len(results) == 4
+    # Later rank 2 is killed: every rank, the one fenced before too, measures that failure from
+    # its injection (the fenced rank measured it from its own old fence, and named no injection)
+    results, proc = run_job(tmp_path, "pause:rank=3:step=10:seconds=2.5; kill:rank=2:step=190",
+                            "--min-ranks", "3", steps=200, step_sleep=0.02, expect_rc=137)
+    assert len(results) == 3
     # The woken rank rejoined and took the survivors' newer state instead of replaying old steps.
     woke = [r for r in results if any(e["event"] == "recovered" and e["resumed_step"] > e["failed_step"] + 1
                                       for e in r["events"])]
     assert len(woke) == 1 and woke[0]["restart_count"] == 0, [r["events"] for r in results]
+    killed = [e for e in recoveries(results) if e["lost_launch"] == [2]]
+    assert len(killed) == 3, [r["events"] for r in results]
+    assert all(e["detection_latency_s"] is not None and e["t_detected"] >= e["t_injected"]
+               for e in killed), killed
+
+
+SLOW_ONCE = """
+import json, os, sys, time
+import numpy as np
+import rtxnet
+class State:
+    v = 0
+    def state_dict(self): return {"v": self.v}
+    def load_state_dict(self, d): self.v = d["v"]
+pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=2.0,
+                                           rendezvous_s=60))
+state, slept = State(), False
+ft = rtxnet.FaultTolerance(pg, state)
+while ft.step < 6:
+    with ft.guard() as step:
+        if step == 3 and pg.rank == 1 and not slept:
+            slept = True
+            time.sleep(3.0)          # alive (heartbeats go on) but late: the others time out
+        x = np.ones(4)
+        pg.all_reduce(x)
+        state.v += int(x[0])
+ft.finish()
+print(json.dumps({"v": state.v, "events": ft.events, "report": ft.report()}), flush=True)
+pg.close()
+"""
+
+
+def test_a_collective_timeout_names_the_late_rank_and_loses_none(tmp_path):
+    # a CollectiveTimeout's ranks were recorded as lost ("lost launch rank 1") though the world
+    # never changed: they are the ranks that did not contribute in time
+    script = tmp_path / "slow_once.py"
+    script.write_text(SLOW_ONCE)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=procs.env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"events"' in line]
+    assert len(outs) == 2 and all(o["v"] == 12 for o in outs), outs
+    rank0 = [o for o in outs if any(e.get("late") for e in o["events"])]
+    assert len(rank0) == 1, outs
+    e = [e for e in rank0[0]["events"] if e["event"] == "recovered"][0]
+    assert e["error"] == "CollectiveTimeout" and e["lost"] == [] and e["lost_launch"] == [], e
+    assert e["late"] == [1] and e["late_launch"] == [1] and e["world_size"] == 2, e
+    assert any("(CollectiveTimeout, no rank lost; launch rank 1 did not contribute in time)" in line
+               for line in rank0[0]["report"]), rank0[0]["report"]
 
 
 def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):

@@ -588,6 +588,23 @@ def test_ctrl_c_before_any_rank_started_exits_130(tmp_path, coordinator):
     assert err.strip().splitlines()[-1] == "rtxnet-run: stopped by SIGINT before any rank started", err
 
 
+def test_ctrl_c_during_the_checks_is_one_line_and_130(monkeypatch, capsys):
+    # (a fresh user's find: a Ctrl-C while rtxnet-run still imported its modules was a
+    # KeyboardInterrupt traceback; the import now takes a tenth of a second, below)
+    from rtxnet import launcher
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "_environment_errors", interrupted)
+    assert launcher.main(["--nproc", "1", "examples/rendezvous_demo.py"]) == 130
+    assert capsys.readouterr().err == "rtxnet-run: interrupted before any rank started\n"
+    code = ("import sys, rtxnet.launcher, rtxnet.cli; "
+            "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def _launcher_waits(pid: int) -> bool:
     """Whether process ``pid`` has a TCP connection open (the probe of --coordinator)."""
     import psutil

@@ -142,6 +142,19 @@ def test_blocking_split_and_new_group_return_blocking_groups(coordinator, caplog
         structlog.reset_defaults()
 
 
+def test_a_work_wait_that_times_out_names_the_timeout_and_the_operation_goes_on():
+    import concurrent.futures
+
+    fut = concurrent.futures.Future()     # an operation still running
+    work = rtxnet.Work(fut)
+    with pytest.raises(TimeoutError, match=r"did not finish within timeout=0.05 s; it goes on"):
+        work.wait(0.05)
+    assert not work.is_completed()
+    fut.set_exception(rtxnet.CollectiveTimeout("all_reduce: rank 1 did not contribute", ranks=[1]))
+    with pytest.raises(rtxnet.CollectiveTimeout, match="rank 1 did not contribute"):  # its own
+        work.wait(0.05)
+
+
 def test_importing_rtxnet_needs_neither_torch_nor_cupy():
     code = "import sys, rtxnet; print('torch' in sys.modules, 'cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
