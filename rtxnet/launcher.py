@@ -68,6 +68,9 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 _SAME_SIGNAL_S = 0.5
 _PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
 _FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training finished
+# a rank that exited 0 mid-training, the others going on without waiting for it, is named this
+# long after its exit (sooner, they may not have said yet that they wait: _watch_exits_0)
+_NOTE_AFTER_S = 2.0
 
 
 @dataclass
@@ -76,7 +79,10 @@ class _Slot:
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     returncode: int | None = None
-    failed_at: float | None = None
+    # when it exited 0 while others ran (monotonic), and whether the launcher said it left
+    # mid-training while the others went on without it (_watch_exits_0)
+    exited_0_at: float | None = None
+    noted_mid_training: bool = False
     pumps: list = field(default_factory=list)
     # exited 0 while the job still needed it, and will not come back (exit 0 is not restarted):
     # "before the job formed" or "during training" (see _watch_exits_0); "" otherwise
@@ -436,6 +442,7 @@ class Launcher:
                 slot.returncode = code
                 running -= 1
                 if code == 0 and running and not self.stopping:
+                    slot.exited_0_at = time.monotonic()
                     self._exited_0.append(slot)
                     if self._exits_0_watch is None:
                         self._exits_0_watch = asyncio.ensure_future(self._watch_exits_0())
@@ -481,9 +488,12 @@ class Launcher:
         --min-ranks, instead of letting the others wait out their rendezvous timeout (300 s by
         default) or rejoin window (60 s), then be restarted to wait again. Asked of the
         coordinator every second while other ranks run; ends when the job has finished or
-        finished training (ranks exiting 0 then are ending in order). Left alone: a script that
-        never calls ``rtxnet.init`` (its job never appears), and a job whose ranks go on without
-        waiting (a world still at --min-ranks; a script without ``FaultTolerance``)."""
+        finished training (ranks exiting 0 then are ending in order). A rank that left a
+        fault-tolerant job mid-training (it has committed steps, ``finish()`` was not called)
+        while the others go on without waiting (a world still at --min-ranks) is named once,
+        ``_NOTE_AFTER_S`` after its exit, without changing the exit code. Left alone: a script
+        that never calls ``rtxnet.init`` (its job never appears), and one without
+        ``FaultTolerance`` (its ranks may end in any order)."""
         from transport.errors import RtxError
 
         from .cli import _status
@@ -516,6 +526,16 @@ class Launcher:
                      + said.format("they" if len(new) > 1 else "it")
                      + " (a rank that exits 0 is not restarted)")
                 self._stop_if_below_min_ranks()
+            elif job is not None and job["state"] == "running" and job["committed_step"] >= 0:
+                now = time.monotonic()
+                gone = [s for s in new if not s.noted_mid_training and now - s.exited_0_at >= _NOTE_AFTER_S]
+                if gone:
+                    for slot in gone:
+                        slot.noted_mid_training = True
+                    _say(f"{_ranks([s.rank for s in gone])} exited with code 0 during the training "
+                         f"of job {self.job} ({last_committed(job['committed_step'])}), before "
+                         f"FaultTolerance.finish(): not restarted (exit 0); the job goes on with "
+                         f"{job['world_size']} rank{'s' if job['world_size'] != 1 else ''}")
             await asyncio.sleep(1.0)
 
     async def _training_finished(self) -> bool:
