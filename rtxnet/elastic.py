@@ -76,6 +76,11 @@ _RING_TAG = 0x52494E47
 
 # Errors a step can die of that re-forming the group answers.
 RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
+# While a step's vote is pending: how often to look for a collective this rank skipped, and how
+# long the peers' first message of it must have waited (their next step's first message can
+# come a moment before this rank hears the decision: not a skip)
+SKIP_POLL_S = 0.25
+SKIP_AFTER_S = 1.0
 
 
 class Stateful(Protocol):
@@ -222,6 +227,7 @@ class FaultTolerance:
         self._noted_through = -1   # the newest epoch whose losses _note_loss_between_steps recorded
         self.events: list[dict[str, Any]] = []
         self._open_failure: dict[str, Any] | None = None
+        self._skip_told = False   # the last vote found a collective this rank skipped (_vote)
         self._epoch_seen: dict[int, float] = {}
         self._epoch_lost: dict[int, list[int]] = {}   # epoch -> ranks its membership lost
         # epoch -> the launch ranks (rtxnet-run's RANK, stable across epochs) its membership lost;
@@ -519,12 +525,12 @@ class FaultTolerance:
                 self.pg._pinned_world = None
         t0 = time.monotonic()
         try:
-            committed = await self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s)
+            committed = await self._vote(step, epoch)
         except RECOVERABLE as exc:
             await self._recover(exc, step)
             return
         waited = time.monotonic() - t0
-        if waited > 0.2:
+        if waited > 0.2 and not self._skip_told:   # (a skipped collective is the step's failure)
             # The vote stalled, e.g. while the coordinator restarted: training waited, lost nothing.
             injected = await self._injection_time(t0 + waited)
             self._event({"event": "commit_stall", "step": step, "seconds": round(waited, 4),
@@ -543,6 +549,40 @@ class FaultTolerance:
             self._holds_state = True
         else:
             await self._recover(PeerLostError(f"step {step} was not committed (epoch {epoch} -> {self.pg.epoch})"), step)
+
+    async def _vote(self, step: int, epoch: int) -> bool:
+        """Vote that ``step`` succeeded here; whether it committed. While the vote is pending,
+        every ``SKIP_POLL_S``: when peers have waited more than ``SKIP_AFTER_S`` in a collective
+        this rank never called (it left the step early: a ``return`` or ``continue`` inside the
+        guard, a branch that skips a collective on some ranks), ask for a new epoch, so the step
+        fails on every rank at once, instead of the others waiting out their collective timeout
+        (60 s) while this vote waits for theirs. Said in a ``collective_skipped`` warning."""
+        vote = asyncio.ensure_future(self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s))
+        engine, told = self.pg.engine, False
+        self._skip_told = False
+        try:
+            while engine is not None and not told:
+                done, _ = await asyncio.wait({vote}, timeout=SKIP_POLL_S)
+                if done:
+                    break
+                skipped = engine.skipped(SKIP_AFTER_S)
+                if skipped:
+                    told = self._skip_told = True
+                    group, seq, senders = skipped[0]
+                    why = (f"rank {self.pg.rank} ended step {step} while ranks {senders} wait in "
+                           f"collective #{seq} of group {group.gid!r} in epoch {epoch}, which it did "
+                           f"not call: the ranks' collectives differ in this step")
+                    log.warning("collective_skipped", step=step, group=group.gid, seq=seq,
+                                waiting=senders, message=why)
+                    try:
+                        await self.pg.agent.reform(why, epoch)
+                    except RtxError as exc:
+                        log.warning("reform_failed", error=str(exc))
+            return await vote
+        finally:
+            if not vote.done():
+                vote.cancel()
+                await asyncio.gather(vote, return_exceptions=True)
 
     async def _recover(self, exc: BaseException, step: int) -> None:
         self.pg._pinned_world = None

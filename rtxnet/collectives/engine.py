@@ -439,6 +439,7 @@ class Engine:
         self._bulk_addr: dict[int, tuple[str, int] | None] = {}
         self._running: dict[tuple[str, int], Op] = {}
         self._early: dict[tuple[str, int], list] = {}
+        self._early_at: dict[tuple[str, int], float] = {}   # when its first message came
         self._watermark: dict[str, int] = {}
         self._p2p_msgs: dict[tuple[str, int, int], deque] = {}
         self._p2p_waiters: dict[tuple[str, int, int], deque] = {}
@@ -530,6 +531,7 @@ class Engine:
         self.view = view
         self._running.clear()
         self._early.clear()
+        self._early_at.clear()
         self._watermark.clear()
         self._p2p_msgs.clear()
         self._group_counter.clear()
@@ -688,11 +690,32 @@ class Engine:
         if op is not None:
             op.deliver(h, payload)
         else:
+            if key not in self._early:
+                self._early_at[key] = time.monotonic()
             self._early.setdefault(key, []).append((h, payload))
+
+    def skipped(self, older_than_s: float) -> list[tuple[Any, int, list[int]]]:
+        """Collectives peers began that this rank has not even issued: ``(group, seq, senders)``
+        for each operation number ``seq`` of ``group`` at or past the group's next number whose
+        first message came more than ``older_than_s`` seconds ago (``senders``: world ranks,
+        sorted). :class:`rtxnet.FaultTolerance` asks while its vote on a step is pending: the
+        others then wait in a collective of that step which this rank skipped, and would until
+        their timeout. (An operation issued but still queued behind another is not skipped.)"""
+        now = time.monotonic()
+        out = []
+        for key, since in list(self._early_at.items()):
+            if now - since < older_than_s:
+                continue
+            group = next((g for g in self._groups if g.gid == key[0]), None)
+            if group is None or key[1] < group._seq:
+                continue
+            out.append((group, key[1], sorted({h.src for h, _ in self._early.get(key, ())})))
+        return out
 
     def _start_op(self, op: Op) -> None:
         key = (op.group.gid, op.seq)
         self._running[key] = op
+        self._early_at.pop(key, None)
         for h, payload in self._early.pop(key, ()):
             op.deliver(h, payload)
 
@@ -704,6 +727,7 @@ class Engine:
         if self._running.get(key) is op:
             del self._running[key]
         self._early.pop(key, None)
+        self._early_at.pop(key, None)
         gid = op.group.gid
         if op.seq > self._watermark.get(gid, -1):
             self._watermark[gid] = op.seq

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,17 +96,20 @@ class State:
     v = 0
     def state_dict(self): return {"v": self.v}
     def load_state_dict(self, d): self.v = d["v"]
-pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=2.0,
+pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=20.0,
                                            rendezvous_s=60))
-state, slept = State(), False
+state, slept, skipped = State(), False, False
 ft = rtxnet.FaultTolerance(pg, state)
-while ft.step < 6:
+while ft.step < 7:
     with ft.guard() as step:
         if step == 3 and pg.rank == 1 and not slept:
             slept = True
             time.sleep(3.0)          # alive (heartbeats go on) but late: the others time out
+        if step == 5 and pg.rank == 1 and not skipped:
+            skipped = True
+            continue                 # leaves the step without its all_reduce
         x = np.ones(4)
-        pg.all_reduce(x)
+        pg.all_reduce(x, timeout=2.0 if step == 3 else 20.0)
         state.v += int(x[0])
 ft.finish()
 print(json.dumps({"v": state.v, "events": ft.events, "report": ft.report()}), flush=True)
@@ -113,16 +117,25 @@ pg.close()
 """
 
 
-def test_a_collective_timeout_names_the_late_rank_and_loses_none(tmp_path):
-    # a CollectiveTimeout's ranks were recorded as lost ("lost launch rank 1") though the world
-    # never changed: they are the ranks that did not contribute in time
+def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tmp_path):
+    # A CollectiveTimeout's ranks were recorded as lost ("lost launch rank 1") though the world
+    # never changed: they are the ranks that did not contribute in time.
+    # A rank that left a step without its collective (`continue` in the guard) voted and waited
+    # while the others waited in the collective: both until the 60 s timeout (20 s here).
     script = tmp_path / "slow_once.py"
     script.write_text(SLOW_ONCE)
+    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=procs.env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"events"' in line]
-    assert len(outs) == 2 and all(o["v"] == 12 for o in outs), outs
+    assert len(outs) == 2 and all(o["v"] == 14 for o in outs), outs
+    assert re.search(r"rank 1 ended step 5 while ranks \[0\] wait in collective #\d+ of group 'w' in "
+                     r"epoch 1, which it did not call: the ranks' collectives differ in this step",
+                     proc.stderr), proc.stderr[-3000:]
+    skip = [e for o in outs for e in o["events"] if e["event"] == "recovered" and e["failed_step"] == 5]
+    assert len(skip) == 2 and all(e["error"] != "CollectiveTimeout" for e in skip), skip
+    assert time.monotonic() - t0 < 20, "the skipped collective was found by its timeout"
     rank0 = [o for o in outs if any(e.get("late") for e in o["events"])]
     assert len(rank0) == 1, outs
     e = [e for e in rank0[0]["events"] if e["event"] == "recovered"][0]
