@@ -52,6 +52,7 @@ import structlog
 from transport.errors import (
     ClosedError,
     CollectiveError,
+    CollectiveMismatchError,
     CollectiveTimeout,
     ConfigError,
     JobFinishedError,
@@ -227,7 +228,7 @@ class FaultTolerance:
         self._noted_through = -1   # the newest epoch whose losses _note_loss_between_steps recorded
         self.events: list[dict[str, Any]] = []
         self._open_failure: dict[str, Any] | None = None
-        self._skip_told = False   # the last vote found a collective this rank skipped (_vote)
+        self._skip_told = ""   # why the last vote failed: a collective this rank skipped (_vote)
         self._epoch_seen: dict[int, float] = {}
         self._epoch_lost: dict[int, list[int]] = {}   # epoch -> ranks its membership lost
         # epoch -> the launch ranks (rtxnet-run's RANK, stable across epochs) its membership lost;
@@ -547,6 +548,8 @@ class FaultTolerance:
             else:
                 self._snapshot = pack_state(self.state.state_dict())
             self._holds_state = True
+        elif self._skip_told:
+            await self._recover(CollectiveMismatchError(self._skip_told), step)
         else:
             await self._recover(PeerLostError(f"step {step} was not committed (epoch {epoch} -> {self.pg.epoch})"), step)
 
@@ -556,22 +559,23 @@ class FaultTolerance:
         this rank never called (it left the step early: a ``return`` or ``continue`` inside the
         guard, a branch that skips a collective on some ranks), ask for a new epoch, so the step
         fails on every rank at once, instead of the others waiting out their collective timeout
-        (60 s) while this vote waits for theirs. Said in a ``collective_skipped`` warning."""
+        (60 s) while this vote waits for theirs. Said in a ``collective_skipped`` warning, and
+        kept in ``_skip_told``: the step fails here with a ``CollectiveMismatchError`` saying it."""
         vote = asyncio.ensure_future(self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s))
-        engine, told = self.pg.engine, False
-        self._skip_told = False
+        engine = self.pg.engine
+        self._skip_told = ""
         try:
-            while engine is not None and not told:
+            while engine is not None and not self._skip_told:
                 done, _ = await asyncio.wait({vote}, timeout=SKIP_POLL_S)
                 if done:
                     break
                 skipped = engine.skipped(SKIP_AFTER_S)
                 if skipped:
-                    told = self._skip_told = True
                     group, seq, senders = skipped[0]
                     why = (f"rank {self.pg.rank} ended step {step} while ranks {senders} wait in "
                            f"collective #{seq} of group {group.gid!r} in epoch {epoch}, which it did "
                            f"not call: the ranks' collectives differ in this step")
+                    self._skip_told = why
                     log.warning("collective_skipped", step=step, group=group.gid, seq=seq,
                                 waiting=senders, message=why)
                     try:

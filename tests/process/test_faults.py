@@ -135,6 +135,7 @@ def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tm
                      proc.stderr), proc.stderr[-3000:]
     skip = [e for o in outs for e in o["events"] if e["event"] == "recovered" and e["failed_step"] == 5]
     assert len(skip) == 2 and all(e["error"] != "CollectiveTimeout" for e in skip), skip
+    assert [e["launch_rank"] for e in skip if e["error"] == "CollectiveMismatchError"] == [1], skip
     assert time.monotonic() - t0 < 20, "the skipped collective was found by its timeout"
     rank0 = [o for o in outs if any(e.get("late") for e in o["events"])]
     assert len(rank0) == 1, outs
