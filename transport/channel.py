@@ -337,9 +337,10 @@ class ControlServer:
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # ZeroMQ drops a connection that sends a bigger frame than this; smaller oversize messages
-        # get a ProtocolError answer from the codec instead.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * limits.max_message_nbytes)
+        # ZeroMQ drops a connection that sends a bigger frame than this (before reading it: a
+        # flood of 60 MB frames, buffered in full at 4x, stalled the loop for seconds); smaller
+        # oversize messages get a ProtocolError answer from the codec instead.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_nbytes)
         self._sock.setsockopt(zmq.SNDHWM, 100000)
         self._sock.setsockopt(zmq.RCVHWM, 100000)
         if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])

@@ -128,15 +128,21 @@ def _check_depth(obj: dict | list, max_depth: int, n: int) -> None:
         depth += 1
 
 
+PEEK_NBYTES = 64 * 1024   # how much of an undecodable message peek_fields reads
+
+
 def peek_fields(data: bytes | memoryview, names: frozenset[str], *, max_entries: int = 64) -> dict[str, Any]:
     """Read only the small scalar fields ``names`` of a top-level map, skipping everything else.
 
     Used to answer a message that is too large (or otherwise undecodable) with an error that
-    carries its request id. Values are skipped without being materialised, so a huge ``bin`` costs
-    nothing. Returns what it could read; never raises.
+    carries its request id. Only the first ``PEEK_NBYTES`` are read (the header fields come first
+    in what :func:`transport.wire.make` builds; a field past a huge value is not found): feeding a
+    whole 60 MB message cost 46 ms of the coordinator's loop, and a flood of them stalled it for
+    seconds. Returns what it could read; never raises.
     """
     found: dict[str, Any] = {}
     try:
+        data = memoryview(data)[:PEEK_NBYTES]
         up = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), max_str_len=256,
                               max_bin_len=0, max_array_len=0, max_map_len=max_entries, max_ext_len=0)
         up.feed(data)

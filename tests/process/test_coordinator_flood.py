@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 
+import msgpack
 import procs
 import pytest
 
@@ -49,4 +50,26 @@ def test_a_flood_of_garbage_leaves_the_daemon_serving_with_a_bounded_log(coordin
     assert len(lines) <= budget * (int(elapsed / LogBudget().window_s) + 2), len(lines)
     suppressed = sum(int(m) for ln in lines for m in re.findall(r"suppressed_before=(\d+)", ln))
     assert len(lines) + suppressed == 3001, (len(lines), suppressed)
+    assert coordinator.proc.poll() is None
+
+
+def test_a_flood_of_oversize_messages_leaves_the_daemon_running_on_time(coordinator):
+    # Each oversize message was copied whole to find its request id (46 ms for 60 MB), and frames
+    # up to 4x the limit were taken in: four clients sending 60 MB frames stalled the daemon 4-11 s
+    # (a fresh user's find). Now the id is read from the message's first bytes, and a frame above
+    # 2x the limit drops its connection before it is read.
+    over = 24 << 20                       # above the 16 MiB limit: answered, naming the limit
+    big = msgpack.packb(wire.make("kv_set", rid=5, job="j", key="k", value=b"x" * over), use_bin_type=True)
+    with procs.dealer(coordinator.address, timeout_s=20) as d:
+        for _ in range(30):
+            d.send(big, copy=False)
+        for _ in range(30):
+            r = decode(d.recv())
+            assert r["rid"] == 5 and "exceeds the limit" in r["message"], r
+    with procs.dealer(coordinator.address, timeout_s=5) as d:
+        d.send(b"\x00" * (40 << 20))          # above 2x the limit: the connection is dropped
+        with procs.dealer(coordinator.address, timeout_s=10) as ok:
+            ok.send(encode(wire.make("status", rid=1)))
+            assert decode(ok.recv())["rid"] == 1
+    assert "coordinator_stalled" not in coordinator.log, coordinator.log[-2000:]
     assert coordinator.proc.poll() is None
