@@ -68,9 +68,6 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 _SAME_SIGNAL_S = 0.5
 _PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
 _FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training finished
-# a rank that exited 0 mid-training, the others going on without waiting for it, is named this
-# long after its exit (sooner, they may not have said yet that they wait: _watch_exits_0)
-_NOTE_AFTER_S = 2.0
 
 
 @dataclass
@@ -79,9 +76,9 @@ class _Slot:
     proc: asyncio.subprocess.Process | None = None
     restarts: int = 0
     returncode: int | None = None
-    # when it exited 0 while others ran (monotonic), and whether the launcher said it left
-    # mid-training while the others went on without it (_watch_exits_0)
-    exited_0_at: float | None = None
+    # exited 0 while others ran: the job's committed step when the launcher first saw it gone,
+    # and whether the launcher said the others trained on without it (_watch_exits_0)
+    exit_step: int | None = None
     noted_mid_training: bool = False
     pumps: list = field(default_factory=list)
     # exited 0 while the job still needed it, and will not come back (exit 0 is not restarted):
@@ -442,7 +439,6 @@ class Launcher:
                 slot.returncode = code
                 running -= 1
                 if code == 0 and running and not self.stopping:
-                    slot.exited_0_at = time.monotonic()
                     self._exited_0.append(slot)
                     if self._exits_0_watch is None:
                         self._exits_0_watch = asyncio.ensure_future(self._watch_exits_0())
@@ -456,6 +452,8 @@ class Launcher:
                         # (after training, the others may still finish what runs after it: an
                         # evaluation, writing results; nobody waits for replacements any more)
                         self._stop_if_below_min_ranks()
+            if self.stop_signal is None:
+                await self._last_look_at_exits_0()
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
@@ -489,11 +487,13 @@ class Launcher:
         default) or rejoin window (60 s), then be restarted to wait again. Asked of the
         coordinator every second while other ranks run; ends when the job has finished or
         finished training (ranks exiting 0 then are ending in order). A rank that left a
-        fault-tolerant job mid-training (it has committed steps, ``finish()`` was not called)
-        while the others go on without waiting (a world still at --min-ranks) is named once,
-        ``_NOTE_AFTER_S`` after its exit, without changing the exit code. Left alone: a script
-        that never calls ``rtxnet.init`` (its job never appears), and one without
-        ``FaultTolerance`` (its ranks may end in any order)."""
+        fault-tolerant job mid-training (``finish()`` not called) while the others trained on
+        without it (a world still at --min-ranks: the job's committed step moved past the one
+        seen when it was gone) is named once, without changing the exit code (when the others
+        trained on for less than the launcher took to look, it cannot tell, and says nothing). Left alone: a
+        script that never calls ``rtxnet.init`` (its job never appears), one without
+        ``FaultTolerance`` (no step is committed) and one whose ranks all end after the last
+        step without ``finish()`` (no step is committed after the first one left)."""
         from transport.errors import RtxError
 
         from .cli import _status
@@ -503,10 +503,9 @@ class Launcher:
                 st = await _status(self.address, _FINISHED_PROBE_S, self.job)
             except RtxError:
                 st = {"jobs": [], "finished": {}}   # no answer: ask again
-            if self.job in st["finished"]:
-                return
             job = _job_entry(st, self.job)
-            if job is not None and job.get("finished_training"):
+            if self.job in st["finished"] or job is not None and job.get("finished_training"):
+                self._note_trained_on_without(st["finished"].get(self.job, job and job["committed_step"]))
                 return
             new = [s for s in self._exited_0 if not s.left_early]
             when = None
@@ -526,17 +525,43 @@ class Launcher:
                      + said.format("they" if len(new) > 1 else "it")
                      + " (a rank that exits 0 is not restarted)")
                 self._stop_if_below_min_ranks()
-            elif job is not None and job["state"] == "running" and job["committed_step"] >= 0:
-                now = time.monotonic()
-                gone = [s for s in new if not s.noted_mid_training and now - s.exited_0_at >= _NOTE_AFTER_S]
-                if gone:
-                    for slot in gone:
-                        slot.noted_mid_training = True
-                    _say(f"{_ranks([s.rank for s in gone])} exited with code 0 during the training "
-                         f"of job {self.job} ({last_committed(job['committed_step'])}), before "
-                         f"FaultTolerance.finish(): not restarted (exit 0); the job goes on with "
-                         f"{job['world_size']} rank{'s' if job['world_size'] != 1 else ''}")
+            elif job is not None and job["state"] == "running":
+                for slot in new:
+                    if slot.exit_step is None:
+                        slot.exit_step = job["committed_step"]
+                self._note_trained_on_without(job["committed_step"], job["world_size"])
             await asyncio.sleep(1.0)
+
+    async def _last_look_at_exits_0(self) -> None:
+        """Once every rank ended: the others may have trained on without a rank that exited 0
+        mid-training, and finished, between two looks of ``_watch_exits_0``."""
+        from transport.errors import RtxError
+
+        from .cli import _status
+
+        if any(s.exit_step is not None and not s.noted_mid_training for s in self._exited_0):
+            try:
+                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+            except RtxError:
+                return
+            job = _job_entry(st, self.job)
+            self._note_trained_on_without(st["finished"].get(self.job, job and job["committed_step"]))
+
+    def _note_trained_on_without(self, committed: int | None, world: int | None = None) -> None:
+        """Name the ranks that exited 0 mid-training (their ``exit_step`` seen) once the job's
+        committed step ``committed`` has moved past it: the others trained on without them."""
+        gone = [s for s in self._exited_0 if not s.noted_mid_training and not s.left_early
+                and s.exit_step is not None and committed is not None and committed > s.exit_step]
+        if not gone:
+            return
+        for slot in gone:
+            slot.noted_mid_training = True
+        them = "them" if len(gone) > 1 else "it"
+        k = min(s.exit_step for s in gone)
+        at = f"when its last committed step was {k}" if k >= 0 else "before it committed a step"
+        _say(f"{_ranks([s.rank for s in gone])} exited with code 0 during the training of job "
+             f"{self.job} ({at}), before FaultTolerance.finish(): not restarted (exit 0); the "
+             f"others trained on without {them}" + ("" if world is None else f", {_n(world)} now"))
 
     async def _training_finished(self) -> bool:
         """Whether the coordinator says this job's training is over (``FaultTolerance.finish``)
@@ -750,6 +775,10 @@ def _route_address(coordinator: str) -> str:
     from transport.channel import route_address
 
     return route_address(coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]"))
+
+
+def _n(world: int) -> str:
+    return f"{world} rank{'' if world == 1 else 's'}"
 
 
 def _ranks(items: list) -> str:

@@ -714,7 +714,14 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
             when this process already holds an open group of the same job on the same
             coordinator (a second ``init``: one process is one rank, as torch.distributed's
             "initialize the default process group twice" says).
+        TypeError: a keyword :class:`connect` does not take, named.
     """
+    import inspect
+
+    unknown = sorted(set(kwargs) - set(inspect.signature(_connect).parameters))
+    if unknown:
+        raise TypeError(f"init() got an unexpected keyword argument {unknown[0]!r} (it takes "
+                        f"{', '.join(list(inspect.signature(_connect).parameters)[1:])})")
     # the coordinator and job this join would use, as _connect resolves them (and checks them)
     settings = _settings(coordinator, *(kwargs.get(k) for k in (
         "job", "token", "rank", "world_size", "min_ranks", "max_ranks", "last_call_s")))

@@ -167,7 +167,7 @@ EXITS_0_MID_TRAINING = textwrap.dedent("""
                 sys.exit(0)          # returns mid-training: no finish(), no close()
             pg.all_reduce(np.ones(4))
             state.v += 1
-            time.sleep(0.2)
+            time.sleep(0.05)
     ft.finish()
     print(f"done v={state.v} world={pg.world_size}", flush=True)
 """)
@@ -191,9 +191,9 @@ def test_a_rank_that_exits_0_mid_training_stops_the_others_when_they_wait_in_vai
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("done v=20 world=2") == 2, out.stdout
     assert out.stderr.count("exited with code 0") == 1, out.stderr
-    assert re.search(r"rank 1 exited with code 0 during the training of job mid2 \(last committed step "
-                     r"\d+\), before FaultTolerance.finish\(\): not restarted \(exit 0\); the job goes on "
-                     r"with 2 ranks", out.stderr), out.stderr
+    assert re.search(r"rank 1 exited with code 0 during the training of job mid2 \(when its last committed "
+                     r"step was [3-5]\), before FaultTolerance.finish\(\): not restarted \(exit 0\); the "
+                     r"others trained on without it", out.stderr), out.stderr
     # without FaultTolerance nobody waits for the world to grow: the other rank finishes its work
     out = run(["--nproc", "2", str(script), "plain"], timeout=60)
     assert out.returncode == 0 and out.stdout.count("done") == 2, out.stderr[-3000:]

@@ -142,6 +142,13 @@ def test_blocking_split_and_new_group_return_blocking_groups(coordinator, caplog
         structlog.reset_defaults()
 
 
+def test_a_misspelt_init_keyword_is_named_by_init():
+    # it was "_connect() got an unexpected keyword argument", naming an internal function
+    with pytest.raises(TypeError, match=r"init\(\) got an unexpected keyword argument 'min_rank' \(it takes "
+                                        r"job, token, rank, world_size, min_ranks,"):
+        rtxnet.init("tcp://127.0.0.1:9", min_rank=1)
+
+
 def test_a_work_wait_that_times_out_names_the_timeout_and_the_operation_goes_on():
     import concurrent.futures
 
