@@ -178,6 +178,10 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
         # host 0's ranks: the loss, then the comeback's joins at step boundaries (no ClosedError;
         # its two ranks may join in one epoch or two); the new ranks: nothing failed for them
         if r["rank"] < 2:
+            # (the host's two ranks may be lost in two epochs: one just after a step committed,
+            # a loss between steps, the other failing the next step)
+            if kinds[0] == "lost_between_steps":
+                kinds = kinds[1:]
             assert kinds[:2] == ["failure", "recovered"] and set(kinds[2:]) == {"joined"}, r["events"]
             assert sorted(x for e in r["events"] if e["event"] == "joined" for x in e["added_launch"]) \
                 == [2, 3], r["events"]
