@@ -874,8 +874,10 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     newcomer = Member(identity=ident, endpoint=msg["endpoint"], host=msg["host"], pid=msg["pid"],
                       info=msg.get("info") or {}, rank=rank, last_seen=now, joined_at=now)
     if not job.formed:
-        if ident in job.pending:
-            return refuse("RendezvousError", f"identity {ident!r} already joined job {job_id!r}")
+        if ident in job.pending:   # a repeated join (sent again: the first may have been lost)
+            job.pending[ident].last_seen = now
+            actions.append(_reply(identity, msg, job, state="pending"))
+            return
         if rank is not None:
             for m in job.pending.values():
                 if m.rank == rank:

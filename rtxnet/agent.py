@@ -174,28 +174,51 @@ class Agent:
         # A join waits for a coordinator that accepts connections but does not answer (frozen,
         # starved) as long as members wait for its heartbeats (coordinator_s); where nothing
         # listens (asked after request_s, as `rtxnet status` tells it) it fails then.
+        # The join is sent again every heartbeat timeout while unanswered (the coordinator takes
+        # a repeated join as the first): one sent over a connection that died before the
+        # coordinator read it (killed as this rank started) is not answered, nor sent again by
+        # the channel when no disconnect was seen.
         t = self.timeouts
-        joining = asyncio.ensure_future(self._join_request(deadline_s=max(t.request_s, t.coordinator_s)))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + max(t.request_s, t.coordinator_s)
+        again_s = max(t.heartbeat_timeout_s, 1.0)
+        tries: list[asyncio.Future] = []
+        sent = warned = None
         try:
-            done, _ = await asyncio.wait({joining}, timeout=t.request_s)
-            if not done:
-                why = await asyncio.to_thread(nobody_there, self.coordinator)
-                if why is not None:
-                    raise RtxTimeoutError(f"join to {self.coordinator}: no answer within "
-                                          f"{t.request_s:g} s; {why}")
-                log.warning("join_waits_for_coordinator", coordinator=self.coordinator,
-                            waited_s=t.request_s, up_to_s=max(t.request_s, t.coordinator_s))
-            try:
-                await joining
-            except RtxTimeoutError as exc:
-                why = await asyncio.to_thread(nobody_there, self.coordinator)
-                if why is None:
-                    raise
-                raise RtxTimeoutError(f"{exc}; {why}") from None
+            while True:
+                now = loop.time()
+                if now < deadline and (sent is None or now - sent >= again_s):
+                    tries.append(asyncio.ensure_future(self._join_request(deadline_s=deadline - now)))
+                    sent = now
+                # (past the deadline, the tries end by their own)
+                wake = [sent + again_s] if now < deadline else []
+                if not warned:
+                    wake.append(start + t.request_s)
+                done, _ = await asyncio.wait(tries, return_when=asyncio.FIRST_COMPLETED,
+                                             timeout=max(0.0, min(wake) - now) if wake else None)
+                if done:
+                    try:
+                        next(iter(done)).result()
+                    except RtxTimeoutError:   # (every try ends at the deadline)
+                        why = await asyncio.to_thread(nobody_there, self.coordinator)
+                        raise RtxTimeoutError(
+                            f"join to {self.coordinator}: no answer within "
+                            f"{max(t.request_s, t.coordinator_s):g} s" + (f"; {why}" if why else "")) from None
+                    break
+                if not warned and loop.time() - start >= t.request_s:
+                    warned = True
+                    why = await asyncio.to_thread(nobody_there, self.coordinator)
+                    if why is not None:
+                        raise RtxTimeoutError(f"join to {self.coordinator}: no answer within "
+                                              f"{t.request_s:g} s; {why}")
+                    log.warning("join_waits_for_coordinator", coordinator=self.coordinator,
+                                waited_s=t.request_s, up_to_s=max(t.request_s, t.coordinator_s))
         finally:
-            if not joining.done():
-                joining.cancel()
-                await asyncio.gather(joining, return_exceptions=True)
+            for attempt in tries:
+                if not attempt.done():
+                    attempt.cancel()
+            await asyncio.gather(*tries, return_exceptions=True)
         if self._hb_task is None:
             self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="heartbeat")
         try:
