@@ -81,6 +81,7 @@ class _Slot:
     exit_step: int | None = None
     noted_mid_training: bool = False
     pumps: list = field(default_factory=list)
+    moved: list = field(default_factory=lambda: [0])   # bytes its pumps read (_pump)
     # exited 0 while the job still needed it, and will not come back (exit 0 is not restarted):
     # "before the job formed" or "during training" (see _watch_exits_0); "" otherwise
     left_early: str = ""
@@ -140,12 +141,15 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     return proc, text.split("=", 1)[1]
 
 
-async def _pump(stream: asyncio.StreamReader, prefix: bytes, out) -> None:
+async def _pump(stream: asyncio.StreamReader, prefix: bytes, out, moved: list[int] | None = None) -> None:
     """Copy ``stream`` to ``out`` line by line with ``prefix``; lines of any length (read in chunks,
-    so a huge line never stalls the child on a full pipe)."""
+    so a huge line never stalls the child on a full pipe). Counts the bytes read in ``moved[0]``
+    when given."""
     pending = b""
     while True:
         chunk = await stream.read(1 << 16)
+        if moved is not None:
+            moved[0] += len(chunk)
         if not chunk:
             if pending:
                 out.buffer.write(prefix + pending + b"\n")
@@ -235,16 +239,23 @@ class Launcher:
             preexec_fn=_die_with_parent,
         )
         prefix = f"[rank{slot.rank}] ".encode()
+        moved = [0]
         slot.pumps = [
-            asyncio.ensure_future(_pump(slot.proc.stdout, prefix, sys.stdout)),
-            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr)),
+            asyncio.ensure_future(_pump(slot.proc.stdout, prefix, sys.stdout, moved)),
+            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr, moved)),
         ]
+        slot.moved = moved
         asyncio.ensure_future(self._watch(slot, slot.proc))
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
         # the rank's last lines, but not forever: a child it left behind may hold its pipes open
-        _, pending = await asyncio.wait(slot.pumps, timeout=_DRAIN_S)
+        # (given up once nothing came for _DRAIN_S: a long output still moving is read to its end)
+        while True:
+            before = slot.moved[0]
+            _, pending = await asyncio.wait(slot.pumps, timeout=_DRAIN_S)
+            if not pending or slot.moved[0] == before:
+                break
         for t in pending:
             t.cancel()
         await self._exited.put((slot, proc, rc))

@@ -192,7 +192,7 @@ def test_a_rank_that_exits_0_mid_training_stops_the_others_when_they_wait_in_vai
     assert out.stdout.count("done v=20 world=2") == 2, out.stdout
     assert out.stderr.count("exited with code 0") == 1, out.stderr
     assert re.search(r"rank 1 exited with code 0 during the training of job mid2 \(when its last committed "
-                     r"step was [3-5]\), before FaultTolerance.finish\(\): not restarted \(exit 0\); the "
+                     r"step was \d+\), before FaultTolerance.finish\(\): not restarted \(exit 0\); the "
                      r"others trained on without it", out.stderr), out.stderr
     # without FaultTolerance nobody waits for the world to grow: the other rank finishes its work
     out = run(["--nproc", "2", str(script), "plain"], timeout=60)
@@ -842,7 +842,8 @@ LATE_REPLACEMENT = textwrap.dedent("""
     while pg.world_size == 3 and time.monotonic() < deadline:
         time.sleep(0.05)                     # until rank 2 is declared lost (the world may go
                                              # from 3 to 1 at once if the other rank leaves first)
-    pg.close()
+    time.sleep(1.0)                          # rtxnet-run restarts rank 2 while the job runs (on a
+    pg.close()                               # loaded machine it saw rank 2's exit after the end)
 """)
 
 
