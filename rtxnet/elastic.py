@@ -531,8 +531,10 @@ class FaultTolerance:
             await self._recover(exc, step)
             return
         waited = time.monotonic() - t0
-        if waited > 0.2 and not self._skip_told:   # (a skipped collective is the step's failure)
+        if waited > 0.2 and committed:
             # The vote stalled, e.g. while the coordinator restarted: training waited, lost nothing.
+            # (A step that then did not commit is a failure, reported as one: a stall "with no
+            # step lost" beside "failure at step N; steps lost: 1" read as a contradiction.)
             injected = await self._injection_time(t0 + waited)
             self._event({"event": "commit_stall", "step": step, "seconds": round(waited, 4),
                          "committed": committed, "t_start": t0, "t_injected": injected,
