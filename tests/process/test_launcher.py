@@ -167,9 +167,10 @@ EXITS_0_MID_TRAINING = textwrap.dedent("""
                 sys.exit(0)          # returns mid-training: no finish(), no close()
             pg.all_reduce(np.ones(4))
             state.v += 1
+            world = pg.world_size    # of the last step (after finish() a peer may close first)
             time.sleep(0.05)
     ft.finish()
-    print(f"done v={state.v} world={pg.world_size}", flush=True)
+    print(f"done v={state.v} world={world}", flush=True)
 """)
 
 
