@@ -239,12 +239,11 @@ class Launcher:
             preexec_fn=_die_with_parent,
         )
         prefix = f"[rank{slot.rank}] ".encode()
-        moved = [0]
+        slot.moved = [0]
         slot.pumps = [
-            asyncio.ensure_future(_pump(slot.proc.stdout, prefix, sys.stdout, moved)),
-            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr, moved)),
+            asyncio.ensure_future(_pump(slot.proc.stdout, prefix, sys.stdout, slot.moved)),
+            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr, slot.moved)),
         ]
-        slot.moved = moved
         asyncio.ensure_future(self._watch(slot, slot.proc))
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
@@ -516,25 +515,24 @@ class Launcher:
                 st = {"jobs": [], "finished": {}}   # no answer: ask again
             job = _job_entry(st, self.job)
             if self.job in st["finished"] or job is not None and job.get("finished_training"):
-                self._note_trained_on_without(st["finished"].get(self.job, job and job["committed_step"]))
+                self._note_trained_on_without(_committed_step(st, self.job))
                 return
             new = [s for s in self._exited_0 if not s.left_early]
-            when = None
+            they = "they" if len(new) > 1 else "it"
+            when = said = None
             if job is None or not new:
                 pass                             # no rank has joined yet; nothing new
             elif job["state"] == "rendezvous":
-                when, said = "before the job formed", (
-                    f"before job {self.job} formed: {{}} will not join")
+                when, said = "before the job formed", f"before job {self.job} formed: {they} will not join"
             elif any(m.get("waiting_for") for m in job["members"]):
                 when, said = "during training", (
                     f"during the training of job {self.job}, before FaultTolerance.finish(), and "
-                    f"the ranks left wait for the world to grow: {{}} will not come back")
+                    f"the ranks left wait for the world to grow: {they} will not come back")
             if when is not None:
                 for slot in new:
                     slot.left_early = when
-                _say(f"{_ranks([s.rank for s in new])} exited with code 0 "
-                     + said.format("they" if len(new) > 1 else "it")
-                     + " (a rank that exits 0 is not restarted)")
+                _say(f"{_ranks([s.rank for s in new])} exited with code 0 {said} (a rank that "
+                     f"exits 0 is not restarted)")
                 self._stop_if_below_min_ranks()
             elif job is not None and job["state"] == "running":
                 for slot in new:
@@ -555,8 +553,7 @@ class Launcher:
                 st = await _status(self.address, _FINISHED_PROBE_S, self.job)
             except RtxError:
                 return
-            job = _job_entry(st, self.job)
-            self._note_trained_on_without(st["finished"].get(self.job, job and job["committed_step"]))
+            self._note_trained_on_without(_committed_step(st, self.job))
 
     def _note_trained_on_without(self, committed: int | None, world: int | None = None) -> None:
         """Name the ranks that exited 0 mid-training (their ``exit_step`` seen) once the job's
@@ -738,6 +735,14 @@ def _job_entry(status: dict, job: str) -> dict | None:
     """Job ``job``'s entry in a coordinator's status answer, or None when it holds no such job
     (not begun, or finished: see ``status["finished"]``)."""
     return next((j for j in status["jobs"] if j["job"] == job), None)
+
+
+def _committed_step(status: dict, job: str) -> int | None:
+    """The last committed step of ``job`` in a status answer, finished or running; None if absent."""
+    if job in status["finished"]:
+        return status["finished"][job]
+    entry = _job_entry(status, job)
+    return None if entry is None else entry["committed_step"]
 
 
 def _journal_folder_error(path: str) -> str | None:

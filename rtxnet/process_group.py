@@ -718,10 +718,11 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
     """
     import inspect
 
-    unknown = sorted(set(kwargs) - set(inspect.signature(_connect).parameters))
+    takes = list(inspect.signature(_connect).parameters)[1:]   # (after the coordinator)
+    unknown = sorted(set(kwargs) - set(takes))
     if unknown:
         raise TypeError(f"init() got an unexpected keyword argument {unknown[0]!r} (it takes "
-                        f"{', '.join(list(inspect.signature(_connect).parameters)[1:])})")
+                        f"{', '.join(takes)})")
     # the coordinator and job this join would use, as _connect resolves them (and checks them)
     settings = _settings(coordinator, *(kwargs.get(k) for k in (
         "job", "token", "rank", "world_size", "min_ranks", "max_ranks", "last_call_s")))
