@@ -190,6 +190,16 @@ def _reply(identity: str, req: dict, job: Job | None, **body: Any) -> Send:
     )
 
 
+def _missing_ranks(job: Job) -> list[int] | None:
+    """The ranks below ``min_ranks`` that no pending member asked for, when every pending member
+    asked for one (rtxnet-run gives each its launch rank); ``None`` when some did not ask (then
+    any newcomer can fill any place). At most 16, so the answer stays small."""
+    asked = [m.rank for m in job.pending.values()]
+    if not asked or any(r is None for r in asked):
+        return None
+    return sorted(set(range(job.min_ranks)) - set(asked))[:16]
+
+
 def _error(identity: str, req: dict, error: str, message: str) -> Send:
     return Send(
         identity,
@@ -599,7 +609,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             job.pending[msg["identity"]].last_seen = now
             actions.append(_reply(identity, msg, job, state="pending", joined=len(job.pending),
                                   min_ranks=job.min_ranks, max_ranks=job.max_ranks,
-                                  refused=job.last_refusal))
+                                  refused=job.last_refusal, missing_ranks=_missing_ranks(job)))
         elif msg["identity"] in job.fenced:
             actions.append(_reply(identity, msg, job, state="fenced"))
         else:
@@ -997,6 +1007,7 @@ def _status(state: State, now: float, only: str | None = None) -> list[dict[str,
             "min_ranks": job.min_ranks,
             "max_ranks": job.max_ranks,
             "pending": len(job.pending),
+            "missing_ranks": None if job.formed else _missing_ranks(job),
             "committed_step": job.committed_step,
             "finished_training": job.finished_training,
             "kv_keys": len(job.kv),

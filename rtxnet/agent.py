@@ -73,6 +73,19 @@ class Membership:
 Listener = Callable[[Membership | None, str], None]
 
 
+def _who_came(pending: dict[str, Any] | None) -> str:
+    """``"; 1 rank joined, ranks [0, 2] never did"`` from the last "pending" heartbeat answer,
+    for the rendezvous timeout message; empty when none came."""
+    if not pending or not isinstance(pending.get("joined"), int):
+        return ""
+    n = pending["joined"]
+    text = f"; {n} rank{'s' if n != 1 else ''} joined"
+    missing = pending.get("missing_ranks")
+    if missing:
+        text += f", rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} never did"
+    return text
+
+
 class Agent:
     """Control-plane actor of one rank; see the module docstring.
 
@@ -118,6 +131,8 @@ class Agent:
         # loop times of the first "pending" heartbeat answer of this rendezvous, and the last report
         self._waiting_since: float | None = None
         self._waiting_logged = 0.0
+        # the last "pending" answer (how many joined, which asked-for ranks are missing)
+        self._pending_body: dict[str, Any] | None = None
         self._listeners: list[Listener] = []
         self._changed = asyncio.Event()
         self._client: ControlClient | None = None
@@ -227,7 +242,7 @@ class Agent:
             raise RendezvousTimeout(
                 f"job {self.job!r}: the world did not form within {self.timeouts.rendezvous_s:g} s "
                 f"(min_ranks={self.min_ranks}, max_ranks={self.max_ranks}, coordinator {self.coordinator})"
-            ) from None
+                + _who_came(self._pending_body)) from None
 
     async def _join_request(self, deadline_s: float | None = None) -> None:
         """``_send_join``; a replacement refused because the job is full asks again every
@@ -424,8 +439,9 @@ class Agent:
         if state == "member" and "view" in body:
             self._apply_epoch(body["view"])
         if state != "pending":
-            self._waiting_since = None
+            self._waiting_since = self._pending_body = None
         if state == "pending":
+            self._pending_body = body
             self._log_waiting(body, now)
         elif state == "fenced":
             self._fence("the coordinator declared this rank lost")
@@ -458,6 +474,8 @@ class Agent:
         self._waiting_logged = now
         joined, lo = body.get("joined"), body.get("min_ranks")
         extra = {"refused": body["refused"]} if body.get("refused") else {}
+        if body.get("missing_ranks"):
+            extra["missing_ranks"] = body["missing_ranks"]
         log.warning("rendezvous_waiting", job=self.job, waited_s=round(now - self._waiting_since),
                     joined=joined, min_ranks=lo, max_ranks=body.get("max_ranks"),
                     missing=(lo - joined) if isinstance(joined, int) and isinstance(lo, int) else None,

@@ -98,7 +98,9 @@ def _render(status: dict) -> str:
     for j in jobs:
         lines.append(
             f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
-            f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}, "
+            f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}"
+            + (f" (missing ranks {', '.join(map(str, j['missing_ranks']))})" if j.get("missing_ranks") else "")
+            + ", "
             f"{last_committed(j['committed_step'])}, {j['kv_keys']} key(s)"
             + (", training finished (admits no ranks)" if j.get("finished_training") else "")
         )

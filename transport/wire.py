@@ -30,7 +30,8 @@ Message types and their meaning:
 - ``heartbeat``: "I am alive"; answered with the job's epoch and this agent's standing (``member``,
   ``pending``, ``fenced`` or ``unknown``), so an agent learns that the coordinator restarted or that
   it was declared lost; a ``pending`` answer also says how many have ``joined`` the rendezvous and
-  its ``min_ranks`` / ``max_ranks``. A member waiting for the world to grow (a fault-tolerant
+  its ``min_ranks`` / ``max_ranks``, and, when every pending rank asked for its place, which
+  places below ``min_ranks`` no one asked for (``missing_ranks``). A member waiting for the world to grow (a fault-tolerant
   job below its ``min_world_size``) says for what size (``waiting_for``), for ``status``.
 - ``leave``: orderly exit of a rank; distinct from a crash.
 - ``kv_set`` / ``kv_get`` / ``kv_wait`` / ``kv_cas`` / ``kv_del``: the job's key-value store. A

@@ -73,6 +73,21 @@ def test_a_rank_alone_says_who_is_missing_then_times_out_naming_the_bounds(coord
     assert "asking for min_ranks(4) max_ranks(4) was refused" in p.log, p.log
 
 
+def test_a_rank_that_asked_for_its_place_names_the_places_still_missing(coordinator, probes):
+    # rtxnet-run gives every rank its launch rank: the waiting line then says which never came
+    p = probes(coordinator.address, job="named", rank=1, world_size=3,
+               timeouts={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.5, "op_s": 1.0,
+                         "rendezvous_s": 4.0})
+    wait_pending(coordinator.address, "named", 1)
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
+                         capture_output=True, text=True, timeout=30)
+    assert "job named: rendezvous" in out.stdout and "pending 1 (missing ranks 0, 2)," in out.stdout, out
+    failed = p.expect("join_failed", timeout=15)
+    assert failed["error"] == "RendezvousTimeout", failed
+    assert "rendezvous_waiting" in p.log and "missing_ranks=[0, 2]" in p.log, p.log
+    assert failed["message"].endswith("; 1 rank joined, ranks 0, 2 never did"), failed
+
+
 def test_duplicate_rank_claim_is_refused_at_once(coordinator, probes):
     a = probes(coordinator.address, job="dup", rank=0, world_size=2)
     wait_pending(coordinator.address, "dup", 1)
