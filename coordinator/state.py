@@ -748,6 +748,8 @@ def _not_member(identity: str, msg: dict, job: Job) -> Send:
 
 def _commit(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     bad = _bad_duration(msg, "timeout_s")
+    if not bad and msg["step"] < 0:
+        bad = f"commit: step({msg['step']}) is negative; steps count from 0"
     if bad:
         actions.append(_error(identity, msg, "ConfigError", bad))
         return

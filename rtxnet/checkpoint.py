@@ -440,6 +440,10 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
                 (folder / name).unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("checkpoint_shard_kept", path=str(folder / name), error=str(exc))
+        with contextlib.suppress(OSError):
+            # the last rank to remove its shard removes the step folder this save made (one
+            # holding a committed manifest or another rank's shard is not empty, and stays)
+            folder.rmdir()
         if failed:
             first = statuses[failed[0]]["error"]
             msg = (f"checkpoint step {step} failed on rank(s) {failed}: rank {failed[0]}: {first}; "
@@ -736,7 +740,10 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or the shard's size or SHA-256 differs from the
             manifest (names the file); such a checkpoint is never loaded.
+        ConfigError: ``rank`` is not an int >= 0 (names it).
     """
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0):
+        raise ConfigError(f"checkpoint.load: rank({rank!r}) must be an int >= 0")
     step = _resolve_step(root, step)
     if rank is None:
         rank = pg.rank if pg is not None else 0

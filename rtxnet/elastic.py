@@ -166,6 +166,12 @@ class FaultTolerance:
         for name, v in (("rejoin_window_s", rejoin_window_s), ("commit_timeout_s", commit_timeout_s)):
             if v is not None and not is_seconds(v):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {v!r}")
+        prev = getattr(self.pg, "_fault_tolerance", None)
+        if prev is not None and not prev._finished:
+            raise ConfigError(f"FaultTolerance: this process group already has one (its next step "
+                              f"is {prev.step}); a second would count steps from {start_step!r} "
+                              f"again and take committed steps for new ones: make one per process "
+                              f"group (a new one once the first finish()ed)")
         if load_checkpoint is not None and not callable(load_checkpoint):
             raise ConfigError(f"load_checkpoint must be a function (step, root) or None, got "
                               f"{type(load_checkpoint).__name__}")
@@ -241,6 +247,8 @@ class FaultTolerance:
         if self.pg.agent.membership is not None:   # the epoch this rank joined in
             self._note_launch_ranks(self.pg.agent.membership)
         self.pg.agent.add_listener(self._on_epoch)
+        self._in_step: int | None = None   # the step a guard is running (nested guards refused)
+        self.pg._fault_tolerance = self
 
     # ---------------------------------------------------------------------------------------------
     # public API
@@ -250,30 +258,45 @@ class FaultTolerance:
         """Run one step (blocking API); yields the step number. See the module docstring."""
         if self._portal is None:
             raise ConfigError("guard() needs the blocking process group (rtxnet.init); use aguard() with connect()")
-        step = self._portal.call(self._begin)
-        for f, rec in self._due("step", step):
-            if self._portal.call(self._record_fault, rec):
-                self.injector.act(f, agent=self.pg.agent, engine=self.pg.engine)
+        self._enter_step()
         try:
-            yield step
-        except RECOVERABLE as exc:
-            self._portal.call(self._recover, exc, step)
-            return
-        self._portal.call(self._end, step)
+            step = self._portal.call(self._begin)
+            for f, rec in self._due("step", step):
+                if self._portal.call(self._record_fault, rec):
+                    self.injector.act(f, agent=self.pg.agent, engine=self.pg.engine)
+            try:
+                yield step
+            except RECOVERABLE as exc:
+                self._portal.call(self._recover, exc, step)
+                return
+            self._portal.call(self._end, step)
+        finally:
+            self._in_step = None
 
     @contextlib.asynccontextmanager
     async def aguard(self) -> AsyncIterator[int]:
         """Run one step (async API); yields the step number."""
-        step = await self._begin()
-        for f, rec in self._due("step", step):
-            if await self._record_fault(rec):
-                self.injector.act(f, agent=self.pg.agent, engine=self.pg.engine)
+        self._enter_step()
         try:
-            yield step
-        except RECOVERABLE as exc:
-            await self._recover(exc, step)
-            return
-        await self._end(step)
+            step = await self._begin()
+            for f, rec in self._due("step", step):
+                if await self._record_fault(rec):
+                    self.injector.act(f, agent=self.pg.agent, engine=self.pg.engine)
+            try:
+                yield step
+            except RECOVERABLE as exc:
+                await self._recover(exc, step)
+                return
+            await self._end(step)
+        finally:
+            self._in_step = None
+
+    def _enter_step(self) -> None:
+        """Refuse a guard inside a guard: the inner one would run and vote the outer's step."""
+        if self._in_step is not None:
+            raise ConfigError(f"a guard inside the guard of step {self._in_step}: one step at a "
+                              f"time (end the outer guard's block first)")
+        self._in_step = self.step
 
     def finish(self) -> int:
         """Training is over (blocking API): see :meth:`afinish`."""

@@ -26,6 +26,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import structlog
 
 from transport import wire
@@ -296,8 +297,16 @@ class ProcessGroup:
         journals it before answering. False when a member voted failure or the epoch changed.
 
         Raises:
+            ConfigError: ``step`` is not an int >= 0 (a bool is refused), ``ok`` not a bool,
+                ``metadata`` not a dict; names the value.
             RtxTimeoutError: not every member voted within ``timeout`` seconds (default op timeout).
         """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ConfigError(f"commit: step({step!r}) must be an int >= 0")
+        if not isinstance(ok, (bool, np.bool_)):
+            raise ConfigError(f"commit: ok({ok!r}) must be a bool")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ConfigError(f"commit: metadata({metadata!r:.80}) must be a dict")
         body = await self._agent.commit(step, ok=ok, metadata=metadata,
                                         timeout_s=timeout if timeout is not None else self.timeouts.op_s)
         return bool(body["committed"])

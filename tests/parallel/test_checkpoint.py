@@ -19,6 +19,7 @@ import torch
 
 from rtxnet import checkpoint
 from rtxnet.checkpoint import CheckpointCorruptError, CheckpointError
+from transport.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
@@ -53,7 +54,7 @@ def test_one_rank_failing_fails_the_save_on_every_rank(two_ranks):
         assert r["fail_all"]["ranks"] == [1], r
         assert "rank 1" in r["fail_all"]["msg"] and "state['oops'] is a builtins.function" in r["fail_all"]["msg"]
         assert r["latest_after_failure"] == 1
-    assert not (root / "step-2" / "manifest.json").exists()
+    assert not (root / "step-2").exists()   # the failed save left no empty folder behind
     with pytest.raises(CheckpointError, match="never committed"):
         checkpoint.load(root, 2)
 
@@ -210,6 +211,10 @@ def test_keep_prunes_old_steps_and_bad_arguments_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"state must be a dict \(e.g. \{'model': model.state_dict\(\)\}\), got list"):
         checkpoint.save(tmp_path, 6, [1, 2, 3])
     assert checkpoint.latest(tmp_path) == 3
+    assert not (tmp_path / "step-6").exists()
+    # rank=-1 loaded the last shard (a negative index), silently
+    with pytest.raises(ConfigError, match=r"rank\(-1\) must be an int >= 0"):
+        checkpoint.load(tmp_path, 3, rank=-1)
     with pytest.raises(ValueError, match=r"keep\(0\)"):
         checkpoint.save(tmp_path, 5, {}, keep=0)
 

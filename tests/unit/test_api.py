@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -198,6 +199,37 @@ def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coor
             pg.broadcast(np.ones(2), True)
         pg.store.set("k", b"v")      # the group goes on
         assert pg.store.get("k") == b"v"
+
+
+def test_misuse_of_commit_and_of_fault_tolerance_is_refused_naming_it(coordinator):
+    # a tester's finds: commit(-5) answered True at once without the other ranks' votes,
+    # commit(1.5) and commit(True) were taken as steps, a guard inside a guard yielded the outer
+    # step again, and a second FaultTolerance on one group counted from step 0 again
+    class State:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, d):
+            pass
+
+    with rtxnet.init(coordinator.address, job="misuse", world_size=1) as pg:
+        for bad, text in ((-5, "step(-5) must be an int >= 0"), (1.5, "step(1.5) must be an int"),
+                          (True, "step(True) must be an int")):
+            with pytest.raises(rtxnet.ConfigError, match=re.escape(text)):
+                pg.commit(bad)
+        with pytest.raises(rtxnet.ConfigError, match=r"ok\('yes'\) must be a bool"):
+            pg.commit(0, ok="yes")
+        ft = rtxnet.FaultTolerance(pg, State())
+        with ft.guard() as step:
+            assert step == 0
+            with pytest.raises(rtxnet.ConfigError, match="a guard inside the guard of step 0"):
+                with ft.guard():
+                    pass
+        with ft.guard() as step:   # the outer step committed; the next is 1
+            assert step == 1
+        assert ft.step == 2
+        with pytest.raises(rtxnet.ConfigError, match=r"already has one \(its next step is 2\)"):
+            rtxnet.FaultTolerance(pg, State())
 
 
 def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
