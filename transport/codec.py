@@ -34,8 +34,10 @@ class Limits:
             could be decoded but never journaled or echoed back, so it is refused here.
     """
 
-    max_message_nbytes: int = 16 * 1024 * 1024
-    max_bin_len: int = 8 * 1024 * 1024
+    # a job's whole store (wire.MAX_JOB_KV_NBYTES, 16 MiB) fits one value, and one answer (a
+    # kv_wait of every key) with the keys and the header
+    max_message_nbytes: int = 17 * 1024 * 1024
+    max_bin_len: int = 16 * 1024 * 1024
     max_str_len: int = 1024 * 1024
     max_array_len: int = 1 << 20
     max_map_len: int = 1 << 16

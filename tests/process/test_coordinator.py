@@ -368,7 +368,7 @@ def test_garbage_and_oversize_messages_do_not_hurt_other_clients(coordinator, pr
         assert r["error"] == "ProtocolError" and "kv_set.key" in r["message"]
         r = ask([encode(wire.make("epoch", rid=11))])
         assert r["error"] == "ProtocolError"
-        # Oversize: 20 MiB of bin, above the 16 MiB message limit.
+        # Oversize: 20 MiB of bin, above the 17 MiB message limit.
         big = msgpack.packb(wire.make("kv_set", rid=12, job="g", key="big", value=b"x" * (20 * 2**20)), use_bin_type=True)
         r = ask([big])
         assert r["t"] == "error" and r["rid"] == 12 and "exceeds the limit" in r["message"]

@@ -58,7 +58,7 @@ def test_a_flood_of_oversize_messages_leaves_the_daemon_running_on_time(coordina
     # up to 4x the limit were taken in: four clients sending 60 MB frames stalled the daemon 4-11 s
     # (a fresh user's find). Now the id is read from the message's first bytes, and a frame above
     # 2x the limit drops its connection before it is read.
-    over = 24 << 20                       # above the 16 MiB limit: answered, naming the limit
+    over = 24 << 20                       # above the 17 MiB limit: answered, naming the limit
     big = msgpack.packb(wire.make("kv_set", rid=5, job="j", key="k", value=b"x" * over), use_bin_type=True)
     with procs.dealer(coordinator.address, timeout_s=20) as d:
         for _ in range(30):

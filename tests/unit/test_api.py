@@ -125,6 +125,17 @@ def test_blocking_split_and_new_group_return_blocking_groups(coordinator, caplog
         with pytest.raises(rtxnet.ConfigError, match=r"key 'big' with a value of 17825792 bytes is more "
                                                      r"than the 16777216 bytes a job's store may hold"):
             pg.store.set("big", b"x" * (17 << 20))
+        # a value of 8-16 MiB was a ProtocolError "exceeds max_bin_len(8388608)" (a tester's
+        # find): one value may fill the job's store, and one answer carries it all
+        pg.store.set("a", b"a" * (15 << 20))
+        assert pg.store.get("a") == b"a" * (15 << 20)
+        pg.store.delete("a")
+        half = (8 << 20) - 16
+        pg.store.set("b", b"b" * half)
+        pg.store.set("c", b"c" * half)
+        assert pg.store.wait(["b", "c"], timeout=10) == {"b": b"b" * half, "c": b"c" * half}
+        pg.store.delete("b")
+        pg.store.delete("c")
         for sub in (pg.split(color=0), pg.new_group([0])):
             x = np.arange(4, dtype=np.float32)
             assert not inspect.iscoroutine(sub.all_reduce(x))   # ran, not left unawaited
