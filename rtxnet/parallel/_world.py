@@ -11,7 +11,12 @@ after a membership change that group raises ``PeerLostError`` instead.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any
+
+import torch
+
+from transport.errors import ConfigError
 
 
 def group_size(pg: Any) -> int:
@@ -42,3 +47,40 @@ class StepWorld:
         if self.world is None:
             return contextlib.nullcontext()
         return self._apg.pinned(self.world)
+
+
+def check_same_layout(module: Any, pg: Any, who: str, trainable: list[str],
+                      **kw: Any) -> None:
+    """Refuse replicas whose parameters or buffers differ in name, order, shape, dtype or
+    ``requires_grad``, with one all_gather of an 8-byte digest (a collective over ``pg``).
+
+    Without it, equal-sized tensors pair up by position: DDP would average one rank's gradient of
+    ``a`` with another's of ``b``, and an initial broadcast (DDP's, FSDP's flat parameters) copy
+    rank 0's ``a`` into another rank's ``b``, without any error (e.g. layers built from a ``set``
+    of names, whose order changes per process with hash randomisation).
+
+    Args:
+        module: the wrapped ``torch.nn.Module``, before any wrapper changed its parameters.
+        pg: the group the wrapper runs over.
+        who: the wrapper's name for the message (``"DDP"``, ``"FSDP"``).
+        trainable: this rank's trainable parameter names, the first few named in the message.
+        kw: passed to the all_gather (``timeout``).
+
+    Raises:
+        ConfigError: on every rank, naming the ranks whose layout differs from rank 0's.
+        PeerLostError, CollectiveTimeout: the all_gather failed.
+    """
+    layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    layout += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little",
+                            signed=True)
+    got = torch.zeros(group_size(pg), dtype=torch.int64)
+    pg.all_gather(got, torch.tensor([digest], dtype=torch.int64), **kw)
+    digests = got.tolist()
+    differ = [k for k, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ConfigError(
+            f"{who}: the replicas differ: rank(s) {differ} have parameters or buffers unlike rank "
+            f"0's (names, their order, shapes, dtypes and requires_grad must be the same on every "
+            f"rank); this rank trains {len(trainable)} parameter(s): {', '.join(trainable[:6])}"
+            f"{', ...' if len(trainable) > 6 else ''}")

@@ -63,7 +63,6 @@ there) and ``loss.backward()`` raises ``PeerLostError``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -74,7 +73,7 @@ import torch
 from rtxnet.collectives import ReduceOp
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, group_size
+from ._world import StepWorld, check_same_layout, group_size
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
@@ -225,7 +224,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._grads_synced = True   # no backward since the last synchronisation
         self.last_comm_wait_s = 0.0
         if init_sync:
-            self._check_same_layout()
+            check_same_layout(self.module, self._pg, "DDP", list(self._names.values()))
             self.broadcast_parameters(src=0)
         log.info("ddp_ready", params=len(named), buckets=len(self._buckets), device=str(self.device),
                  nbytes=sum(b.numel * b.flat.element_size() for b in self._buckets),
@@ -310,32 +309,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_armed = False
         self._round_broken = None
         log.info("ddp_reset", buckets_replaced=replaced)
-
-    def _check_same_layout(self) -> None:
-        """Refuse replicas whose parameters or buffers differ in name, shape, dtype or
-        ``requires_grad`` (one all_gather of an 8-byte digest): buckets of the same size would
-        otherwise average one rank's gradient of ``a`` with another's of ``b``, and the initial
-        broadcast copy ``a`` into ``b``, without any error.
-
-        Raises:
-            ConfigError: on every rank, naming the ranks whose layout differs from rank 0's.
-        """
-        layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
-        layout += [(n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
-        digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little",
-                                signed=True)
-        n = group_size(self._pg)
-        got = torch.zeros(n, dtype=torch.int64)
-        self._pg.all_gather(got, torch.tensor([digest], dtype=torch.int64))
-        digests = got.tolist()
-        differ = [k for k, d in enumerate(digests) if d != digests[0]]
-        if differ:
-            trainable = list(self._names.values())
-            raise ConfigError(
-                f"DDP: the replicas differ: rank(s) {differ} have parameters or buffers unlike rank "
-                f"0's (names, shapes, dtypes and requires_grad must be the same on every rank); "
-                f"this rank trains {len(trainable)} parameter(s): {', '.join(trainable[:6])}"
-                f"{', ...' if len(trainable) > 6 else ''}")
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Copy parameters and buffers of rank ``src`` to every rank, in place.

@@ -101,7 +101,7 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, group_size
+from ._world import StepWorld, check_same_layout, group_size
 
 __all__ = ["FullyShardedDataParallel", "FSDPState", "FSDP_STATE_FORMAT"]
 
@@ -228,8 +228,10 @@ class FullyShardedDataParallel(torch.nn.Module):
         ConfigError: ``module`` is not a module; a bad ``wrap``, ``reduce_op`` or ``timeout_s``
             (names the value); a parameter or buffer off the CPU (names it and the device); a
             parameter shared by two units (names both); a parameter dtype the collectives do not
-            support.
-        PeerLostError, CollectiveTimeout: the initial broadcast failed.
+            support; with ``init_sync``, the ranks' modules differ in parameter or buffer names,
+            their order, shapes, dtypes or ``requires_grad`` (on every rank, naming the ranks
+            unlike rank 0: a broadcast by position would copy one tensor into another).
+        PeerLostError, CollectiveTimeout: the initial layout check or broadcast failed.
 
     Attributes:
         module: the wrapped module.
@@ -265,6 +267,9 @@ class FullyShardedDataParallel(torch.nn.Module):
                                                      for u in range(len(unit_names))]
         self._step_world.begin()
         if init_sync:
+            with self._step_world.pinned():
+                check_same_layout(module, self._pg, "FSDP",
+                                  [n for n, p in module.named_parameters() if p.requires_grad], **self._kw)
             self._broadcast_replicated()
         for g in self._groups:
             full = g.flatten([getattr(s.owners[0][0], s.owners[0][1]) for s in g.slots], self.world_size)

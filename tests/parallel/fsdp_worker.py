@@ -299,6 +299,23 @@ def errors(pg):
             res[f"err_{name}"] = None
         except rtxnet.ConfigError as exc:
             res[f"err_{name}"] = str(exc)
+    # ranks that register equal-shaped layers in another order (a tester's find): the initial
+    # broadcast copied rank 0's l1 into rank 1's l2, silently; now refused on every rank
+
+    class Swapped(torch.nn.Module):
+        def __init__(self, swap: bool):
+            super().__init__()
+            l1, l2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            if swap:
+                self.l2, self.l1 = l2, l1
+            else:
+                self.l1, self.l2 = l1, l2
+
+    try:
+        FullyShardedDataParallel(Swapped(pg.rank == 1), pg)
+        res["err_order"] = None
+    except rtxnet.ConfigError as exc:
+        res["err_order"] = str(exc)
     fsdp = FullyShardedDataParallel(make_net(5), pg, init_sync=False)
     sd = make_net(5).state_dict()
     sd["head.weight"] = torch.zeros(3, 3)
