@@ -966,14 +966,16 @@ class Group:
     async def _hierarchical_all_reduce(self, tensor, rop: ReduceOp, timeout: float | None):
         """all_reduce as reduce to each host's first rank, all_reduce among those, broadcast
         within each host: the bytes crossing hosts are one array per host instead of one per rank.
-        AVG runs as SUM and divides once at the end (float16/bfloat16 round at each stage)."""
+        float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says."""
         gpu = is_gpu_array(tensor)
         intra, leaders = self._host_groups()
-        sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+        sub, pre = _avg_plan(rop, tensor)
         buf = None if gpu else Buffer(tensor)
         k = 0 if buf is None else min(PIPELINE_MAX_CHUNKS, buf.size * buf.dtype.itemsize // PIPELINE_CHUNK_NBYTES)
 
         async def body(op: Op):
+            if pre:
+                _divide_in_place(buf.flat if k >= 2 else tensor, self.size)
             if k >= 2:     # same size on every rank, so the same k
                 await _pipelined_hierarchical(intra, leaders, np.array_split(buf.flat, k), sub, timeout)
                 buf.commit()
@@ -983,7 +985,7 @@ class Group:
                     await leaders.all_reduce(tensor, sub, timeout=timeout,
                                              algorithm="nccl" if gpu else None)
                 await intra.broadcast(tensor, 0, timeout=timeout)
-            if rop is ReduceOp.AVG:
+            if rop is ReduceOp.AVG and not pre:
                 _divide_in_place(tensor, self.size)
             return tensor
 
@@ -1070,14 +1072,14 @@ class Group:
         within each host (shared memory), position p keeping the host's partial sums of the H
         parts of rail p, then reduce_scatter of those across hosts within each rail. Each host
         puts ``P (H-1)`` parts on its link, from P ranks at once, against the ring's ``W-1``.
-        AVG runs as SUM and divides at the end (float16/bfloat16 round at each stage). Hosts of
-        unequal counts: see :meth:`_leader_reduce_scatter`."""
+        float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says. Hosts of unequal
+        counts: see :meth:`_leader_reduce_scatter`."""
         if len({len(v) for v in self._by_host().values()}) > 1:
             return await self._leader_reduce_scatter(output, ob, chunks, rop, timeout)
         intra, rail, orders = self._rails()
         hosts, P, _ = self._host_layout()
         H, n, N, dtype = len(hosts), self.size, ob.size, ob.dtype
-        sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+        sub, pre = _avg_plan(rop, ob.flat)
         bounds = _chunk_bounds(N, n * N * dtype.itemsize)
 
         async def body(op: Op):
@@ -1088,13 +1090,16 @@ class Group:
             pairs = [(xs[c][(q * H + k) * (hi - lo):(q * H + k + 1) * (hi - lo)], chunks[hosts[i][q]][lo:hi])
                      for c, (lo, hi) in enumerate(bounds) for q in range(P) for k, i in enumerate(orders[q])]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
+            if pre:
+                for x in xs:
+                    _divide_in_place(x, n)
             by_rail = [np.empty(H * (hi - lo), dtype) for lo, hi in bounds]
             await _pipelined(
                 [functools.partial(intra.reduce_scatter, by_rail[c], xs[c], sub, timeout=timeout)
                  for c in range(len(bounds))],
                 [functools.partial(rail.reduce_scatter, ob.flat[lo:hi], by_rail[c], sub, timeout=timeout)
                  for c, (lo, hi) in enumerate(bounds)])
-            _average_and_commit(ob, rop, n)
+            _average_and_commit(ob, sub if pre else rop, n)
             return output
 
         return await self._collective("reduce_scatter", timeout, body)
@@ -1131,12 +1136,12 @@ class Group:
         """reduce_scatter on hosts of unequal rank counts: reduce of the whole input (in host
         order, padded to the largest host's P parts a host) to each host's first rank,
         reduce_scatter of the hosts' blocks among those, scatter within each host: the bytes
-        crossing hosts are the other hosts' blocks of partial sums, ``(H-1) P`` parts. AVG runs
-        as SUM and divides at the end."""
+        crossing hosts are the other hosts' blocks of partial sums, ``(H-1) P`` parts. AVG as
+        :func:`_avg_plan` says."""
         intra, leaders = self._host_groups()
         hosts, P, h = self._host_layout()
         n, N, dtype = self.size, ob.size, ob.dtype
-        sub = ReduceOp.SUM if rop is ReduceOp.AVG else rop
+        sub, pre = _avg_plan(rop, ob.flat)
 
         async def body(op: Op):
             # this rank's input in host order (zeros where a smaller host has no rank); its
@@ -1145,6 +1150,8 @@ class Group:
             pairs = [(x[(i * P + p) * N:(i * P + p + 1) * N], chunks[g])
                      for i, v in enumerate(hosts) for p, g in enumerate(v)]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
+            if pre:
+                _divide_in_place(x, n)
             await intra.reduce(x, 0, sub, timeout=timeout)
             if leaders is not None:
                 block = x[h * P * N:(h + 1) * P * N]     # this host's block of the sums
@@ -1153,7 +1160,7 @@ class Group:
                 await intra.scatter(ob.flat, parts, 0, timeout=timeout)
             else:
                 await intra.scatter(ob.flat, None, 0, timeout=timeout)
-            _average_and_commit(ob, rop, n)
+            _average_and_commit(ob, sub if pre else rop, n)
             return output
 
         return await self._collective("reduce_scatter", timeout, body)
@@ -1300,6 +1307,18 @@ def _check_tag(tag) -> None:
 def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
 
+
+
+def _avg_plan(rop: ReduceOp, tensor) -> tuple[ReduceOp, bool]:
+    """``(the op a hierarchical collective's stages run, whether each rank divides its input by
+    the world size before them)``. AVG runs as SUM. float16 divides first, as NCCL's ``ncclAvg``
+    pre-multiplies each input by ``1/n`` for floating types: its partial sums are rounded to
+    float16 between the stages, and a host's sum of values the mean holds would overflow 65504
+    (4 ranks of 40000: ``inf`` before, a tester's find). Every other dtype divides once at the
+    end (one rounding less; bfloat16 has float32's range)."""
+    if rop is not ReduceOp.AVG:
+        return rop, False
+    return ReduceOp.SUM, str(getattr(tensor, "dtype", "")) in ("float16", "torch.float16")
 
 
 def _divide_in_place(tensor, n: int) -> None:

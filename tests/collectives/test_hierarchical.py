@@ -251,3 +251,27 @@ def test_hierarchical_gather_and_scatter_report_a_killed_rank(opname, hosts):
     assert isinstance(res[3], RankError)
     for r in set(range(len(hosts))) - {3}:
         assert res[r] in ("CollectiveTimeout", "PeerLostError"), (r, res[r])
+
+
+async def f16_means(engine):
+    """AVG of float16 values whose per-host sums overflow float16 (65504) though the mean fits."""
+    w = engine.world
+    out = []
+    for N in (1000, 4_200_001):   # one stage, and a pipeline of chunks (from 8 MiB)
+        x = np.full(N, 40000, np.float16)
+        await w.all_reduce(x, ReduceOp.AVG, algorithm="hierarchical")
+        out.append(sorted({float(v) for v in np.unique(x)}))
+    y = np.full(w.size * 1000, 40000, np.float16)
+    mine = np.zeros(1000, np.float16)
+    await w.reduce_scatter(mine, y, ReduceOp.AVG, algorithm="hierarchical")
+    out.append(sorted({float(v) for v in np.unique(mine)}))
+    out.append(bool((y == 40000).all()))    # the input is read only
+    return out
+
+
+@pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b"}, HOSTS], ids=["equal", "uneven"])
+def test_float16_mean_does_not_overflow_where_the_flat_one_does_not(hosts):
+    # a tester's find: 4 ranks of 40000 on 2 hosts gave inf (each host's float16 sum, 80000,
+    # overflowed before the division); the flat algorithms accumulate in float32 and gave 40000
+    for r, rows in enumerate(run_world(len(hosts), f16_means, hosts=hosts)):
+        assert rows == [[40000.0], [40000.0], [40000.0], True], (r, rows)
