@@ -84,3 +84,15 @@ def check_same_layout(module: Any, pg: Any, who: str, trainable: list[str],
             f"0's (names, their order, shapes, dtypes and requires_grad must be the same on every "
             f"rank); this rank trains {len(trainable)} parameter(s): {', '.join(trainable[:6])}"
             f"{', ...' if len(trainable) > 6 else ''}")
+
+
+# torch dtypes the collectives reduce (rtxnet.collectives.SUPPORTED_DTYPES, bool aside)
+_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8}
+
+
+def broadcastable(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (1-D, contiguous) as the collectives carry it, sharing its memory: itself, or its
+    bytes as ``uint8`` for a dtype they do not reduce (bool, complex such as rotary embeddings'
+    ``freqs_cis``, uint16, float8): a broadcast copies bits, whatever they mean."""
+    return flat if flat.dtype in _REDUCIBLE else flat.view(torch.uint8)

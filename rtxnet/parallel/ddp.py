@@ -73,7 +73,7 @@ import torch
 from rtxnet.collectives import ReduceOp
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, check_same_layout, group_size
+from ._world import StepWorld, broadcastable, check_same_layout, group_size
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
@@ -166,7 +166,8 @@ class DistributedDataParallel(torch.nn.Module):
     Raises:
         ConfigError: a bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``; parameters
             and buffers on several devices, or on a device that is neither the CPU nor CUDA;
-            names the value or the devices.
+            a trainable parameter not float32/float64/float16/bfloat16 (complex: names it);
+            names the value or the devices. Buffers of any dtype are broadcast (their bytes).
         ConfigError: with ``init_sync``, ranks whose parameters or buffers differ in name,
             shape, dtype or ``requires_grad`` (raised on every rank, naming them).
         PeerLostError, CollectiveTimeout: the initial broadcast failed.
@@ -201,6 +202,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.first_bucket_mb = float(first_bucket_mb)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for n, p in named:
+            if p.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+                raise ConfigError(f"DDP: parameter {n!r} has dtype {p.dtype}; DDP reduces float32, "
+                                  f"float64, float16 and bfloat16 gradients (hold a complex one as "
+                                  f"torch.view_as_real, or freeze it)")
         self.device = _module_device(module)
         self._names = {id(p): n for n, p in named}
         self._buckets = self._build_buckets([p for _, p in named])
@@ -507,18 +513,16 @@ class DistributedDataParallel(torch.nn.Module):
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
             ts = by_dtype[dtype]
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            if flat.dtype == torch.bool:
-                flat = flat.to(torch.uint8)
             if self.device.type == "cuda":
                 _order_default_stream(self.device)   # after the cat that fills flat
-            self._pg.broadcast(flat, src=src)
+            self._pg.broadcast(broadcastable(flat), src=src)
             if self.device.type == "cuda":
                 _order_current_stream(self.device)
             off = 0
             with torch.no_grad():
                 for t in ts:
                     n = t.numel()
-                    t.copy_(flat[off:off + n].view(t.shape).to(t.dtype))
+                    t.copy_(flat[off:off + n].view(t.shape))
                     off += n
 
 

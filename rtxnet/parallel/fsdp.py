@@ -101,7 +101,7 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, check_same_layout, group_size
+from ._world import StepWorld, broadcastable, check_same_layout, group_size
 
 __all__ = ["FullyShardedDataParallel", "FSDPState", "FSDP_STATE_FORMAT"]
 
@@ -552,11 +552,9 @@ class FullyShardedDataParallel(torch.nn.Module):
             if t.numel() and k not in sharded:
                 with torch.no_grad():
                     flat = t.detach().reshape(-1).clone()
-                    if flat.dtype == torch.bool:
-                        flat = flat.to(torch.uint8)
                     with self._step_world.pinned():
-                        self._pg.broadcast(flat, src=0, **self._kw)
-                    t.copy_(flat.view(t.shape).to(t.dtype))
+                        self._pg.broadcast(broadcastable(flat), src=0, **self._kw)
+                    t.copy_(flat.view(t.shape))
 
     def _check_layout(self, step: StepWorld | None = None) -> None:
         """Raises ConfigError when the world this runs in (the step's pinned world group under

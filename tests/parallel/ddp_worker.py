@@ -221,6 +221,41 @@ def fault(pg, steps=5, B=12):
             "fault_sum": float(flat_params(net).double().sum()), "final_world": pg.world_size}
 
 
+def odd_buffers(pg) -> dict:
+    """Buffers of dtypes the collectives do not reduce (a rotary embedding's complex
+    ``freqs_cis``, uint16, float8, bool) are broadcast by their bytes, for DDP and FSDP; a
+    complex trainable parameter is refused naming it. Before: a ValueError from deep inside."""
+    from rtxnet.parallel import FullyShardedDataParallel
+
+    class Rope(torch.nn.Module):
+        def __init__(self, seed: int):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("freqs_cis", torch.polar(torch.ones(3, 4), torch.rand(3, 4, generator=g)))
+            self.register_buffer("u16", torch.randint(0, 60000, (5,), generator=g).to(torch.uint16))
+            self.register_buffer("f8", torch.rand(6, generator=g).to(torch.float8_e4m3fn))
+            self.register_buffer("mask", torch.rand(7, generator=g) > 0.5)
+
+    def digest(m) -> list:
+        return [m.freqs_cis.view(torch.float32).tolist(), m.u16.to(torch.int64).tolist(),
+                m.f8.to(torch.float32).tolist(), m.mask.tolist()]
+
+    out = {}
+    for name, wrap in (("ddp", DistributedDataParallel), ("fsdp", FullyShardedDataParallel)):
+        m = Rope(seed=pg.rank)
+        wrap(m, pg)
+        out[f"{name}_buffers"] = digest(m)
+        out["buffers_rank0"] = digest(Rope(seed=0))
+    m = torch.nn.Linear(2, 2).to(torch.complex64)
+    try:
+        DistributedDataParallel(m, pg)
+        out["complex_param"] = None
+    except rtxnet.ConfigError as exc:
+        out["complex_param"] = str(exc)
+    return out
+
+
 def different_layouts(pg) -> dict:
     """Ranks freeze different parameters of the same shape (so the buckets have the same size):
     DDP must refuse the replicas on every rank instead of averaging one rank's gradient of ``a``
@@ -256,6 +291,7 @@ def main() -> int:
         res.update(no_sync_accumulation(pg))
         res.update(unused_parameters(pg))
         res.update(different_layouts(pg))
+        res.update(odd_buffers(pg))
     elif scenario == "fault":
         res.update(fault(pg))
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))

@@ -74,6 +74,12 @@ def test_replicas_with_different_trainable_parameters_are_refused_on_every_rank(
         assert r["layout_refused"].endswith(f"this rank trains 1 parameter(s): {'b' if r['rank'] % 2 == 0 else 'a'}.weight")
 
 
+def test_buffers_of_any_dtype_are_broadcast_and_a_complex_parameter_is_refused(basic):
+    for r in basic:
+        assert r["ddp_buffers"] == r["buffers_rank0"] and r["fsdp_buffers"] == r["buffers_rank0"], r["rank"]
+        assert r["complex_param"].startswith("DDP: parameter 'weight' has dtype torch.complex64"), r
+
+
 def test_survivors_retry_a_failed_step_and_still_match_one_process(tmp_path):
     res = launch(tmp_path, "fault", "--min-ranks", "3")
     assert len(res) == 3
