@@ -132,6 +132,11 @@ class State:
     # restarted ranks to rejoin (with its committed step, store and checkpoint record), then
     # dropped. Set by the daemon (--dead-job-ttl).
     dead_job_ttl_s: float = 3600.0
+    # Not journaled (rebuilt by a replay of the journal, not by a snapshot): job id -> the
+    # processes its coordinator had declared lost (or turned away) when it ended, as
+    # _fenced_procs, for a launcher still running one of them (see rtxnet-run); the newest
+    # FENCED_AT_END_JOBS jobs.
+    fenced_at_end: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -293,9 +298,30 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         for m in list(job.members.values()) + list(job.pending.values()):
             state.where.pop(m.identity, None)
         state.finished[rec["job"]] = job.committed_step
+        if job.fenced:
+            state.fenced_at_end[rec["job"]] = _fenced_procs(job.fenced)
+            while len(state.fenced_at_end) > FENCED_AT_END_JOBS:
+                del state.fenced_at_end[next(iter(state.fenced_at_end))]
         del state.jobs[rec["job"]]
     else:
         raise ValueError(f"unknown journal record kind {kind!r}")
+
+
+FENCED_AT_END_JOBS = 64   # jobs whose fenced processes State.fenced_at_end keeps
+FENCED_SHOWN = 64         # fenced processes a status answer lists per job
+
+
+def _fenced_procs(identities: set[str]) -> list[dict[str, Any]]:
+    """``[{"host", "pid"}]`` of fenced agents (declared lost, or turned away at the end of
+    training), read from their identities (``host/pid/uuid``, rtxnet.Agent's), sorted, at most
+    ``FENCED_SHOWN``: not the identities themselves, which would let a client take over an
+    agent's connection (see _status)."""
+    out = []
+    for ident in identities:
+        parts = ident.rsplit("/", 2)
+        if len(parts) == 3 and parts[0] and parts[1].isdigit() and len(parts[1]) < 10:
+            out.append({"host": parts[0], "pid": int(parts[1])})
+    return sorted(out, key=lambda d: (d["host"], d["pid"]))[:FENCED_SHOWN]
 
 
 def snapshot(state: State) -> dict[str, Any]:
@@ -571,9 +597,10 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             if size > STATUS_MAX_NBYTES:
                 break
             kept.append(j)
+        at_end = {j: state.fenced_at_end[j] for j in fin if j in state.fenced_at_end} if msg["job"] else {}
         actions.append(_reply(identity, msg, None, jobs=kept, jobs_omitted=total - len(kept),
                               finished=fin, finished_total=len(state.finished),
-                              info_omitted=omitted))
+                              info_omitted=omitted, fenced_at_end=at_end))
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
@@ -1021,5 +1048,7 @@ def _status(state: State, now: float, only: str | None = None) -> list[dict[str,
                  "waiting_for": m.waiting_for}
                 for r, m in sorted(job.members.items())
             ],
+            # processes declared lost (or turned away at the end of training) and not back
+            "fenced": _fenced_procs(job.fenced),
         })
     return out

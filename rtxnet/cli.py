@@ -111,6 +111,9 @@ def _render(status: dict) -> str:
             lines.append(
                 f"  rank {m['rank']:>3}  {_shown(m['host'])}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}{waits}"
             )
+        if j.get("fenced"):
+            lines.append("  declared lost, not back: " + ", ".join(
+                f"pid {f['pid']} on {_shown(f['host'])}" for f in j["fenced"]))
     if status.get("jobs_omitted"):
         lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "
                      f"message)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -127,6 +128,11 @@ def test_killed_rank_is_reported_to_every_survivor(coordinator, probes):
     for p in (ps[0], ps[1], ps[3]):
         e = p.expect("epoch", timeout=10)
         assert e["lost"] == [2] and e["reason"] == "lost" and e["world_size"] == 3 and e["epoch"] == 1
+    # status names the lost process by host and pid (rtxnet-run ends one still running after
+    # the job: a frozen rank)
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
+                         capture_output=True, text=True, timeout=30)
+    assert re.search(rf"  declared lost, not back: pid {ps[2].pid} on \S+", out.stdout), out.stdout
 
 
 def test_collectives_run_in_a_smaller_world_only_down_to_min_ranks(coordinator, probes):

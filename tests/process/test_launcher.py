@@ -1013,3 +1013,57 @@ def test_a_rank_frozen_after_the_last_step_ends_with_job_finished(tmp_path):
     assert "survivor: world=1 x=[1.0, 1.0, 1.0, 1.0]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert ("frozen rank: JobFinishedError: this rank was declared lost after its last step "
             "(committed step 2)") in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+FREEZES = textwrap.dedent("""
+    import os, pathlib, signal, sys, time
+    import numpy as np
+    import rtxnet
+
+    class State:
+        def __init__(self):
+            self.w = np.zeros(4)
+        def state_dict(self):
+            return {"w": self.w.copy()}
+        def load_state_dict(self, d):
+            self.w = np.array(d["w"])
+
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10))
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state)
+    launch = int(os.environ["RANK"])
+    while ft.step < 20:
+        with ft.guard() as step:
+            if launch == 1 and step == 5:
+                pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)     # frozen for good
+            g = np.ones(4)
+            pg.all_reduce(g)
+            state.w += g
+    ft.finish()
+    print(f"done step={ft.step} world={pg.world_size}", flush=True)
+    pg.close()
+""")
+
+
+def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
+    # a tester's find: the others finished in 2 s, rtxnet-run waited for the SIGSTOPped rank
+    # forever; now it kills it FENCED_GRACE_S after every other rank ended, naming why
+    script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
+    script.write_text(FREEZES)
+    try:
+        t0 = time.monotonic()
+        out = run(["--nproc", "3", "--min-ranks", "2", str(script), str(pidfile)], timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if pidfile.exists():   # the frozen rank, should the launcher not have ended it
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert "[rank0] done step=20 world=2" in out.stdout and "[rank2] done step=20 world=2" in out.stdout, out.stdout
+    assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator \(its heartbeats stopped: "
+                     r"frozen or cut off\) and still runs 5 s after every other rank ended; job \S+ "
+                     r"finished without it: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
+    assert out.returncode == 137, (out.returncode, out.stderr[-2000:])
+    assert took < 40, took
