@@ -641,18 +641,21 @@ def verify(root: str | os.PathLike, step: int) -> dict[str, Any]:
     return m
 
 
-def latest(root: str | os.PathLike, *, verify_shards: bool = True) -> int | None:
+def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int | None = None) -> int | None:
     """The newest committed step under ``root`` whose shards match the manifest, or None.
 
     Steps without a manifest (half-written) are skipped; a corrupt step (a manifest that is
     malformed or does not list a shard for every rank of its world, or, with ``verify_shards``, a
     shard whose size or SHA-256 differs from it) is skipped with a ``checkpoint_corrupt`` warning,
-    so a resume falls back to the newest intact one.
+    so a resume falls back to the newest intact one. ``before``: only steps below it (the one
+    before a step that could not be loaded).
 
     Raises:
         OSError: a manifest or shard exists but cannot be read (e.g. permissions).
     """
     for s in reversed(_steps(Path(root))):
+        if before is not None and s >= before:
+            continue
         if not (step_dir(root, s) / MANIFEST).exists():
             continue
         try:

@@ -111,7 +111,9 @@ class FaultTolerance:
             ``state``. Called on every rank when no member of a new epoch holds the job's last
             committed state (all of them restarted) and :mod:`rtxnet.checkpoint` recorded a
             checkpoint in the job's store; training then resumes at that checkpoint's step (the
-            checkpoint of step N holds steps 0..N-1, so step N runs next).
+            checkpoint of step N holds steps 0..N-1, so step N runs next). When it raises
+            ``CheckpointError`` (a corrupt or missing shard) or ``OSError`` on any rank, every
+            rank tries the newest older intact step (:func:`rtxnet.checkpoint.latest`) instead.
         max_step_retries: how often one step may fail without a membership change before the
             error is raised instead of retried: such a failure, e.g. a
             :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
@@ -765,11 +767,49 @@ class FaultTolerance:
                         reason=f"the newest checkpoint (step {info['step']}) is no newer than the "
                                f"live ranks' state")
             return None
-        # Runs on the loop thread; the loader is the user's (e.g. rtxnet.checkpoint.load).
-        self.load_checkpoint(info["step"], info["root"])
-        log.warning("restored_from_checkpoint", step=info["step"], committed_step=held,
+        step = await self._load_intact_checkpoint(int(info["step"]), info["root"], best)
+        if step is None:
+            return None
+        held = step - 1
+        log.warning("restored_from_checkpoint", step=step, committed_step=held,
                     root=info["root"], job_committed_step=job_committed)
         return held
+
+    async def _load_intact_checkpoint(self, step: int, root: str, best: int) -> int | None:
+        """Load checkpoint ``step`` of ``root`` on every rank (``load_checkpoint``), else the
+        newest older one that every rank can load: the step loaded, or None when none newer than
+        the live state ``best`` loads. A checkpoint one rank cannot read (a corrupt or missing
+        shard: ``CheckpointError``, ``OSError``; only that rank reads its shard of a replicated
+        state) fails on that rank alone, so the ranks agree after each try (one all_gather) and
+        all fall back together to :func:`rtxnet.checkpoint.latest` below it (which skips corrupt
+        steps). Before, the first rank's error ended the job though an older intact step was on
+        disk (a tester's find)."""
+        from .checkpoint import CheckpointError, latest
+
+        pg = self.pg
+        while True:
+            err: BaseException | None = None
+            try:
+                # on the loop thread; the loader is the user's (e.g. rtxnet.checkpoint.load)
+                self.load_checkpoint(step, root)
+            except (CheckpointError, OSError) as exc:
+                err = exc
+            bad = np.zeros(pg.world_size, dtype=np.int64)
+            await pg.all_gather(bad, np.array([int(err is not None)], dtype=np.int64))
+            if not bad.any():
+                return step
+            # off the loop: it reads and hashes every shard of the steps it looks at
+            older = await asyncio.to_thread(latest, root, before=step)
+            failed = np.flatnonzero(bad).tolist()
+            log.warning("checkpoint_unusable", step=step, ranks=failed, root=root,
+                        error=f"{type(err).__name__}: {err}" if err is not None else "on another rank",
+                        falls_back_to=older)
+            if older is None or older - 1 <= best:
+                self._checkpoint_unusable = (
+                    f"the newest recorded checkpoint (step {step}) could not be loaded on ranks "
+                    f"{failed} and no older intact one is newer than the live ranks' state")
+                return None
+            step = older
 
     def _state_lost(self, epoch: int, world: int, job_committed: int, best: int) -> None:
         """Training goes on from ``best``, the newest live state (-1: none, from scratch): the
@@ -790,7 +830,8 @@ class FaultTolerance:
         if not getattr(self, "_checkpoint_recorded", False):
             return ("load_checkpoint was given, but the job has recorded no checkpoint yet: "
                     "rtxnet.checkpoint.save(..., pg=pg) records one")
-        return "the newest recorded checkpoint is no newer than the live ranks' state"
+        return getattr(self, "_checkpoint_unusable", None) or (
+            "the newest recorded checkpoint is no newer than the live ranks' state")
 
     def _load_snapshot(self, blob: bytes, what: str, quiet: bool = False) -> bool:
         """Load ``blob`` into the state; False (logged) when the state refuses it. ``quiet``: a

@@ -12,7 +12,8 @@ single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.
 ``memory``: ``FaultTolerance(sharded_state=True)``: each rank also holds its ring predecessor's
 committed shards, so the new world reshards the committed state of the step before the failure
 from memory (no checkpoint loaded, one step lost). ``memory-nockpt``: the same, saving no
-checkpoint.
+checkpoint. ``checkpoint-corrupt``: as ``checkpoint``, but rank 0 flips a byte of rank 1's
+shard of the newest checkpoint (step 8) at step 9: the new world falls back to step 4.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def main() -> int:
         with ft.guard() as step:
             if step > 0 and step % 4 == 0 and mode != "memory-nockpt":
                 ckpt.save(out / "ckpt", step, state.state_dict(), pg=pg)
+            if mode == "checkpoint-corrupt" and step == 9 and pg.rank == 0 and pg.world_size == 2:
+                shard = next((out / "ckpt" / "step-8").glob("rank-1*.pt"))
+                data = bytearray(shard.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                shard.write_bytes(bytes(data))
             lo = step * B + pg.rank * (B // pg.world_size)
             xb, yb = x[lo:lo + B // pg.world_size], y[lo:lo + B // pg.world_size]
             opt.zero_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,7 +133,7 @@ def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
 
 
 @pytest.mark.parametrize("mode, after", [("checkpoint", "shrunk"), ("memory", "replaced"),
-                                         ("memory", "shrunk")])
+                                         ("memory", "shrunk"), ("checkpoint-corrupt", "shrunk")])
 def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
     # Rank 1 dies at step 10; its shards are gone with it, the survivor's own cannot be rolled
     # back in a world of 1 (FSDP refuses them). "checkpoint": the new world loads checkpoint 8,
@@ -158,7 +159,9 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
         assert r["rel"] < TOL, r
     assert "rank 0 exited with code" not in proc.stderr, proc.stderr[-5000:]     # the survivor lived on
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
-    lost = "steps lost: 1" if mode == "memory" else "steps lost: 3"
+    # checkpoint-corrupt: step 8's shard of rank 1 is corrupt, every rank falls back to step 4
+    # (before: CheckpointCorruptError ended the job)
+    lost = {"memory": "steps lost: 1", "checkpoint": "steps lost: 3", "checkpoint-corrupt": "steps lost: 7"}[mode]
     assert [line for line in res[0]["report"] if "steps lost" in line][-1].endswith(lost), res[0]["report"]
     if mode == "memory":
         assert "restored_from_checkpoint" not in proc.stderr and "state_resharded" in proc.stderr
@@ -166,6 +169,8 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
             assert "sources={0: 0, 1: 1, 2: 1}" in proc.stderr, proc.stderr[-5000:]
     else:
         assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
+    if mode == "checkpoint-corrupt":
+        assert re.search(r"checkpoint_unusable .*falls_back_to=4 .*ranks=\[0\] .*step=8", proc.stderr), proc.stderr[-5000:]
     # with a replacement every rank ends well; shrunk, the killed rank's 137 is the exit code
     assert proc.returncode == (0 if after == "replaced" else 137), proc.stderr[-3000:]
 

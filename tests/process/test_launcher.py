@@ -1067,3 +1067,59 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
                      r"finished without it: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
     assert out.returncode == 137, (out.returncode, out.stderr[-2000:])
     assert took < 40, took
+
+
+CORRUPT_NEWEST = textwrap.dedent("""
+    import os, pathlib, sys
+    import torch
+    import rtxnet
+    import rtxnet.checkpoint as ckpt
+
+    root = pathlib.Path(sys.argv[1])
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10, rendezvous_s=60))
+
+    class State:
+        def __init__(self):
+            self.w, self.step = torch.zeros(4), 0
+        def state_dict(self):
+            return {"w": self.w.clone(), "step": self.step}
+        def load_state_dict(self, d):
+            self.w, self.step = d["w"].clone(), d["step"]
+
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state, load_checkpoint=lambda step, r: state.load_state_dict(ckpt.load(r, step, pg=pg)))
+    first, me = os.environ["RTXNET_RESTART_COUNT"] == "0", int(os.environ["RANK"])
+    while ft.step < 16:
+        with ft.guard() as step:
+            if step > 0 and step % 4 == 0:
+                ckpt.save(root, step, state.state_dict(), pg=pg)
+            if step == 10 and first:      # every rank dies; rank 1's shard of step 8 is corrupt
+                if me == 0:
+                    shard = root / "step-8" / "rank-1.pt"
+                    data = bytearray(shard.read_bytes())
+                    data[len(data) // 2] ^= 0xFF
+                    shard.write_bytes(bytes(data))
+                os._exit(9)
+            g = torch.full((4,), float(step))
+            pg.all_reduce(g)
+            state.w += g
+            state.step = step + 1
+    ft.finish()
+    print(f"done w={state.w[0].item():g} step={state.step}", flush=True)
+""")
+
+
+def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp_path):
+    # a tester's find: only the rank reading the corrupt shard failed, its CheckpointCorruptError
+    # ended the job though step 4 was intact on disk; now every rank falls back to it together
+    script = tmp_path / "corrupt.py"
+    script.write_text(CORRUPT_NEWEST)
+    out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(tmp_path / "ckpt")], timeout=90)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for r in range(3):   # 3 ranks x (0 + 1 + ... + 15): steps 4..15 redone from checkpoint 4
+        assert f"[rank{r}] done w=360 step=16" in out.stdout, out.stdout
+    assert re.search(r"\[rank1\].*checkpoint_unusable +error=.CheckpointCorruptError: .*rank-1\.pt: sha256 "
+                     r".* falls_back_to=4 ranks=\[1\] .*step=8", out.stderr), out.stderr[-4000:]
+    assert re.search(r"\[rank0\].*checkpoint_unusable +error='on another rank' falls_back_to=4 ranks=\[1\]",
+                     out.stderr), out.stderr[-4000:]
+    assert "restored_from_checkpoint" in out.stderr and "step=4" in out.stderr
