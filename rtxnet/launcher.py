@@ -398,7 +398,8 @@ class Launcher:
         for sig in FORWARDED_SIGNALS:
             loop.add_signal_handler(sig, self._signal, sig)
         if self.address:
-            await _probe_coordinator(self.address, self.job)   # (a fresh id: asks about that job only)
+            # (a fresh id: asks about that job only)
+            await _probe_coordinator(self.address, self.job, alone=a.nnodes == 1)
         else:
             journal = a.journal
             if journal is None:
@@ -412,7 +413,7 @@ class Launcher:
                 raise
             if a.job and a.journal:   # a journal of earlier runs may hold the id as finished
                 try:
-                    await _probe_coordinator(self.address, a.job)
+                    await _probe_coordinator(self.address, a.job, alone=a.nnodes == 1)
                 except RuntimeError:
                     await self._shutdown()
                     raise
@@ -617,7 +618,9 @@ class Launcher:
             slot.noted_mid_training = True
         them = "them" if len(gone) > 1 else "it"
         k = min(s.exit_step for s in gone)
-        at = f"when its last committed step was {k}" if k >= 0 else "before it committed a step"
+        # the job's step when the launcher (polling every second) saw it gone, not the rank's own
+        at = (f"gone by the job's committed step {k}, when rtxnet-run looked" if k >= 0 else
+              "before the job committed a step")
         _say(f"{_ranks([s.rank for s in gone])} exited with code 0 during the training of job "
              f"{self.job} ({at}), before FaultTolerance.finish(): not restarted (exit 0); the "
              f"others trained on without {them}" + ("" if world is None else f", {_n(world)} now"))
@@ -745,14 +748,17 @@ class JobIdTaken(RuntimeError):
     """``--job`` names a job that has finished on the coordinator (exit code 2)."""
 
 
-async def _probe_coordinator(address: str, job: str | None) -> None:
+async def _probe_coordinator(address: str, job: str | None, *, alone: bool = True) -> None:
     """Ask the coordinator at ``address`` for its status, as ``rtxnet status`` does, and whether
     ``job`` (when given) has finished there: a finished job id is never reused (its ranks would
-    be told the job is over and exit 0 with nothing trained).
+    be told the job is over and exit 0 with nothing trained). ``alone`` (one launcher for the
+    job, not ``--nnodes``): a job that has live members or joiners is another launch's, and
+    starting ranks into it would fight them (a fresh user's find: a second launch's ranks died
+    of JobFullError, or took places in the first's rendezvous and both jobs failed).
 
     Raises:
         RuntimeError: no answer within ``_PROBE_S`` (or another transport error), or ``job`` has
-            finished; one line that names ``address``.
+            finished, or (``alone``) it runs or forms; one line that names ``address``.
     """
     from transport.errors import RtxError, RtxTimeoutError
 
@@ -775,6 +781,15 @@ async def _probe_coordinator(address: str, job: str | None) -> None:
         raise JobIdTaken(f"job {job!r} on the coordinator at {address} finished training "
                          f"({last_committed(entry['committed_step'])}) and admits no ranks; a job id "
                          f"is not reused: give a new --job; no rank was started")
+    if alone and entry is not None and (entry["members"] or entry.get("pending")):
+        what = (f"runs with {len(entry['members'])} rank(s) (pids "
+                f"{', '.join(str(m['pid']) for m in entry['members'][:8])}"
+                f"{', ...' if len(entry['members']) > 8 else ''})" if entry["members"] else
+                f"is forming ({entry['pending']} rank(s) joined)")
+        raise JobIdTaken(f"job {job!r} on the coordinator at {address} {what}: another launch's; "
+                         f"one rtxnet-run per job id (several hosts: --nnodes/--node-rank on each); "
+                         f"give a new --job (the ranks of a launcher that died are dropped within "
+                         f"their heartbeat timeout); no rank was started")
     if job and job in status["finished"]:
         raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} "
                            f"({last_committed(status['finished'][job])}); a job id is not reused: give a new --job "

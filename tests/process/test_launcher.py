@@ -192,8 +192,8 @@ def test_a_rank_that_exits_0_mid_training_stops_the_others_when_they_wait_in_vai
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("done v=20 world=2") == 2, out.stdout
     assert out.stderr.count("exited with code 0") == 1, out.stderr
-    assert re.search(r"rank 1 exited with code 0 during the training of job mid2 \(when its last committed "
-                     r"step was \d+\), before FaultTolerance.finish\(\): not restarted \(exit 0\); the "
+    assert re.search(r"rank 1 exited with code 0 during the training of job mid2 \(gone by the job's "
+                     r"committed step \d+, when rtxnet-run looked\), before FaultTolerance.finish\(\): not restarted \(exit 0\); the "
                      r"others trained on without it", out.stderr), out.stderr
     # without FaultTolerance nobody waits for the world to grow: the other rank finishes its work
     out = run(["--nproc", "2", str(script), "plain"], timeout=60)
@@ -634,6 +634,30 @@ def test_a_finished_job_id_is_refused_before_any_rank_starts(tmp_path, coordinat
     status = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                             capture_output=True, text=True, timeout=30, env=procs.env(), cwd=ROOT)
     assert "finished (ids not reusable): once (no step committed)" in status.stdout, status.stdout
+
+
+def test_a_second_launch_of_a_running_job_id_is_refused_before_any_rank_starts(tmp_path, coordinator):
+    # a fresh user's find: a second rtxnet-run --job X while X ran had its ranks die of
+    # JobFullError (or, started together, each took places in the other's rendezvous and both
+    # jobs failed)
+    script = tmp_path / "holds.py"
+    script.write_text("import sys, time, rtxnet\npg = rtxnet.init()\nprint('in', flush=True)\n"
+                      "time.sleep(float(sys.argv[1]))\npg.close()\n")
+    args = ["--nproc", "1", "--coordinator", coordinator.address, "--job", "taken", str(script)]
+    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", *args, "30"], env=procs.env(), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(j["job"] == "taken" and j["members"] for j in procs.coordinator_jobs(coordinator.address)),
+                   30, "the first launch's rank in job 'taken'")
+        out = run([*args, "0"])
+        assert out.returncode == 2, out.stderr[-3000:]
+        assert re.search(rf"rtxnet-run: job 'taken' on the coordinator at {re.escape(coordinator.address)} runs "
+                         rf"with 1 rank\(s\) \(pids \d+\): another launch's; one rtxnet-run per job id",
+                         out.stderr), out.stderr
+        assert "[rank0]" not in out.stdout + out.stderr
+    finally:
+        first.terminate()   # forwarded to its rank
+        first.communicate(timeout=30)
 
 
 def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):
