@@ -72,6 +72,10 @@ _FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training
 # after a job ended, how long a rank its coordinator declared lost may still run, once every
 # other rank has exited, before rtxnet-run kills it (_end_fenced_leftovers)
 FENCED_GRACE_S = 5.0
+# how long a rank declared lost may stay so, its process running, while the others wait for the
+# world to grow or it has restarts left, before rtxnet-run kills it (_watch_frozen); longer than
+# a pause a rank wakes from by itself and rejoins (fault-injected pauses, a long GC)
+FROZEN_GRACE_S = 10.0
 
 
 @dataclass
@@ -429,6 +433,7 @@ class Launcher:
             _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
                  "tune the threads of each rank's math libraries")
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
+        frozen = asyncio.ensure_future(self._watch_frozen())
         try:
             for slot in self.slots:
                 if self.stopping:
@@ -472,7 +477,7 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
-            for task in (sharing, self._exits_0_watch):
+            for task in (sharing, frozen, self._exits_0_watch):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -547,6 +552,64 @@ class Launcher:
                 self._note_trained_on_without(job["committed_step"], job["world_size"])
             await asyncio.sleep(1.0)
 
+    async def _fenced_pids(self) -> tuple[dict | None, set[int]]:
+        """``(the coordinator's status answer about this job, or None without one, the pids of
+        this host's processes it declared lost and which are not back)``."""
+        from transport.errors import RtxError
+
+        from .cli import _status
+        from .topology import host_id
+
+        try:
+            st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+        except RtxError:
+            return None, set()
+        host = host_id()[:64]    # as the agents' identities carry it
+        job = _job_entry(st, self.job)
+        fenced = (job or {}).get("fenced") or (st.get("fenced_at_end") or {}).get(self.job) or []
+        return st, {f.get("pid") for f in fenced if f.get("host") == host}
+
+    async def _watch_frozen(self) -> None:
+        """A rank its coordinator declared lost (heartbeats stopped: SIGSTOPped, hung, cut off)
+        whose process still runs is not restarted, since it did not exit: while the others wait
+        for the world to grow (below ``min_ranks``), they wait out their rejoin window (60 s) and
+        fail, and with restarts left it never comes back as a replacement. Once such a rank has
+        stayed lost for ``FROZEN_GRACE_S`` while the others wait, or while it has restarts left,
+        kill it (SIGKILL: a stopped process takes no other signal), saying why; it is then
+        restarted (restarts left) or counts as failed for good, which stops the job at once when
+        fewer than --min-ranks can still come. One that wakes and rejoins within the grace (a
+        fault-injected pause) is left alone. Asked of the coordinator every second while the job
+        trains; after training the end is _end_fenced_leftovers'."""
+        since: dict[int, float] = {}    # pid -> when first seen lost
+        while not self.stopping:
+            await asyncio.sleep(1.0)
+            alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None]
+            if not alive:
+                return
+            st, pids = await self._fenced_pids()
+            job = _job_entry(st, self.job) if st is not None else None
+            if job is None or job.get("finished_training"):
+                if st is not None and (self.job in st["finished"] or job is not None):
+                    return      # the job ended or training did: nobody waits for a replacement
+                continue
+            waiting = any(m.get("waiting_for") for m in job["members"])
+            now = time.monotonic()
+            since = {pid: since.get(pid, now) for pid in pids}
+            for slot in alive:
+                pid = slot.proc.pid
+                if pid not in since or now - since[pid] < FROZEN_GRACE_S:
+                    continue
+                if not waiting and slot.restarts >= self.args.max_restarts:
+                    continue    # the others train on; it may still wake and rejoin by itself
+                why = ("the others wait for the world to grow" if waiting else
+                       "a restart can replace it")
+                _say(f"rank {slot.rank} (pid {pid}) was declared lost by the coordinator "
+                     f"{now - since[pid]:.0f} s ago (its heartbeats stopped: frozen or cut off) and "
+                     f"has not come back; {why}: killing it (SIGKILL)")
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.kill()
+                since.pop(pid)
+
     async def _end_fenced_leftovers(self) -> None:
         """Once the job has finished or finished training: a rank its coordinator declared lost
         (heartbeats stopped: SIGSTOPped, hung, cut off) whose process still runs
@@ -557,25 +620,13 @@ class Launcher:
         the end of training, one that wakes) exits by itself within the grace. Asked of the
         coordinator every second (its ``fenced`` processes by host and pid, or the ones it
         held when the job ended); returns when no rank runs."""
-        from transport.errors import RtxError
-
-        from .cli import _status
-        from .topology import host_id
-
-        host = host_id()[:64]    # as the agents' identities carry it
         stuck_since: float | None = None
         while not self.stopping:
             alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None]
             if not alive:
                 return
-            try:
-                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
-            except RtxError:
-                st = None
+            st, pids = await self._fenced_pids()
             if st is not None:
-                job = _job_entry(st, self.job)
-                fenced = (job or {}).get("fenced") or (st.get("fenced_at_end") or {}).get(self.job) or []
-                pids = {f.get("pid") for f in fenced if f.get("host") == host}
                 if all(s.proc.pid in pids for s in alive):
                     now = time.monotonic()
                     stuck_since = now if stuck_since is None else stuck_since

@@ -1058,7 +1058,7 @@ FREEZES = textwrap.dedent("""
     launch = int(os.environ["RANK"])
     while ft.step < 20:
         with ft.guard() as step:
-            if launch == 1 and step == 5:
+            if launch == 1 and step == 5 and os.environ["RTXNET_RESTART_COUNT"] == "0":
                 pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)     # frozen for good
             g = np.ones(4)
@@ -1091,6 +1091,29 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
                      r"finished without it: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
     assert out.returncode == 137, (out.returncode, out.stderr[-2000:])
     assert took < 40, took
+
+
+def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp_path):
+    # Before: the others waited out their 60 s rejoin window and failed, and the frozen rank was
+    # never restarted (it had not exited). Now it is killed FROZEN_GRACE_S after it was declared
+    # lost, restarted, and rejoins: the job ends with 3 ranks and the exact result.
+    script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
+    script.write_text(FREEZES)
+    try:
+        out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(pidfile)], timeout=80)
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator \d+ s ago \(its heartbeats "
+                     r"stopped: frozen or cut off\) and has not come back; the others wait for the world "
+                     r"to grow: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
+    assert "rank 1 exited with code 137; restart 1/1" in out.stderr, out.stderr[-3000:]
+    for r in range(3):
+        assert f"[rank{r}] done step=20 world=3" in out.stdout, out.stdout
 
 
 CORRUPT_NEWEST = textwrap.dedent("""
