@@ -63,6 +63,7 @@ there) and ``loss.backward()`` raises ``PeerLostError``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -228,6 +229,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._armed_since_sync = 0
         self._late_forwards = 0
         self._grads_synced = True   # no backward since the last synchronisation
+        # synchronising forwards run (numbered from 1), the newest whose gradients a finished
+        # round synchronised, the newest an output hook saw a backward reach, and those whose
+        # outputs no backward has reached yet (see _output_grad)
+        self._forward_no = 0
+        self._synced_through = 0
+        self._grad_reached = 0
+        self._awaiting_grad: set[int] = set()
         self.last_comm_wait_s = 0.0
         if init_sync:
             check_same_layout(self.module, self._pg, "DDP", list(self._names.values()))
@@ -267,12 +275,6 @@ class DistributedDataParallel(torch.nn.Module):
             # The previous backward never finished (an error, or no backward at all after hooks
             # fired): start this step clean.
             self.reset()
-        elif self._sync_armed and self._hooks:
-            # The previous synchronising forward had no backward that reached the parameters: if
-            # the other ranks did run one, their buckets now wait for this rank.
-            log.warning("ddp_backward_skipped",
-                        hint="run backward through the module on every rank every step, "
-                             "even with an empty batch, or forward under no_sync()/no_grad()")
         # A world of one has nothing to reduce: its gradients are already the result.
         self._sync_armed = (self._require_sync and torch.is_grad_enabled()
                             and group_size(self._pg) > 1)
@@ -281,7 +283,33 @@ class DistributedDataParallel(torch.nn.Module):
             self._armed_since_sync += 1
         if self._sync_armed and self.broadcast_buffers:
             self._broadcast_buffers()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self._sync_armed:
+            self._forward_no += 1
+            outputs = [t for t in _tensors_in(out) if t.requires_grad]
+            if outputs:
+                if len(self._awaiting_grad) >= 64:   # forwards never backwarded (an eval with grad)
+                    self._awaiting_grad.discard(min(self._awaiting_grad))
+                self._awaiting_grad.add(self._forward_no)
+                for t in outputs:
+                    t.register_hook(functools.partial(self._output_grad, self._forward_no))
+        return out
+
+    def _output_grad(self, k: int, grad: torch.Tensor) -> None:
+        """A backward reached an output of synchronising forward ``k`` (a tensor hook: before any
+        gradient of the parameters). Raises ``ConfigError`` when the gradients of that forward
+        were synchronised already: a second backward through it (``retain_graph=True``) would
+        leave its gradient on this rank, the replicas diverging (torch DDP does that
+        silently). The late forwards of :meth:`_grad_ready` keep their own message."""
+        self._awaiting_grad.discard(k)
+        self._grad_reached = max(self._grad_reached, k)
+        if self._require_sync and k <= self._synced_through and not self._late_forwards:
+            raise ConfigError(
+                "DistributedDataParallel: a second backward through a forward whose gradients the "
+                "first backward already synchronised (retain_graph=True): its gradient would stay "
+                "on this rank and the replicas would diverge. Sum the losses and run one backward "
+                "per forward, or run the forward and every backward under ddp.no_sync() and call "
+                "ddp.sync_gradients() after the last")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -364,7 +392,16 @@ class DistributedDataParallel(torch.nn.Module):
             b.clear()
         self._next_launch = 0
         self._round_open = False
-        # A second backward over the same forward (retain_graph) accumulates locally.
+        self._synced_through = self._forward_no
+        # forwards older than the newest this round's backward went through, which no backward
+        # reached: this rank skipped their backward (the others, running theirs, wait for it)
+        skipped = sorted(k for k in self._awaiting_grad if k < self._grad_reached)
+        if skipped:
+            log.warning("ddp_backward_skipped", forwards=len(skipped),
+                        hint="run backward through the module on every rank every step, "
+                             "even with an empty batch, or forward under no_sync()/no_grad()")
+        self._awaiting_grad.difference_update(k for k in list(self._awaiting_grad) if k <= self._grad_reached)
+        # A second backward over the same forward (retain_graph) is refused (_output_grad).
         self._sync_armed = False
         self._late_forwards = max(0, self._armed_since_sync - 1)
         self._armed_since_sync = 0
@@ -524,6 +561,17 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape))
                     off += n
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: itself, or inside tuples, lists and dicts (values)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors_in(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors_in(o)]
+    return []
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

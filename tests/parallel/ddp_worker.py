@@ -221,6 +221,30 @@ def fault(pg, steps=5, B=12):
             "fault_sum": float(flat_params(net).double().sum()), "final_world": pg.world_size}
 
 
+def double_backward(pg) -> dict:
+    """A second backward through one forward (retain_graph) is refused on every rank: its
+    gradient would stay local (a tester saw [[4, 4, 4]] and [[5, 5, 5]] where one process gives
+    6). A backward of a loss of the parameters alone after the synchronised one (identical on
+    every rank) is not; two forwards and one backward through both give one process's gradient."""
+    torch.manual_seed(0)
+    m = DistributedDataParallel(torch.nn.Linear(3, 1, bias=False), pg, reduce_op=rtxnet.ReduceOp.SUM)
+    out = m(torch.full((1, 3), float(pg.rank + 1))).sum()
+    out.backward(retain_graph=True)
+    first = m.module.weight.grad.tolist()
+    try:
+        out.backward()
+        refused = None
+    except rtxnet.ConfigError as exc:
+        refused = str(exc)
+    m.module.weight.grad = None
+    loss = m(torch.ones(1, 3)).sum()
+    loss.backward()
+    (m.module.weight ** 2).sum().backward()     # through the parameters only: accepted
+    m.module.weight.grad = None
+    (m(torch.ones(1, 3)).sum() + m(torch.full((1, 3), 2.0)).sum()).backward()
+    return {"double_first": first, "double_refused": refused, "two_forwards_grad": m.module.weight.grad.tolist()}
+
+
 def odd_buffers(pg) -> dict:
     """Buffers of dtypes the collectives do not reduce (a rotary embedding's complex
     ``freqs_cis``, uint16, float8, bool) are broadcast by their bytes, for DDP and FSDP; a
@@ -292,6 +316,7 @@ def main() -> int:
         res.update(unused_parameters(pg))
         res.update(different_layouts(pg))
         res.update(odd_buffers(pg))
+        res.update(double_backward(pg))
     elif scenario == "fault":
         res.update(fault(pg))
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))

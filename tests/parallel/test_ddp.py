@@ -80,6 +80,16 @@ def test_buffers_of_any_dtype_are_broadcast_and_a_complex_parameter_is_refused(b
         assert r["complex_param"].startswith("DDP: parameter 'weight' has dtype torch.complex64"), r
 
 
+def test_a_second_backward_through_one_forward_is_refused_on_every_rank(basic):
+    n = len(basic)
+    for r in basic:
+        assert r["double_first"] == [[n * (n + 1) / 2] * 3], r["double_first"]   # SUM of 1..n
+        assert r["double_refused"].startswith("DistributedDataParallel: a second backward through a "
+                                              "forward whose gradients the first backward already "
+                                              "synchronised"), r["double_refused"]
+        assert r["two_forwards_grad"] == [[3.0 * n] * 3], r["two_forwards_grad"]
+
+
 def test_survivors_retry_a_failed_step_and_still_match_one_process(tmp_path):
     res = launch(tmp_path, "fault", "--min-ranks", "3")
     assert len(res) == 3
