@@ -317,6 +317,12 @@ def errors(pg):
     except rtxnet.ConfigError as exc:
         res["err_order"] = str(exc)
     fsdp = FullyShardedDataParallel(make_net(5), pg, init_sync=False)
+    other = FullyShardedDataParallel(torch.nn.Linear(3, 3), pg, init_sync=False)
+    try:   # both layouts whole, before: 21,000 characters for a model of 200 layers
+        other.load_sharded_state_dict(fsdp.sharded_state_dict())
+        res["err_layout"] = None
+    except rtxnet.ConfigError as exc:
+        res["err_layout"] = str(exc)
     sd = make_net(5).state_dict()
     sd["head.weight"] = torch.zeros(3, 3)
     try:

@@ -117,6 +117,8 @@ def test_bad_arguments_get_errors_naming_the_value(basic):
     assert "got str" in r["err_module"]
     assert "FSDPState: model must be a FullyShardedDataParallel, got Net" in r["err_state"], r["err_state"]
     assert "head.weight" in r["err_shape"] and "(3, 3)" in r["err_shape"] and "(5, 24)" in r["err_shape"]
+    assert r["err_layout"].startswith("load_sharded_state_dict: flat parameter 0 differs: saved "), r["err_layout"]
+    assert len(r["err_layout"]) < 800, r["err_layout"]
     for r in basic:   # refused on every rank, naming the rank unlike rank 0
         assert r["err_order"].startswith("FSDP: the replicas differ: rank(s) [1] have parameters"), r["err_order"]
 
