@@ -118,7 +118,7 @@ def _layout_diff(saved: Any, mine: list[list[Any]]) -> str:
     of 200 layers, a tester's find)."""
     if not isinstance(saved, list):
         return f"the saved layout is {type(saved).__name__}, not a list of flat parameters"
-    for i, (a, b) in enumerate(zip(saved, mine)):
+    for i, (a, b) in enumerate(zip(saved, mine, strict=False)):
         if a != b:
             return (f"flat parameter {i} differs: saved {str(a)[:300]}, this module's {str(b)[:300]} "
                     f"(the state was saved from another model or wrapping)")
