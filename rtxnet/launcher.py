@@ -93,6 +93,9 @@ class _Slot:
     # exited 0 while the job still needed it, and will not come back (exit 0 is not restarted):
     # "before the job formed" or "during training" (see _watch_exits_0); "" otherwise
     left_early: str = ""
+    # rtxnet-run sent it SIGTERM to stop the job (_stop_if_below_min_ranks): a 143 or 137 after
+    # that is the launcher's doing, not a failure of its own (_outcome)
+    stopped: bool = False
 
 
 def _code(rc: int) -> int:
@@ -325,6 +328,7 @@ class Launcher:
              f"than --min-ranks {min_ranks}; {stopping}")
         self.stopping = True
         for s in running:
+            s.stopped = True
             try:
                 s.proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
@@ -924,10 +928,15 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
     on the survivors)."""
     ok = [s.rank for s in slots if s.returncode == 0]
+    # stopped by the launcher's SIGTERM (or its SIGKILL after --grace): not a failure of their own
+    # (a fresh user read a rank that was exiting 0 slowly, stopped meanwhile, as failed)
+    stopped = [s.rank for s in slots if s.stopped and s.returncode in (143, 137)]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
-           f"{max_restarts} times)" for s in slots if s.returncode not in (0, None)]
-    return (f"{_ranks(ok) if ok else 'no rank'} exited 0; {_ranks(bad)} failed. Exit code "
-            f"{code}: the first failing rank's (0 only when every rank's last process exited 0)")
+           f"{max_restarts} times)" for s in slots if s.returncode not in (0, None) and s.rank not in stopped]
+    return (f"{_ranks(ok) if ok else 'no rank'} exited 0; {_ranks(bad) if bad else 'no rank'} failed"
+            + (f"; {_ranks(stopped)} stopped by rtxnet-run (143/137)" if stopped else "")
+            + f". Exit code {code}: the first failing rank's (0 only when every rank's last process "
+            f"exited 0)")
 
 
 def signal_suffix(code: int | None) -> str:

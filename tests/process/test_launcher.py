@@ -1165,8 +1165,10 @@ def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp
     assert out.returncode == 0, out.stderr[-4000:]
     for r in range(3):   # 3 ranks x (0 + 1 + ... + 15): steps 4..15 redone from checkpoint 4
         assert f"[rank{r}] done w=360 step=16" in out.stdout, out.stdout
-    assert re.search(r"\[rank1\].*checkpoint_unusable +error=.CheckpointCorruptError: .*rank-1\.pt: sha256 "
-                     r".* falls_back_to=4 ranks=\[1\] .*step=8", out.stderr), out.stderr[-4000:]
-    assert re.search(r"\[rank0\].*checkpoint_unusable +error='on another rank' falls_back_to=4 ranks=\[1\]",
-                     out.stderr), out.stderr[-4000:]
+    # the rank that is rank 1 of the restarted world (any launch rank) reads the corrupt shard;
+    # the other two hear of it
+    assert len(re.findall(r"checkpoint_unusable +error=.CheckpointCorruptError: .*rank-1\.pt: sha256 "
+                          r".* falls_back_to=4 ranks=\[1\] .*step=8", out.stderr)) == 1, out.stderr[-4000:]
+    assert len(re.findall(r"checkpoint_unusable +error='on another rank' falls_back_to=4 ranks=\[1\]",
+                          out.stderr)) == 2, out.stderr[-4000:]
     assert "restored_from_checkpoint" in out.stderr and "step=4" in out.stderr
