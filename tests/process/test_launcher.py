@@ -26,6 +26,16 @@ def run(args, *, timeout=90, **kw):
                           timeout=timeout, env=env, cwd=ROOT, **kw)
 
 
+def _kill_pid_in(pidfile: Path) -> None:
+    """SIGKILL the process whose pid a test's script wrote to ``pidfile``, if it wrote one and
+    the process still runs (a child a test started, cleaned up whatever the test's outcome)."""
+    if pidfile.exists():
+        try:
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_demo_runs_four_ranks_with_prefixed_output():
     out = run(["--nproc", "4", "examples/rendezvous_demo.py"])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -438,11 +448,7 @@ def test_a_rank_whose_child_holds_its_pipes_does_not_hang_the_launcher(tmp_path)
         out = run(["--nproc", "1", str(script), str(pidfile)], timeout=60)
         assert out.returncode == 0 and "[rank0] rank done" in out.stdout, out.stderr[-2000:]
     finally:
-        if pidfile.exists():
-            try:
-                os.kill(int(pidfile.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_pid_in(pidfile)   # the child the rank left behind on purpose
 
 
 SLEEPER = textwrap.dedent("""
@@ -1080,11 +1086,7 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
         out = run(["--nproc", "3", "--min-ranks", "2", str(script), str(pidfile)], timeout=60)
         took = time.monotonic() - t0
     finally:
-        if pidfile.exists():   # the frozen rank, should the launcher not have ended it
-            try:
-                os.kill(int(pidfile.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
     assert "[rank0] done step=20 world=2" in out.stdout and "[rank2] done step=20 world=2" in out.stdout, out.stdout
     assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator \(its heartbeats stopped: "
                      r"frozen or cut off\) and still runs 5 s after every other rank ended; job \S+ "
@@ -1102,11 +1104,7 @@ def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp
     try:
         out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(pidfile)], timeout=80)
     finally:
-        if pidfile.exists():
-            try:
-                os.kill(int(pidfile.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator \d+ s ago \(its heartbeats "
                      r"stopped: frozen or cut off\) and has not come back; the others wait for the world "
