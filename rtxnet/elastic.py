@@ -769,6 +769,8 @@ class FaultTolerance:
             return None
         step = await self._load_intact_checkpoint(int(info["step"]), info["root"], best)
         if step is None:
+            log.warning("committed_state_lost", job_committed_step=job_committed, best_live_step=best,
+                        reason=self._checkpoint_unusable)
             return None
         held = step - 1
         log.warning("restored_from_checkpoint", step=step, committed_step=held,
@@ -787,11 +789,13 @@ class FaultTolerance:
         from .checkpoint import CheckpointError, latest
 
         pg = self.pg
+        loaded = False   # this rank's loader ran through once: the state is no longer its own
         while True:
             err: BaseException | None = None
             try:
                 # on the loop thread; the loader is the user's (e.g. rtxnet.checkpoint.load)
                 self.load_checkpoint(step, root)
+                loaded = True
             except (CheckpointError, OSError) as exc:
                 err = exc
             bad = np.zeros(pg.world_size, dtype=np.int64)
@@ -808,6 +812,12 @@ class FaultTolerance:
                 self._checkpoint_unusable = (
                     f"the newest recorded checkpoint (step {step}) could not be loaded on ranks "
                     f"{failed} and no older intact one is newer than the live ranks' state")
+                if loaded:
+                    # this rank loaded a checkpoint the others could not: back to the state it
+                    # held (its step is what the sync compares), or the replicas would diverge
+                    # (a tester's find: 80 against 50 after the same steps, exit 0)
+                    self._load_snapshot(self._snapshot, "its own state before the checkpoint",
+                                        quiet=True)
                 return None
             step = older
 

@@ -1122,7 +1122,7 @@ CORRUPT_NEWEST = textwrap.dedent("""
     import rtxnet
     import rtxnet.checkpoint as ckpt
 
-    root = pathlib.Path(sys.argv[1])
+    root, keep = pathlib.Path(sys.argv[1]), int(sys.argv[2]) or None
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10, rendezvous_s=60))
 
     class State:
@@ -1139,7 +1139,7 @@ CORRUPT_NEWEST = textwrap.dedent("""
     while ft.step < 16:
         with ft.guard() as step:
             if step > 0 and step % 4 == 0:
-                ckpt.save(root, step, state.state_dict(), pg=pg)
+                ckpt.save(root, step, state.state_dict(), pg=pg, keep=keep)
             if step == 10 and first:      # every rank dies; rank 1's shard of step 8 is corrupt
                 if me == 0:
                     shard = root / "step-8" / "rank-1.pt"
@@ -1156,15 +1156,22 @@ CORRUPT_NEWEST = textwrap.dedent("""
 """)
 
 
-def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp_path):
+@pytest.mark.parametrize("keep", [0, 1], ids=["older-kept", "none-older"])
+def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp_path, keep):
     # a tester's find: only the rank reading the corrupt shard failed, its CheckpointCorruptError
-    # ended the job though step 4 was intact on disk; now every rank falls back to it together
+    # ended the job though step 4 was intact on disk; now every rank falls back to it together.
+    # keep=1 leaves no older step: every rank starts again from step 0 with its own state (the
+    # ranks that had loaded step 8 went on from it, the replicas diverged and the run exited 0)
     script = tmp_path / "corrupt.py"
     script.write_text(CORRUPT_NEWEST)
-    out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(tmp_path / "ckpt")], timeout=90)
+    out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(tmp_path / "ckpt"), str(keep)], timeout=90)
     assert out.returncode == 0, out.stderr[-4000:]
-    for r in range(3):   # 3 ranks x (0 + 1 + ... + 15): steps 4..15 redone from checkpoint 4
+    for r in range(3):   # 3 ranks x (0 + 1 + ... + 15): steps 4..15 (or 0..15) redone
         assert f"[rank{r}] done w=360 step=16" in out.stdout, out.stdout
+    if keep:
+        assert out.stderr.count("falls_back_to=None") == 3, out.stderr[-4000:]
+        assert out.stderr.count("committed_state_lost") == 3 and "restored_from_checkpoint" not in out.stderr
+        return
     # the rank that is rank 1 of the restarted world (any launch rank) reads the corrupt shard;
     # the other two hear of it
     assert len(re.findall(r"checkpoint_unusable +error=.CheckpointCorruptError: .*rank-1\.pt: sha256 "
