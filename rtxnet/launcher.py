@@ -585,6 +585,7 @@ class Launcher:
         fault-injected pause) is left alone. Asked of the coordinator every second while the job
         trains; after training the end is _end_fenced_leftovers'."""
         since: dict[int, float] = {}    # pid -> when first seen lost
+        joined: dict[int, int] = {}     # launch rank -> pid seen in the open rendezvous
         while not self.stopping:
             await asyncio.sleep(1.0)
             alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None]
@@ -597,8 +598,21 @@ class Launcher:
                     return      # the job ended or training did: nobody waits for a replacement
                 continue
             waiting = any(m.get("waiting_for") for m in job["members"])
+            dropped = set()
+            if job["state"] == "rendezvous" and job.get("missing_ranks") is not None:
+                # a rank that joined the rendezvous, then went missing with its process running,
+                # was dropped for its heartbeats (a tester's SIGSTOP during the rendezvous: the
+                # others would have waited out their 300 s rendezvous timeout)
+                waiting = True
+                for slot in alive:
+                    if slot.rank >= job["min_ranks"]:
+                        continue        # missing_ranks covers the places below min_ranks
+                    if slot.rank not in job["missing_ranks"]:
+                        joined[slot.rank] = slot.proc.pid
+                    elif joined.get(slot.rank) == slot.proc.pid:
+                        dropped.add(slot.proc.pid)
             now = time.monotonic()
-            since = {pid: since.get(pid, now) for pid in pids}
+            since = {pid: since.get(pid, now) for pid in pids | dropped}
             for slot in alive:
                 pid = slot.proc.pid
                 if pid not in since or now - since[pid] < FROZEN_GRACE_S:
@@ -607,9 +621,11 @@ class Launcher:
                     continue    # the others train on; it may still wake and rejoin by itself
                 why = ("the others wait for the world to grow" if waiting else
                        "a restart can replace it")
-                _say(f"rank {slot.rank} (pid {pid}) was declared lost by the coordinator "
-                     f"{now - since[pid]:.0f} s ago (its heartbeats stopped: frozen or cut off) and "
-                     f"has not come back; {why}: killing it (SIGKILL)")
+                what = ("dropped from the rendezvous" if pid in dropped else
+                        "declared lost by the coordinator")
+                _say(f"rank {slot.rank} (pid {pid}) was {what} {now - since[pid]:.0f} s ago (its "
+                     f"heartbeats stopped: frozen or cut off) and has not come back; {why}: "
+                     f"killing it (SIGKILL)")
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.kill()
                 since.pop(pid)
@@ -927,16 +943,22 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     """The last line of a run with a failure: which ranks ended well, which failed, and why the
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
     on the survivors)."""
-    ok = [s.rank for s in slots if s.returncode == 0]
+    # exited 0 while the job still needed them (not restarted): the cause of a stop, not a success
+    early = [s for s in slots if s.returncode == 0 and s.left_early]
+    ok = [s.rank for s in slots if s.returncode == 0 and not s.left_early]
     # stopped by the launcher's SIGTERM (or its SIGKILL after --grace): not a failure of their own
     # (a fresh user read a rank that was exiting 0 slowly, stopped meanwhile, as failed)
     stopped = [s.rank for s in slots if s.stopped and s.returncode in (143, 137)]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None) and s.rank not in stopped]
-    return (f"{_ranks(ok) if ok else 'no rank'} exited 0; {_ranks(bad) if bad else 'no rank'} failed"
+    left = "".join(f"; {_ranks([s.rank for s in early if s.left_early == when])} exited 0 {when}, "
+                   f"which the job could not do without" for when in sorted({s.left_early for s in early}))
+    whose = ("the first failing rank's" if bad or not stopped else
+             "the ranks rtxnet-run stopped, as the job had too few ranks left")
+    return (f"{_ranks(ok) if ok else 'no rank'} exited 0{left}; {_ranks(bad) if bad else 'no rank'} failed"
             + (f"; {_ranks(stopped)} stopped by rtxnet-run (143/137)" if stopped else "")
-            + f". Exit code {code}: the first failing rank's (0 only when every rank's last process "
-            f"exited 0)")
+            + f". Exit code {code}: {whose} (0 only when every rank's last process exited 0 and "
+            f"the job did not stop)")
 
 
 def signal_suffix(code: int | None) -> str:

@@ -147,6 +147,10 @@ def test_a_rank_that_exits_0_before_the_job_formed_stops_the_others_at_once(tmp_
             "is not restarted)") in out.stderr, out.stderr
     assert ("rank 1 exited 0 before the job formed: 1 rank left, fewer than --min-ranks 2; stopping "
             "rank 0 (SIGTERM, SIGKILL after 10 s)") in out.stderr, out.stderr
+    # the last line names the cause (it said "rank 1 exited 0; no rank failed; rank 0 stopped")
+    assert ("no rank exited 0; rank 1 exited 0 before the job formed, which the job could not do "
+            "without; no rank failed; rank 0 stopped by rtxnet-run (143/137). Exit code 143: the "
+            "ranks rtxnet-run stopped, as the job had too few ranks left") in out.stderr.strip().splitlines()[-1], out.stderr
     # a script that never calls rtxnet.init: a rank ending first is no reason to stop the other
     script.write_text("import os, time\nif os.environ['RANK'] == '0':\n    time.sleep(2.5)\nprint('done')\n")
     out = run(["--nproc", "2", str(script)], timeout=60)
@@ -1179,3 +1183,38 @@ def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp
     assert len(re.findall(r"checkpoint_unusable +error='on another rank' falls_back_to=4 ranks=\[1\]",
                           out.stderr)) == 2, out.stderr[-4000:]
     assert "restored_from_checkpoint" in out.stderr and "step=4" in out.stderr
+
+
+FREEZES_IN_RENDEZVOUS = textwrap.dedent("""
+    import os, pathlib, subprocess, sys, time
+    import rtxnet
+
+    me, first = int(os.environ["RANK"]), os.environ["RTXNET_RESTART_COUNT"] == "0"
+    if me == 2:
+        time.sleep(6)        # the rendezvous stays open meanwhile
+    if me == 1 and first:    # stopped for good while it waits in the rendezvous
+        pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
+        subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(1.5); "
+                          f"os.kill({os.getpid()}, signal.SIGSTOP)"])
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
+                                              op_s=10, rendezvous_s=120))
+    print(f"formed world={pg.world_size}", flush=True)
+    pg.close()
+""")
+
+
+def test_a_rank_frozen_in_the_rendezvous_is_killed_and_replaced(tmp_path):
+    # a tester's find: a rank stopped while the rendezvous was open was dropped from it, and
+    # the others would have waited out their rendezvous timeout (300 s by default)
+    script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
+    script.write_text(FREEZES_IN_RENDEZVOUS)
+    try:
+        out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(pidfile)], timeout=80)
+    finally:
+        _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) was dropped from the rendezvous \d+ s ago \(its heartbeats "
+                     r"stopped: frozen or cut off\) and has not come back; the others wait for the "
+                     r"world to grow: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
+    assert "rank 1 exited with code 137; restart 1/1" in out.stderr, out.stderr[-3000:]
+    assert out.stdout.count("formed world=3") == 3, out.stdout
