@@ -87,10 +87,12 @@ class Store:
             value = bytes(value)
         else:
             raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
-        if len(key.encode()) + len(value) > wire.MAX_JOB_KV_NBYTES:
+        nkey = len(key.encode())
+        if nkey + len(value) > wire.MAX_JOB_KV_NBYTES:
             # one item above the bound: refused here, before a message that size is built
             raise ConfigError(
-                f"store: key {key[:100]!r} with a value of {len(value)} bytes is more than the "
+                f"store: key {key[:100]!r} with a value of {len(value)} bytes is "
+                f"{nkey + len(value)} bytes with the key, more than the "
                 f"{wire.MAX_JOB_KV_NBYTES} bytes a job's store may hold (it is for coordination data; "
                 f"move tensors with the collectives, files with checkpoints)")
         return value
@@ -297,12 +299,12 @@ class ProcessGroup:
         journals it before answering. False when a member voted failure or the epoch changed.
 
         Raises:
-            ConfigError: ``step`` is not an int >= 0 (a bool is refused), ``ok`` not a bool,
+            ConfigError: ``step`` is not an int in 0..2**63-1 (a bool is refused), ``ok`` not a bool,
                 ``metadata`` not a dict; names the value.
             RtxTimeoutError: not every member voted within ``timeout`` seconds (default op timeout).
         """
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ConfigError(f"commit: step({step!r}) must be an int >= 0")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 2**63:
+            raise ConfigError(f"commit: step({step!r}) must be an int in 0..2**63-1")
         if not isinstance(ok, (bool, np.bool_)):
             raise ConfigError(f"commit: ok({ok!r}) must be a bool")
         if metadata is not None and not isinstance(metadata, dict):
