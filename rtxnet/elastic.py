@@ -698,6 +698,7 @@ class FaultTolerance:
         """Agree on the newest committed state and give it to every member (one collective round)."""
         pg = self.pg
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
+        await self._check_same_layout(world)
         if self.sharded_state:
             best = await self._sync_sharded(pg.membership.committed_step)
             self._synced(best, epoch, rank, world, "sharded")
@@ -738,6 +739,23 @@ class FaultTolerance:
                 best = await self._fall_back_to_checkpoint(np.flatnonzero(oks == 0).tolist(), src,
                                                             job_committed, world)
         self._synced(best, epoch, rank, world, src)
+
+    async def _check_same_layout(self, world: int) -> None:
+        """When the state has ``layout_digest()`` (:class:`rtxnet.parallel.FSDPState`): one
+        all_gather of it, and ``ConfigError`` on every rank when some rank's differs from rank
+        0's (modules built differently, e.g. layers registered in another order: their flat
+        parameters would be exchanged by position). FSDP checks this itself with ``init_sync``,
+        which FaultTolerance's replacements cannot use (a tester's find)."""
+        digest_of = getattr(self.state, "layout_digest", None)
+        if not callable(digest_of):
+            return
+        got = np.zeros(world, dtype=np.int64)
+        await self.pg.all_gather(got, np.array([digest_of()], dtype=np.int64))
+        differ = [k for k, d in enumerate(got.tolist()) if d != got[0]]
+        if differ:
+            raise ConfigError(f"FaultTolerance: the ranks' models differ: rank(s) {differ} have a "
+                              f"layout unlike rank 0's (parameter names, their order, shapes or "
+                              f"dtypes); build the same module on every rank")
 
     def _synced(self, best: int, epoch: int, rank: int, world: int, src: Any) -> None:
         self.committed_step = best

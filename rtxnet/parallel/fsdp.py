@@ -90,6 +90,7 @@ raised, as DDP does.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -926,6 +927,15 @@ class FSDPState:
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.sharded_state_dict(), "optimizer": self.optimizer.state_dict(),
                 "step": self.step}
+
+    def layout_digest(self) -> int:
+        """A signed 64-bit digest of the model's layout (flat parameters with their parameter
+        names in registration order, and the replicated state's names, shapes and dtypes):
+        :class:`rtxnet.FaultTolerance` compares it across ranks at every sync, which catches
+        ranks whose modules differ where ``init_sync`` (off under FaultTolerance) would have."""
+        rep = [(k, tuple(t.shape), str(t.dtype)) for k, t in self.model._replicated().items()]
+        text = repr((self.model._layout(), rep)).encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
     def sharded_layout(self) -> tuple[int, int]:
         """``(rank, world_size)`` the shards are laid out for (those of the world the model was
