@@ -578,7 +578,8 @@ class Launcher:
         whose process still runs is not restarted, since it did not exit: while the others wait
         for the world to grow (below ``min_ranks``), they wait out their rejoin window (60 s) and
         fail, and with restarts left it never comes back as a replacement. Once such a rank has
-        stayed lost for ``FROZEN_GRACE_S`` while the others wait, or while it has restarts left,
+        stayed lost for --lost-grace seconds (``FROZEN_GRACE_S``) while the others wait, or
+        while it has restarts left,
         kill it (SIGKILL: a stopped process takes no other signal), saying why; it is then
         restarted (restarts left) or counts as failed for good, which stops the job at once when
         fewer than --min-ranks can still come. One that wakes and rejoins within the grace (a
@@ -615,7 +616,7 @@ class Launcher:
             since = {pid: since.get(pid, now) for pid in pids | dropped}
             for slot in alive:
                 pid = slot.proc.pid
-                if pid not in since or now - since[pid] < FROZEN_GRACE_S:
+                if pid not in since or now - since[pid] < self.args.lost_grace:
                     continue
                 if not waiting and slot.restarts >= self.args.max_restarts:
                     continue    # the others train on; it may still wake and rejoin by itself
@@ -999,6 +1000,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds ranks get after SIGINT/SIGTERM/SIGHUP/SIGQUIT before they are killed "
                         "(default 10; a second such signal kills them at once)")
+    p.add_argument("--lost-grace", type=float, default=FROZEN_GRACE_S,
+                   help=f"seconds a rank the coordinator declared lost may keep running (frozen, "
+                        f"hung) while the job needs it before it is killed, to be restarted "
+                        f"(default {FROZEN_GRACE_S:g}; a rank that wakes within it rejoins by itself)")
     p.add_argument("script", help="the Python script each rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -1072,6 +1077,8 @@ def _main(argv: list[str] | None) -> int:
         errors.append(f"--nproc must be in 1..{MAX_NPROC}, got {args.nproc}")
     if not 0 < args.grace < math.inf:   # NaN fails too
         errors.append(f"--grace must be a finite number of seconds > 0, got {args.grace}")
+    if not 0 < args.lost_grace < math.inf:
+        errors.append(f"--lost-grace must be a finite number of seconds > 0, got {args.lost_grace}")
     if args.job is not None and not args.job.strip():
         errors.append("--job must not be empty")
     elif args.job is not None and len(args.job) > MAX_JOB_ID:

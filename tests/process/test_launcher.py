@@ -512,6 +512,7 @@ MARKS_START = "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']
 @pytest.mark.parametrize("args, env, line", [
     (["--grace", "nan"], {}, "--grace must be a finite number of seconds > 0, got nan"),
     (["--grace", "inf"], {}, "--grace must be a finite number of seconds > 0, got inf"),
+    (["--lost-grace", "0"], {}, "--lost-grace must be a finite number of seconds > 0, got 0.0"),
     (["--job", "j" * 257], {}, "--job must be at most 256 characters, got 257"),
     ([], {"RTXNET_FAULTS": "bogus:x"}, "RTXNET_FAULTS: 'bogus:x': unknown fault kind 'bogus'"),
     ([], {"RTXNET_FAULTS": "pause:rank=1:step=20:seconds=inf"},
@@ -1103,12 +1104,13 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
 
 def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp_path):
     # Before: the others waited out their 60 s rejoin window and failed, and the frozen rank was
-    # never restarted (it had not exited). Now it is killed FROZEN_GRACE_S after it was declared
+    # never restarted (it had not exited). Now it is killed --lost-grace seconds after it was declared
     # lost, restarted, and rejoins: the job ends with 3 ranks and the exact result.
     script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
     script.write_text(FREEZES)
     try:
-        out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(pidfile)], timeout=80)
+        out = run(["--nproc", "3", "--max-restarts", "1", "--lost-grace", "3", str(script), str(pidfile)],
+                  timeout=80)
     finally:
         _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
     assert out.returncode == 0, out.stderr[-3000:]
@@ -1209,7 +1211,8 @@ def test_a_rank_frozen_in_the_rendezvous_is_killed_and_replaced(tmp_path):
     script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
     script.write_text(FREEZES_IN_RENDEZVOUS)
     try:
-        out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(pidfile)], timeout=80)
+        out = run(["--nproc", "3", "--max-restarts", "1", "--lost-grace", "3", str(script), str(pidfile)],
+                  timeout=80)
     finally:
         _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
     assert out.returncode == 0, out.stderr[-3000:]
