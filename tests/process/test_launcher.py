@@ -1102,26 +1102,6 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
     assert took < 40, took
 
 
-def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp_path):
-    # Before: the others waited out their 60 s rejoin window and failed, and the frozen rank was
-    # never restarted (it had not exited). Now it is killed --lost-grace seconds after it was declared
-    # lost, restarted, and rejoins: the job ends with 3 ranks and the exact result.
-    script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
-    script.write_text(FREEZES)
-    try:
-        out = run(["--nproc", "3", "--max-restarts", "1", "--lost-grace", "3", str(script), str(pidfile)],
-                  timeout=80)
-    finally:
-        _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator \d+ s ago \(its heartbeats "
-                     r"stopped: frozen or cut off\) and has not come back; the others wait for the world "
-                     r"to grow: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
-    assert "rank 1 exited with code 137; restart 1/1" in out.stderr, out.stderr[-3000:]
-    for r in range(3):
-        assert f"[rank{r}] done step=20 world=3" in out.stdout, out.stdout
-
-
 CORRUPT_NEWEST = textwrap.dedent("""
     import os, pathlib, sys
     import torch
@@ -1205,19 +1185,25 @@ FREEZES_IN_RENDEZVOUS = textwrap.dedent("""
 """)
 
 
-def test_a_rank_frozen_in_the_rendezvous_is_killed_and_replaced(tmp_path):
-    # a tester's find: a rank stopped while the rendezvous was open was dropped from it, and
-    # the others would have waited out their rendezvous timeout (300 s by default)
+@pytest.mark.parametrize("script_text, what, done", [
+    (FREEZES, "declared lost by the coordinator", "done step=20 world=3"),
+    (FREEZES_IN_RENDEZVOUS, "dropped from the rendezvous", "formed world=3"),
+], ids=["mid-training", "in-rendezvous"])
+def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp_path, script_text, what, done):
+    # Before: the others waited out their 60 s rejoin window (300 s rendezvous timeout) and
+    # failed, and the frozen rank was never restarted (it had not exited). Now it is killed
+    # --lost-grace seconds after it was declared lost (or dropped from the rendezvous, a
+    # tester's find), restarted, and rejoins: the job ends with 3 ranks.
     script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
-    script.write_text(FREEZES_IN_RENDEZVOUS)
+    script.write_text(script_text)
     try:
         out = run(["--nproc", "3", "--max-restarts", "1", "--lost-grace", "3", str(script), str(pidfile)],
                   timeout=80)
     finally:
         _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"rank 1 \(pid \d+\) was dropped from the rendezvous \d+ s ago \(its heartbeats "
-                     r"stopped: frozen or cut off\) and has not come back; the others wait for the "
-                     r"world to grow: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
+    assert re.search(rf"rank 1 \(pid \d+\) was {what} \d+ s ago \(its heartbeats stopped: frozen or cut "
+                     rf"off\) and has not come back; the others wait for the world to grow: killing it "
+                     rf"\(SIGKILL\)", out.stderr), out.stderr[-3000:]
     assert "rank 1 exited with code 137; restart 1/1" in out.stderr, out.stderr[-3000:]
-    assert out.stdout.count("formed world=3") == 3, out.stdout
+    assert out.stdout.count(done) == 3, out.stdout

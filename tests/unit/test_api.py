@@ -213,17 +213,20 @@ def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coor
         assert pg.store.get("k") == b"v"
 
 
+class State:
+    """A FaultTolerance state with nothing in it."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, d):
+        pass
+
+
 def test_misuse_of_commit_and_of_fault_tolerance_is_refused_naming_it(coordinator):
     # a tester's finds: commit(-5) answered True at once without the other ranks' votes,
     # commit(1.5) and commit(True) were taken as steps, a guard inside a guard yielded the outer
     # step again, and a second FaultTolerance on one group counted from step 0 again
-    class State:
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, d):
-            pass
-
     with rtxnet.init(coordinator.address, job="misuse", world_size=1) as pg:
         for bad, text in ((-5, "step(-5) must be an int in 0..2**63-1"), (1.5, "step(1.5) must be an int"),
                           (True, "step(True) must be an int"), (2**70, f"step({2**70}) must be an int")):
@@ -247,13 +250,6 @@ def test_misuse_of_commit_and_of_fault_tolerance_is_refused_naming_it(coordinato
 def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
     # Before: NaN or a str rejoin window, a non-callable load_checkpoint or an impossible
     # min_world_size were taken, and failed only in the middle of a recovery.
-    class State:
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, d):
-            pass
-
     pg = rtxnet.init(coordinator.address, job="ft-args", world_size=1)
     try:
         for args, kw, text in [
