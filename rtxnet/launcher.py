@@ -624,7 +624,7 @@ class Launcher:
                        "a restart can replace it")
                 what = ("dropped from the rendezvous" if pid in dropped else
                         "declared lost by the coordinator")
-                _say(f"rank {slot.rank} (pid {pid}) was {what} {now - since[pid]:.0f} s ago (its "
+                _say(f"rank {slot.rank} (pid {pid}) was {what} {now - since[pid]:.1f} s ago (its "
                      f"heartbeats stopped: frozen or cut off) and has not come back; {why}: "
                      f"killing it (SIGKILL)")
                 with contextlib.suppress(ProcessLookupError):
@@ -952,14 +952,16 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     stopped = [s.rank for s in slots if s.stopped and s.returncode in (143, 137)]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None) and s.rank not in stopped]
-    left = "".join(f"; {_ranks([s.rank for s in early if s.left_early == when])} exited 0 {when}, "
-                   f"which the job could not do without" for when in sorted({s.left_early for s in early}))
     whose = ("the first failing rank's" if bad or not stopped else
              "the ranks rtxnet-run stopped, as the job had too few ranks left")
-    return (f"{_ranks(ok) if ok else 'no rank'} exited 0{left}; {_ranks(bad) if bad else 'no rank'} failed"
-            + (f"; {_ranks(stopped)} stopped by rtxnet-run (143/137)" if stopped else "")
-            + f". Exit code {code}: {whose} (0 only when every rank's last process exited 0 and "
-            f"the job did not stop)")
+    parts = [f"{_ranks(ok) if ok else 'no rank'} exited 0"] if ok or not early else []
+    parts += [f"{_ranks([s.rank for s in early if s.left_early == when])} exited 0 {when}, which "
+              f"the job could not do without" for when in sorted({s.left_early for s in early})]
+    parts.append(f"{_ranks(bad) if bad else 'no rank'} failed")
+    if stopped:
+        parts.append(f"{_ranks(stopped)} stopped by rtxnet-run (143/137)")
+    return (f"{'; '.join(parts)}. Exit code {code}: {whose} (0 only when every rank's last "
+            f"process exited 0 and the job did not stop)")
 
 
 def signal_suffix(code: int | None) -> str:
