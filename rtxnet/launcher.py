@@ -530,7 +530,6 @@ class Launcher:
             job = _job_entry(st, self.job)
             if self.job in st["finished"] or job is not None and job.get("finished_training"):
                 self._note_trained_on_without(_committed_step(st, self.job))
-                await self._end_fenced_leftovers()
                 return
             new = [s for s in self._exited_0 if not s.left_early]
             they = "they" if len(new) > 1 else "it"
@@ -583,8 +582,8 @@ class Launcher:
         kill it (SIGKILL: a stopped process takes no other signal), saying why; it is then
         restarted (restarts left) or counts as failed for good, which stops the job at once when
         fewer than --min-ranks can still come. One that wakes and rejoins within the grace (a
-        fault-injected pause) is left alone. Asked of the coordinator every second while the job
-        trains; after training the end is _end_fenced_leftovers'."""
+        fault-injected pause) is left alone. Asked of the coordinator every second (the one watcher
+        of fenced ranks); after training, the end is _end_fenced_leftovers'."""
         since: dict[int, float] = {}    # pid -> when first seen lost
         joined: dict[int, int] = {}     # launch rank -> pid seen in the open rendezvous
         while not self.stopping:
@@ -596,7 +595,10 @@ class Launcher:
             job = _job_entry(st, self.job) if st is not None else None
             if job is None or job.get("finished_training"):
                 if st is not None and (self.job in st["finished"] or job is not None):
-                    return      # the job ended or training did: nobody waits for a replacement
+                    # the job ended or training did: nobody waits for a replacement, but a
+                    # frozen rank would keep rtxnet-run waiting once the others have ended
+                    await self._end_fenced_leftovers()
+                    return
                 continue
             waiting = any(m.get("waiting_for") for m in job["members"])
             dropped = set()

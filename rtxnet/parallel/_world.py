@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rtxnet.collectives.reduce_ops import SUPPORTED_DTYPES
 from transport.errors import ConfigError
 
 
@@ -49,6 +50,13 @@ class StepWorld:
         return self._apg.pinned(self.world)
 
 
+def layout_digest(layout: Any) -> int:
+    """A signed 64-bit digest (BLAKE2b of its ``repr``) of a layout description, to compare
+    across ranks as one int64."""
+    return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little",
+                          signed=True)
+
+
 def check_same_layout(module: Any, pg: Any, who: str, trainable: list[str],
                       **kw: Any) -> None:
     """Refuse replicas whose parameters or buffers differ in name, order, shape, dtype or
@@ -72,8 +80,7 @@ def check_same_layout(module: Any, pg: Any, who: str, trainable: list[str],
     """
     layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
     layout += [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-    digest = int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=8).digest(), "little",
-                            signed=True)
+    digest = layout_digest(layout)
     got = torch.zeros(group_size(pg), dtype=torch.int64)
     pg.all_gather(got, torch.tensor([digest], dtype=torch.int64), **kw)
     digests = got.tolist()
@@ -86,9 +93,8 @@ def check_same_layout(module: Any, pg: Any, who: str, trainable: list[str],
             f"{', ...' if len(trainable) > 6 else ''}")
 
 
-# torch dtypes the collectives reduce (rtxnet.collectives.SUPPORTED_DTYPES, bool aside)
-_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-              torch.int32, torch.int16, torch.int8, torch.uint8}
+# torch dtypes the collectives reduce (bool aside: it broadcasts as its bytes like the others)
+_REDUCIBLE = {getattr(torch, name) for name in SUPPORTED_DTYPES if name != "bool"}
 
 
 def broadcastable(flat: torch.Tensor) -> torch.Tensor:

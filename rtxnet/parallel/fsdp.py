@@ -90,7 +90,6 @@ raised, as DDP does.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -102,7 +101,7 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, broadcastable, check_same_layout, group_size
+from ._world import StepWorld, broadcastable, check_same_layout, group_size, layout_digest
 
 __all__ = ["FullyShardedDataParallel", "FSDPState", "FSDP_STATE_FORMAT"]
 
@@ -934,8 +933,7 @@ class FSDPState:
         :class:`rtxnet.FaultTolerance` compares it across ranks at every sync, which catches
         ranks whose modules differ where ``init_sync`` (off under FaultTolerance) would have."""
         rep = [(k, tuple(t.shape), str(t.dtype)) for k, t in self.model._replicated().items()]
-        text = repr((self.model._layout(), rep)).encode()
-        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+        return layout_digest((self.model._layout(), rep))
 
     def sharded_layout(self) -> tuple[int, int]:
         """``(rank, world_size)`` the shards are laid out for (those of the world the model was
