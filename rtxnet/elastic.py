@@ -250,6 +250,8 @@ class FaultTolerance:
             self._note_launch_ranks(self.pg.agent.membership)
         self.pg.agent.add_listener(self._on_epoch)
         self._in_step: int | None = None   # the step a guard is running (nested guards refused)
+        # why no checkpoint could stand in, when the recorded one failed to load on some rank
+        self._checkpoint_unusable = ""
         self.pg._fault_tolerance = self
 
     # ---------------------------------------------------------------------------------------------
@@ -858,7 +860,7 @@ class FaultTolerance:
         if not getattr(self, "_checkpoint_recorded", False):
             return ("load_checkpoint was given, but the job has recorded no checkpoint yet: "
                     "rtxnet.checkpoint.save(..., pg=pg) records one")
-        return getattr(self, "_checkpoint_unusable", None) or (
+        return self._checkpoint_unusable or (
             "the newest recorded checkpoint is no newer than the live ranks' state")
 
     def _load_snapshot(self, blob: bytes, what: str, quiet: bool = False) -> bool:

@@ -395,12 +395,12 @@ class DistributedDataParallel(torch.nn.Module):
         self._synced_through = self._forward_no
         # forwards older than the newest this round's backward went through, which no backward
         # reached: this rank skipped their backward (the others, running theirs, wait for it)
-        skipped = sorted(k for k in self._awaiting_grad if k < self._grad_reached)
+        skipped = sum(1 for k in self._awaiting_grad if k < self._grad_reached)
         if skipped:
-            log.warning("ddp_backward_skipped", forwards=len(skipped),
+            log.warning("ddp_backward_skipped", forwards=skipped,
                         hint="run backward through the module on every rank every step, "
                              "even with an empty batch, or forward under no_sync()/no_grad()")
-        self._awaiting_grad.difference_update(k for k in list(self._awaiting_grad) if k <= self._grad_reached)
+        self._awaiting_grad = {k for k in self._awaiting_grad if k > self._grad_reached}
         # A second backward over the same forward (retain_graph) is refused (_output_grad).
         self._sync_armed = False
         self._late_forwards = max(0, self._armed_since_sync - 1)
