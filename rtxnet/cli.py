@@ -88,6 +88,38 @@ def _shown(text: Any) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _exited(proc: dict) -> str:
+    """``" (exited)"`` for a fenced process of this host (``host_id()``) that is gone or a
+    zombie (read from ``/proc``; ``os.kill(pid, 0)`` where there is none), else ``""``: the
+    coordinator cannot tell a frozen rank from one its launcher killed and replaced."""
+    from .topology import host_id
+
+    try:
+        if proc.get("host") != host_id():
+            return ""
+    except RtxError:   # RTXNET_HOST too long: no host to compare
+        return ""
+    pid = proc.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return ""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            return " (exited)" if state in (b"Z", b"X") else ""
+        except FileNotFoundError:
+            return " (exited)"
+        except (OSError, IndexError):
+            pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return " (exited)"
+    except OSError:   # PermissionError: it runs, as another user
+        pass
+    return ""
+
+
 def _render(status: dict) -> str:
     jobs, finished = status["jobs"], status["finished"]
     lines = [] if jobs or status.get("jobs_omitted") else ["no jobs"]
@@ -113,7 +145,7 @@ def _render(status: dict) -> str:
             )
         if j.get("fenced"):
             lines.append("  declared lost, not back: " + ", ".join(
-                f"pid {f['pid']} on {_shown(f['host'])}" for f in j["fenced"]))
+                f"pid {f['pid']} on {_shown(f['host'])}{_exited(f)}" for f in j["fenced"]))
     if status.get("jobs_omitted"):
         lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "
                      f"message)")

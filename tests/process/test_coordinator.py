@@ -132,7 +132,16 @@ def test_killed_rank_is_reported_to_every_survivor(coordinator, probes):
     # the job: a frozen rank)
     out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                          capture_output=True, text=True, timeout=30)
-    assert re.search(rf"  declared lost, not back: pid {ps[2].pid} on \S+", out.stdout), out.stdout
+    assert re.search(rf"  declared lost, not back: pid {ps[2].pid} on \S+ \(exited\)$", out.stdout, re.M), out.stdout
+    # a frozen one is still there: not marked
+    ps[1].signal(signal.SIGSTOP)
+    for p in (ps[0], ps[3]):
+        assert p.expect("epoch", timeout=10)["lost"] == [1]
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
+                         capture_output=True, text=True, timeout=30)
+    ps[1].signal(signal.SIGKILL)
+    assert re.search(rf"pid {ps[1].pid} on \S+(,|$)", out.stdout, re.M), out.stdout
+    assert re.search(rf"pid {ps[2].pid} on \S+ \(exited\)", out.stdout), out.stdout
 
 
 def test_collectives_run_in_a_smaller_world_only_down_to_min_ranks(coordinator, probes):
