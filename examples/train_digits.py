@@ -21,6 +21,8 @@ data and go on (start with ``--min-ranks`` below ``--nproc`` to allow a smaller 
 Every ``--checkpoint-every`` steps a sharded checkpoint is committed under ``OUTDIR/checkpoints``;
 ``--resume`` starts from the newest intact one (with none intact among step folders that exist,
 every rank stops with one line before joining, exit code 2; with no step folder it starts afresh).
+A run without ``--resume`` removes the step folders an earlier run left in ``OUTDIR/checkpoints``
+(its rank 0 does, logging ``removed_earlier_checkpoints``, while the job has committed nothing).
 A checkpoint records the options that shape the state it holds (``--strategy``, ``--hidden``,
 ``--global-batch``, ``--seed``); ``--resume`` with other values stops every rank with one line
 naming them, before joining, exit code 2 (a checkpoint from before that record: once its load
@@ -216,6 +218,24 @@ def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | No
         return None, (f"--out {str(out)!r} is in use by another run (job {holder!r}) that is still "
                       f"running; give another --out, or wait for that run to end")
     return fd, None
+
+
+def remove_earlier_checkpoints(ckpt_dir: Path) -> None:
+    """Delete the step folders in ``ckpt_dir``, logging their steps: called by rank 0 of a fresh
+    run (no ``--resume``) while its job has committed nothing, so every one there is an earlier
+    run's. Kept, they outlived this run's pruning (the newest ``keep`` folders stay, and an
+    earlier run's may be newer) and a later ``--resume`` loaded them, not this run's last state.
+    A replacement rank, or a world restarted after every rank died, joins a job that committed
+    steps, and keeps the folders (they are this run's).
+    """
+    import shutil
+
+    earlier = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir())
+    for path in earlier:
+        shutil.rmtree(path, ignore_errors=True)
+    if earlier:
+        log.warning("removed_earlier_checkpoints", folder=str(ckpt_dir),
+                    folders=[p.name for p in earlier], why="a fresh run (no --resume) of --out")
 
 
 def pick_device(name: str) -> torch.device:
@@ -490,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         state.history.append([step, value, pg.world_size])
         return value, b.global_n
 
+    if not args.resume and pg.membership.committed_step < 0 and pg.rank == 0:
+        remove_earlier_checkpoints(ckpt_dir)
     rank0 = RankZeroOutput(pg, args.steps)
     rank0.progress(min(state.step, args.steps))   # the bar at its start (the launched rank 0)
     t0 = time.perf_counter()

@@ -259,6 +259,20 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_the_ranks_of_one_run_share
     os.close(later)
 
 
+@pytest.mark.timeout(90)
+def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_keeps_its_own(tmp_path):
+    # Before: an earlier run's step-350 outlived this run's pruning (keep=3 keeps the newest),
+    # and a later --resume loaded it, not this run's last state (a fresh user's find).
+    out = tmp_path / "out"
+    earlier = out / "checkpoints" / "step-350"
+    earlier.mkdir(parents=True)
+    (earlier / "rank-0.pt").write_bytes(b"an earlier run's")
+    run = train(out, nproc=2, script_args=("--steps", "4", "--checkpoint-every", "2"))
+    assert run["rc"] == 0, run["stderr"][-3000:]
+    assert re.search(r"removed_earlier_checkpoints .*step-350", run["stderr"]), run["stderr"][-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+
 @pytest.mark.timeout(60)
 def test_resume_with_no_intact_checkpoint_stops_before_joining(tmp_path, capsys, monkeypatch):
     # Before: it warned, trained from step 0 and removed the old shards at its first save.
