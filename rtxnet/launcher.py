@@ -400,6 +400,13 @@ class Launcher:
                 except ProcessLookupError:
                     pass
 
+    async def _probe(self, job: str | None) -> None:
+        """_probe_coordinator with what this launch's ranks will ask for."""
+        a = self.args
+        await _probe_coordinator(self.address, job, alone=a.nnodes == 1,
+                                 bounds=(a.min_ranks or self.total, self.total),
+                                 ranks=[s.rank for s in self.slots])
+
     async def run(self) -> int:
         a = self.args
         loop = asyncio.get_running_loop()
@@ -407,7 +414,7 @@ class Launcher:
             loop.add_signal_handler(sig, self._signal, sig)
         if self.address:
             # (a fresh id: asks about that job only)
-            await _probe_coordinator(self.address, self.job, alone=a.nnodes == 1)
+            await self._probe(self.job)
         else:
             journal = a.journal
             if journal is None:
@@ -421,7 +428,7 @@ class Launcher:
                 raise
             if a.job and a.journal:   # a journal of earlier runs may hold the id as finished
                 try:
-                    await _probe_coordinator(self.address, a.job, alone=a.nnodes == 1)
+                    await self._probe(a.job)
                 except RuntimeError:
                     await self._shutdown()
                     raise
@@ -822,7 +829,8 @@ class JobIdTaken(RuntimeError):
     """``--job`` names a job that has finished on the coordinator (exit code 2)."""
 
 
-async def _probe_coordinator(address: str, job: str | None, *, alone: bool = True) -> None:
+async def _probe_coordinator(address: str, job: str | None, *, alone: bool = True,
+                             bounds: tuple[int, int] | None = None, ranks: list[int] | None = None) -> None:
     """Ask the coordinator at ``address`` for its status, as ``rtxnet status`` does, and whether
     ``job`` (when given) has finished there: a finished job id is never reused (its ranks would
     be told the job is over and exit 0 with nothing trained). ``alone`` (one launcher for the
@@ -830,9 +838,16 @@ async def _probe_coordinator(address: str, job: str | None, *, alone: bool = Tru
     starting ranks into it would fight them (a fresh user's find: a second launch's ranks died
     of JobFullError, or took places in the first's rendezvous and both jobs failed).
 
+    ``bounds`` (``(min_ranks, max_ranks)`` this launch's ranks ask for) and ``ranks`` (its
+    launch ranks): a job the coordinator holds with other bounds (another host's ``--nproc``,
+    ``--nnodes`` or ``--min-ranks`` differ, or the id of a crashed job of another size) would
+    refuse every rank, one traceback each; one that forms with this launch's ranks already
+    joined has them from another launch (the same ``--node-rank`` twice).
+
     Raises:
         RuntimeError: no answer within ``_PROBE_S`` (or another transport error), or ``job`` has
-            finished, or (``alone``) it runs or forms; one line that names ``address``.
+            finished, or (``alone``) it runs or forms, or it was begun with other bounds, or
+            others hold this launch's ranks in its rendezvous; one line that names ``address``.
     """
     from transport.errors import RtxError, RtxTimeoutError
 
@@ -864,11 +879,29 @@ async def _probe_coordinator(address: str, job: str | None, *, alone: bool = Tru
                          f"one rtxnet-run per job id (several hosts: --nnodes/--node-rank on each); "
                          f"give a new --job (the ranks of a launcher that died are dropped within "
                          f"their heartbeat timeout); no rank was started")
+    if entry is not None and bounds is not None and (entry["min_ranks"], entry["max_ranks"]) != bounds:
+        raise JobIdTaken(f"job {job!r} on the coordinator at {address} was begun for "
+                         f"{_bounds_text(entry['min_ranks'], entry['max_ranks'])}; this launch asks "
+                         f"for {_bounds_text(*bounds)}: every host of a job needs the same --nnodes, "
+                         f"--nproc and --min-ranks (or give a new --job); no rank was started")
+    missing = entry.get("missing_ranks") if entry is not None else None
+    if missing is not None and ranks and entry.get("pending"):
+        taken = sorted(r for r in ranks if r < entry["min_ranks"] and r not in missing)
+        if taken:
+            raise JobIdTaken(f"job {job!r} on the coordinator at {address} is forming with launch "
+                             f"rank{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} "
+                             f"joined already, from another launch (the same --node-rank twice?); "
+                             f"no rank was started")
     if job and job in status["finished"]:
         raise JobIdTaken(f"job {job!r} has finished on the coordinator at {address} "
                            f"({last_committed(status['finished'][job])}); a job id is not reused: give a new --job "
                            f"(to continue its training, e.g. from its checkpoints, under a new id); "
                            f"no rank was started")
+
+
+def _bounds_text(min_ranks: int, max_ranks: int) -> str:
+    """``"a world of 4 ranks"``, or ``"2..4 ranks"`` when the job may shrink."""
+    return f"a world of {max_ranks} ranks" if min_ranks == max_ranks else f"{min_ranks}..{max_ranks} ranks"
 
 
 def _job_entry(status: dict, job: str) -> dict | None:

@@ -671,6 +671,37 @@ def test_a_second_launch_of_a_running_job_id_is_refused_before_any_rank_starts(t
         first.communicate(timeout=30)
 
 
+def test_a_host_launched_with_other_bounds_or_a_node_rank_twice_is_refused_before_any_rank_starts(
+        tmp_path, coordinator):
+    # a fresh user's find: each rank of such a launch died with a traceback ("job 'mn2' has
+    # min_ranks(4) ... asks for min_ranks(6) (RTXNET_WORLD_SIZE ...)", or "rank 0 ... is
+    # already claimed"), and the other host's launcher blamed "ranks 3, 4, 5 failed for good"
+    script = tmp_path / "holds.py"
+    script.write_text("import rtxnet\npg = rtxnet.init()\npg.close()\n")
+    node = ["--nnodes", "2", "--coordinator", coordinator.address, "--job", "mn", str(script)]
+    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--node-rank", "0", "--nproc", "2", *node],
+                             env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(j["job"] == "mn" and j["pending"] == 2
+                               for j in procs.coordinator_jobs(coordinator.address)),
+                   30, "node 0's two ranks in job 'mn''s rendezvous")
+        other = run(["--node-rank", "1", "--nproc", "3", *node])
+        assert other.returncode == 2, other.stderr[-3000:]
+        assert (f"rtxnet-run: job 'mn' on the coordinator at {coordinator.address} was begun for a world "
+                f"of 4 ranks; this launch asks for a world of 6 ranks: every host of a job needs the same "
+                f"--nnodes, --nproc and --min-ranks") in other.stderr, other.stderr
+        twice = run(["--node-rank", "0", "--nproc", "2", *node])
+        assert twice.returncode == 2, twice.stderr[-3000:]
+        assert (f"rtxnet-run: job 'mn' on the coordinator at {coordinator.address} is forming with launch "
+                f"ranks 0, 1 joined already, from another launch (the same --node-rank twice?); no rank was "
+                f"started") in twice.stderr, twice.stderr
+        for out in (other, twice):
+            assert "[rank" not in out.stdout + out.stderr and "Traceback" not in out.stderr
+    finally:
+        first.terminate()   # forwarded to its ranks
+        first.communicate(timeout=30)
+
+
 def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):
     script = tmp_path / "marks.py"
     script.write_text(MARKS_START)
