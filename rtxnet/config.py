@@ -46,6 +46,9 @@ def env_int(name: str, default: int | None) -> int | None:
 # 100 heartbeats a second per rank at most; 1e-9 s made one 300-step job's coordinator use 9 times
 # its CPU and the job take 1.8 times as long (a fresh user's trial)
 MIN_HEARTBEAT_INTERVAL_S = 0.01
+# the variables Timeouts.from_env reads
+TIMEOUT_VARS = ("RTXNET_HEARTBEAT_INTERVAL", "RTXNET_HEARTBEAT_TIMEOUT", "RTXNET_OP_TIMEOUT",
+                "RTXNET_RENDEZVOUS_TIMEOUT", "RTXNET_REQUEST_TIMEOUT", "RTXNET_COORDINATOR_TIMEOUT")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,12 @@ class Timeouts:
         """Defaults, overridden by ``RTXNET_HEARTBEAT_INTERVAL``, ``RTXNET_HEARTBEAT_TIMEOUT``,
         ``RTXNET_OP_TIMEOUT``, ``RTXNET_RENDEZVOUS_TIMEOUT``, ``RTXNET_REQUEST_TIMEOUT``,
         ``RTXNET_COORDINATOR_TIMEOUT``, then by
-        non-None keyword arguments."""
+        non-None keyword arguments.
+
+        Raises:
+            ConfigError: a variable is not a number (naming it), or the values break a rule of
+                :class:`Timeouts` (naming the fields, then the variables that were set).
+        """
         d = cls()
         vals = {
             "heartbeat_interval_s": env_float("RTXNET_HEARTBEAT_INTERVAL", d.heartbeat_interval_s),
@@ -113,7 +121,13 @@ class Timeouts:
             "coordinator_s": env_float("RTXNET_COORDINATOR_TIMEOUT", d.coordinator_s),
         }
         vals.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**vals)
+        try:
+            return cls(**vals)
+        except ConfigError as exc:
+            given = " ".join(f"{n}={os.environ[n]!r}" for n in TIMEOUT_VARS if os.environ.get(n))
+            if not given:
+                raise
+            raise ConfigError(f"{exc} (from {given})") from None
 
 
 def ipv6_bind_error(host: str, where: str) -> str | None:

@@ -434,8 +434,12 @@ def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, l
                           f"{src['max_ranks']}={max_ranks}")
     if rank is not None and not (0 <= rank < max_ranks):
         raise ConfigError(f"{rank_src}={rank} must be in 0..{max_ranks - 1} ({src['max_ranks']}={max_ranks})")
+    last_call_src = "last_call_s"
     if last_call_s is None:
         last_call_s = env_float("RTXNET_LAST_CALL", 0.0 if min_ranks == max_ranks else 1.0)
+        last_call_src = "RTXNET_LAST_CALL"
+    if not 0 <= last_call_s <= 3600:   # the coordinator's bound; NaN fails too
+        raise ConfigError(f"{last_call_src}={last_call_s!r} must be a number of seconds in [0, 3600]")
     return dict(coordinator=coordinator, job=job, token=token, rank=rank, min_ranks=min_ranks,
                 max_ranks=max_ranks, last_call_s=last_call_s, replacement=replacement)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import rtxnet
-from rtxnet.config import Timeouts
+from rtxnet.config import TIMEOUT_VARS, Timeouts
 from transport import errors
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,9 +99,19 @@ def test_init_without_coordinator_names_the_missing_setting(monkeypatch):
     # the data sockets are IPv4 only: the advice was "give an address of this host", which ::1 is
     ({"RTXNET_WORLD_SIZE": "1"}, {"bind_host": "::1"},
      "bind_host ::1 is an IPv6 address; the ranks' data sockets listen on IPv4 only"),
+    # a fresh user's find: these named the field (or only the coordinator refused, naming
+    # heartbeat_timeout_s too), not the variable set
+    ({"RTXNET_WORLD_SIZE": "1", "RTXNET_LAST_CALL": "-3"}, {},
+     r"RTXNET_LAST_CALL=-3.0 must be a number of seconds in \[0, 3600\]"),
+    ({"RTXNET_WORLD_SIZE": "1"}, {"last_call_s": 5000}, r"last_call_s=5000 must be"),
+    ({"RTXNET_WORLD_SIZE": "1", "RTXNET_HEARTBEAT_INTERVAL": "-1"}, {},
+     r"heartbeat_interval_s\(-1.0\) must be .* \(from RTXNET_HEARTBEAT_INTERVAL='-1'\)$"),
+    ({"RTXNET_WORLD_SIZE": "1", "RTXNET_COORDINATOR_TIMEOUT": "0"}, {},
+     r"coordinator_s\(0.0\) .* \(from RTXNET_COORDINATOR_TIMEOUT='0'\)$"),
 ])
 def test_a_bad_world_size_names_the_setting_it_came_from(monkeypatch, env, kw, message):
-    for name in ("RTXNET_WORLD_SIZE", "RTXNET_MIN_RANKS", "RTXNET_MAX_RANKS", "RTXNET_RANK", "RTXNET_REJOIN"):
+    for name in ("RTXNET_WORLD_SIZE", "RTXNET_MIN_RANKS", "RTXNET_MAX_RANKS", "RTXNET_RANK", "RTXNET_REJOIN",
+                 "RTXNET_LAST_CALL", *TIMEOUT_VARS):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
