@@ -296,7 +296,10 @@ def killed_in_resave(tmp_path_factory):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1", str(WORKER),
          str(root), str(out), "kill"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.env(), cwd=ROOT)
+        # RTXNET_LAST_CALL: the world forms with both ranks (on loaded cores, rank 1 came later
+        # than the default 1 s last call, and the worker waited for both in vain)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=procs.env(RTXNET_LAST_CALL="30"),
+        cwd=ROOT)
     try:
         markers = [out / f"in-save-rank{r}" for r in range(2)]
         procs.wait_until(lambda: all(m.exists() and m.read_text() for m in markers), 60,

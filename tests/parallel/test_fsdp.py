@@ -153,7 +153,9 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), *opts,
          "--faults", "kill:rank=1:step=10", str(Path(__file__).parent / "fsdp_ft_worker.py"),
          str(tmp_path), "14", mode],
-        capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
+        # RTXNET_LAST_CALL: the world forms with every rank (on loaded cores, a rank late by the
+        # default 1 s last call joined a world of one already running, which the worker refuses)
+        capture_output=True, text=True, timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
     res = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert len(res) == world, proc.stdout[-3000:] + proc.stderr[-5000:]
     for r in res:
