@@ -37,6 +37,10 @@ from transport.errors import (
     TransportError,
 )
 
+from . import errorfile as _errorfile
+
+_errorfile.install()   # under rtxnet-run only (RTXNET_ERROR_FILE): what ended this rank, for it
+
 # Imported on first use (PEP 562), so `import rtxnet.launcher` / `rtxnet status` start in a
 # tenth of a second instead of half (NumPy, ZeroMQ, the collectives), and the torch ones only
 # when asked for: `import rtxnet` must not import torch.

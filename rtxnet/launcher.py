@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from transport.shm import remove_segments
 from transport.wire import MAX_JOB_ID, MAX_TOKEN, last_committed
 
+from . import errorfile
+
 __all__ = ["main", "start_coordinator"]
 
 MAX_NPROC = 1024
@@ -94,8 +96,11 @@ class _Slot:
     # "before the job formed" or "during training" (see _watch_exits_0); "" otherwise
     left_early: str = ""
     # rtxnet-run sent it SIGTERM to stop the job (_stop_if_below_min_ranks): a 143 or 137 after
-    # that is the launcher's doing, not a failure of its own (_outcome)
+    # that is the launcher's doing, not a failure of its own (_outcome), unless it raised before
     stopped: bool = False
+    error_path: str | None = None    # its process's RTXNET_ERROR_FILE (rtxnet.errorfile)
+    error: dict | None = None        # what its last process wrote there, if it failed
+    failed_at: float | None = None   # when it failed for good: its error's time, else its exit's
 
 
 def _code(rc: int) -> int:
@@ -192,6 +197,8 @@ class Launcher:
         self.training_finished = False   # the coordinator said so (see _training_finished)
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
+        self.error_dir: str | None = None        # the ranks' error files (rtxnet.errorfile)
+        self._stopped_at: float | None = None    # time.time() of _stop_if_below_min_ranks
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
         self._stop_signal_at = 0.0             # when (time.monotonic())
         # torchrun's default: N ranks each running a thread per core would oversubscribe the
@@ -241,6 +248,11 @@ class Launcher:
             env.pop("RTXNET_FAULTS", None)
         if self.coordinator_proc is not None:
             env["RTXNET_COORDINATOR_PID"] = str(self.coordinator_proc.pid)
+        env.pop(errorfile.ENV, None)
+        slot.error_path = None
+        if self.error_dir is not None:
+            slot.error_path = os.path.join(self.error_dir, f"rank{slot.rank}-{slot.restarts}.json")
+            env[errorfile.ENV] = slot.error_path
         return env
 
     async def _spawn(self, slot: _Slot) -> None:
@@ -327,6 +339,7 @@ class Launcher:
         _say(f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
              f"than --min-ranks {min_ranks}; {stopping}")
         self.stopping = True
+        self._stopped_at = time.time()
         for s in running:
             s.stopped = True
             try:
@@ -443,6 +456,7 @@ class Launcher:
         if self.omp_one:
             _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
                  "tune the threads of each rank's math libraries")
+        self.error_dir = tempfile.mkdtemp(prefix="rtxnet-run-errors-")
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         frozen = asyncio.ensure_future(self._watch_frozen())
         try:
@@ -460,11 +474,14 @@ class Launcher:
                 if proc is not slot.proc:
                     continue
                 code = _code(rc)
+                err = errorfile.read(slot.error_path) if code != 0 else None
+                raised = f" ({errorfile.summary(err)})" if err else ""
                 restartable = code != 0 and not self.stopping and slot.restarts < a.max_restarts
                 # after FaultTolerance.finish() a replacement would only be turned away
                 if restartable and not await self._training_finished():
                     slot.restarts += 1
-                    _say(f"rank {slot.rank} exited with code {code}; restart {slot.restarts}/{a.max_restarts}")
+                    _say(f"rank {slot.rank} exited with code {code}{raised}; restart "
+                         f"{slot.restarts}/{a.max_restarts}")
                     await self._spawn(slot)
                     continue
                 slot.returncode = code
@@ -474,7 +491,8 @@ class Launcher:
                     if self._exits_0_watch is None:
                         self._exits_0_watch = asyncio.ensure_future(self._watch_exits_0())
                 if code != 0:
-                    _say(f"rank {slot.rank} exited with code {code}" + (
+                    slot.error, slot.failed_at = err, err["time"] if err else time.time()
+                    _say(f"rank {slot.rank} exited with code {code}{raised}" + (
                         f" after job {self.job} finished training or ended: not restarted (the job "
                         f"admits no new ranks); its exit code stands" if restartable else ""))
                     if self.first_failure is None:
@@ -493,6 +511,7 @@ class Launcher:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
             await self._shutdown()
+            shutil.rmtree(self.error_dir, ignore_errors=True)
         if self.stop_signal is not None:
             unstarted = [s.rank for s in self.slots if s.proc is None]
             if self.first_failure is None and unstarted:
@@ -504,7 +523,10 @@ class Launcher:
                 _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
                      f"{self.first_failure[1] if self.first_failure else 0}")
         elif self.first_failure is not None:
-            _say(_outcome(self.slots, a.max_restarts, self.first_failure[1]))
+            root, code = _root_cause(self.slots, self._stopped_at)
+            if root is not None:
+                self.first_failure = (self.first_failure[0], code)
+            _say(_outcome(self.slots, a.max_restarts, self.first_failure[1], root, self._stopped_at))
         return self.first_failure[1] if self.first_failure else 0
 
     async def _watch_exits_0(self) -> None:
@@ -975,8 +997,31 @@ def _ranks(items: list) -> str:
     return f"rank{'s' if len(items) > 1 else ''} {', '.join(map(str, items))}"
 
 
-def _outcome(slots, max_restarts: int, code: int) -> str:
-    """The last line of a run with a failure: which ranks ended well, which failed, and why the
+def _stopped_only(s: _Slot, stopped_at: float | None) -> bool:
+    """Whether rank slot ``s`` ended only because rtxnet-run stopped it (SIGTERM, then SIGKILL
+    after --grace: 143 or 137), not of an exception it raised before that."""
+    raised_before = s.error is not None and stopped_at is not None and s.error["time"] < stopped_at
+    return s.stopped and s.returncode in (143, 137) and not raised_before
+
+
+def _root_cause(slots, stopped_at: float | None) -> tuple[_Slot | None, int]:
+    """The rank that failed first, as torchrun's "Root Cause (first observed failure)": of the
+    ranks that failed for good, the one whose error file (rtxnet.errorfile) holds the earliest
+    time, or whose exit came first when it wrote none (killed, ``sys.exit(N)``); ranks rtxnet-run
+    only stopped do not count. Returns it and the launcher's exit code: its exit code, or 1
+    (an uncaught exception's) when it raised and was stopped while it ended. ``(None, 0)`` when
+    no rank failed."""
+    failed = [s for s in slots if s.returncode not in (0, None) and not _stopped_only(s, stopped_at)]
+    if not failed:
+        return None, 0
+    root = min(failed, key=lambda s: math.inf if s.failed_at is None else s.failed_at)
+    return root, (1 if root.stopped and root.returncode in (143, 137) else root.returncode)
+
+
+def _outcome(slots, max_restarts: int, code: int, root: _Slot | None = None,
+             stopped_at: float | None = None) -> str:
+    """The last line of a run with a failure: which ranks ended well, which failed, the first
+    failure's exception when its rank wrote one (``root``, see _root_cause), and why the
     launcher's code is what it is (the documented rule, spelt out: the job may well have finished
     on the survivors)."""
     # exited 0 while the job still needed them (not restarted): the cause of a stop, not a success
@@ -984,7 +1029,7 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     ok = [s.rank for s in slots if s.returncode == 0 and not s.left_early]
     # stopped by the launcher's SIGTERM (or its SIGKILL after --grace): not a failure of their own
     # (a fresh user read a rank that was exiting 0 slowly, stopped meanwhile, as failed)
-    stopped = [s.rank for s in slots if s.stopped and s.returncode in (143, 137)]
+    stopped = [s.rank for s in slots if _stopped_only(s, stopped_at)]
     bad = [f"{s.rank} (exit {s.returncode}{signal_suffix(s.returncode)}, restarted {s.restarts} of "
            f"{max_restarts} times)" for s in slots if s.returncode not in (0, None) and s.rank not in stopped]
     whose = ("the first failing rank's" if bad or not stopped else
@@ -995,7 +1040,11 @@ def _outcome(slots, max_restarts: int, code: int) -> str:
     parts.append(f"{_ranks(bad) if bad else 'no rank'} failed")
     if stopped:
         parts.append(f"{_ranks(stopped)} stopped by rtxnet-run (143/137)")
-    return (f"{'; '.join(parts)}. Exit code {code}: {whose} (0 only when every rank's last "
+    first = ""
+    if root is not None and root.error is not None:
+        first = (f" First failure: rank {root.rank}, {errorfile.summary(root.error)}"
+                 f"{' (then stopped by rtxnet-run as it ended)' if root.stopped and root.returncode in (143, 137) else ''}.")
+    return (f"{'; '.join(parts)}.{first} Exit code {code}: {whose} (0 only when every rank's last "
             f"process exited 0 and the job did not stop)")
 
 

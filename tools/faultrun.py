@@ -218,7 +218,8 @@ def _one_per_epoch(events: list[dict], kind: str, keys: tuple[str, ...]) -> list
     return [first[k] for k in sorted(first)]
 
 
-_RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?:; restart (\d+)/(\d+))?\s*$")
+# (the exception in parentheses: what the rank's error file said; see rtxnet.errorfile)
+_RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?: \(.*?\))?(?:; restart (\d+)/(\d+))?\s*$")
 _COORD_EXIT = re.compile(r"\[rtxnet-run\] coordinator exited with code (-?\d+)")
 _COORD_LOST = re.compile(r"\[rtxnet-run\] (could not restart the coordinator|coordinator exited .*not restarting it again)")
 _BELOW_MIN = re.compile(r"\[rtxnet-run\] (ranks? [\d, ]+ failed for good .*); stopping")

@@ -449,8 +449,8 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
         "[rtxnet-run] coordinator exited with code 3 again: 9 restarts in 31 s did not keep it up (exit "
         "code 3: its journal /j cannot be written or read; its log says why); not restarting it again: "
         "the ranks stop with CoordinatorLostError within their coordinator_s (30 s)",
-        "[rtxnet-run] rank 2 exited with code 1; restart 2/2",
-        "[rtxnet-run] rank 1 exited with code 1",
+        "[rtxnet-run] rank 2 exited with code 1 (ValueError: bad (input)); restart 2/2",
+        "[rtxnet-run] rank 1 exited with code 1 (RuntimeError: x)",
         "[rtxnet-run] rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than --min-ranks 4; "
         "stopping ranks 0, 2, 3 (SIGTERM, SIGKILL after 10 s)",
         "[rtxnet-run] rank 2 exited with code 1",

@@ -89,6 +89,34 @@ def test_crashed_rank_is_restarted_and_rejoins(tmp_path):
     assert "[rank0] saw rejoin 2" in out.stdout
 
 
+@pytest.mark.parametrize("slow_exit", [False, True], ids=["exits", "stopped-while-ending"])
+def test_the_rank_that_raised_first_is_named_as_the_first_failure(tmp_path, slow_exit):
+    # A fresh user's find: rank 1 raised, rank 0 died of the PeerLostError that followed and
+    # exited first (rank 1 was still ending: leaving the job, atexit), so rank 0 was blamed and
+    # rank 1, SIGTERMed meanwhile, was listed as "stopped by rtxnet-run". The ranks' error
+    # files (RTXNET_ERROR_FILE, as torchelastic's) say who raised when.
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import atexit, os, time, numpy as np, rtxnet\n"
+        f"if {slow_exit} and os.environ['RANK'] == '1':\n"
+        "    atexit.register(time.sleep, 60)   # runs after rtxnet's own: it has left the job\n"
+        "pg = rtxnet.init()\n"
+        "if pg.rank == 1:\n"
+        "    raise ValueError('boom\\nsecond line')\n"
+        "pg.all_reduce(np.ones(4, np.float32))\n")
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "2", str(script)],
+                         capture_output=True, text=True, timeout=60, env=procs.env(TMPDIR=str(tmp_path)), cwd=ROOT)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "First failure: rank 1, ValueError: boom ..." in last, last
+    assert "Exit code 1: the first failing rank's" in last and "stopped by rtxnet-run (143" not in last, last
+    assert re.search(r"rank 1 exited with code (1|143) \(ValueError: boom \.\.\.\)", out.stderr), out.stderr[-3000:]
+    assert re.search(r"rank 0 exited with code 1 \(PeerLostError: ", out.stderr), out.stderr[-3000:]
+    if slow_exit:
+        assert "rank 1 exited with code 143" in out.stderr and "(then stopped by rtxnet-run as it ended)" in last
+    assert not list(tmp_path.glob("rtxnet-run-errors-*")), "the error files' folder was left behind"
+
+
 def test_exit_code_is_the_first_failing_ranks(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\ntime.sleep(0.3 * r)\nsys.exit(5 if r == 1 else (6 if r == 2 else 0))\n")
@@ -1212,6 +1240,7 @@ FREEZES_IN_RENDEZVOUS = textwrap.dedent("""
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
                                               op_s=10, rendezvous_s=120))
     print(f"formed world={pg.world_size}", flush=True)
+    pg.barrier()   # nobody leaves (shrinking the world) before every rank read its size
     pg.close()
 """)
 

@@ -1,0 +1,85 @@
+"""The error file through which a rank tells ``rtxnet-run`` what ended it, as torchelastic's
+``@record`` error files tell torchrun (its "Root Cause (first observed failure)").
+
+The launcher cannot tell from exit codes which rank failed first: a rank that raises spends
+a while ending (its ``atexit`` handlers leave the job, flush logs), and a peer that its loss
+made fail may exit sooner and be taken for the cause. So each rank started by ``rtxnet-run``
+gets ``RTXNET_ERROR_FILE``; ``import rtxnet`` then installs a ``sys.excepthook`` that writes,
+when an exception ends the process, one JSON object there: ``{"time": <wall clock, s since the
+epoch>, "pid": int, "type": "ValueError", "message": "..."}``. Python calls the hook before its
+``atexit`` handlers, so ``time`` is when the exception reached the top. ``KeyboardInterrupt``
+and ``SystemExit`` (a stop, or an exit code the script chose) are not recorded. JSON, never
+pickle: the launcher reads it as data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+ENV = "RTXNET_ERROR_FILE"
+MAX_MESSAGE = 2000   # characters of the exception's message kept
+
+
+def install() -> None:
+    """Install the hook when ``RTXNET_ERROR_FILE`` is set (rtxnet-run sets it for each rank);
+    once per process. The hook calls the one it replaces, so the traceback is still printed."""
+    path = os.environ.get(ENV)
+    if not path or getattr(sys.excepthook, "_rtxnet_error_file", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb):
+        if not issubclass(kind, (KeyboardInterrupt, SystemExit)):
+            try:
+                write(path, exc)
+            except Exception:   # noqa: BLE001 - the traceback below matters more than the file
+                pass
+        previous(kind, exc, tb)
+
+    hook._rtxnet_error_file = True
+    sys.excepthook = hook
+
+
+def write(path: str, exc: BaseException) -> None:
+    """Write ``exc``'s record to ``path`` (a temporary file renamed over it: a reader sees the
+    whole record or none).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    record = {"time": time.time(), "pid": os.getpid(), "type": type(exc).__name__,
+              "message": str(exc)[:MAX_MESSAGE]}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def read(path: str | None) -> dict[str, Any] | None:
+    """The record at ``path``, or None when there is none, or it is not one (not JSON, fields
+    of other types): a rank killed by a signal, or one that exited by ``sys.exit``, writes none."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(rec, dict) and isinstance(rec.get("time"), (int, float))
+            and isinstance(rec.get("type"), str) and isinstance(rec.get("message"), str)):
+        return None
+    return rec
+
+
+def summary(rec: dict[str, Any], limit: int = 200) -> str:
+    """``"ValueError: boom"``: the type and the first line of the message, at most ``limit``
+    characters of it, control characters escaped (it is printed on a terminal)."""
+    lines = rec["message"].strip().splitlines()
+    first = lines[0] if lines else ""
+    more = len(first) > limit or len(lines) > 1
+    first = "".join(c if c.isprintable() else repr(c)[1:-1] for c in first[:limit])
+    return f"{rec['type']}: {first}{' ...' if more else ''}" if first else rec["type"]
