@@ -456,7 +456,7 @@ class Launcher:
         if self.omp_one:
             _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
                  "tune the threads of each rank's math libraries")
-        self.error_dir = tempfile.mkdtemp(prefix="rtxnet-run-errors-")
+        self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         frozen = asyncio.ensure_future(self._watch_frozen())
         try:
@@ -995,6 +995,33 @@ def _n(world: int) -> str:
 def _ranks(items: list) -> str:
     """``rank 2`` / ``ranks 0, 1`` (items: rank numbers, or texts that start with one)."""
     return f"rank{'s' if len(items) > 1 else ''} {', '.join(map(str, items))}"
+
+
+ERROR_DIR_PREFIX = "rtxnet-run-errors-"   # + the launcher's pid, in the temporary folder
+
+
+def _error_dir() -> str:
+    """A new folder for this launcher's ranks' error files, ``rtxnet-run-errors-PID`` in the
+    temporary folder (removed when the run ends). The folders that launchers killed by SIGKILL
+    left (their pid no longer runs; this user's) are removed first."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        pid = name[len(ERROR_DIR_PREFIX):]
+        if not (name.startswith(ERROR_DIR_PREFIX) and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:   # its launcher is gone
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+    path = os.path.join(tmp, f"{ERROR_DIR_PREFIX}{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)   # a launcher before this one with the same pid
+    os.mkdir(path, 0o700)
+    return path
 
 
 def _stopped_only(s: _Slot, stopped_at: float | None) -> bool:

@@ -117,6 +117,28 @@ def test_the_rank_that_raised_first_is_named_as_the_first_failure(tmp_path, slow
     assert not list(tmp_path.glob("rtxnet-run-errors-*")), "the error files' folder was left behind"
 
 
+def test_the_error_files_folder_of_a_killed_launcher_is_removed_by_the_next_one(tmp_path):
+    # rtxnet-run removes its ranks' error files' folder when it ends; one SIGKILLed cannot
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time, rtxnet\ntime.sleep(60)\n")
+    env = procs.env(TMPDIR=str(tmp_path))
+    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", str(script)], env=env,
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left = tmp_path / f"rtxnet-run-errors-{first.pid}"
+    try:
+        wait_until(left.is_dir, 30, "the first launcher's error files' folder")
+    finally:
+        first.kill()   # its rank and coordinator end with it (PR_SET_PDEATHSIG, --journal-owner)
+        first.wait(timeout=30)
+    assert left.is_dir()
+    quick = tmp_path / "quick.py"
+    quick.write_text("import rtxnet\n")
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", str(quick)], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list(tmp_path.glob("rtxnet-run-errors-*"))
+
+
 def test_exit_code_is_the_first_failing_ranks(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nr = int(os.environ['RANK'])\ntime.sleep(0.3 * r)\nsys.exit(5 if r == 1 else (6 if r == 2 else 0))\n")
