@@ -307,6 +307,10 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         raise ValueError(f"unknown journal record kind {kind!r}")
 
 
+# after a refusal that two launches of one job id cause (their ranks fight for its places)
+_TWO_LAUNCHES = (": another launch (rtxnet-run) may use this job id; one launch per job id (several hosts: "
+                 "--nnodes and --node-rank)")
+
 FENCED_AT_END_JOBS = 64   # jobs whose fenced processes State.fenced_at_end keeps
 FENCED_SHOWN = 64         # fenced processes a status answer lists per job
 
@@ -920,9 +924,10 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         if rank is not None:
             for m in job.pending.values():
                 if m.rank == rank:
-                    return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already claimed by pid {m.pid} on {m.host}")
+                    return refuse("RendezvousError", f"rank {rank} of job {job_id!r} is already claimed by pid "
+                                  f"{m.pid} on {m.host}{_TWO_LAUNCHES}")
         if len(job.pending) >= job.max_ranks:
-            return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
+            return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks}){_TWO_LAUNCHES}")
         job.pending[ident] = newcomer
         state.where[ident] = job_id
         actions.append(_reply(identity, msg, job, state="pending"))
@@ -950,7 +955,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if job.finished_training:
         return refuse("JobFinishedError", f"{_finished_training(job)}; its members are ending")
     if len(job.members) + len(job.pending) >= job.max_ranks:
-        return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks})")
+        return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks}){_TWO_LAUNCHES}")
     job.pending[ident] = newcomer
     state.where[ident] = job_id
     actions.append(_reply(identity, msg, job, state="pending"))

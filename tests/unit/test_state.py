@@ -100,7 +100,8 @@ def test_duplicate_rank_and_identity_are_refused_at_once_naming_them():
     err = errors(h.join("b", rank=0, max_ranks=3, min_ranks=3))
     # (named by pid and host: an identity is its agent's routing id, never told outside the job)
     assert err and err[0]["error"] == "RendezvousError" and err[0]["message"] == \
-        "rank 0 of job 'j' is already claimed by pid 1 on h", err
+        ("rank 0 of job 'j' is already claimed by pid 1 on h: another launch (rtxnet-run) may use this job id; "
+         "one launch per job id (several hosts: --nnodes and --node-rank)"), err
     # the same agent asking again (its first join may have been lost with a connection) is
     # told it waits, once: the identity is its connection's routing id, no one else's
     sends = h.join("a", max_ranks=3, min_ranks=3)
