@@ -631,7 +631,10 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             member.last_seen = now
             member.waiting_for = msg.get("waiting_for")
             state.where[member.identity] = job.job
-            body: dict[str, Any] = {"state": "member", "rank": member.rank}
+            # committed_step: a rank whose vote is unanswered tells a peer that went on to the next
+            # step (its answer came first) from one that skipped a collective (FaultTolerance._vote)
+            body: dict[str, Any] = {"state": "member", "rank": member.rank,
+                                    "committed_step": job.committed_step}
             if msg["epoch"] != job.epoch:
                 # The agent missed a push (e.g. the coordinator restarted between journal and send).
                 body["view"] = _epoch_push(job, identity, [], [], "resync").msg

@@ -126,6 +126,10 @@ class Agent:
         self.fenced = False
         self.training_finished = False   # this agent told the coordinator so (finish)
         self.last_heartbeat_ok: float | None = None
+        # (time.monotonic() when sent, the job's committed step) of the newest heartbeat answered
+        # while a member: the coordinator had then read all this agent sent before it (one
+        # connection, read in order) and decided on those steps (see FaultTolerance._vote)
+        self.heartbeat_committed: tuple[float, int] | None = None
         # loop time of the first unanswered heartbeat of the current silence (None: answered)
         self._unreachable_since: float | None = None
         # loop times of the first "pending" heartbeat answer of this rendezvous, and the last report
@@ -400,7 +404,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         interval = self.timeouts.heartbeat_interval_s
         while not self._closed:
-            sent_at = loop.time()
+            sent_at, sent_mono = loop.time(), time.monotonic()
             mute_left = self._muted_until - time.monotonic()
             if mute_left > 0:
                 await asyncio.sleep(min(interval, mute_left))
@@ -425,6 +429,8 @@ class Agent:
                 log.info("coordinator_reachable", coordinator=self.coordinator)
                 self._unreachable_since = None
             self.last_heartbeat_ok = loop.time()
+            if body.get("state") == "member" and isinstance(body.get("committed_step"), int):
+                self.heartbeat_committed = (sent_mono, body["committed_step"])
             if standing == self._standing:
                 await self._on_heartbeat_answer(body, loop.time())
             # else an epoch or fence push was read while this answer was on its way (a frozen

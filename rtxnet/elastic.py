@@ -589,7 +589,14 @@ class FaultTolerance:
         guard, a branch that skips a collective on some ranks), ask for a new epoch, so the step
         fails on every rank at once, instead of the others waiting out their collective timeout
         (60 s) while this vote waits for theirs. Said in a ``collective_skipped`` warning, and
-        kept in ``_skip_told``: the step fails here with a ``CollectiveMismatchError`` saying it."""
+        kept in ``_skip_told``: the step fails here with a ``CollectiveMismatchError`` saying it.
+
+        A peer may also be in the next step's collective because the coordinator answered its
+        vote and not yet this rank's (frozen, or slow, between the two answers: a tester's run
+        logged a skip that was not). So a collective counts as skipped only once the coordinator
+        answered a heartbeat sent after its first message came, with the job's committed step
+        below ``step``: a peer that went on had been told ``step`` committed before it sent that
+        message, and the coordinator decides a step before it answers what it reads later."""
         vote = asyncio.ensure_future(self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s))
         engine = self.pg.engine
         self._skip_told = ""
@@ -598,7 +605,9 @@ class FaultTolerance:
                 done, _ = await asyncio.wait({vote}, timeout=SKIP_POLL_S)
                 if done:
                     break
-                skipped = engine.skipped(SKIP_AFTER_S)
+                heard = self.pg.agent.heartbeat_committed
+                skipped = ([] if heard is None or heard[1] >= step
+                           else engine.skipped(SKIP_AFTER_S, before=heard[0]))
                 if skipped:
                     group, seq, senders = skipped[0]
                     why = (f"rank {self.pg.rank} ended step {step} while ranks {senders} wait in "

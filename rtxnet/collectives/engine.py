@@ -694,17 +694,18 @@ class Engine:
                 self._early_at[key] = time.monotonic()
             self._early.setdefault(key, []).append((h, payload))
 
-    def skipped(self, older_than_s: float) -> list[tuple[Any, int, list[int]]]:
+    def skipped(self, older_than_s: float, *, before: float | None = None) -> list[tuple[Any, int, list[int]]]:
         """Collectives peers began that this rank has not even issued: ``(group, seq, senders)``
         for each operation number ``seq`` of ``group`` at or past the group's next number whose
         first message came more than ``older_than_s`` seconds ago (``senders``: world ranks,
-        sorted). :class:`rtxnet.FaultTolerance` asks while its vote on a step is pending: the
-        others then wait in a collective of that step which this rank skipped, and would until
-        their timeout. (An operation issued but still queued behind another is not skipped.)"""
+        sorted), and, with ``before`` (a ``time.monotonic()``), before that time.
+        :class:`rtxnet.FaultTolerance` asks while its vote on a step is pending: the others then
+        wait in a collective of that step which this rank skipped, and would until their timeout.
+        (An operation issued but still queued behind another is not skipped.)"""
         now = time.monotonic()
         out = []
         for key, since in list(self._early_at.items()):
-            if now - since < older_than_s:
+            if now - since < older_than_s or (before is not None and since >= before):
                 continue
             group = next((g for g in self._groups if g.gid == key[0]), None)
             if group is None or key[1] < group._seq:

@@ -400,6 +400,20 @@ def test_replaying_the_records_rebuilds_the_same_journaled_state():
     restored = restore(packed, 5.0)
     _, acts = step(restored, Request("a", wire.make("heartbeat", rid=1, job="j", epoch=1, identity="a", token="t")), 5.1)
     assert acts[0].msg["body"]["state"] == "member"
+    # with the job's committed step, also after the restart (FaultTolerance tells a peer that
+    # went on to the next step from one that skipped a collective by it)
+    assert acts[0].msg["body"]["committed_step"] == 5
+
+
+def test_heartbeat_answer_carries_the_committed_step():
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=2)
+    h.join("b", min_ranks=2, max_ranks=2)
+    assert h.req("a", "heartbeat", epoch=0, identity="a")[0].msg["body"]["committed_step"] == -1
+    h.req("a", "commit", epoch=0, identity="a", step=7, ok=True, timeout_s=5.0)
+    assert h.req("b", "heartbeat", epoch=0, identity="b")[0].msg["body"]["committed_step"] == -1   # a vote short
+    h.req("b", "commit", epoch=0, identity="b", step=7, ok=True, timeout_s=5.0)
+    assert h.req("b", "heartbeat", epoch=0, identity="b")[0].msg["body"]["committed_step"] == 7
 
 
 def test_heartbeat_with_stale_epoch_gets_the_current_view():
