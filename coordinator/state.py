@@ -137,6 +137,9 @@ class State:
     # _fenced_procs, for a launcher still running one of them (see rtxnet-run); the newest
     # FENCED_AT_END_JOBS jobs.
     fenced_at_end: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Not journaled: (job id, node) -> (host, pid, expiry) of the launcher that runs that node of
+    # the job (see _claim); after a restart the launchers' next renewals take them again.
+    claims: dict[tuple[str, int], tuple[str, int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,44 @@ def _reply(identity: str, req: dict, job: Job | None, **body: Any) -> Send:
             body=body,
         ),
     )
+
+
+MAX_CLAIMS = 4096      # launchers' claims held at once (expired ones are dropped first)
+MAX_CLAIM_TTL_S = 600.0
+
+
+def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    """A launcher takes node ``node`` of job id ``msg["job"]`` for ``ttl_s`` seconds (renewing
+    its own claim), so a second launch of that node is refused before it starts any rank (a
+    fresh user's find: two launches started together each had ranks refused, and the world
+    that formed mixed both). Answers ``{"held": True}``, or ``{"held": False, "by": {"host",
+    "pid", "left_s"}}`` while another launcher's claim lasts. ``ttl_s`` 0 gives the claim back
+    (its holder's only). Not journaled: a restarted coordinator holds none until the launchers
+    renew them."""
+    job_id, node, ttl = msg["job"], msg["node"], msg["ttl_s"]
+    if not job_id or len(job_id) > MAX_JOB_ID or not 0 <= node < 1 << 20 or not 0 <= ttl <= MAX_CLAIM_TTL_S:
+        actions.append(_error(identity, msg, "ConfigError", f"claim: job {job_id[:40]!r} node {node} ttl_s "
+                              f"{ttl!r}: need a job id of 1..{MAX_JOB_ID} characters, a node in "
+                              f"0..{(1 << 20) - 1} and ttl_s in [0, {MAX_CLAIM_TTL_S:g}]"))
+        return
+    key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
+    held = state.claims.get(key)
+    if held is not None and held[2] > now and held[:2] != me:
+        actions.append(_reply(identity, msg, None, held=False,
+                              by={"host": held[0], "pid": held[1], "left_s": round(held[2] - now, 1)}))
+        return
+    if ttl == 0:
+        state.claims.pop(key, None)
+    else:
+        if key not in state.claims and len(state.claims) >= MAX_CLAIMS:
+            for k in [k for k, v in state.claims.items() if v[2] <= now]:
+                del state.claims[k]
+            if len(state.claims) >= MAX_CLAIMS:
+                actions.append(_error(identity, msg, "ConfigError", f"claim: {MAX_CLAIMS} launches hold "
+                                      f"claims already; try again later"))
+                return
+        state.claims[key] = (*me, now + ttl)
+    actions.append(_reply(identity, msg, None, held=True))
 
 
 def _missing_ranks(job: Job) -> list[int] | None:
@@ -608,6 +649,9 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
+        return
+    if t == "claim":
+        _claim(state, identity, msg, now, actions)
         return
     job = state.jobs.get(msg["job"])
     if job is None:

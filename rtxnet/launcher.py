@@ -71,6 +71,11 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUI
 _SAME_SIGNAL_S = 0.5
 _PROBE_S = 3.0   # how long a --coordinator has to answer before any rank starts
 _FINISHED_PROBE_S = 1.0   # how long the coordinator has to say whether training finished
+# A launcher's claim on its node of a job id at the coordinator (coordinator.state._claim): it
+# lasts _CLAIM_TTL_S and is renewed every _CLAIM_RENEW_S while the launcher runs, and given back
+# at its end; one whose launcher was killed lapses within _CLAIM_TTL_S.
+_CLAIM_TTL_S = 10.0
+_CLAIM_RENEW_S = 2.0
 # after a job ended, how long a rank its coordinator declared lost may still run, once every
 # other rank has exited, before rtxnet-run kills it (_end_fenced_leftovers)
 FENCED_GRACE_S = 5.0
@@ -198,6 +203,7 @@ class Launcher:
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
         self.error_dir: str | None = None        # the ranks' error files (rtxnet.errorfile)
+        self._claimed: str | None = None          # the job id this launcher claimed (_probe)
         self._stopped_at: float | None = None    # time.time() of _stop_if_below_min_ranks
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
         self._stop_signal_at = 0.0             # when (time.monotonic())
@@ -414,11 +420,46 @@ class Launcher:
                     pass
 
     async def _probe(self, job: str | None) -> None:
-        """_probe_coordinator with what this launch's ranks will ask for."""
+        """_probe_coordinator with what this launch's ranks will ask for, then claim this node
+        of ``job`` at the coordinator (kept by _keep_claim): the probe sees another launch only
+        once one of its ranks has joined, the claim from that launch's start."""
+        from transport.errors import RtxError
+
+        from .cli import _shown
+
         a = self.args
         await _probe_coordinator(self.address, job, alone=a.nnodes == 1,
                                  bounds=(a.min_ranks or self.total, self.total),
                                  ranks=[s.rank for s in self.slots])
+        if not job:
+            return
+        try:
+            body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S)
+        except RtxError as exc:   # an answer to the probe, none to this: said, and gone on
+            _say(f"could not claim job {job!r} at the coordinator ({exc}); going on without")
+            return
+        if not body.get("held"):
+            by = body.get("by") or {}
+            node = f" (node {a.node_rank})" if a.nnodes > 1 else ""
+            raise JobIdTaken(
+                f"job {job!r}{node} on the coordinator at {self.address} is being launched by "
+                f"rtxnet-run pid {by.get('pid')} on {_shown(str(by.get('host')))}: one rtxnet-run per "
+                f"job id (several hosts: --nnodes/--node-rank on each); give a new --job (a "
+                f"launcher that died gives its claim up within {_CLAIM_TTL_S:g} s); no rank was started")
+        self._claimed = job
+
+    async def _keep_claim(self) -> None:
+        """Renew this launcher's claim (see _probe) every ``_CLAIM_RENEW_S`` while it runs; a
+        coordinator that does not answer (restarting) is asked again at the next renewal."""
+        from transport.errors import RtxError
+
+        while True:
+            await asyncio.sleep(_CLAIM_RENEW_S)
+            try:
+                await _claim(self.address, self._claimed, self.args.node_rank, _CLAIM_TTL_S,
+                             timeout_s=_CLAIM_RENEW_S)
+            except RtxError:
+                pass
 
     async def run(self) -> int:
         a = self.args
@@ -459,6 +500,7 @@ class Launcher:
         self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         frozen = asyncio.ensure_future(self._watch_frozen())
+        claim = asyncio.ensure_future(self._keep_claim()) if self._claimed else None
         try:
             for slot in self.slots:
                 if self.stopping:
@@ -506,10 +548,15 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
-            for task in (sharing, frozen, self._exits_0_watch):
+            for task in (sharing, frozen, claim, self._exits_0_watch):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+            if self._claimed:   # given back: a relaunch under this id need not wait for it to lapse
+                from transport.errors import RtxError
+
+                with contextlib.suppress(RtxError):
+                    await _claim(self.address, self._claimed, a.node_rank, 0, timeout_s=1.0)
             await self._shutdown()
             shutil.rmtree(self.error_dir, ignore_errors=True)
         if self.stop_signal is not None:
@@ -848,7 +895,27 @@ class Launcher:
 
 
 class JobIdTaken(RuntimeError):
-    """``--job`` names a job that has finished on the coordinator (exit code 2)."""
+    """``--job`` names a job that has finished on the coordinator, or that another launch runs
+    or forms (exit code 2)."""
+
+
+async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: float = _PROBE_S) -> dict:
+    """Ask the coordinator at ``address`` for node ``node`` of job id ``job`` for ``ttl_s``
+    seconds (0: give it back); its answer, ``{"held": bool[, "by": {...}]}``.
+
+    Raises:
+        RtxError: no answer within ``timeout_s``, or a refusal.
+    """
+    from transport.channel import ControlClient
+
+    from .topology import host_id
+
+    client = ControlClient(address, f"rtxnet-run/{os.getpid()}/{uuid.uuid4().hex[:8]}")
+    try:
+        return await client.request("claim", job=job, epoch=-1, deadline_s=timeout_s, node=node,
+                                    host=host_id(), pid=os.getpid(), ttl_s=ttl_s)
+    finally:
+        await client.aclose()
 
 
 async def _probe_coordinator(address: str, job: str | None, *, alone: bool = True,

@@ -147,6 +147,9 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
     # training is over: the job admits no more ranks (coordinator.state._finish)
     "finish": {"identity": (str, True)},
     "status": {},
+    # a launcher (rtxnet-run) takes job id ``job`` for its node for ttl_s seconds, renewed while
+    # it runs; ttl_s 0 gives it back (coordinator.state._claim)
+    "claim": {"node": (int, True), "host": (str, True), "pid": (int, True), "ttl_s": (_Num, True)},
     # --- answers ---------------------------------------------------------------------------------
     "reply": {"ok": (bool, True), "body": (dict, True)},
     "error": {"error": (str, True), "message": (str, True)},
@@ -165,7 +168,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
 
 REQUESTS = frozenset(
     {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
-     "finish", "status"}
+     "finish", "status", "claim"}
 )
 PUSHES = frozenset({"epoch", "fenced"})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -719,6 +720,39 @@ def test_a_second_launch_of_a_running_job_id_is_refused_before_any_rank_starts(t
     finally:
         first.terminate()   # forwarded to its rank
         first.communicate(timeout=30)
+
+
+def test_two_launches_of_one_job_id_started_together_one_is_refused_before_any_rank_starts(tmp_path, coordinator):
+    # a fresh user's find: both passed the check (no rank of either had joined yet); each had
+    # ranks refused (JobFullError, "already claimed"), both exited 1, and the world that formed
+    # mixed the two launches' ranks. Each launcher now claims the id at the coordinator first.
+    script = tmp_path / "holds.py"
+    script.write_text("import sys, time, rtxnet\npg = rtxnet.init()\nprint('in', flush=True)\n"
+                      "time.sleep(float(sys.argv[1]))\npg.close()\n")
+    args = [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--coordinator", coordinator.address,
+            "--job", "dual", str(script), "1"]
+    both = [subprocess.Popen(args, env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=60) for p in both]
+    finally:
+        for p in both:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    codes = sorted(p.returncode for p in both)
+    assert codes == [0, 2], [o[1][-2000:] for o in outs]
+    ran, refused = (outs[0], outs[1]) if both[0].returncode == 0 else (outs[1], outs[0])
+    assert ran[0].count("in") == 2, ran
+    other = both[0].pid if both[1].returncode == 2 else both[1].pid
+    assert (f"rtxnet-run: job 'dual' on the coordinator at {coordinator.address} is being launched by "
+            f"rtxnet-run pid {other} on ") in refused[1], refused[1]
+    assert "[rank" not in refused[0] + refused[1]
+    # the claim was given back at the end (it would last 10 s more): a crashed job's id may be
+    # relaunched at once
+    from rtxnet.launcher import _claim
+
+    assert asyncio.run(_claim(coordinator.address, "dual", 0, 1.0)) == {"held": True}
 
 
 def test_a_host_launched_with_other_bounds_or_a_node_rank_twice_is_refused_before_any_rank_starts(

@@ -664,3 +664,25 @@ def test_finish_drops_a_waiting_joiner_and_keeps_every_rank_that_voted():
     # a client that is not a member, or speaks for another, is refused
     assert "not a member" in errors(h.req("d", "finish", identity="d"))[0]["message"]
     assert "not this connection's" in errors(h.req("a", "finish", identity="b"))[0]["message"]
+
+
+def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lapsed():
+    h = Harness()
+
+    def claim(who: str, pid: int, ttl: float, node: int = 0, job: str = "j") -> dict:
+        (s,) = h.req(who, "claim", job=job, node=node, host="h", pid=pid, ttl_s=ttl)
+        return s.msg["body"] if s.msg["t"] == "reply" else s.msg
+
+    assert claim("l1", 11, 10.0) == {"held": True}
+    assert claim("l1b", 11, 10.0) == {"held": True}                 # its own renewal (a new connection)
+    assert claim("l2", 22, 10.0) == {"held": False, "by": {"host": "h", "pid": 11, "left_s": 10.0}}
+    assert claim("l2", 22, 10.0, node=1) == {"held": True}          # another host of the job
+    assert claim("l3", 33, 10.0, job="k") == {"held": True}         # another job
+    assert claim("l2", 22, 0.0) == {"held": False, "by": {"host": "h", "pid": 11, "left_s": 10.0}}  # not its own
+    assert claim("l1", 11, 0.0) == {"held": True}                   # given back
+    assert claim("l2", 22, 5.0) == {"held": True}
+    h.clock.now += 5.1                                              # lapsed: its launcher died
+    assert claim("l1", 11, 10.0) == {"held": True}
+    for bad in ({"ttl": -1.0}, {"ttl": float("nan")}, {"ttl": 1e9}, {"ttl": 1.0, "node": -1}, {"ttl": 1.0, "job": ""}):
+        err = claim("x", 1, bad["ttl"], node=bad.get("node", 0), job=bad.get("job", "j"))
+        assert err["t"] == "error" and err["error"] == "ConfigError" and "claim: job" in err["message"], err
