@@ -208,8 +208,9 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
     fresh user's find: two launches started together each had ranks refused, and the world
     that formed mixed both). Answers ``{"held": True}``, or ``{"held": False, "by": {"host",
     "pid", "left_s"}}`` while another launcher's claim lasts. ``ttl_s`` 0 gives the claim back
-    (its holder's only). Not journaled: a restarted coordinator holds none until the launchers
-    renew them."""
+    (its holder's only). ``replaces``: the pid of the holder, on the same host, which the asker
+    found gone (a launcher killed and started again on its host need not wait for the claim to
+    lapse). Not journaled: a restarted coordinator holds none until the launchers renew them."""
     job_id, node, ttl = msg["job"], msg["node"], msg["ttl_s"]
     if not job_id or len(job_id) > MAX_JOB_ID or not 0 <= node < 1 << 20 or not 0 <= ttl <= MAX_CLAIM_TTL_S:
         actions.append(_error(identity, msg, "ConfigError", f"claim: job {job_id[:40]!r} node {node} ttl_s "
@@ -218,7 +219,8 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
         return
     key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
     held = state.claims.get(key)
-    if held is not None and held[2] > now and held[:2] != me:
+    taken_over = held is not None and held[0] == me[0] and held[1] == msg.get("replaces")
+    if held is not None and held[2] > now and held[:2] != me and not taken_over:
         actions.append(_reply(identity, msg, None, held=False,
                               by={"host": held[0], "pid": held[1], "left_s": round(held[2] - now, 1)}))
         return

@@ -89,35 +89,11 @@ def _shown(text: Any) -> str:
 
 
 def _exited(proc: dict) -> str:
-    """``" (exited)"`` for a fenced process of this host (``host_id()``) that is gone or a
-    zombie (read from ``/proc``; ``os.kill(pid, 0)`` where there is none), else ``""``: the
+    """``" (exited)"`` for a fenced process of this host that is gone (or a zombie): the
     coordinator cannot tell a frozen rank from one its launcher killed and replaced."""
-    from .topology import host_id
+    from .topology import gone_from_this_host
 
-    try:
-        if proc.get("host") != host_id():
-            return ""
-    except RtxError:   # RTXNET_HOST too long: no host to compare
-        return ""
-    pid = proc.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return ""
-    if os.path.isdir("/proc/self"):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-            return " (exited)" if state in (b"Z", b"X") else ""
-        except FileNotFoundError:
-            return " (exited)"
-        except (OSError, IndexError):
-            pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return " (exited)"
-    except OSError:   # PermissionError: it runs, as another user
-        pass
-    return ""
+    return " (exited)" if gone_from_this_host(proc) else ""
 
 
 def _render(status: dict) -> str:

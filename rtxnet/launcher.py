@@ -426,6 +426,7 @@ class Launcher:
         from transport.errors import RtxError
 
         from .cli import _shown
+        from .topology import gone_from_this_host
 
         a = self.args
         await _probe_coordinator(self.address, job, alone=a.nnodes == 1,
@@ -435,6 +436,11 @@ class Launcher:
             return
         try:
             body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S)
+            by = body.get("by") or {}
+            if not body.get("held") and gone_from_this_host(by):   # its launcher was killed: taken over
+                body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S, replaces=by["pid"])
+                if body.get("held"):
+                    _say(f"job {job!r}: took over the claim of rtxnet-run pid {by['pid']}, which is gone")
         except RtxError as exc:   # an answer to the probe, none to this: said, and gone on
             _say(f"could not claim job {job!r} at the coordinator ({exc}); going on without")
             return
@@ -899,9 +905,11 @@ class JobIdTaken(RuntimeError):
     or forms (exit code 2)."""
 
 
-async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: float = _PROBE_S) -> dict:
+async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: float = _PROBE_S,
+                 replaces: int | None = None) -> dict:
     """Ask the coordinator at ``address`` for node ``node`` of job id ``job`` for ``ttl_s``
-    seconds (0: give it back); its answer, ``{"held": bool[, "by": {...}]}``.
+    seconds (0: give it back; ``replaces``: the pid of a launcher of this host, gone, whose claim
+    to take over); its answer, ``{"held": bool[, "by": {"host", "pid", "left_s"}]}``.
 
     Raises:
         RtxError: no answer within ``timeout_s``, or a refusal.
@@ -911,9 +919,10 @@ async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: flo
     from .topology import host_id
 
     client = ControlClient(address, f"rtxnet-run/{os.getpid()}/{uuid.uuid4().hex[:8]}")
+    extra = {} if replaces is None else {"replaces": replaces}
     try:
         return await client.request("claim", job=job, epoch=-1, deadline_s=timeout_s, node=node,
-                                    host=host_id(), pid=os.getpid(), ttl_s=ttl_s)
+                                    host=host_id(), pid=os.getpid(), ttl_s=ttl_s, **extra)
     finally:
         await client.aclose()
 

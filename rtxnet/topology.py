@@ -56,6 +56,37 @@ def host_id() -> str:
     return host
 
 
+def gone_from_this_host(proc: dict) -> bool:
+    """Whether ``proc`` (``{"host", "pid"}``, as the coordinator lists processes) is a process
+    of this host (``host_id()``) that has exited: no such pid, or a zombie (read from
+    ``/proc`` where there is one, else ``os.kill(pid, 0)``). False when it runs, when it is
+    another host's, or when that cannot be told."""
+    try:
+        if proc.get("host") != host_id():
+            return False
+    except ConfigError:   # RTXNET_HOST too long: no host to compare
+        return False
+    pid = proc.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            return state in (b"Z", b"X")
+        except FileNotFoundError:
+            return True
+        except (OSError, IndexError):
+            pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:   # PermissionError: it runs, as another user
+        pass
+    return False
+
+
 def normalize_pci_bus_id(bus_id: str | bytes) -> str:
     """``dddd:bb:dd.f`` in lower-case hex from NVML's or CUDA's form.
 

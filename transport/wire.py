@@ -148,8 +148,10 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
     "finish": {"identity": (str, True)},
     "status": {},
     # a launcher (rtxnet-run) takes job id ``job`` for its node for ttl_s seconds, renewed while
-    # it runs; ttl_s 0 gives it back (coordinator.state._claim)
-    "claim": {"node": (int, True), "host": (str, True), "pid": (int, True), "ttl_s": (_Num, True)},
+    # it runs; ttl_s 0 gives it back; replaces: the pid of a launcher of the same host that is
+    # gone, whose claim this one takes over (coordinator.state._claim)
+    "claim": {"node": (int, True), "host": (str, True), "pid": (int, True), "ttl_s": (_Num, True),
+              "replaces": (int, False)},
     # --- answers ---------------------------------------------------------------------------------
     "reply": {"ok": (bool, True), "body": (dict, True)},
     "error": {"error": (str, True), "message": (str, True)},

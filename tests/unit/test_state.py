@@ -683,6 +683,14 @@ def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lap
     assert claim("l2", 22, 5.0) == {"held": True}
     h.clock.now += 5.1                                              # lapsed: its launcher died
     assert claim("l1", 11, 10.0) == {"held": True}
+    # a launcher of the same host that found the holder's pid gone takes the claim over at once
+    (s,) = h.req("l4", "claim", job="j", node=0, host="h", pid=44, ttl_s=10.0, replaces=99)
+    assert s.msg["body"]["held"] is False                           # not the holder's pid
+    (s,) = h.req("l4", "claim", job="j", node=0, host="other", pid=44, ttl_s=10.0, replaces=11)
+    assert s.msg["body"]["held"] is False                           # not the holder's host
+    (s,) = h.req("l4", "claim", job="j", node=0, host="h", pid=44, ttl_s=10.0, replaces=11)
+    assert s.msg["body"] == {"held": True}
+    assert claim("l1", 11, 10.0)["by"]["pid"] == 44
     for bad in ({"ttl": -1.0}, {"ttl": float("nan")}, {"ttl": 1e9}, {"ttl": 1.0, "node": -1}, {"ttl": 1.0, "job": ""}):
         err = claim("x", 1, bad["ttl"], node=bad.get("node", 0), job=bad.get("job", "j"))
         assert err["t"] == "error" and err["error"] == "ConfigError" and "claim: job" in err["message"], err
