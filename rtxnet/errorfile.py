@@ -59,9 +59,11 @@ def write(path: str, exc: BaseException) -> None:
     os.replace(tmp, path)
 
 
-def read(path: str | None) -> dict[str, Any] | None:
+def read(path: str | None, pid: int | None = None) -> dict[str, Any] | None:
     """The record at ``path``, or None when there is none, or it is not one (not JSON, fields
-    of other types): a rank killed by a signal, or one that exited by ``sys.exit``, writes none."""
+    of other types), or (``pid`` given) another process wrote it (a child of the rank, which
+    inherited ``RTXNET_ERROR_FILE``): a rank killed by a signal, or one that exited by
+    ``sys.exit``, writes none."""
     if not path:
         return None
     try:
@@ -71,6 +73,8 @@ def read(path: str | None) -> dict[str, Any] | None:
         return None
     if not (isinstance(rec, dict) and isinstance(rec.get("time"), (int, float))
             and isinstance(rec.get("type"), str) and isinstance(rec.get("message"), str)):
+        return None
+    if pid is not None and rec.get("pid") != pid:
         return None
     return rec
 

@@ -522,7 +522,7 @@ class Launcher:
                 if proc is not slot.proc:
                     continue
                 code = _code(rc)
-                err = errorfile.read(slot.error_path) if code != 0 else None
+                err = errorfile.read(slot.error_path, proc.pid) if code != 0 else None
                 raised = f" ({errorfile.summary(err)})" if err else ""
                 restartable = code != 0 and not self.stopping and slot.restarts < a.max_restarts
                 # after FaultTolerance.finish() a replacement would only be turned away
