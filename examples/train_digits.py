@@ -790,6 +790,8 @@ if __name__ == "__main__":
     except rtxnet.RtxError as exc:
         # The job stopped for a reason the message explains (and says what to do about, like a
         # RendezvousError after the rejoin window): one line per rank, not a traceback each.
-        # Anything else is a bug and keeps its traceback.
+        # Anything else is a bug and keeps its traceback. Recorded for rtxnet-run, which names
+        # the first failure's exception (an uncaught one is recorded by itself).
+        rtxnet.errorfile.record(exc)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(1)

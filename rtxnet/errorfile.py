@@ -8,8 +8,9 @@ gets ``RTXNET_ERROR_FILE``; ``import rtxnet`` then installs a ``sys.excepthook``
 when an exception ends the process, one JSON object there: ``{"time": <wall clock, s since the
 epoch>, "pid": int, "type": "ValueError", "message": "..."}``. Python calls the hook before its
 ``atexit`` handlers, so ``time`` is when the exception reached the top. ``KeyboardInterrupt``
-and ``SystemExit`` (a stop, or an exit code the script chose) are not recorded. JSON, never
-pickle: the launcher reads it as data.
+(a stop) is not recorded, nor is ``SystemExit``, which Python handles without the hook. A script
+that catches an exception and ends with an exit code of its own calls :func:`record` first.
+JSON, never pickle: the launcher reads it as data.
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ from typing import Any
 
 ENV = "RTXNET_ERROR_FILE"
 MAX_MESSAGE = 2000   # characters of the exception's message kept
+# Errors a rank raises because another rank (or its link) went: the launcher looks past them for
+# the first failure (rtxnet.launcher._root_cause).
+CONSEQUENCES = frozenset({"PeerLostError", "LinkBrokenError", "ClosedError"})
+
+
+def record(exc: BaseException) -> None:
+    """Write ``exc`` to this rank's error file, when rtxnet-run gave it one, for a script that
+    catches an exception and exits with a code of its own (``print(...); sys.exit(1)``): the
+    launcher then names it as it names an uncaught one. Does nothing without
+    ``RTXNET_ERROR_FILE``; never raises (an unwritable file is skipped)."""
+    path = os.environ.get(ENV)
+    if path:
+        try:
+            write(path, exc)
+        except OSError:
+            pass
 
 
 def install() -> None:

@@ -1111,13 +1111,16 @@ def _root_cause(slots, stopped_at: float | None) -> tuple[_Slot | None, int]:
     """The rank that failed first, as torchrun's "Root Cause (first observed failure)": of the
     ranks that failed for good, the one whose error file (rtxnet.errorfile) holds the earliest
     time, or whose exit came first when it wrote none (killed, ``sys.exit(N)``); ranks rtxnet-run
-    only stopped do not count. Returns it and the launcher's exit code: its exit code, or 1
-    (an uncaught exception's) when it raised and was stopped while it ended. ``(None, 0)`` when
-    no rank failed."""
+    only stopped do not count, nor, while another rank failed otherwise, those that failed of
+    another's loss (``errorfile.CONSEQUENCES``: a rank ending by ``sys.exit(3)`` writes no time,
+    and its reaped exit comes after the PeerLostErrors it caused). Returns it and the launcher's
+    exit code: its exit code, or 1 (an uncaught exception's) when it raised and was stopped
+    while it ended. ``(None, 0)`` when no rank failed."""
     failed = [s for s in slots if s.returncode not in (0, None) and not _stopped_only(s, stopped_at)]
     if not failed:
         return None, 0
-    root = min(failed, key=lambda s: math.inf if s.failed_at is None else s.failed_at)
+    causes = [s for s in failed if s.error is None or s.error["type"] not in errorfile.CONSEQUENCES]
+    root = min(causes or failed, key=lambda s: math.inf if s.failed_at is None else s.failed_at)
     return root, (1 if root.stopped and root.returncode in (143, 137) else root.returncode)
 
 

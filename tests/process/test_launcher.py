@@ -118,6 +118,21 @@ def test_the_rank_that_raised_first_is_named_as_the_first_failure(tmp_path, slow
     assert not list(tmp_path.glob("rtxnet-run-errors-*")), "the error files' folder was left behind"
 
 
+def test_a_rank_ending_by_sys_exit_is_the_first_failure_not_the_peers_it_left(tmp_path):
+    # A tester's find: rank 1's sys.exit(3) writes no error file (Python ends a SystemExit
+    # without sys.excepthook), its exit was reaped after its peers' PeerLostErrors were written,
+    # and rank 0 or 2 was named as the first failure, exit code 1. Errors of another rank's loss
+    # now count only when no rank failed otherwise.
+    script = tmp_path / "exits.py"
+    script.write_text("import sys, numpy as np, rtxnet\npg = rtxnet.init()\nif pg.rank == 1:\n    sys.exit(3)\n"
+                      "pg.all_reduce(np.ones(4, np.float32))\n")
+    out = run(["--nproc", "3", "--min-ranks", "1", str(script)], timeout=60)
+    assert out.returncode == 3, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "Exit code 3: the first failing rank's" in last and "First failure" not in last, last
+    assert re.search(r"rank [02] exited with code 1 \(PeerLostError: ", out.stderr), out.stderr[-3000:]
+
+
 def test_the_error_files_folder_of_a_killed_launcher_is_removed_by_the_next_one(tmp_path):
     # rtxnet-run removes its ranks' error files' folder when it ends; one SIGKILLed cannot
     script = tmp_path / "sleeps.py"
