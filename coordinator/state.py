@@ -137,9 +137,9 @@ class State:
     # _fenced_procs, for a launcher still running one of them (see rtxnet-run); the newest
     # FENCED_AT_END_JOBS jobs.
     fenced_at_end: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    # Not journaled: (job id, node) -> (host, pid, expiry) of the launcher that runs that node of
-    # the job (see _claim); after a restart the launchers' next renewals take them again.
-    claims: dict[tuple[str, int], tuple[str, int, float]] = field(default_factory=dict)
+    # Not journaled: (job id, node) -> (host, pid, expiry, last renewal) of the launcher that runs
+    # that node of the job (see _claim); after a restart the launchers' next renewals take them.
+    claims: dict[tuple[str, int], tuple[str, int, float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ def _reply(identity: str, req: dict, job: Job | None, **body: Any) -> Send:
 
 MAX_CLAIMS = 4096      # launchers' claims held at once (expired ones are dropped first)
 MAX_CLAIM_TTL_S = 600.0
+CLAIM_STALE_S = wire.CLAIM_STALE_S
 
 
 def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
@@ -210,7 +211,9 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
     "pid", "left_s"}}`` while another launcher's claim lasts. ``ttl_s`` 0 gives the claim back
     (its holder's only). ``replaces``: the pid of the holder, on the same host, which the asker
     found gone (a launcher killed and started again on its host need not wait for the claim to
-    lapse). Not journaled: a restarted coordinator holds none until the launchers renew them."""
+    lapse); taken over only when not renewed for ``CLAIM_STALE_S``. A refusal tells
+    ``renewed_s``, the seconds since the holder's last renewal. Not journaled: a restarted
+    coordinator holds none until the launchers renew them."""
     job_id, node, ttl = msg["job"], msg["node"], msg["ttl_s"]
     if not job_id or len(job_id) > MAX_JOB_ID or not 0 <= node < 1 << 20 or not 0 <= ttl <= MAX_CLAIM_TTL_S:
         actions.append(_error(identity, msg, "ConfigError", f"claim: job {job_id[:40]!r} node {node} ttl_s "
@@ -219,10 +222,12 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
         return
     key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
     held = state.claims.get(key)
-    taken_over = held is not None and held[0] == me[0] and held[1] == msg.get("replaces")
+    taken_over = (held is not None and held[0] == me[0] and held[1] == msg.get("replaces")
+                  and now - held[3] >= CLAIM_STALE_S)
     if held is not None and held[2] > now and held[:2] != me and not taken_over:
         actions.append(_reply(identity, msg, None, held=False,
-                              by={"host": held[0], "pid": held[1], "left_s": round(held[2] - now, 1)}))
+                              by={"host": held[0], "pid": held[1], "left_s": round(held[2] - now, 1),
+                                  "renewed_s": round(now - held[3], 1)}))
         return
     if ttl == 0:
         state.claims.pop(key, None)
@@ -234,7 +239,7 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
                 actions.append(_error(identity, msg, "ConfigError", f"claim: {MAX_CLAIMS} launches hold "
                                       f"claims already; try again later"))
                 return
-        state.claims[key] = (*me, now + ttl)
+        state.claims[key] = (*me, now + ttl, now)
     actions.append(_reply(identity, msg, None, held=True))
 
 

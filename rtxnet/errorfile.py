@@ -99,8 +99,11 @@ def read(path: str | None, pid: int | None = None) -> dict[str, Any] | None:
 def summary(rec: dict[str, Any], limit: int = 200) -> str:
     """``"ValueError: boom"``: the type and the first line of the message, at most ``limit``
     characters of it, control characters escaped (it is printed on a terminal)."""
+    def shown(text: str) -> str:
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
     lines = rec["message"].strip().splitlines()
     first = lines[0] if lines else ""
     more = len(first) > limit or len(lines) > 1
-    first = "".join(c if c.isprintable() else repr(c)[1:-1] for c in first[:limit])
-    return f"{rec['type']}: {first}{' ...' if more else ''}" if first else rec["type"]
+    kind = shown(rec["type"][:limit])   # a class name may hold anything too
+    return f"{kind}: {shown(first[:limit])}{' [...]' if more else ''}" if first else kind

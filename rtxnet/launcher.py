@@ -57,7 +57,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from transport.shm import remove_segments
-from transport.wire import MAX_JOB_ID, MAX_TOKEN, last_committed
+from transport.wire import CLAIM_STALE_S, MAX_JOB_ID, MAX_TOKEN, last_committed
 
 from . import errorfile
 
@@ -423,7 +423,7 @@ class Launcher:
         """_probe_coordinator with what this launch's ranks will ask for, then claim this node
         of ``job`` at the coordinator (kept by _keep_claim): the probe sees another launch only
         once one of its ranks has joined, the claim from that launch's start."""
-        from transport.errors import RtxError
+        from transport.errors import RtxError, RtxTimeoutError
 
         from .cli import _shown
         from .topology import gone_from_this_host
@@ -438,10 +438,18 @@ class Launcher:
             body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S)
             by = body.get("by") or {}
             if not body.get("held") and gone_from_this_host(by):   # its launcher was killed: taken over
+                # once it has gone unrenewed for CLAIM_STALE_S (a pid gone from this /proc may
+                # still run in another PID namespace of this host name, renewing)
+                await asyncio.sleep(max(0.0, CLAIM_STALE_S + 0.2 - float(by.get("renewed_s") or 0)))
                 body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S, replaces=by["pid"])
                 if body.get("held"):
                     _say(f"job {job!r}: took over the claim of rtxnet-run pid {by['pid']}, which is gone")
-        except RtxError as exc:   # an answer to the probe, none to this: said, and gone on
+        except RtxTimeoutError:   # it answered the probe: frozen or starved since; two launches
+            # that both went on unclaimed would fight for the job's places
+            raise RuntimeError(f"the coordinator at {self.address} did not answer this launcher's "
+                               f"claim on job {job!r} within {_PROBE_S:g} s (frozen or overloaded?); "
+                               f"no rank was started") from None
+        except RtxError as exc:   # refused (a coordinator without claims): said, and gone on
             _say(f"could not claim job {job!r} at the coordinator ({exc}); going on without")
             return
         if not body.get("held"):
@@ -459,13 +467,23 @@ class Launcher:
         coordinator that does not answer (restarting) is asked again at the next renewal."""
         from transport.errors import RtxError
 
+        from .cli import _shown
+
+        told = False
         while True:
             await asyncio.sleep(_CLAIM_RENEW_S)
             try:
-                await _claim(self.address, self._claimed, self.args.node_rank, _CLAIM_TTL_S,
-                             timeout_s=_CLAIM_RENEW_S)
+                body = await _claim(self.address, self._claimed, self.args.node_rank, _CLAIM_TTL_S,
+                                    timeout_s=_CLAIM_RENEW_S)
             except RtxError:
-                pass
+                continue
+            if not body.get("held") and not told:   # it lapsed (this launcher was frozen) and went
+                by = body.get("by") or {}
+                _say(f"job {self._claimed!r}: this launcher's claim lapsed and rtxnet-run pid "
+                     f"{by.get('pid')} on {_shown(str(by.get('host')))} holds it now (was this "
+                     f"launcher stopped for over {_CLAIM_TTL_S:g} s?); two launches of one job id "
+                     f"fight for its places")
+                told = True
 
     async def run(self) -> int:
         a = self.args
@@ -958,7 +976,7 @@ async def _probe_coordinator(address: str, job: str | None, *, alone: bool = Tru
 
         why = await asyncio.to_thread(nobody_there, address)   # refused, unknown host, ...
         raise RuntimeError(f"the coordinator at {address} did not answer within {_PROBE_S:g} s"
-                           + (f": {why}" if why else " (is it running, and is --coordinator right?)")
+                           + (f": {why}" if why else " (is it running, not stopped, and is --coordinator right?)")
                            + "; no rank was started") from None
     except RtxError as exc:
         raise RuntimeError(f"the coordinator at {address} did not give its status: {exc}; no rank "
@@ -999,7 +1017,8 @@ async def _probe_coordinator(address: str, job: str | None, *, alone: bool = Tru
 
 def _bounds_text(min_ranks: int, max_ranks: int) -> str:
     """``"a world of 4 ranks"``, or ``"2..4 ranks"`` when the job may shrink."""
-    return f"a world of {max_ranks} ranks" if min_ranks == max_ranks else f"{min_ranks}..{max_ranks} ranks"
+    return (f"a world of {max_ranks} rank{'s' if max_ranks != 1 else ''}" if min_ranks == max_ranks
+            else f"{min_ranks}..{max_ranks} ranks")
 
 
 def _job_entry(status: dict, job: str) -> dict | None:

@@ -168,6 +168,11 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
     "fenced": {"reason": (str, True)},
 }
 
+# a launcher's claim may be taken over (claim.replaces) only once its holder has not renewed it
+# for this long: a pid gone from the asker's /proc may live on in another PID namespace of the
+# same host name (two containers), renewing every 2 s (a tester's find)
+CLAIM_STALE_S = 5.0
+
 REQUESTS = frozenset(
     {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
      "finish", "status", "claim"}

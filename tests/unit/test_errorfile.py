@@ -33,7 +33,7 @@ def test_an_uncaught_exception_is_written_and_the_traceback_still_printed(tmp_pa
     assert rec is not None and rec["type"] in proc.stderr and "Traceback" in proc.stderr, proc.stderr
     if written:
         assert rec["type"] == written and rec["message"] == "bad\nsecond"
-        assert errorfile.summary(rec) == "ValueError: bad ..."
+        assert errorfile.summary(rec) == "ValueError: bad [...]"
     assert not [p for p in tmp_path.iterdir() if p.name != "err.json"]   # no temporary file left
 
 
@@ -50,4 +50,4 @@ def test_read_refuses_what_is_not_a_record_or_is_another_processes(tmp_path):
     rec = errorfile.read(str(path), os.getpid())
     assert rec["pid"] == os.getpid() and errorfile.read(str(path), os.getpid() + 1) is None
     text = errorfile.summary(rec)
-    assert text.startswith("RuntimeError: x\\x1b[31myyy") and text.endswith(" ...") and "\x1b" not in text
+    assert text.startswith("RuntimeError: x\\x1b[31myyy") and text.endswith(" [...]") and "\x1b" not in text

@@ -675,15 +675,20 @@ def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lap
 
     assert claim("l1", 11, 10.0) == {"held": True}
     assert claim("l1b", 11, 10.0) == {"held": True}                 # its own renewal (a new connection)
-    assert claim("l2", 22, 10.0) == {"held": False, "by": {"host": "h", "pid": 11, "left_s": 10.0}}
+    assert claim("l2", 22, 10.0) == {"held": False, "by": {"host": "h", "pid": 11, "left_s": 10.0, "renewed_s": 0.0}}
     assert claim("l2", 22, 10.0, node=1) == {"held": True}          # another host of the job
     assert claim("l3", 33, 10.0, job="k") == {"held": True}         # another job
-    assert claim("l2", 22, 0.0) == {"held": False, "by": {"host": "h", "pid": 11, "left_s": 10.0}}  # not its own
+    assert claim("l2", 22, 0.0)["held"] is False                    # not its own to give back
     assert claim("l1", 11, 0.0) == {"held": True}                   # given back
     assert claim("l2", 22, 5.0) == {"held": True}
     h.clock.now += 5.1                                              # lapsed: its launcher died
     assert claim("l1", 11, 10.0) == {"held": True}
-    # a launcher of the same host that found the holder's pid gone takes the claim over at once
+    # a launcher of the same host that found the holder's pid gone takes the claim over once the
+    # holder has not renewed it for CLAIM_STALE_S (before: at once, from a launcher in another
+    # PID namespace of the same host name, whose holder was alive: a tester's find)
+    (s,) = h.req("l4", "claim", job="j", node=0, host="h", pid=44, ttl_s=10.0, replaces=11)
+    assert s.msg["body"]["held"] is False and s.msg["body"]["by"]["renewed_s"] == 0.0   # renewed just now
+    h.clock.now += 5.0
     (s,) = h.req("l4", "claim", job="j", node=0, host="h", pid=44, ttl_s=10.0, replaces=99)
     assert s.msg["body"]["held"] is False                           # not the holder's pid
     (s,) = h.req("l4", "claim", job="j", node=0, host="other", pid=44, ttl_s=10.0, replaces=11)
