@@ -39,14 +39,24 @@ from transport.wire import last_committed
 __all__ = ["main"]
 
 
+async def _ask(address: str, mtype: str, timeout_s: float, job: str = "", **fields: Any) -> dict:
+    """One request ``mtype`` to the coordinator at ``address``, on a connection of its own (a
+    tool's, or a launcher's between its ranks' starts); the reply's body.
+
+    Raises:
+        RtxError: no answer within ``timeout_s``, or the coordinator's refusal.
+    """
+    client = ControlClient(address, f"rtxnet-{mtype}/{os.getpid()}/{uuid.uuid4().hex[:8]}")
+    try:
+        return await client.request(mtype, job=job, epoch=-1, deadline_s=timeout_s, **fields)
+    finally:
+        await client.aclose()
+
+
 async def _status(address: str, timeout_s: float, job: str = "") -> dict:
     """The coordinator's status reply: ``{"jobs": [...], "finished": {job: last committed step},
     "finished_total": n}`` (``finished``: ``job`` only when given, else the newest ids)."""
-    client = ControlClient(address, f"rtxnet-status/{os.getpid()}/{uuid.uuid4().hex[:8]}")
-    try:
-        body = await client.request("status", job=job, epoch=-1, deadline_s=timeout_s)
-    finally:
-        await client.aclose()
+    body = await _ask(address, "status", timeout_s, job)
     body.setdefault("finished", {})
     return body
 

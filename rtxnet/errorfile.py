@@ -99,8 +99,8 @@ def read(path: str | None, pid: int | None = None) -> dict[str, Any] | None:
 def summary(rec: dict[str, Any], limit: int = 200) -> str:
     """``"ValueError: boom"``: the type and the first line of the message, at most ``limit``
     characters of it, control characters escaped (it is printed on a terminal)."""
-    def shown(text: str) -> str:
-        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    # imported here: `import rtxnet` installs the hook and stays light
+    from .cli import _shown as shown
 
     lines = rec["message"].strip().splitlines()
     first = lines[0] if lines else ""

@@ -107,6 +107,11 @@ class _Slot:
     error: dict | None = None        # what its last process wrote there, if it failed
     failed_at: float | None = None   # when it failed for good: its error's time, else its exit's
 
+    @property
+    def killed_after_stop(self) -> bool:
+        """It ended as rtxnet-run's stop does (143 or 137) after that stop was sent."""
+        return self.stopped and self.returncode in (143, 137)
+
 
 def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
@@ -932,17 +937,12 @@ async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: flo
     Raises:
         RtxError: no answer within ``timeout_s``, or a refusal.
     """
-    from transport.channel import ControlClient
-
+    from .cli import _ask
     from .topology import host_id
 
-    client = ControlClient(address, f"rtxnet-run/{os.getpid()}/{uuid.uuid4().hex[:8]}")
     extra = {} if replaces is None else {"replaces": replaces}
-    try:
-        return await client.request("claim", job=job, epoch=-1, deadline_s=timeout_s, node=node,
-                                    host=host_id(), pid=os.getpid(), ttl_s=ttl_s, **extra)
-    finally:
-        await client.aclose()
+    return await _ask(address, "claim", timeout_s, job, node=node, host=host_id(), pid=os.getpid(),
+                      ttl_s=ttl_s, **extra)
 
 
 async def _probe_coordinator(address: str, job: str | None, *, alone: bool = True,
@@ -1123,7 +1123,7 @@ def _stopped_only(s: _Slot, stopped_at: float | None) -> bool:
     """Whether rank slot ``s`` ended only because rtxnet-run stopped it (SIGTERM, then SIGKILL
     after --grace: 143 or 137), not of an exception it raised before that."""
     raised_before = s.error is not None and stopped_at is not None and s.error["time"] < stopped_at
-    return s.stopped and s.returncode in (143, 137) and not raised_before
+    return s.killed_after_stop and not raised_before
 
 
 def _root_cause(slots, stopped_at: float | None) -> tuple[_Slot | None, int]:
@@ -1140,7 +1140,7 @@ def _root_cause(slots, stopped_at: float | None) -> tuple[_Slot | None, int]:
         return None, 0
     causes = [s for s in failed if s.error is None or s.error["type"] not in errorfile.CONSEQUENCES]
     root = min(causes or failed, key=lambda s: math.inf if s.failed_at is None else s.failed_at)
-    return root, (1 if root.stopped and root.returncode in (143, 137) else root.returncode)
+    return root, (1 if root.killed_after_stop else root.returncode)
 
 
 def _outcome(slots, max_restarts: int, code: int, root: _Slot | None = None,
@@ -1168,7 +1168,7 @@ def _outcome(slots, max_restarts: int, code: int, root: _Slot | None = None,
     first = ""
     if root is not None and root.error is not None:
         first = (f" First failure: rank {root.rank}, {errorfile.summary(root.error)}"
-                 f"{' (then stopped by rtxnet-run as it ended)' if root.stopped and root.returncode in (143, 137) else ''}.")
+                 f"{' (then stopped by rtxnet-run as it ended)' if root.killed_after_stop else ''}.")
     return (f"{'; '.join(parts)}.{first} Exit code {code}: {whose} (0 only when every rank's last "
             f"process exited 0 and the job did not stop)")
 
