@@ -319,8 +319,9 @@ REFORM = textwrap.dedent("""
         print("sum", x[0], "epoch", pg.epoch, flush=True)
     except rtxnet.RtxError as exc:
         print("error", type(exc).__name__, flush=True)
-    pg.store.set(f"done/{me}/{pg.epoch}", "1")
-    pg.store.wait([f"done/{r}/{pg.epoch}" for r in range(2)], timeout=30)
+    epoch = pg.epoch   # read once: a peer that is through the wait and closes moves it on
+    pg.store.set(f"done/{me}/{epoch}", "1")
+    pg.store.wait([f"done/{r}/{epoch}" for r in range(2)], timeout=30)
     pg.close()
 """)
 
