@@ -12,7 +12,8 @@ Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them, and, as torchrun
 does with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set already. Every line a rank
 prints is prefixed with ``[rankN]``. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks
-(as torchrun does); ranks still running ``--grace`` seconds later, or at a second such signal, are
+(as torchrun does), each followed by SIGCONT (as systemd does) so that a rank frozen by SIGSTOP
+handles it instead of holding it pending; ranks still running ``--grace`` seconds later, or at a second such signal, are
 killed (SIGKILL); the same signal again within 0.5 s is the first delivered twice (coreutils
 ``timeout`` signals rtxnet-run, then its process group), not a second one. A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
@@ -139,6 +140,18 @@ def _die_with_parent() -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
+        pass
+
+
+def _stop(proc, sig: int) -> None:
+    """Send ``sig`` to a rank, then SIGCONT (as systemd does after SIGTERM): a rank frozen by
+    SIGSTOP would otherwise hold the signal pending until --grace ran out and it was killed, and
+    its handler (a last checkpoint, an error file) would never run. A rank already gone is
+    skipped."""
+    try:
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
+    except ProcessLookupError:
         pass
 
 
@@ -309,10 +322,7 @@ class Launcher:
         self._stop_signal_at = now
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
-                try:
-                    slot.proc.send_signal(sig)
-                except ProcessLookupError:
-                    pass
+                _stop(slot.proc, sig)
         if first:
             # Ranks get a grace period to finish in order; then they are killed.
             asyncio.get_running_loop().call_later(self.args.grace, self._kill_all)
@@ -353,10 +363,7 @@ class Launcher:
         self._stopped_at = time.time()
         for s in running:
             s.stopped = True
-            try:
-                s.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            _stop(s.proc, signal.SIGTERM)
         asyncio.get_running_loop().call_later(a.grace, self._kill_all)
 
     async def _share_failures(self) -> None:

@@ -1339,3 +1339,25 @@ def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp
                      rf"\(SIGKILL\)", out.stderr), out.stderr[-3000:]
     assert "rank 1 exited with code 137; restart 1/1" in out.stderr, out.stderr[-3000:]
     assert out.stdout.count(done) == 3, out.stdout
+
+
+def test_a_rank_frozen_by_sigstop_gets_the_stop_signal_at_once_not_after_the_grace(tmp_path):
+    # Rank 1 freezes itself (SIGSTOP); rank 0 fails for good, so rank 1 is stopped: SIGTERM is
+    # followed by SIGCONT, so its handler runs now instead of it being killed after --grace 60.
+    script = tmp_path / "frozen.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        r = int(os.environ['RANK'])
+        signal.signal(signal.SIGTERM, lambda *a: (print('got sigterm', flush=True), sys.exit(3)))
+        print('ready', flush=True)
+        if r == 0:
+            time.sleep(1.5)
+            sys.exit(5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+    """))
+    out = run(["--nproc", "2", "--grace", "60", str(script)], timeout=45)
+    assert out.returncode == 5, out.stderr
+    assert "got sigterm" in out.stdout, (out.stdout, out.stderr)
+    assert "rank 1 exited with code 3" in out.stderr, out.stderr
+    assert "killing it" not in out.stderr, out.stderr
