@@ -81,15 +81,19 @@ def summarize(events: list[dict], output: str = "", plan: str | None = None,
         by_epoch.setdefault(e["epoch"], []).append(e)
     for epoch, es in sorted(by_epoch.items()):
         det = [e["detection_latency_s"] for e in es if e["detection_latency_s"] is not None]
+        # what was lost, as a survivor saw it: a rank that was itself declared lost (frozen, cut
+        # off) and rejoined reports losing no one, and its event may come first
+        seen = next((e for e in es if not e.get("fenced") and (e["lost"] or e.get("lost_launch"))),
+                    next((e for e in es if not e.get("fenced")), es[0]))
         out["recoveries"].append({
             "epoch": epoch,
-            "error": es[0]["error"],
-            "lost": es[0]["lost"],
-            "losses": es[0].get("losses") or [],
-            "lost_launch": es[0].get("lost_launch"),
+            "error": seen["error"],
+            "lost": seen["lost"],
+            "losses": seen.get("losses") or [],
+            "lost_launch": seen.get("lost_launch"),
             # a CollectiveTimeout's ranks: they did not contribute in time (not lost)
-            "late": es[0].get("late") or [],
-            "late_launch": es[0].get("late_launch"),
+            "late": seen.get("late") or [],
+            "late_launch": seen.get("late_launch"),
             # launch ranks that were declared lost themselves (frozen, cut off) and rejoined
             "fenced": sorted(e.get("launch_rank") for e in es if e.get("fenced")),
             "ranks_reporting": len(es),

@@ -657,3 +657,16 @@ def test_faultrun_takes_the_script_and_its_paths_from_where_it_is_run(tmp_path):
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "rel-out").glob("final-*.json")), proc.stderr[-3000:]
     assert not (ROOT / "rel-out").exists()
+
+
+def test_faultrun_takes_what_was_lost_from_a_survivor_not_from_the_frozen_rank():
+    # The rank that was paused reports its own fencing (it lost no one) and its event may come
+    # first; the survivors' events name it lost.
+    base = {"event": "recovered", "epoch": 2, "error": "PeerLostError", "detection_latency_s": None,
+            "time_to_recover_s": 1.0, "steps_lost": 1}
+    events = [dict(base, launch_rank=0, fenced=True, lost=[], lost_launch=[]),
+              dict(base, launch_rank=1, lost=[0], lost_launch=[0], detection_latency_s=0.04),
+              dict(base, launch_rank=2, lost=[0], lost_launch=[0], detection_latency_s=0.05)]
+    (r,) = faultrun.summarize(events)["recoveries"]
+    assert (r["lost"], r["lost_launch"], r["fenced"], r["detection_latency_s"]) == ([0], [0], [0], 0.04)
+    assert "no rank lost" not in faultrun.report(faultrun.summarize(events))[0]
