@@ -13,8 +13,8 @@ Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK
 does with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set already. Every line a rank
 prints is prefixed with ``[rankN]``. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks
 (as torchrun does), each followed by SIGCONT (as systemd does) so that a rank frozen by SIGSTOP
-handles it instead of holding it pending; ranks still running ``--grace`` seconds later, or at a second such signal, are
-killed (SIGKILL); the same signal again within 0.5 s is the first delivered twice (coreutils
+handles it instead of holding it pending; ranks still running ``--grace`` seconds later, or at a
+second such signal, are killed (SIGKILL); the same signal again within 0.5 s is the first delivered twice (coreutils
 ``timeout`` signals rtxnet-run, then its process group), not a second one. A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
 ``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left

@@ -83,8 +83,8 @@ def summarize(events: list[dict], output: str = "", plan: str | None = None,
         det = [e["detection_latency_s"] for e in es if e["detection_latency_s"] is not None]
         # what was lost, as a survivor saw it: a rank that was itself declared lost (frozen, cut
         # off) and rejoined reports losing no one, and its event may come first
-        seen = next((e for e in es if not e.get("fenced") and (e["lost"] or e.get("lost_launch"))),
-                    next((e for e in es if not e.get("fenced")), es[0]))
+        survivors = [e for e in es if not e.get("fenced")] or es
+        seen = next((e for e in survivors if e["lost"] or e.get("lost_launch")), survivors[0])
         out["recoveries"].append({
             "epoch": epoch,
             "error": seen["error"],

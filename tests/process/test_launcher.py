@@ -1350,13 +1350,25 @@ def test_a_rank_frozen_by_sigstop_gets_the_stop_signal_at_once_not_after_the_gra
         r = int(os.environ['RANK'])
         signal.signal(signal.SIGTERM, lambda *a: (print('got sigterm', flush=True), sys.exit(3)))
         print('ready', flush=True)
-        if r == 0:
-            time.sleep(1.5)
+        pidfile = sys.argv[1]
+        if r == 0:   # fail once rank 1 is frozen (its state in /proc is T)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    pid = int(open(pidfile).read())
+                    if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.05)
             sys.exit(5)
+        with open(pidfile + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pidfile + ".tmp", pidfile)
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(60)
     """))
-    out = run(["--nproc", "2", "--grace", "60", str(script)], timeout=45)
+    out = run(["--nproc", "2", "--grace", "60", str(script), str(tmp_path / "rank1.pid")], timeout=45)
     assert out.returncode == 5, out.stderr
     assert "got sigterm" in out.stdout, (out.stdout, out.stderr)
     assert "rank 1 exited with code 3" in out.stderr, out.stderr
