@@ -80,6 +80,7 @@ import structlog
 import torch
 
 from rtxnet import faults
+from rtxnet.config import CHECKPOINT_STORE_KEY
 from transport.durable import fsync_dir
 from transport.errors import (
     CheckpointCorruptError,
@@ -117,7 +118,7 @@ _MSG_MAX = _STATUS_NBYTES - 48 - _NAME_MAX
 _ROOT_NBYTES = 4096           # a root's path, exchanged only when the ranks' roots differ
 
 
-LATEST_KEY = "rtxnet/checkpoint/latest"
+LATEST_KEY = CHECKPOINT_STORE_KEY   # the job's store key of the newest committed checkpoint
 
 
 # -- RNG ------------------------------------------------------------------------------------------

@@ -14,7 +14,14 @@ from pathlib import Path
 
 from transport.errors import ConfigError
 
-__all__ = ["Timeouts", "env_float", "env_int", "int_in", "ipv6_bind_error", "is_seconds", "output_file"]
+__all__ = ["CHECKPOINT_STORE_KEY", "Timeouts", "env_float", "env_int", "int_in", "ipv6_bind_error", "is_seconds", "output_file"]
+
+# The job's store key where rtxnet.checkpoint.save records the newest committed checkpoint (JSON:
+# step, root) and FaultTolerance reads it back. Here, not in rtxnet.checkpoint, so that reading it
+# does not import torch: a recovery runs on the agent's event loop, and an import of torch there
+# (seconds on a loaded machine, holding the GIL) starved the heartbeats until the coordinator
+# declared the recovering ranks lost.
+CHECKPOINT_STORE_KEY = "rtxnet/checkpoint/latest"
 
 
 def is_seconds(v: object) -> bool:

@@ -508,7 +508,7 @@ class Launcher:
         else:
             journal = a.journal
             if journal is None:
-                self.tmp_journal = journal = tempfile.mkdtemp(prefix="rtxnet-journal-")
+                self.tmp_journal = journal = tempfile.mkdtemp(prefix=f"{JOURNAL_DIR_PREFIX}{os.getpid()}-")
             try:
                 self.coordinator_proc, self.address = await start_coordinator(
                     journal, extra=self._coordinator_args())
@@ -1100,16 +1100,49 @@ def _ranks(items: list) -> str:
 
 
 ERROR_DIR_PREFIX = "rtxnet-run-errors-"   # + the launcher's pid, in the temporary folder
+JOURNAL_DIR_PREFIX = "rtxnet-journal-"     # + the launcher's pid + "-" + mkdtemp's suffix
 
 
-def _error_dir() -> str:
-    """A new folder for this launcher's ranks' error files, ``rtxnet-run-errors-PID`` in the
-    temporary folder (removed when the run ends). The folders that launchers killed by SIGKILL
-    left (their pid no longer runs; this user's) are removed first."""
+def _journal_unheld(path: str) -> bool:
+    """Whether no process holds the journal lock in folder ``path`` (coordinator.journal takes an
+    exclusive ``lockf`` on ``LOCK`` while it is open; a missing ``LOCK`` holds nothing)."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:   # a daemon holds it
+        return False
+    finally:
+        os.close(fd)   # releases the probe's lock with it
+
+
+def _sweep_left_behind() -> None:
+    """Remove what launchers killed by SIGKILL left in the temporary folder (this user's only, of
+    a launcher pid that no longer runs): their ranks' error-file folders, and the temporary
+    journals they made up when no daemon holds them any more (a journal's own files only, then
+    the folder if nothing else is in it: coordinator.journal.remove_journal)."""
+    from coordinator.journal import remove_journal
+
     tmp = tempfile.gettempdir()
-    for name in os.listdir(tmp):
-        pid = name[len(ERROR_DIR_PREFIX):]
-        if not (name.startswith(ERROR_DIR_PREFIX) and pid.isdigit()) or int(pid) == os.getpid():
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(ERROR_DIR_PREFIX):
+            pid, journal = name[len(ERROR_DIR_PREFIX):], False
+        elif name.startswith(JOURNAL_DIR_PREFIX):
+            pid, journal = name[len(JOURNAL_DIR_PREFIX):].partition("-")[0], True
+        else:
+            continue
+        if not pid.isdigit() or int(pid) == os.getpid():
             continue
         path = os.path.join(tmp, name)
         try:
@@ -1117,10 +1150,20 @@ def _error_dir() -> str:
                 continue
             os.kill(int(pid), 0)
         except ProcessLookupError:   # its launcher is gone
-            shutil.rmtree(path, ignore_errors=True)
+            if not journal:
+                shutil.rmtree(path, ignore_errors=True)
+            elif _journal_unheld(path):
+                remove_journal(path)
         except OSError:
             pass
-    path = os.path.join(tmp, f"{ERROR_DIR_PREFIX}{os.getpid()}")
+
+
+def _error_dir() -> str:
+    """A new folder for this launcher's ranks' error files, ``rtxnet-run-errors-PID`` in the
+    temporary folder (removed when the run ends). What launchers killed by SIGKILL left is
+    removed first (:func:`_sweep_left_behind`)."""
+    _sweep_left_behind()
+    path = os.path.join(tempfile.gettempdir(), f"{ERROR_DIR_PREFIX}{os.getpid()}")
     shutil.rmtree(path, ignore_errors=True)   # a launcher before this one with the same pid
     os.mkdir(path, 0o700)
     return path

@@ -253,7 +253,7 @@ def test_a_frozen_coordinator_does_not_blame_the_ranks_for_its_own_silence(coord
     env = procs.env(RTXNET_HEARTBEAT_INTERVAL="0.1", RTXNET_HEARTBEAT_TIMEOUT="1.0")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--coordinator", coordinator.address,
-         "--job", job, "tools/ft_workload.py", "--steps", "100", "--step-sleep", "0.05",
+         "--job", job, "tools/ft_workload.py", "--steps", "40", "--step-sleep", "0.05",
          "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
@@ -623,7 +623,8 @@ def test_a_journal_that_cannot_be_written_stops_the_daemon_with_exit_code_3(tmp_
                             env=procs.env(), cwd=procs.ROOT, preexec_fn=small_files)
     try:
         address = proc.stdout.readline().strip().split("=", 1)[1]
-        p = probes(address, job="full", world_size=1, timeouts={**FAST, "rendezvous_s": 30.0})
+        # the write that fails is never answered: its kv_set fails at the request deadline
+        p = probes(address, job="full", world_size=1, timeouts={**FAST, "rendezvous_s": 30.0, "request_s": 2.0})
         p.expect("joined")
         acked = 0
         for i in range(20):

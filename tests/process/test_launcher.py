@@ -133,26 +133,52 @@ def test_a_rank_ending_by_sys_exit_is_the_first_failure_not_the_peers_it_left(tm
     assert re.search(r"rank [02] exited with code 1 \(PeerLostError: ", out.stderr), out.stderr[-3000:]
 
 
-def test_the_error_files_folder_of_a_killed_launcher_is_removed_by_the_next_one(tmp_path):
-    # rtxnet-run removes its ranks' error files' folder when it ends; one SIGKILLed cannot
+def test_what_a_killed_launcher_left_is_removed_by_the_next_one(tmp_path):
+    # rtxnet-run removes its ranks' error files' folder and its temporary journal when it ends
+    # (the journal, too, by its coordinator when only the launcher was SIGKILLed); all of them
+    # SIGKILLed together cannot: the next launcher removes both, but keeps a journal that a live
+    # daemon still holds (its lockf on LOCK; here this test's own)
+    import fcntl
+
     script = tmp_path / "sleeps.py"
     script.write_text("import time, rtxnet\ntime.sleep(60)\n")
     env = procs.env(TMPDIR=str(tmp_path))
     first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", str(script)], env=env,
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    left = tmp_path / f"rtxnet-run-errors-{first.pid}"
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    errors = tmp_path / f"rtxnet-run-errors-{first.pid}"
     try:
-        wait_until(left.is_dir, 30, "the first launcher's error files' folder")
+        said = ""
+        for line in first.stderr:   # "coordinator ADDR (journal PATH, pid PID)"
+            said += line
+            if m := re.search(r"\(journal (\S+), pid (\d+)\)", line):
+                break
+        assert m, said
+        journal, coordinator = Path(m.group(1)), int(m.group(2))
+        assert journal.name.startswith(f"rtxnet-journal-{first.pid}-") and journal.parent == tmp_path
+        wait_until(errors.is_dir, 30, "the first launcher's error files' folder")
+        wait_until(lambda: (journal / "LOCK").exists(), 30, "the journal's lock file")
+        first.send_signal(signal.SIGSTOP)   # so that it cannot restart its coordinator
+        os.kill(coordinator, signal.SIGKILL)
     finally:
-        first.kill()   # its rank and coordinator end with it (PR_SET_PDEATHSIG, --journal-owner)
+        first.kill()   # its rank ends with it (PR_SET_PDEATHSIG)
         first.wait(timeout=30)
-    assert left.is_dir()
-    quick = tmp_path / "quick.py"
-    quick.write_text("import rtxnet\n")
-    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", str(quick)], env=env,
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert not list(tmp_path.glob("rtxnet-run-errors-*"))
+        first.stderr.close()
+    held = tmp_path / f"rtxnet-journal-{first.pid}-held"   # a dead launcher's, still held
+    held.mkdir()
+    fd = os.open(held / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert errors.is_dir() and (journal / "LOCK").exists()
+        quick = tmp_path / "quick.py"
+        quick.write_text("import rtxnet\n")
+        out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", str(quick)], env=env,
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert not list(tmp_path.glob("rtxnet-run-errors-*"))
+        assert sorted(p.name for p in tmp_path.glob("rtxnet-journal-*")) == [held.name]
+        assert (held / "LOCK").exists()
+    finally:
+        os.close(fd)
 
 
 def test_exit_code_is_the_first_failing_ranks(tmp_path):
