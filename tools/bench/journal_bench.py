@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from coordinator.journal import Journal
-from rtxnet.config import int_in, output_file
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:   # run as a script: tools.bench.report
+    sys.path.insert(0, str(ROOT))
+
+from coordinator.journal import Journal  # noqa: E402
+from rtxnet.config import int_in, output_file  # noqa: E402
+from tools.bench.report import print_rows, write_rows  # noqa: E402
 
 __all__ = ["bench_journal"]
 
@@ -187,13 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "ack_p50_ms",
         "ack_p99_ms",
     ]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        print("  ".join(str(row[c]).rjust(w) for c, w in zip(columns, widths, strict=True)))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    print_rows(rows, columns)
+    write_rows(args.json, rows)
     group = next(r for r in rows if r["mode"] == "group_commit")
     speedup = group["records_per_s"] / next(
         r["records_per_s"] for r in rows if r["mode"] == "fsync_per_record"

@@ -22,16 +22,21 @@ kept it from running. Each figure is the median of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from rtxnet.config import int_in, output_file
-from rtxnet.statesync import pack_state, unpack_state
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:   # run as a script: tools.bench.report
+    sys.path.insert(0, str(ROOT))
+
+from rtxnet.config import int_in, output_file  # noqa: E402
+from rtxnet.statesync import pack_state, unpack_state  # noqa: E402
+from tools.bench.report import print_rows, write_rows  # noqa: E402
 
 __all__ = ["bench_snapshot"]
 
@@ -128,13 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = bench_snapshot(args.mb, repeat=args.repeat)
     columns = ["mb", "op", "seconds", "gb_per_s", "max_stall_ms", "vs_memcpy"]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        print("  ".join(str(row[c]).rjust(w) for c, w in zip(columns, widths, strict=True)))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    print_rows(rows, columns)
+    write_rows(args.json, rows)
     return 0
 
 
