@@ -1139,7 +1139,10 @@ def _sweep_left_behind() -> None:
         if name.startswith(ERROR_DIR_PREFIX):
             pid, journal = name[len(ERROR_DIR_PREFIX):], False
         elif name.startswith(JOURNAL_DIR_PREFIX):
-            pid, journal = name[len(JOURNAL_DIR_PREFIX):].partition("-")[0], True
+            pid, sep, _ = name[len(JOURNAL_DIR_PREFIX):].partition("-")
+            if not sep:   # not PID-SUFFIX: no launcher of this version made it
+                continue
+            journal = True
         else:
             continue
         if not pid.isdigit() or int(pid) == os.getpid():
