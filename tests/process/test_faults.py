@@ -365,6 +365,9 @@ def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
     assert ("FAILED: committed state lost (no checkpoint recorded): the job had committed step 9, no live rank "
             "held any committed state: 10 committed steps lost, training started again from step 0") in summary
     assert "exit code 1: 10 committed steps were lost, though the launcher exited 0" in summary
+    # the restarted ranks' sync looked for a checkpoint without importing torch on the agent's
+    # loop: before, that import stopped their heartbeats for seconds and both were fenced
+    assert " fenced " not in proc.stderr, proc.stderr[-3000:]
     # the pause was meant for rank 1's first process, killed at step 10: said, not left out
     assert ("fault 'pause:rank=1:step=15:seconds=1' was not injected: 'kill:rank=1:step=10' killed launch "
             "rank 1's first process first, and faults fire only in a rank's first process (a replacement "
