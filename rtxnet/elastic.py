@@ -239,6 +239,7 @@ class FaultTolerance:
         self._skip_told = ""   # why the last vote failed: a collective this rank skipped (_vote)
         self._epoch_seen: dict[int, float] = {}
         self._epoch_lost: dict[int, list[int]] = {}   # epoch -> ranks its membership lost
+        self._epoch_left: set[int] = set()   # epochs made by orderly leaves (pg.close())
         # epoch -> the launch ranks (rtxnet-run's RANK, stable across epochs) its membership lost;
         # None where a lost rank's launch rank is unknown (ranks started by hand, an epoch missed)
         self._epoch_lost_launch: dict[int, list[int] | None] = {}
@@ -353,6 +354,16 @@ class FaultTolerance:
             if self.pg.agent.fenced:
                 raise self._lost_after_training()
             if self._synced_epoch != self.pg.epoch and self._open_failure is None:
+                if self._only_left_since_sync():
+                    # Peers that finished too and closed their group (pg.close() after their
+                    # finish and evaluation) while this rank was still in finish(): the end of
+                    # training, not a loss, and nothing to sync (a sharded state could not be:
+                    # their shards left with them). Before, every such run logged
+                    # lost_between_steps and finished_below_min_world_size (a fresh user's find,
+                    # with states of 300 MB and more: the slower rank was still snapshotting).
+                    log.info("peers_left_after_training", world_size=self.pg.world_size,
+                             epoch=self.pg.epoch, committed_step=self.committed_step)
+                    break
                 self._note_loss_between_steps()    # (a rank lost after the last step)
             if self.pg.world_size < self.min_world_size:
                 # no rank may join to make up the world, and collectives refuse it: each rank
@@ -489,6 +500,8 @@ class FaultTolerance:
                 gone = set(membership.lost)
                 self._pending_joins = [j for j in self._pending_joins if not gone & set(j["added"])]
             elif membership.lost:
+                if reason == "left":
+                    self._epoch_left.add(epoch)
                 self._epoch_lost[epoch] = list(membership.lost)
                 named = [before.get(r) for r in membership.lost]
                 self._epoch_lost_launch[epoch] = None if None in named else named
@@ -1069,6 +1082,12 @@ class FaultTolerance:
         }
         self._event(rec)
         log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
+
+    def _only_left_since_sync(self) -> bool:
+        """Whether every epoch after the last sync, up to the current one, came of orderly
+        leaves (``reason="left"``), each of them seen (an epoch missed could hold a loss)."""
+        later = range(self._synced_epoch + 1, self.pg.epoch + 1)
+        return self._synced_epoch >= 0 and len(later) > 0 and all(e in self._epoch_left for e in later)
 
     def _note_loss_between_steps(self) -> None:
         """Ranks lost after the last step committed and before this one began: no step failed

@@ -1157,6 +1157,44 @@ def test_a_rank_lost_after_the_last_step_costs_nothing_with_finish(tmp_path, kil
         assert "restart 1" not in proc.stderr and "not counted" not in proc.stderr, proc.stderr[-3000:]
 
 
+LEAVES_FIRST = NUMPY_STATE + textwrap.dedent("""
+    import os, time
+    import rtxnet
+
+    pg = rtxnet.init()
+    ft = rtxnet.FaultTolerance(pg, State())
+    while ft.step < 3:
+        with ft.guard() as step:
+            x = np.ones(4, np.float32)
+            pg.all_reduce(x)
+            ft.state.v += x
+    me = os.environ["RANK"]   # (pg.rank: renumbered once rank 0 left)
+    if me == "1":   # still busy after its last step (a slow snapshot) while rank 0 closes
+        time.sleep(1.5)
+    ft.finish()
+    print(f"rank {me}: v={ft.state.v.tolist()} events={[e['event'] for e in ft.events]}", flush=True)
+    pg.close()
+""")
+
+
+def test_a_peer_that_finished_and_closed_first_is_not_reported_lost(tmp_path):
+    """Rank 0 calls finish() and pg.close() while rank 1 is not yet in finish(): rank 1 finds the
+    world shrunk by an orderly leave. That is the end of training: before, it logged
+    lost_between_steps and finished_below_min_world_size, and faultrun listed a lost rank (a
+    fresh user's find, with states of 300 MB and more)."""
+    script = tmp_path / "leaves_first.py"
+    script.write_text(LEAVES_FIRST)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=procs.env(RTXNET_LOG_LEVEL="info"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in (0, 1):
+        assert f"rank {r}: v=[6.0, 6.0, 6.0, 6.0] events=[]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "lost_between_steps" not in proc.stderr and "finished_below_min_world_size" not in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "peers_left_after_training" in proc.stderr, proc.stderr[-3000:]   # rank 1 saw it
+
+
 FROZEN_AFTER_TRAINING = NUMPY_STATE + textwrap.dedent("""
     import os, signal, subprocess, sys, time
     import rtxnet
