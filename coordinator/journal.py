@@ -64,6 +64,7 @@ from transport.errors import JournalCorruptError, JournalError
 __all__ = [
     "Journal",
     "holds_journal",
+    "journal_in_use",
     "remove_journal",
     "MAX_RECORD_NBYTES",
     "MAX_SNAPSHOT_NBYTES",
@@ -84,6 +85,7 @@ MAX_SNAPSHOT_NBYTES = 0xFFFFFFFF - _GENERATION.size  # the frame's u32 length fi
 
 SNAPSHOT_NAME = "snapshot.bin"
 SNAPSHOT_TMP_NAME = "snapshot.bin.tmp"
+LOCK_NAME = "LOCK"   # held with lockf while a daemon has the journal open
 _SEGMENT_RE = re.compile(r"^journal-(\d+)\.log$")
 
 
@@ -105,7 +107,7 @@ def encode_frame(payload: bytes | bytearray | memoryview) -> bytes:
 
 
 def _is_journal_file(name: str) -> bool:
-    return bool(_SEGMENT_RE.match(name)) or name in (SNAPSHOT_NAME, SNAPSHOT_TMP_NAME, "LOCK")
+    return bool(_SEGMENT_RE.match(name)) or name in (SNAPSHOT_NAME, SNAPSHOT_TMP_NAME, LOCK_NAME)
 
 
 def holds_journal(path: str | os.PathLike) -> bool:
@@ -115,6 +117,27 @@ def holds_journal(path: str | os.PathLike) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         return False
     return any(_SEGMENT_RE.match(n) or n in (SNAPSHOT_NAME, SNAPSHOT_TMP_NAME) for n in names)
+
+
+def journal_in_use(path: str | os.PathLike) -> bool:
+    """Whether a process holds the journal in folder ``path`` open (its exclusive ``lockf`` on
+    ``LOCK``, :meth:`Journal._lock_directory`); False when the folder or its lock file is missing.
+    An unreadable lock file counts as in use. The probe's own lock is released before it returns."""
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def remove_journal(path: str | os.PathLike, *, keep_folder: bool = False) -> list[str]:
@@ -714,7 +737,7 @@ class Journal:
         """
         import fcntl
 
-        fd = os.open(self._dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -1001,14 +1001,13 @@ class FaultTolerance:
                     f"ring successor, and both were lost; no checkpoint can replace it "
                     f"({self._no_checkpoint_why()})")
         if source == "ring":
-            states = []
+            blobs = []
             for k in range(old_world):
                 src = holders[k]
                 own = ring["blobs"].get(k) if ring is not None else self._snapshot  # (fresh)
-                mine = own if src == rank else None
-                blob = await self._broadcast_bytes(mine, src)
-                states.append(await asyncio.to_thread(unpack_state, blob))
-            await asyncio.to_thread(self.state.load_state_dicts, states)
+                blobs.append(await self._broadcast_bytes(own if src == rank else None, src))
+            # off the loop, as :meth:`_pack`
+            await asyncio.to_thread(lambda: self.state.load_state_dicts([unpack_state(b) for b in blobs]))
             log.warning("state_resharded", step=best, saved_world_size=old_world, world_size=world,
                      sources={k: holders[k] for k in range(old_world)})
         if source != "in place" or ring is None:

@@ -533,6 +533,7 @@ class Launcher:
         if self.omp_one:
             _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
                  "tune the threads of each rank's math libraries")
+        _sweep_left_behind()   # what SIGKILLed launchers left
         self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         frozen = asyncio.ensure_future(self._watch_frozen())
@@ -1103,32 +1104,12 @@ ERROR_DIR_PREFIX = "rtxnet-run-errors-"   # + the launcher's pid, in the tempora
 JOURNAL_DIR_PREFIX = "rtxnet-journal-"     # + the launcher's pid + "-" + mkdtemp's suffix
 
 
-def _journal_unheld(path: str) -> bool:
-    """Whether no process holds the journal lock in folder ``path`` (coordinator.journal takes an
-    exclusive ``lockf`` on ``LOCK`` while it is open; a missing ``LOCK`` holds nothing)."""
-    import fcntl
-
-    try:
-        fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:   # a daemon holds it
-        return False
-    finally:
-        os.close(fd)   # releases the probe's lock with it
-
-
 def _sweep_left_behind() -> None:
     """Remove what launchers killed by SIGKILL left in the temporary folder (this user's only, of
     a launcher pid that no longer runs): their ranks' error-file folders, and the temporary
     journals they made up when no daemon holds them any more (a journal's own files only, then
     the folder if nothing else is in it: coordinator.journal.remove_journal)."""
-    from coordinator.journal import remove_journal
+    from coordinator.journal import journal_in_use, remove_journal
 
     tmp = tempfile.gettempdir()
     try:
@@ -1155,7 +1136,7 @@ def _sweep_left_behind() -> None:
         except ProcessLookupError:   # its launcher is gone
             if not journal:
                 shutil.rmtree(path, ignore_errors=True)
-            elif _journal_unheld(path):
+            elif not journal_in_use(path):
                 remove_journal(path)
         except OSError:
             pass
@@ -1163,9 +1144,7 @@ def _sweep_left_behind() -> None:
 
 def _error_dir() -> str:
     """A new folder for this launcher's ranks' error files, ``rtxnet-run-errors-PID`` in the
-    temporary folder (removed when the run ends). What launchers killed by SIGKILL left is
-    removed first (:func:`_sweep_left_behind`)."""
-    _sweep_left_behind()
+    temporary folder (removed when the run ends)."""
     path = os.path.join(tempfile.gettempdir(), f"{ERROR_DIR_PREFIX}{os.getpid()}")
     shutil.rmtree(path, ignore_errors=True)   # a launcher before this one with the same pid
     os.mkdir(path, 0o700)

@@ -1170,7 +1170,9 @@ LEAVES_FIRST = NUMPY_STATE + textwrap.dedent("""
             ft.state.v += x
     me = os.environ["RANK"]   # (pg.rank: renumbered once rank 0 left)
     if me == "1":   # still busy after its last step (a slow snapshot) while rank 0 closes
-        time.sleep(1.5)
+        deadline = time.monotonic() + 20
+        while pg.world_size == 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
     ft.finish()
     print(f"rank {me}: v={ft.state.v.tolist()} events={[e['event'] for e in ft.events]}", flush=True)
     pg.close()
