@@ -112,7 +112,8 @@ def test_the_rank_that_raised_first_is_named_as_the_first_failure(tmp_path, slow
     assert "First failure: rank 1, ValueError: boom [...]" in last, last
     assert "Exit code 1: the first failing rank's" in last and "stopped by rtxnet-run (143" not in last, last
     assert re.search(r"rank 1 exited with code (1|143) \(ValueError: boom \[\.\.\.\]\)", out.stderr), out.stderr[-3000:]
-    assert re.search(r"rank 0 exited with code 1 \(PeerLostError: ", out.stderr), out.stderr[-3000:]
+    # (1, or 143 when rtxnet-run's stop came while its PeerLostError ended it: the same race)
+    assert re.search(r"rank 0 exited with code (1|143) \(PeerLostError: ", out.stderr), out.stderr[-3000:]
     if slow_exit:
         assert "rank 1 exited with code 143" in out.stderr and "(then stopped by rtxnet-run as it ended)" in last
     assert not list(tmp_path.glob("rtxnet-run-errors-*")), "the error files' folder was left behind"
