@@ -14,7 +14,8 @@ Durations are finite numbers: ``seconds`` (``S``, ``Ss`` or ``Nms``) above 0 and
 ``ms`` (``N`` or ``Nms``) above 0 and at most 3 600 000, ``after`` (seconds from the rank's start,
 written like ``seconds``) in 0..3600. The hour's bound keeps a pause's resume helper, which sleeps
 for the pause, from outliving a rank that died while paused by more than that. Each field may be
-given once per fault, and ``seed`` once per plan.
+given once per fault, each fault once per plan (two ``rank=any`` faults may pick different
+ranks, so they may look alike), and ``seed`` once per plan.
 
 Where a fault fires (``at=``): ``step`` (default; at the start of step N), ``collective`` (before
 the N-th collective of the rank, with ``collective=N``), ``checkpoint`` (while a checkpoint is
@@ -42,7 +43,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -112,7 +113,8 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
 
     Raises:
         ValueError: names the bad fault and field: an unknown kind or key, a field given twice
-            (or ``seed`` twice), a bad number (not a number, negative, not finite, a duration out
+            (or ``seed`` twice), the same fault twice (``rank=any`` excepted: two of those may
+            pick different ranks), a bad number (not a number, negative, not finite, a duration out
             of range), a missing ``step``, ``collective``, ``seconds`` or ``ms``.
     """
     faults: list[Fault] = []
@@ -146,6 +148,7 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             kv[k] = v.strip()
         pending.append((part, kv | {"__kind": kind}))
     rng = random.Random(seed)
+    seen: dict[Fault, str] = {}   # faults already given (index and text not compared), by text
     for index, (part, kv) in enumerate(pending):
         kind = kv.pop("__kind")
         args: dict[str, Any] = {}
@@ -195,7 +198,14 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             args["after"] = 0.0
         if kind == "kill-coordinator" and "rank" not in args:
             args["rank"] = 0
-        faults.append(Fault(index=index, kind=kind, text=part, **args))
+        fault = Fault(index=index, kind=kind, text=part, **args)
+        key = replace(fault, index=0)
+        if kv.get("rank") != "any":
+            if key in seen:
+                raise ValueError(f"{part!r}: the same fault as {seen[key]!r}, given twice (the "
+                                 f"second could never fire where the first did: give it once)")
+            seen[key] = part
+        faults.append(fault)
     return faults
 
 

@@ -143,16 +143,47 @@ def _die_with_parent() -> None:
         pass
 
 
-def _stop(proc, sig: int) -> None:
-    """Send ``sig`` to a rank, then SIGCONT (as systemd does after SIGTERM): a rank frozen by
-    SIGSTOP would otherwise hold the signal pending until --grace ran out and it was killed, and
-    its handler (a last checkpoint, an error file) would never run. A rank already gone is
-    skipped."""
+def _signal_group(pid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group of the rank whose process id is ``pid``: the rank and
+    every process it started that did not leave its group (a DataLoader worker, a
+    ``subprocess``), since each rank runs in a session of its own, as torchrun's workers do
+    (``start_new_session``; torch.distributed.elastic's SubprocessHandler). Returns False when
+    no process is left in that group."""
     try:
-        proc.send_signal(sig)
-        proc.send_signal(signal.SIGCONT)
+        os.killpg(pid, sig)
     except ProcessLookupError:
-        pass
+        return False
+    return True
+
+
+def _group_members(pgid: int) -> list[str]:
+    """``"PID NAME"`` of each process of process group ``pgid`` that still runs (a zombie, dead
+    and not yet reaped, is not counted)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["status", "name"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(f"{p.pid} {p.info['name']}")
+        except (OSError, psutil.Error):   # gone meanwhile
+            continue
+    return found
+
+
+def _stop(proc, sig: int) -> None:
+    """Send ``sig`` to a rank's process group, then SIGCONT (as systemd does after SIGTERM): a
+    rank frozen by SIGSTOP would otherwise hold the signal pending until --grace ran out and it
+    was killed, and its handler (a last checkpoint, an error file) would never run. A rank
+    already gone is skipped."""
+    if proc.returncode is None and _signal_group(proc.pid, sig):
+        _signal_group(proc.pid, signal.SIGCONT)
+
+
+def _kill(proc) -> None:
+    """SIGKILL a rank's process group (the rank and what it started); a rank gone is skipped."""
+    if proc.returncode is None:
+        _signal_group(proc.pid, signal.SIGKILL)
 
 
 async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
@@ -235,6 +266,8 @@ class Launcher:
         self.others_failed: dict[int, list[int]] = {}
         self._exited_0: list[_Slot] = []     # ranks that exited 0 while others still ran
         self._exits_0_watch: asyncio.Future | None = None
+        # process groups of ended ranks with processes left in them: their SIGKILL (_end_leftovers)
+        self._leftovers: dict[int, asyncio.TimerHandle] = {}
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -283,7 +316,7 @@ class Launcher:
         cmd = [sys.executable, "-u", self.args.script, *self.args.script_args]
         slot.proc = await asyncio.create_subprocess_exec(
             *cmd, env=self._env(slot), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent, start_new_session=True,
         )
         prefix = f"[rank{slot.rank}] ".encode()
         slot.moved = [0]
@@ -295,6 +328,7 @@ class Launcher:
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
+        self._end_leftovers(slot, proc.pid, rc)
         # the rank's last lines, but not forever: a child it left behind may hold its pipes open
         # (given up once nothing came for _DRAIN_S: a long output still moving is read to its end)
         while True:
@@ -305,6 +339,25 @@ class Launcher:
         for t in pending:
             t.cancel()
         await self._exited.put((slot, proc, rc))
+
+    def _end_leftovers(self, slot: _Slot, pgid: int, rc: int) -> None:
+        """The rank's process has ended: what it started in its process group and left running
+        (a DataLoader worker, a subprocess: orphans now) gets SIGTERM and SIGCONT, and SIGKILL
+        --grace seconds later (or at the launcher's end, if sooner), as torchrun's workers' groups
+        do at its end; said in one line."""
+        left = _group_members(pgid)
+        if not left or not _signal_group(pgid, signal.SIGTERM):
+            return
+        _signal_group(pgid, signal.SIGCONT)
+        _say(f"rank {slot.rank} (pid {pgid}) exited {_code(rc)} and left {len(left)} process"
+             f"{'es' if len(left) > 1 else ''} running in its process group ({', '.join(left[:5])}"
+             f"{', ...' if len(left) > 5 else ''}): SIGTERM, SIGKILL after {self.args.grace:g} s")
+        self._leftovers[pgid] = asyncio.get_running_loop().call_later(
+            self.args.grace, self._kill_leftovers, pgid)
+
+    def _kill_leftovers(self, pgid: int) -> None:
+        self._leftovers.pop(pgid, None)
+        _signal_group(pgid, signal.SIGKILL)
 
     def _signal(self, sig: int) -> None:
         first = not self.stopping
@@ -426,10 +479,7 @@ class Launcher:
                 if not said:
                     _say(f"rank {slot.rank} (pid {slot.proc.pid}) still running {self.args.grace:g} s "
                          "after the signal: killing it")
-                try:
-                    slot.proc.kill()
-                except ProcessLookupError:
-                    pass
+                _kill(slot.proc)
 
     async def _probe(self, job: str | None) -> None:
         """_probe_coordinator with what this launch's ranks will ask for, then claim this node
@@ -742,8 +792,7 @@ class Launcher:
                 _say(f"rank {slot.rank} (pid {pid}) was {what} {now - since[pid]:.1f} s ago (its "
                      f"heartbeats stopped: frozen or cut off) and has not come back; {why}: "
                      f"killing it (SIGKILL)")
-                with contextlib.suppress(ProcessLookupError):
-                    slot.proc.kill()
+                _kill(slot.proc)
                 since.pop(pid)
 
     async def _end_fenced_leftovers(self) -> None:
@@ -773,8 +822,7 @@ class Launcher:
                                  f"coordinator (its heartbeats stopped: frozen or cut off) and "
                                  f"still runs {FENCED_GRACE_S:g} s after every other rank ended; "
                                  f"job {self.job} {ended} without it: killing it (SIGKILL)")
-                            with contextlib.suppress(ProcessLookupError):
-                                s.proc.kill()
+                            _kill(s.proc)
                         return
                 else:
                     stuck_since = None
@@ -916,10 +964,13 @@ class Launcher:
         self.done = True
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
-                slot.proc.kill()
+                _kill(slot.proc)
                 await slot.proc.wait()
             if slot.proc is not None:
                 remove_segments(slot.proc.pid)
+        for pgid, timer in list(self._leftovers.items()):
+            timer.cancel()
+            self._kill_leftovers(pgid)
         if self.coordinator_proc is not None and self.coordinator_proc.returncode is None:
             self.coordinator_proc.terminate()
             try:

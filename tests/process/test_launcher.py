@@ -1440,3 +1440,45 @@ def test_a_rank_frozen_by_sigstop_gets_the_stop_signal_at_once_not_after_the_gra
     assert "got sigterm" in out.stdout, (out.stdout, out.stderr)
     assert "rank 1 exited with code 3" in out.stderr, out.stderr
     assert "killing it" not in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_what_a_rank_started_ends_with_it_even_when_it_ignores_sigterm(tmp_path):
+    """Each rank runs in a session of its own, as torchrun's workers do: what it started and left
+    running (a DataLoader worker, a subprocess) is stopped with it (SIGTERM, then SIGKILL after
+    --grace), whether the rank was killed or exited 0. Before, both children below outlived
+    rtxnet-run (ppid 1) until they ended by themselves."""
+    script = tmp_path / "spawner.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        rank = os.environ["RANK"]
+        # rank 1's child ignores SIGTERM: only the SIGKILL after --grace ends it
+        code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('child ready', flush=True); time.sleep(300)") if rank == "1" else "import time; time.sleep(300)"
+        child = subprocess.Popen([sys.executable, "-c", code])
+        open(sys.argv[1] + rank, "w").write(str(child.pid))
+        time.sleep(1.0)
+        if rank == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    pidfile = tmp_path / "child"
+    try:
+        out = run(["--nproc", "2", "--min-ranks", "1", "--grace", "1", str(script), str(pidfile)], timeout=50)
+        assert out.returncode == 137, out.stderr[-3000:]
+        children = {r: int((tmp_path / f"child{r}").read_text()) for r in (0, 1)}
+        for r in (0, 1):
+            assert re.search(rf"rank {r} \(pid \d+\) exited {(0, 137)[r]} and left 1 process running in its "
+                             rf"process group \({children[r]} python[\d.]*\): SIGTERM, SIGKILL after 1 s",
+                             out.stderr), out.stderr[-3000:]
+        # reparented to init once the rank was gone, and reaped there once killed
+        wait_until(lambda: all(_gone(pid) for pid in children.values()), 10,
+                   "the ranks' children ended")
+    finally:
+        for r in (0, 1):
+            _kill_pid_in(tmp_path / f"child{r}")
+
+
+def _gone(pid: int) -> bool:
+    from rtxnet.topology import gone_from_this_host, host_id
+
+    return gone_from_this_host({"host": host_id(), "pid": pid})

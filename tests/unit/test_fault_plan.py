@@ -94,10 +94,11 @@ def test_unreached_faults_are_named_once_with_the_reason():
 
 
 def test_unreached_names_a_repeated_fault_by_its_place_in_the_plan():
-    inj = Injector("kill:rank=0:step=5; kill:rank=0:step=5; delay:rank=0:ms=1")
+    # (two rank=any faults may look alike: the same fault twice is refused, see below)
+    inj = Injector("kill:rank=any:step=5; kill:rank=any:step=5; delay:rank=0:ms=1")
     assert inj.due("step", rank=0, world_size=1, step=1)          # the delay fires every step
     assert inj.unreached(rank=0, world_size=1) == [
-        f"fault 'kill:rank=0:step=5' (#{n} in the plan) was not injected: this process's last "
+        f"fault 'kill:rank=any:step=5' (#{n} in the plan) was not injected: this process's last "
         f"FaultTolerance step was 1" for n in (1, 2)]
 
 
@@ -112,3 +113,15 @@ def test_a_bad_plan_in_the_environment_is_a_config_error_naming_it(monkeypatch):
     monkeypatch.setenv("RTXNET_RESTART_COUNT", "x")
     with pytest.raises(ConfigError, match="RTXNET_FAULTS="):
         Injector.from_env()
+
+
+def test_the_same_fault_twice_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"'kill:step=30:rank=2': the same fault as 'kill:rank=2:step=30', "
+                                         r"given twice"):
+        parse_plan("kill:rank=2:step=30; kill:step=30:rank=2")
+    with pytest.raises(ValueError, match=r"'pause:rank=1:step=5:seconds=2000ms': the same fault as"):
+        parse_plan("pause:rank=1:step=5:seconds=2; pause:rank=1:step=5:seconds=2000ms")
+    # alike but not the same: another step, rank, length; rank=any twice may pick two ranks
+    assert len(parse_plan("kill:rank=2:step=30; kill:rank=2:step=31; kill:rank=1:step=30")) == 3
+    assert len(parse_plan("pause:rank=1:step=5:seconds=2; pause:rank=1:step=5:seconds=3")) == 2
+    assert len(parse_plan("kill:rank=any:step=3; kill:rank=any:step=3", world_size=4)) == 2
