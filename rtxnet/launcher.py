@@ -12,8 +12,10 @@ Each rank gets the ``RTXNET_*`` variables :func:`rtxnet.init` reads, plus ``RANK
 ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as torchrun sets them, and, as torchrun
 does with more than one rank, ``OMP_NUM_THREADS=1`` unless it is set already. Every line a rank
 prints is prefixed with ``[rankN]``. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks
-(as torchrun does), each followed by SIGCONT (as systemd does) so that a rank frozen by SIGSTOP
-handles it instead of holding it pending; ranks still running ``--grace`` seconds later, or at a
+(as torchrun does), to each rank's process group (every rank runs in a session of its own, as
+torchrun's workers do, so what it started gets them too), each followed by SIGCONT (as systemd
+does) so that a rank frozen by SIGSTOP handles it instead of holding it pending; what a rank
+left running in its group when it ended gets SIGTERM, then SIGKILL after ``--grace``; ranks still running ``--grace`` seconds later, or at a
 second such signal, are killed (SIGKILL); the same signal again within 0.5 s is the first delivered twice (coreutils
 ``timeout`` signals rtxnet-run, then its process group), not a second one. A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
