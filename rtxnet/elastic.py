@@ -222,6 +222,10 @@ class FaultTolerance:
         self._ring: dict[str, Any] | None = None
         self._same_step_failures: dict[int, int] = {}
         self._snapshot = pack_state(state.state_dict())
+        # (snapshot, its array) after a step's commit: the next commit's snapshot may be packed
+        # into that array (pack_state(into=)) while self._snapshot is still that snapshot and it
+        # was not sent (_broadcast_bytes)
+        self._reusable: tuple[memoryview, np.ndarray] | None = None
         # sharded_state: (rank, world size) of the epoch this was made in: the layout of the
         # state as built, unless the state says (sharded_layout(): it may have been built in an
         # earlier epoch, before a rank joined)
@@ -588,7 +592,19 @@ class FaultTolerance:
                 self._snapshot = pending[m.rank]
                 self._ring = {"step": step, "epoch": epoch, "world": m.world_size, "blobs": pending}
             else:
-                self._snapshot = await self._pack()
+                # the last snapshot's memory is written over when nothing else reads it (it was
+                # not sent since: _broadcast_bytes drops _reusable) and the layout is the same
+                view, into = self._reusable if self._reusable is not None else (None, None)
+                self._reusable = None
+                if view is not self._snapshot:
+                    into = None
+                try:
+                    self._snapshot = await self._pack(into)
+                except BaseException:
+                    if into is not None:   # (cancelled mid-copy: the old snapshot is torn)
+                        self._holds_state = False
+                    raise
+                self._reusable = (self._snapshot, self._snapshot.obj)
             self._holds_state = True
         elif self._skip_told:
             await self._recover(CollectiveMismatchError(self._skip_told), step)
@@ -884,11 +900,11 @@ class FaultTolerance:
         return self._checkpoint_unusable or (
             "the newest recorded checkpoint is no newer than the live ranks' state")
 
-    async def _pack(self) -> memoryview:
-        """``pack_state(state.state_dict())``, in a worker thread: the loop goes on meanwhile
-        (heartbeats), as the copies release the GIL (a 1.5 GB state packed on the loop took
-        seconds, and the coordinator declared every rank lost at its first step)."""
-        return await asyncio.to_thread(lambda: pack_state(self.state.state_dict()))
+    async def _pack(self, into: np.ndarray | None = None) -> memoryview:
+        """``pack_state(state.state_dict(), into=into)``, in a worker thread: the loop goes on
+        meanwhile (heartbeats), as the copies release the GIL (a 1.5 GB state packed on the loop
+        took seconds, and the coordinator declared every rank lost at its first step)."""
+        return await asyncio.to_thread(lambda: pack_state(self.state.state_dict(), into=into))
 
     async def _load_snapshot(self, blob: Any, what: str, quiet: bool = False) -> bool:
         """Load ``blob`` into the state (in a worker thread, as :meth:`_pack`); False (logged)
@@ -906,7 +922,10 @@ class FaultTolerance:
 
     async def _broadcast_bytes(self, data: Any, src: int) -> Any:
         """``data`` (a blob: bytes-like) of rank ``src`` (None elsewhere) on every rank: its
-        length, then its bytes, received into a uint8 array (not copied again)."""
+        length, then its bytes, received into a uint8 array (not copied again). A snapshot sent
+        is not written over by the next one (``_reusable``)."""
+        if data is not None:
+            self._reusable = None
         n = np.array([0 if data is None else len(data)], dtype=np.int64)
         await self.pg.broadcast(n, src)
         buf = (np.frombuffer(data, dtype=np.uint8) if data is not None   # read-only: the source

@@ -32,7 +32,7 @@ BENCHES = {
     "recovery": (["--trials", "1", "--kinds", "SIGKILL"], lambda d: d["rows"] and d["summary"]),
     "fsdp": (["--worlds", "2", "--width", "64", "--depth", "2"], lambda d: d["rows"]),
     "snapshot": (["--mb", "8", "--repeat", "1"],
-                 lambda d: {(r["mb"], r["op"]) for r in d} == {(8, o) for o in ("pack", "unpack", "memcpy", "tobytes")}),
+                 lambda d: {(r["mb"], r["op"]) for r in d} == {(8, o) for o in ("pack", "unpack", "memcpy", "tobytes", "pack_into", "memcpy_into")}),
 }
 
 

@@ -8,10 +8,15 @@ Run from the repository root::
 For each size a float32 array of that many MB (``2**20`` bytes) is, with a thread beside it that
 sleeps 10 ms at a time, as the agent's heartbeat loop wakes (every 0.2 s by default):
 
-- ``pack``: ``pack_state({"w": a})``, as FaultTolerance snapshots a state after each commit;
+- ``pack``: ``pack_state({"w": a})`` into fresh memory, as FaultTolerance's first snapshot;
+- ``pack_into``: ``pack_state({"w": a}, into=...)`` over the memory of the last snapshot, as
+  FaultTolerance snapshots a state after each commit (the same layout, not sent since);
 - ``unpack``: ``unpack_state`` of that blob, as a rollback or a replacement loads it;
-- ``memcpy`` (the anchor): ``np.copyto`` into a fresh ``np.empty`` of the same size, one copy,
-  the least a snapshot can cost;
+- ``memcpy`` (the anchor of ``pack``, ``unpack`` and ``tobytes``): ``np.copyto`` into a fresh
+  ``np.empty`` of the same size, one copy, the least a snapshot into new memory can cost (the
+  kernel zeroes each fresh page first);
+- ``memcpy_into`` (the anchor of ``pack_into``): ``np.copyto`` into an array written before, the
+  least a snapshot over the last one can cost;
 - ``tobytes``: ``a.tobytes()``, a copy that holds the GIL throughout (pack_state made three such
   copies before; with a 2 s heartbeat timeout, a hold that long gets a rank declared lost).
 
@@ -90,8 +95,9 @@ def bench_snapshot(sizes_mb: list[int], *, repeat: int = 3) -> list[dict]:
 
     Returns:
         One row per (size, op): ``{"bench": "snapshot", "mb": N, "op": "pack" | "unpack" |
-        "memcpy" | "tobytes", "seconds": s, "gb_per_s": r, "max_stall_ms": m,
-        "vs_memcpy": seconds / the memcpy anchor's seconds}``.
+        "memcpy" | "tobytes" | "pack_into" | "memcpy_into", "seconds": s, "gb_per_s": r,
+        "max_stall_ms": m, "anchor": "memcpy" | "memcpy_into", "vs_anchor": seconds / the
+        anchor's seconds, "vs_memcpy": seconds / the memcpy anchor's seconds}``.
 
     Raises:
         ValueError: a size below 1 or ``repeat`` below 1 (names the value).
@@ -112,15 +118,27 @@ def bench_snapshot(sizes_mb: list[int], *, repeat: int = 3) -> list[dict]:
             np.copyto(out, a)
             return out
 
+        written = np.empty_like(a)
+        np.copyto(written, a)
+        last = pack_state({"w": a}).obj          # the last snapshot's memory, written over
+
+        def pack_into(a=a, last=last):
+            out = pack_state({"w": a}, into=last)
+            if out.obj is not last:
+                raise AssertionError(f"{mb} MB: pack_state(into=) did not reuse the memory given")
+            return out
+
         ops = {"memcpy": memcpy, "pack": lambda a=a: pack_state({"w": a}),
-               "unpack": lambda b=blob: unpack_state(b), "tobytes": a.tobytes}
+               "unpack": lambda b=blob: unpack_state(b), "tobytes": a.tobytes,
+               "memcpy_into": lambda a=a, w=written: np.copyto(w, a), "pack_into": pack_into}
         timed = {op: _timed(fn, repeat) for op, fn in ops.items()}
-        anchor = timed["memcpy"][0]
         for op, (secs, stall) in timed.items():
+            anchor = "memcpy_into" if op.endswith("_into") else "memcpy"
             rows.append({"bench": "snapshot", "mb": mb, "op": op, "seconds": round(secs, 4),
                          "gb_per_s": round(a.nbytes / secs / 1e9, 2), "max_stall_ms": round(stall * 1e3, 1),
-                         "vs_memcpy": round(secs / anchor, 2)})
-        del blob, a
+                         "anchor": anchor, "vs_anchor": round(secs / timed[anchor][0], 2),
+                         "vs_memcpy": round(secs / timed["memcpy"][0], 2)})
+        del blob, a, written, last
     return rows
 
 
@@ -132,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
     rows = bench_snapshot(args.mb, repeat=args.repeat)
-    columns = ["mb", "op", "seconds", "gb_per_s", "max_stall_ms", "vs_memcpy"]
+    columns = ["mb", "op", "seconds", "gb_per_s", "max_stall_ms", "anchor", "vs_anchor", "vs_memcpy"]
     print_rows(rows, columns)
     write_rows(args.json, rows)
     return 0
