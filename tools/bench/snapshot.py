@@ -122,7 +122,7 @@ def bench_snapshot(sizes_mb: list[int], *, repeat: int = 3) -> list[dict]:
         np.copyto(written, a)
         last = pack_state({"w": a}).obj          # the last snapshot's memory, written over
 
-        def pack_into(a=a, last=last):
+        def pack_into(a=a, last=last, mb=mb):
             out = pack_state({"w": a}, into=last)
             if out.obj is not last:
                 raise AssertionError(f"{mb} MB: pack_state(into=) did not reuse the memory given")
