@@ -37,14 +37,25 @@ def test_a_duration_must_be_finite_and_in_range(plan, text):
     assert str(info.value).startswith(f"{plan!r}: {text}"), info.value
 
 
-def test_a_repeated_field_is_named():
-    with pytest.raises(ValueError, match=r"'kill:rank=1:step=5:step=6': field 'step' is given twice "
-                                         r"\(step='5' and step='6'\)"):
-        parse_plan("kill:rank=1:step=5:step=6")
-    with pytest.raises(ValueError, match=r"field 'rank' is given twice"):
-        parse_plan("pause:rank=1:step=5:seconds=1:rank=2")
-    with pytest.raises(ValueError, match=r"'seed=2': seed is given twice \(first 'seed=1'\)"):
-        parse_plan("seed=1; kill:rank=any:step=3; seed=2")
+@pytest.mark.parametrize(("plan", "says"), [
+    ("kill:rank=1:step=5:step=6", r"'kill:rank=1:step=5:step=6': field 'step' is given twice \(step='5' and step='6'\)"),
+    ("pause:rank=1:step=5:seconds=1:rank=2", r"field 'rank' is given twice"),
+    ("seed=1; kill:rank=any:step=3; seed=2", r"'seed=2': seed is given twice \(first 'seed=1'\)"),
+    ("kill:rank=2:step=30; kill:step=30:rank=2",
+     r"'kill:step=30:rank=2': the same fault as 'kill:rank=2:step=30', given twice"),
+    ("pause:rank=1:step=5:seconds=2; pause:rank=1:step=5:seconds=2000ms",
+     r"'pause:rank=1:step=5:seconds=2000ms': the same fault as 'pause:rank=1:step=5:seconds=2'"),
+], ids=["field", "rank", "seed", "fault", "fault-in-other-units"])
+def test_a_field_seed_or_fault_given_twice_is_named(plan, says):
+    with pytest.raises(ValueError, match=says):
+        parse_plan(plan)
+
+
+def test_faults_alike_but_not_the_same_are_taken():
+    # another step, rank, length; rank=any twice may pick two ranks
+    assert len(parse_plan("kill:rank=2:step=30; kill:rank=2:step=31; kill:rank=1:step=30")) == 3
+    assert len(parse_plan("pause:rank=1:step=5:seconds=2; pause:rank=1:step=5:seconds=3")) == 2
+    assert len(parse_plan("kill:rank=any:step=3; kill:rank=any:step=3", world_size=4)) == 2
 
 
 def test_units_of_durations():
@@ -114,14 +125,3 @@ def test_a_bad_plan_in_the_environment_is_a_config_error_naming_it(monkeypatch):
     with pytest.raises(ConfigError, match="RTXNET_FAULTS="):
         Injector.from_env()
 
-
-def test_the_same_fault_twice_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"'kill:step=30:rank=2': the same fault as 'kill:rank=2:step=30', "
-                                         r"given twice"):
-        parse_plan("kill:rank=2:step=30; kill:step=30:rank=2")
-    with pytest.raises(ValueError, match=r"'pause:rank=1:step=5:seconds=2000ms': the same fault as"):
-        parse_plan("pause:rank=1:step=5:seconds=2; pause:rank=1:step=5:seconds=2000ms")
-    # alike but not the same: another step, rank, length; rank=any twice may pick two ranks
-    assert len(parse_plan("kill:rank=2:step=30; kill:rank=2:step=31; kill:rank=1:step=30")) == 3
-    assert len(parse_plan("pause:rank=1:step=5:seconds=2; pause:rank=1:step=5:seconds=3")) == 2
-    assert len(parse_plan("kill:rank=any:step=3; kill:rank=any:step=3", world_size=4)) == 2
