@@ -251,8 +251,12 @@ class FaultTolerance:
         # joins seen, reported at the next sync with the step the grown world trains first
         # (the step in flight when the epoch came may still commit in the old world)
         self._pending_joins: list[dict[str, Any]] = []
+        # the epoch this rank was in when this was made: the losses of later epochs, before the
+        # first sync too (a node lost before step 0), happened to a world this rank was in
+        self._made_in = -1
         if self.pg.agent.membership is not None:   # the epoch this rank joined in
             self._note_launch_ranks(self.pg.agent.membership)
+            self._made_in = self.pg.agent.membership.epoch
         self.pg.agent.add_listener(self._on_epoch)
         self._in_step: int | None = None   # the step a guard is running (nested guards refused)
         # why no checkpoint could stand in, when the recorded one failed to load on some rank
@@ -1112,7 +1116,8 @@ class FaultTolerance:
         and none is lost, but the world changed; recorded (``lost_between_steps``) so a report
         shows every loss, not only those that failed a step."""
         epochs = [e for e in sorted(self._epoch_lost)
-                  if e > max(self._synced_epoch, self._noted_through) and self._synced_epoch >= 0]
+                  if e > max(self._synced_epoch, self._noted_through)
+                  and (self._synced_epoch >= 0 or 0 <= self._made_in < e)]
         if not epochs:
             return
         self._noted_through = epochs[-1]   # (finish() may note again before any sync)
@@ -1230,7 +1235,8 @@ def event_ranks(e: dict[str, Any], key: str) -> str:
 
 def describe_loss_between_steps(e: dict[str, Any]) -> str:
     """One line for a ``lost_between_steps`` event."""
-    return (f"epoch {e['epoch']}: {event_ranks(e, 'lost')} lost between steps (before step {e['step']}): "
+    when = "before the first step" if e["step"] == 0 else f"between steps (before step {e['step']})"
+    return (f"epoch {e['epoch']}: {event_ranks(e, 'lost')} lost {when}: "
             f"no step failed; world of {e['world_size']}")
 
 

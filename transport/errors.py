@@ -17,6 +17,8 @@
     |   `-- JobFinishedError        the job ended (every rank left) before this rank rejoined
     |-- CollectiveError
     |   |-- CollectiveMismatchError shapes, dtypes or ops differ across ranks
+    |   |-- CollectiveRefusedError  another rank refused its own call (a bad argument there);
+    |   |                           the group stays in step: no reform (carries that rank)
     |   `-- LinkBrokenError         a peer's bulk TCP stream broke and the peer was not declared
     |                               lost within the grace (carries the peer's rank)
     |-- JournalError
@@ -48,6 +50,7 @@ __all__ = [
     "JobFinishedError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "CollectiveRefusedError",
     "LinkBrokenError",
     "JournalError",
     "JournalCorruptError",
@@ -175,6 +178,27 @@ class CollectiveMismatchError(CollectiveError):
         super().__init__(message)
         self.field = field
         self.values = dict(values or {})
+
+
+class CollectiveRefusedError(CollectiveError):
+    """Another rank refused its own matching call (a bad argument: it raised ``ValueError`` or
+    ``TypeError`` there, before it exchanged anything), so this rank's call failed at once
+    instead of at its deadline.
+
+    The group stays in step: every rank's call of that number failed before any data moved,
+    and the next collective of every rank is matched with the others' next, as before. No
+    ``reform`` is needed; the refusing rank has no epoch to name, and a reform by the other
+    ranks alone would fail its next call with ``ClosedError``.
+
+    Attributes:
+        rank: the rank that refused its call (its rank in the world).
+        reason: that rank's error, ``"ValueError: ..."``.
+    """
+
+    def __init__(self, message: str, *, rank: int, reason: str):
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
 
 
 class LinkBrokenError(CollectiveError):

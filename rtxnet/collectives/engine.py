@@ -38,6 +38,7 @@ from transport.errors import (
     ClosedError,
     CollectiveError,
     CollectiveMismatchError,
+    CollectiveRefusedError,
     CollectiveTimeout,
     ConfigError,
     LinkBrokenError,
@@ -384,9 +385,11 @@ def _error_from_abort(h: DataHeader, name: str, group) -> RtxError:
     cls, msg, ranks = meta
     ranks = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
     if cls in ("ValueError", "TypeError"):   # that rank refused its call (a bad argument)
-        text = f"rank {h.src} refused its call matching this {name} (group {group.gid!r}, seq {h.seq}): {cls}: {msg}"
-    else:
-        text = f"rank {h.src} failed {name} (group {group.gid!r}, seq {h.seq}): {msg}"
+        return CollectiveRefusedError(
+            f"rank {h.src} refused its call matching this {name} (group {group.gid!r}, seq {h.seq}): "
+            f"{cls}: {msg} (every rank's call failed before any data moved: the group is still in "
+            f"step, no reform is needed)", rank=h.src, reason=f"{cls}: {msg}")
+    text = f"rank {h.src} failed {name} (group {group.gid!r}, seq {h.seq}): {msg}"
     if cls == "CollectiveTimeout":
         return CollectiveTimeout(text, ranks=ranks, op=name)
     if cls == "PeerLostError":
@@ -478,7 +481,8 @@ class Engine:
     def epoch(self) -> int | None:
         return None if self.view is None else self.view.epoch
 
-    def set_view(self, view: WorldView, *, lost: Iterable[int] = (), leave_grace_s: float = 0.0) -> None:
+    def set_view(self, view: WorldView, *, lost: Iterable[int] = (), leave_grace_s: float = 0.0,
+                 _left: bool = False) -> None:
         """Enter a new epoch (also the first).
 
         Every in-flight and queued operation of the old epoch fails at once with
@@ -513,8 +517,11 @@ class Engine:
                 return
             lost = sorted(lost)
             if lost:
+                # (ranks that left in order closed their group: gone from this operation all
+                # the same, but not dead, as a tester read "lost" for a peer's pg.close())
+                how = "left (closed their group)" if leave_grace_s > 0 or _left else "lost"
                 exc: RtxError = PeerLostError(
-                    f"ranks {lost} lost; epoch {old.epoch} -> {view.epoch}", ranks=lost,
+                    f"ranks {lost} {how}; epoch {old.epoch} -> {view.epoch}", ranks=lost,
                     epoch=view.epoch)
             else:
                 exc = ClosedError(f"membership changed: epoch {old.epoch} -> {view.epoch}")
@@ -559,7 +566,7 @@ class Engine:
         held = self._drop_deferred()
         if held is not None and self._closed is None:
             view, lost, _ = held
-            self.set_view(view, lost=lost)
+            self.set_view(view, lost=lost, _left=True)   # (held only for ranks that left)
 
     def _drop_deferred(self):
         held, self._deferred = self._deferred, None

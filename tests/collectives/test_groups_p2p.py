@@ -196,9 +196,10 @@ async def root_refuses(engine):
 
 
 async def outcomes(g, calls: dict) -> dict:
-    """``{name: ("Type: message" or "no error", seconds)}`` of each call in turn, and under
-    ``"after"`` the sum of an all_reduce of ones run after them (the group's size if in step)."""
-    out = {}
+    """``{name: ("Type: message" or "no error", seconds)}`` of each call in turn, under
+    ``"refused_by"`` each error's ``rank`` attribute by call, and under ``"after"`` the sum of an
+    all_reduce of ones run after them (the group's size if in step)."""
+    out, refused_by = {}, {}
     for name, call in calls.items():
         t0 = time.monotonic()
         try:
@@ -206,10 +207,11 @@ async def outcomes(g, calls: dict) -> dict:
             out[name] = ("no error", 0.0)
         except Exception as exc:   # noqa: BLE001 - the test asserts on type and text
             out[name] = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+            refused_by[name] = getattr(exc, "rank", None)
     x = np.ones(2)
     await g.all_reduce(x, timeout=20)
     out["after"] = float(x[0])
-    return out
+    return out | {"refused_by": refused_by}
 
 
 def test_a_root_refusing_its_list_tells_the_others_at_once():
@@ -218,10 +220,10 @@ def test_a_root_refusing_its_list_tells_the_others_at_once():
     assert res[1]["scatter"][0] == "ValueError: scatter: scatter_list is required on the source rank"
     for r, out in enumerate(res):
         if r != 0:
-            assert out["gather"][0].startswith("CollectiveError: rank 0 refused its call matching this gather") and \
+            assert out["gather"][0].startswith("CollectiveRefusedError: rank 0 refused its call matching this gather") and \
                 "gather_list[1] is float64[3]" in out["gather"][0], out
         if r != 1:
-            assert out["scatter"][0].startswith("CollectiveError: rank 1 refused its call matching this scatter") and \
+            assert out["scatter"][0].startswith("CollectiveRefusedError: rank 1 refused its call matching this scatter") and \
                 "scatter_list is required" in out["scatter"][0], out
         assert out["gather"][1] < 10 and out["scatter"][1] < 10, out
         assert out["after"] == 3.0
@@ -252,12 +254,14 @@ async def one_rank_refuses(engine):
 def test_a_call_one_rank_refuses_fails_the_others_at_once_and_the_group_goes_on():
     res = run_world(3, one_rank_refuses)
     mine = res[1]
-    for name, (err, took) in [(k, v) for k, v in mine.items() if k != "after"]:
+    for name, (err, took) in [(k, v) for k, v in mine.items() if k not in ("after", "refused_by")]:
         assert err.startswith("ValueError: "), (name, err)
         assert took < 5, (name, took)
         for r in (0, 2):
             theirs, their_took = res[r][name]
-            assert theirs.startswith("CollectiveError: rank 1 refused its call matching this "), (r, name, theirs)
+            assert theirs.startswith("CollectiveRefusedError: rank 1 refused its call matching this "), (r, name, theirs)
+            assert theirs.endswith("the group is still in step, no reform is needed)"), (r, name, theirs)
+            assert res[r]["refused_by"][name] == 1, res[r]["refused_by"]   # exc.rank
             assert err.split(": ", 1)[1] in theirs, (r, name, theirs, err)     # quoted
             assert their_took < 10, (r, name, their_took)
     assert "AVG of integer" in mine["all_reduce"][0] or "AVG" in mine["all_reduce"][0], mine

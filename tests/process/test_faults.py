@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -673,3 +674,53 @@ def test_faultrun_takes_what_was_lost_from_a_survivor_not_from_the_frozen_rank()
     (r,) = faultrun.summarize(events)["recoveries"]
     assert (r["lost"], r["lost_launch"], r["fenced"], r["detection_latency_s"]) == ([0], [0], [0], 0.04)
     assert "no rank lost" not in faultrun.report(faultrun.summarize(events))[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
+    """A world of 3 formed and rank 2 died before any step (a tester's two-node run: the other
+    node's launcher was killed before step 0): the survivors trained on with 2, and each said
+    "no failure seen by this rank"; now the report names the loss."""
+    script = tmp_path / "early_loss.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time
+        import numpy as np
+        import rtxnet
+
+        class State:
+            def __init__(self):
+                self.w = np.zeros(4)
+            def state_dict(self):
+                return {"w": self.w}
+            def load_state_dict(self, d):
+                self.w[...] = d["w"]
+
+        pg = rtxnet.init()
+        state = State()
+        ft = rtxnet.FaultTolerance(pg, state, min_world_size=2)
+        formed = pg.epoch
+        if os.environ["RANK"] == "2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.monotonic() + 20     # until the loss is known here: then step 0
+        while pg.epoch == formed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while ft.step < 3:
+            with ft.guard():
+                x = np.ones(4)
+                pg.all_reduce(x)
+                state.w += x
+        ft.finish()
+        for line in ft.report():
+            print("recovery:", line)
+        print("w", state.w.tolist())
+        pg.close()
+    """))
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2", str(script)],
+                          capture_output=True, text=True, timeout=50, cwd=ROOT, env=procs.env(**FAST))
+    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        report = [line for line in proc.stdout.splitlines() if line.startswith(f"[rank{r}] recovery:")]
+        assert len(report) == 1 and re.fullmatch(
+            rf"\[rank{r}\] recovery: epoch \d+: launch rank 2 lost before the first step: no step failed; "
+            r"world of 2", report[0]), proc.stdout
+        assert f"[rank{r}] w [6.0, 6.0, 6.0, 6.0]" in proc.stdout, proc.stdout   # 3 steps of 2 ranks

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_all_is_pinned():
     assert sorted(rtxnet.__all__) == sorted([
         "BlockingProcessGroup", "CheckpointCorruptError", "CheckpointError", "ClosedError", "CollectiveError",
-        "CollectiveMismatchError", "CollectiveTimeout", "ConfigError", "ConnectError", "CoordinatorLostError",
+        "CollectiveMismatchError", "CollectiveRefusedError", "CollectiveTimeout", "ConfigError", "ConnectError", "CoordinatorLostError",
         "DistributedDataParallel", "FullyShardedDataParallel",
         "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JobFullError", "JournalCorruptError", "JournalError", "LinkBrokenError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
@@ -48,7 +48,7 @@ def test_error_tree_matches_the_style_guide():
         (e.PeerLostError, e.TransportError), (e.RendezvousTimeout, e.RtxTimeoutError),
         (e.CoordinatorLostError, e.TransportError),
         (e.CollectiveTimeout, e.RtxTimeoutError), (e.CollectiveMismatchError, e.CollectiveError),
-        (e.LinkBrokenError, e.CollectiveError),
+        (e.LinkBrokenError, e.CollectiveError), (e.CollectiveRefusedError, e.CollectiveError),
         (e.JournalCorruptError, e.JournalError), (e.CheckpointCorruptError, e.CheckpointError),
         (e.RendezvousError, e.RtxError), (e.JobFinishedError, e.RendezvousError), (e.JobFullError, e.RendezvousError),
     ]:
