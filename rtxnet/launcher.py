@@ -120,7 +120,8 @@ def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-_DRAIN_S = 2.0   # after a rank exits, how long its output is still read
+_DRAIN_S = 2.0   # after a rank exits, how long its output is still read without progress
+_DRAIN_ALONE_S = 10.0   # the same when it left no process in its group (see _watch)
 _NODES_POLL_S = 1.0   # --nnodes > 1: how often the nodes' failed-for-good ranks are compared
 # A coordinator this launcher restarted that dies again within _COORD_STABLE_S of its start is
 # failing (its journal cannot be written or read: exit code 3): it is restarted after a pause
@@ -330,32 +331,38 @@ class Launcher:
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
-        self._end_leftovers(slot, proc.pid, rc)
+        left = self._end_leftovers(slot, proc.pid, rc)
         # the rank's last lines, but not forever: a child it left behind may hold its pipes open
-        # (given up once nothing came for _DRAIN_S: a long output still moving is read to its end)
+        # (given up once nothing came for _DRAIN_S: a long output still moving is read to its end).
+        # With nothing left in its process group the pipes end once read: up to _DRAIN_ALONE_S
+        # without progress is allowed then (on loaded cores this loop was seen to give up on
+        # output still in the pipe after _DRAIN_S; only a process that left the group, setsid,
+        # could still hold them)
+        patience = _DRAIN_S if left else _DRAIN_ALONE_S
         while True:
             before = slot.moved[0]
-            _, pending = await asyncio.wait(slot.pumps, timeout=_DRAIN_S)
+            _, pending = await asyncio.wait(slot.pumps, timeout=patience)
             if not pending or slot.moved[0] == before:
                 break
         for t in pending:
             t.cancel()
         await self._exited.put((slot, proc, rc))
 
-    def _end_leftovers(self, slot: _Slot, pgid: int, rc: int) -> None:
+    def _end_leftovers(self, slot: _Slot, pgid: int, rc: int) -> bool:
         """The rank's process has ended: what it started in its process group and left running
         (a DataLoader worker, a subprocess: orphans now) gets SIGTERM and SIGCONT, and SIGKILL
         --grace seconds later (or at the launcher's end, if sooner), as torchrun's workers' groups
-        do at its end; said in one line."""
+        do at its end; said in one line. Returns whether any was left."""
         left = _group_members(pgid)
         if not left or not _signal_group(pgid, signal.SIGTERM):
-            return
+            return False
         _signal_group(pgid, signal.SIGCONT)
         _say(f"rank {slot.rank} (pid {pgid}) exited {_code(rc)} and left {len(left)} process"
              f"{'es' if len(left) > 1 else ''} running in its process group ({', '.join(left[:5])}"
              f"{', ...' if len(left) > 5 else ''}): SIGTERM, SIGKILL after {self.args.grace:g} s")
         self._leftovers[pgid] = asyncio.get_running_loop().call_later(
             self.args.grace, self._kill_leftovers, pgid)
+        return True
 
     def _kill_leftovers(self, pgid: int) -> None:
         self._leftovers.pop(pgid, None)
