@@ -254,9 +254,15 @@ class FaultTolerance:
         # the epoch this rank was in when this was made: the losses of later epochs, before the
         # first sync too (a node lost before step 0), happened to a world this rank was in
         self._made_in = -1
-        if self.pg.agent.membership is not None:   # the epoch this rank joined in
-            self._note_launch_ranks(self.pg.agent.membership)
-            self._made_in = self.pg.agent.membership.epoch
+        m = self.pg.agent.membership
+        if m is not None:   # the epoch this rank joined in
+            self._note_launch_ranks(m)
+            self._made_in = m.epoch
+            if m.lost and m.rank not in (m.added or ()):
+                # a loss (or leave) that opened the current epoch before this was made, in a
+                # world this rank was in (it was not added with it): noted as if seen
+                self._on_epoch(m, m.reason)
+                self._made_in = m.epoch - 1
         self.pg.agent.add_listener(self._on_epoch)
         self._in_step: int | None = None   # the step a guard is running (nested guards refused)
         # why no checkpoint could stand in, when the recorded one failed to load on some rank

@@ -698,11 +698,10 @@ def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
         pg = rtxnet.init()
         state = State()
         ft = rtxnet.FaultTolerance(pg, state, min_world_size=2)
-        formed = pg.epoch
         if os.environ["RANK"] == "2":
             os.kill(os.getpid(), signal.SIGKILL)
         deadline = time.monotonic() + 20     # until the loss is known here: then step 0
-        while pg.epoch == formed and time.monotonic() < deadline:
+        while pg.world_size == 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         while ft.step < 3:
             with ft.guard():
@@ -721,6 +720,8 @@ def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
     for r in (0, 1):
         report = [line for line in proc.stdout.splitlines() if line.startswith(f"[rank{r}] recovery:")]
         assert len(report) == 1 and re.fullmatch(
-            rf"\[rank{r}\] recovery: epoch \d+: launch rank 2 lost before the first step: no step failed; "
+            # (launch rank 2; plain rank 2 when the loss came before FaultTolerance was made
+            # here: the launch ranks of the world before are not known then)
+            rf"\[rank{r}\] recovery: epoch \d+: (launch )?rank 2 lost before the first step: no step failed; "
             r"world of 2", report[0]), proc.stdout
         assert f"[rank{r}] w [6.0, 6.0, 6.0, 6.0]" in proc.stdout, proc.stdout   # 3 steps of 2 ranks
