@@ -161,7 +161,10 @@ def _signal_group(pid: int, sig: int) -> bool:
 
 def _group_members(pgid: int) -> list[str]:
     """``"PID NAME"`` of each process of process group ``pgid`` that still runs (a zombie, dead
-    and not yet reaped, is not counted)."""
+    and not yet reaped, is not counted). An empty group costs one ``killpg(pgid, 0)``, not a
+    scan of the host's processes (a rank's exit is usually that case)."""
+    if not _signal_group(pgid, 0):
+        return []
     import psutil
 
     found = []
