@@ -115,7 +115,8 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
         ValueError: names the bad fault and field: an unknown kind or key, a field given twice
             (or ``seed`` twice), the same fault twice (``rank=any`` excepted: two of those may
             pick different ranks), a bad number (not a number, negative, not finite, a duration out
-            of range), a missing ``step``, ``collective``, ``seconds`` or ``ms``.
+            of range), a missing ``step``, ``collective``, ``seconds`` or ``ms``; a text that is
+            not empty but names no fault (``";;"``, a ``seed`` alone).
     """
     faults: list[Fault] = []
     seed = 0
@@ -147,6 +148,9 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
                 raise ValueError(f"{part!r}: field {k!r} is given twice ({k}={kv[k]!r} and {k}={v.strip()!r})")
             kv[k] = v.strip()
         pending.append((part, kv | {"__kind": kind}))
+    if not pending and text.strip():
+        # ";;" or a seed alone: most likely a plan lost on its way (a shell variable left empty)
+        raise ValueError(f"{text!r}: no fault in the plan (no faults at all is the empty plan, '')")
     rng = random.Random(seed)
     seen: dict[Fault, str] = {}   # faults already given (index and text not compared), by text
     for index, (part, kv) in enumerate(pending):

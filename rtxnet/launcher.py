@@ -53,6 +53,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -274,6 +275,8 @@ class Launcher:
         self._exits_0_watch: asyncio.Future | None = None
         # process groups of ended ranks with processes left in them: their SIGKILL (_end_leftovers)
         self._leftovers: dict[int, asyncio.TimerHandle] = {}
+        # told each rank's process group, ends them if this launcher dies (rtxnet/_groupguard.py)
+        self._guard: subprocess.Popen | None = None
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -324,6 +327,7 @@ class Launcher:
             *cmd, env=self._env(slot), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             preexec_fn=_die_with_parent, start_new_session=True,
         )
+        self._tell_guard(f"+{slot.proc.pid}")
         prefix = f"[rank{slot.rank}] ".encode()
         slot.moved = [0]
         slot.pumps = [
@@ -335,6 +339,8 @@ class Launcher:
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
         left = self._end_leftovers(slot, proc.pid, rc)
+        if not left:
+            self._tell_guard(f"-{proc.pid}")
         # the rank's last lines, but not forever: a child it left behind may hold its pipes open
         # (given up once nothing came for _DRAIN_S: a long output still moving is read to its end).
         # With nothing left in its process group the pipes end once read: up to _DRAIN_ALONE_S
@@ -370,6 +376,30 @@ class Launcher:
     def _kill_leftovers(self, pgid: int) -> None:
         self._leftovers.pop(pgid, None)
         _signal_group(pgid, signal.SIGKILL)
+        self._tell_guard(f"-{pgid}")
+
+    def _tell_guard(self, line: str) -> None:
+        """Tell the guard of the ranks' process groups (``rtxnet/_groupguard.py``, started on
+        first use) of a rank's new process group (``+PGID``), of one that ended (``-PGID``), or
+        that this launcher ends in order (``done``). A guard that is gone (killed by someone) is
+        said once and not restarted: the ranks still get SIGTERM if this launcher dies."""
+        if self._guard is None:
+            if line == "done":
+                return
+            self._guard = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.join(os.path.dirname(__file__), "_groupguard.py"),
+                 f"{self.args.grace:g}", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+        if self._guard.stdin is None or self._guard.stdin.closed:
+            return
+        try:
+            self._guard.stdin.write(f"{line}\n".encode())
+            self._guard.stdin.flush()
+        except (BrokenPipeError, OSError):
+            _say(f"the guard of the ranks' process groups (pid {self._guard.pid}) is gone: if "
+                 f"this launcher dies, what the ranks started may outlive it")
+            with contextlib.suppress(OSError):
+                self._guard.stdin.close()
 
     def _signal(self, sig: int) -> None:
         first = not self.stopping
@@ -992,6 +1022,15 @@ class Launcher:
                 await self.coordinator_proc.wait()
         if self.tmp_journal:
             shutil.rmtree(self.tmp_journal, ignore_errors=True)
+        if self._guard is not None:
+            self._tell_guard("done")
+            with contextlib.suppress(OSError):
+                self._guard.stdin.close()
+            try:
+                self._guard.wait(5)
+            except subprocess.TimeoutExpired:
+                self._guard.kill()
+                self._guard.wait()
 
 
 class JobIdTaken(RuntimeError):

@@ -576,9 +576,10 @@ def _faultrun(*args: str, env: dict | None = None, timeout: float = 30) -> subpr
     (["--nproc", "0"], "--nproc must be in 1..1024, got 0"),
     (["--min-ranks", "7"], "--min-ranks must be in 1..nproc(2), got 7"),
     (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
-    (["--plan", " ; "], "--plan ' ; ' has no fault: faultrun is for running a script under faults"),
+    (["--plan", " "], "--plan ' ' has no fault: faultrun is for running a script under faults"),
+    (["--plan", " ; "], "--plan: ' ; ': no fault in the plan"),
 ], ids=["timeout-negative", "timeout-nan", "timeout-inf", "plan-bogus", "plan-rank", "nproc-0", "min-ranks",
-        "max-restarts", "plan-empty"])
+        "max-restarts", "plan-empty", "plan-separators"])
 def test_faultrun_refuses_bad_arguments_before_anything_runs(tmp_path, args, says):
     plan = [] if args[0] == "--plan" else ["--plan", "kill:rank=1:step=3"]
     proc = _faultrun(*plan, "--nproc", "2", *args, "--", "tools/ft_workload.py", "--out", str(tmp_path / "out"))

@@ -1480,6 +1480,44 @@ def test_what_a_rank_started_ends_with_it_even_when_it_ignores_sigterm(tmp_path)
             _kill_pid_in(tmp_path / f"child{r}")
 
 
+@pytest.mark.timeout(60)
+def test_what_the_ranks_started_ends_even_when_rtxnet_run_is_sigkilled(tmp_path):
+    """SIGKILL of rtxnet-run: the ranks get SIGTERM (PR_SET_PDEATHSIG), and their process groups
+    (what they started: a child ignoring SIGTERM, one that does not) get SIGTERM and SIGKILL after
+    --grace from rtxnet-run's guard (rtxnet/_groupguard.py). Before, both children outlived it."""
+    script = tmp_path / "spawner.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        rank = os.environ["RANK"]
+        code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+                if rank == "1" else "import time; time.sleep(300)")
+        child = subprocess.Popen([sys.executable, "-c", code])
+        open(sys.argv[1] + rank + ".tmp", "w").write(str(child.pid))
+        os.replace(sys.argv[1] + rank + ".tmp", sys.argv[1] + rank)
+        time.sleep(300)
+    """))
+    pidfile = tmp_path / "child"
+    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "1",
+                                 str(script), str(pidfile)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env=procs.env(), cwd=ROOT)
+    children = {}
+    try:
+        wait_until(lambda: all((tmp_path / f"child{r}").exists() for r in (0, 1)), 40,
+                   "both ranks started their child")
+        children = {r: int((tmp_path / f"child{r}").read_text()) for r in (0, 1)}
+        launcher.kill()
+        _, err = launcher.communicate(timeout=20)   # the guard holds stderr until it is done
+        assert re.search(r"rtxnet-run: launcher pid \d+ is gone: SIGTERM to the process groups of its "
+                         r"ranks \(pgid \d+, \d+\), SIGKILL after 1 s", err), err[-3000:]
+        wait_until(lambda: all(_gone(pid) for pid in children.values()), 10, "the ranks' children ended")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for r in (0, 1):
+            _kill_pid_in(tmp_path / f"child{r}")
+
+
 def _gone(pid: int) -> bool:
     from rtxnet.topology import gone_from_this_host, host_id
 

@@ -51,6 +51,15 @@ def test_a_field_seed_or_fault_given_twice_is_named(plan, says):
         parse_plan(plan)
 
 
+
+@pytest.mark.parametrize("plan", [";;", " ; ", "seed=3", "seed=3;"])
+def test_a_plan_that_names_no_fault_is_refused_but_the_empty_plan_is_taken(plan):
+    # (a shell variable left empty inside --faults "$A;$B" would otherwise run with no fault)
+    with pytest.raises(ValueError, match=rf"^{plan!r}: no fault in the plan \(no faults at all is the empty plan, ''\)$"):
+        parse_plan(plan)
+    assert parse_plan("") == [] and parse_plan("   ") == []
+    assert len(parse_plan("kill:rank=1:step=5;")) == 1
+
 def test_faults_alike_but_not_the_same_are_taken():
     # another step, rank, length; rank=any twice may pick two ranks
     assert len(parse_plan("kill:rank=2:step=30; kill:rank=2:step=31; kill:rank=1:step=30")) == 3
