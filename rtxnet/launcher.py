@@ -1025,12 +1025,7 @@ class Launcher:
         if self._guard is not None:
             self._tell_guard("done")
             with contextlib.suppress(OSError):
-                self._guard.stdin.close()
-            try:
-                self._guard.wait(5)
-            except subprocess.TimeoutExpired:
-                self._guard.kill()
-                self._guard.wait()
+                self._guard.stdin.close()   # it ends by itself on reading "done" (not waited for)
 
 
 class JobIdTaken(RuntimeError):
