@@ -182,6 +182,21 @@ def output_file(text: str) -> Path:
     return path
 
 
+def positive_seconds(text: str) -> float:
+    """An ``argparse`` type: a finite number of seconds above 0; anything else (NaN, inf, 0, a
+    word) is refused naming the value (argparse turns it into exit code 2)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def int_in(lo: int, hi: int):
     """An ``argparse`` type: an integer in ``lo..hi`` (both included); anything else is refused
     naming the value and the range (argparse turns it into exit code 2)."""

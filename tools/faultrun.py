@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import math
 import os
 import re
 import signal
@@ -36,7 +35,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from rtxnet.config import output_file
+from rtxnet.config import output_file, positive_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 20.0   # the launcher gives its ranks 10 s (its --grace) after SIGTERM, then kills them
@@ -434,16 +433,6 @@ def report(summary: dict) -> list[str]:
     return lines
 
 
-def _timeout_s(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:   # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
-
-
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What the launcher would refuse, refused here first with faultrun's own line (the same
     ranges as ``rtxnet-run``, the plan parsed by the same :func:`rtxnet.faults.parse_plan`)."""
@@ -479,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--min-ranks", type=int, default=None)
     ap.add_argument("--max-restarts", type=int, default=0)
-    ap.add_argument("--timeout", type=_timeout_s, default=600.0,
+    ap.add_argument("--timeout", type=positive_seconds, default=600.0,
                     help="seconds before the run is stopped, finite and > 0 (default 600)")
     ap.add_argument("--json", default=None, type=output_file, help="write events and summary here")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")

@@ -74,7 +74,7 @@ def test_collectives_bench_refuses_an_algorithm_an_op_does_not_have(tmp_path):
 def test_multihost_bench_runs_on_two_namespace_hosts(op, tmp_path):
     out = tmp_path / "mh.json"
     proc = subprocess.run([sys.executable, "tools/bench/multihost.py", "--op", op, "--sizes", "1MiB",
-                           "--iters", "1", "--json", str(out)],
+                           "--iters", "1", "--timeout", "80", "--json", str(out)],
                           capture_output=True, text=True, timeout=110, cwd=ROOT, env=procs.env())
     if proc.returncode == 2 and proc.stderr.startswith("multihost: "):
         pytest.skip(proc.stderr.strip())

@@ -350,37 +350,36 @@ def test_rank_fenced_while_waiting_for_a_replacement_rejoins(tmp_path, coordinat
 
 
 def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
-    """Both ranks killed at step 10, restarted, no checkpoint: the job starts again from step 0
-    and finishes (launcher exit 0), but 10 committed steps were lost: faultrun says so and fails."""
+    """The only rank killed at step 10, restarted, no checkpoint: the job starts again from step 0
+    and finishes (launcher exit 0), but 10 committed steps were lost: faultrun says so and fails.
+    (One rank: with two killed at the same step, a CI run saw rank 0 hear of rank 1's loss before
+    its own kill fired and hand the state to rank 1's replacement, so nothing was lost.)"""
     env = procs.env(**FAST)
     proc = subprocess.run(
-        [sys.executable, "tools/faultrun.py", "--plan",
-         "kill:rank=0:step=10; kill:rank=1:step=10; pause:rank=1:step=15:seconds=1", "--nproc", "2",
-         "--max-restarts", "1", "--timeout", "100", "--", "tools/ft_workload.py", "--steps", "20",
-         "--step-sleep", "0.02", "--out", str(tmp_path / "out")],
+        [sys.executable, "tools/faultrun.py", "--plan", "kill:rank=0:step=10; pause:rank=0:step=15:seconds=1",
+         "--nproc", "1", "--max-restarts", "1", "--timeout", "100", "--", "tools/ft_workload.py", "--steps",
+         "20", "--step-sleep", "0.02", "--out", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     summary = proc.stdout[proc.stdout.index("fault plan:"):]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 exited with code 137, SIGKILL; restarted (1/1)" in summary
-    assert "rank 1 exited with code 137, SIGKILL; restarted (1/1)" in summary
     assert ("FAILED: committed state lost (no checkpoint recorded): the job had committed step 9, no live rank "
             "held any committed state: 10 committed steps lost, training started again from step 0") in summary
     assert "exit code 1: 10 committed steps were lost, though the launcher exited 0" in summary
-    # the restarted ranks' sync looked for a checkpoint without importing torch on the agent's
-    # loop: before, that import stopped their heartbeats for seconds and both were fenced
+    # the restarted rank's sync looked for a checkpoint without importing torch on the agent's
+    # loop: before, that import stopped its heartbeats for seconds and it was fenced
     assert " fenced " not in proc.stderr, proc.stderr[-3000:]
-    # the pause was meant for rank 1's first process, killed at step 10: said, not left out
-    assert ("fault 'pause:rank=1:step=15:seconds=1' was not injected: 'kill:rank=1:step=10' killed launch "
-            "rank 1's first process first, and faults fire only in a rank's first process (a replacement "
+    # the pause was meant for rank 0's first process, killed at step 10: said, not left out
+    assert ("fault 'pause:rank=0:step=15:seconds=1' was not injected: 'kill:rank=0:step=10' killed launch "
+            "rank 0's first process first, and faults fire only in a rank's first process (a replacement "
             "runs none)") in summary
     assert summary.count("was not injected") == 1, summary
-    # each restarted process's own record says so too (its summary said "no failure seen")
+    # the restarted process's own record says so too (its summary said "no failure seen")
     finals = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("final-*.json")]
-    assert len(finals) == 2 and all(f["steps"] == 20 for f in finals), finals
-    for f in finals:
-        (lost,) = [e for e in f["events"] if e["event"] == "state_lost"]
-        assert (lost["job_committed_step"], lost["resumed_step"], lost["steps_lost"]) == (9, 0, 10), lost
-        assert "save checkpoints with rtxnet.checkpoint.save" in lost["why"], lost
+    assert len(finals) == 1 and finals[0]["steps"] == 20, finals
+    (lost,) = [e for e in finals[0]["events"] if e["event"] == "state_lost"]
+    assert (lost["job_committed_step"], lost["resumed_step"], lost["steps_lost"]) == (9, 0, 10), lost
+    assert "save checkpoints with rtxnet.checkpoint.save" in lost["why"], lost
 
 
 def test_faultrun_names_each_fault_and_why_it_was_not_injected():

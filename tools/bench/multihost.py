@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rtxnet.config import int_in, output_file
+from rtxnet.config import int_in, output_file, positive_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -147,7 +147,8 @@ def link_rate(hosts, mib: int = 256) -> float:
     try:
         port = sink.stdout.readline().strip()
         src = hosts.popen(0, [sys.executable, "-c", _SOURCE, hosts.addrs[1], port, str(mib)])
-        src.wait(120)
+        if src.wait(120) != 0:   # the sink would wait for its connection forever
+            raise RuntimeError(f"the link test's sender on host 0 exited {src.returncode}")
         n, secs = sink.stdout.readline().split()
         sink.wait(30)
     finally:
@@ -159,7 +160,9 @@ def link_rate(hosts, mib: int = 256) -> float:
 
 # -- driver ----------------------------------------------------------------------------------------
 
-def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce") -> dict:
+def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce", timeout_s: float = 1500.0) -> dict:
+    """Raises RuntimeError: a launcher exited with an error, or both were not done within
+    ``timeout_s`` (killed then, their last output in the message)."""
     import netns
 
     from tests import procs
@@ -178,7 +181,16 @@ def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce") -> 
                         __file__, "--rank-side", "--op", opname, "--out", str(out), "--iters", str(iters),
                         "--sizes", *[f"{s}B" for s in sizes]],
                     env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-            errs = [p.communicate(timeout=1500)[1] for p in launchers]
+            deadline = time.monotonic() + timeout_s
+            try:
+                errs = [p.communicate(timeout=max(0.1, deadline - time.monotonic()))[1] for p in launchers]
+            except subprocess.TimeoutExpired:
+                for p in launchers:
+                    p.kill()
+                tails = [f"node {k} (exit {p.wait()}):\n{p.communicate()[1][-3000:]}"
+                         for k, p in enumerate(launchers)]
+                raise RuntimeError(f"the two launchers were not done within --timeout {timeout_s:g} s; "
+                                   f"killed. Their last output:\n" + "\n".join(tails)) from None
             for p, err in zip(launchers, errs, strict=True):
                 if p.returncode != 0:
                     raise RuntimeError(f"a launcher exited {p.returncode}:\n{err[-3000:]}")
@@ -224,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20])
     ap.add_argument("--iters", type=int_in(1, 10**4), default=5, help="timed iterations per row (default 5)")
     ap.add_argument("--json", default=None, type=output_file, help="write the result here")
+    ap.add_argument("--timeout", type=positive_seconds, default=1500.0,
+                    help="seconds the two launchers get before they are killed, with their output "
+                         "in the error (default 1500)")
     ap.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     import netns
 
     try:
-        res = run(args.rate, args.sizes, args.iters, args.op)
+        res = run(args.rate, args.sizes, args.iters, args.op, args.timeout)
     except netns.Unavailable as exc:
         print(f"multihost: {exc}", file=sys.stderr)
         return 2
