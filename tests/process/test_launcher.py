@@ -1350,20 +1350,20 @@ def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp
     # ranks that had loaded step 8 went on from it, the replicas diverged and the run exited 0)
     script = tmp_path / "corrupt.py"
     script.write_text(CORRUPT_NEWEST)
-    out = run(["--nproc", "3", "--max-restarts", "1", str(script), str(tmp_path / "ckpt"), str(keep)], timeout=90)
+    out = run(["--nproc", "2", "--max-restarts", "1", str(script), str(tmp_path / "ckpt"), str(keep)], timeout=90)
     assert out.returncode == 0, out.stderr[-4000:]
-    for r in range(3):   # 3 ranks x (0 + 1 + ... + 15): steps 4..15 (or 0..15) redone
-        assert f"[rank{r}] done w=360 step=16" in out.stdout, out.stdout
+    for r in range(2):   # 2 ranks x (0 + 1 + ... + 15): steps 4..15 (or 0..15) redone
+        assert f"[rank{r}] done w=240 step=16" in out.stdout, out.stdout
     if keep:
-        assert out.stderr.count("falls_back_to=None") == 3, out.stderr[-4000:]
-        assert out.stderr.count("committed_state_lost") == 3 and "restored_from_checkpoint" not in out.stderr
+        assert out.stderr.count("falls_back_to=None") == 2, out.stderr[-4000:]
+        assert out.stderr.count("committed_state_lost") == 2 and "restored_from_checkpoint" not in out.stderr
         return
-    # the rank that is rank 1 of the restarted world (any launch rank) reads the corrupt shard;
-    # the other two hear of it
+    # the rank that is rank 1 of the restarted world (either launch rank) reads the corrupt shard;
+    # the other hears of it
     assert len(re.findall(r"checkpoint_unusable +error=.CheckpointCorruptError: .*rank-1\.pt: sha256 "
                           r".* falls_back_to=4 ranks=\[1\] .*step=8", out.stderr)) == 1, out.stderr[-4000:]
     assert len(re.findall(r"checkpoint_unusable +error='on another rank' falls_back_to=4 ranks=\[1\]",
-                          out.stderr)) == 2, out.stderr[-4000:]
+                          out.stderr)) == 1, out.stderr[-4000:]
     assert "restored_from_checkpoint" in out.stderr and "step=4" in out.stderr
 
 
