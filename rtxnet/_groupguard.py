@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         return 0
     for g in alive:
         _signal(g, signal.SIGCONT)   # a frozen process would hold SIGTERM pending
-    sys.stderr.write(f"rtxnet-run: launcher pid {launcher} is gone: SIGTERM to the process "
+    sys.stderr.write(f"[rtxnet-run] launcher pid {launcher} is gone: SIGTERM to the process "
                      f"group{'s' if len(alive) > 1 else ''} of its rank{'s' if len(alive) > 1 else ''} "
                      f"(pgid {', '.join(map(str, alive))}), SIGKILL after {grace:g} s\n")
     sys.stderr.flush()

@@ -1507,7 +1507,7 @@ def test_what_the_ranks_started_ends_even_when_rtxnet_run_is_sigkilled(tmp_path)
         children = {r: int((tmp_path / f"child{r}").read_text()) for r in (0, 1)}
         launcher.kill()
         _, err = launcher.communicate(timeout=20)   # the guard holds stderr until it is done
-        assert re.search(r"rtxnet-run: launcher pid \d+ is gone: SIGTERM to the process groups of its "
+        assert re.search(r"\[rtxnet-run\] launcher pid \d+ is gone: SIGTERM to the process groups of its "
                          r"ranks \(pgid \d+, \d+\), SIGKILL after 1 s", err), err[-3000:]
         wait_until(lambda: all(_gone(pid) for pid in children.values()), 10, "the ranks' children ended")
     finally:
