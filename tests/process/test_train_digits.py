@@ -35,10 +35,10 @@ def train(out: Path, *launcher_args: str, nproc: int = 4, script_args: tuple[str
     return {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "metrics": metrics}
 
 
-def final_params(out: Path) -> dict:
+def final_params(out: Path, step: int = 300) -> dict:
     from rtxnet import checkpoint
 
-    state = checkpoint.load(out / "checkpoints", 300, rank=0)
+    state = checkpoint.load(out / "checkpoints", step, rank=0)
     return state["model"]
 
 
@@ -58,12 +58,14 @@ def test_fault_free_run_reaches_95_percent(fault_free):
 
 
 def test_killed_rank_replaced_gives_the_fault_free_parameters(fault_free, tmp_path):
+    # 100 steps, compared with the fault-free run's checkpoint of step 100 (steps 0..99; no
+    # schedule depends on the number of steps)
     ref_out, _ = fault_free
-    run = train(tmp_path, "--max-restarts", "1", "--faults", "kill:rank=2:step=30")
+    run = train(tmp_path, "--max-restarts", "1", "--faults", "kill:rank=2:step=30", script_args=("--steps", "100"))
     assert run["rc"] == 0, run["stderr"][-4000:]
     assert "recovery: fault 'kill:rank=2:step=30': injected on rank 2 at step 30" in run["stdout"]
     assert "steps lost: 1" in run["stdout"] and run["metrics"]["world_size_end"] == 4
-    want, got = final_params(ref_out), final_params(tmp_path)
+    want, got = final_params(ref_out, 100), final_params(tmp_path, 100)
     assert want.keys() == got.keys()
     for k in want:
         rel = float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12))
