@@ -8,14 +8,16 @@
 #   topology.json          `rtxnet topology --json`
 #   digits.log             examples/train_digits.py --device cuda, 4 ranks on the GPU, rank 2 killed
 #   digits_metrics.json    its metrics.json
-#   gpu_bench.json/.png    tools/bench/collectives.py --device cuda (IPC, 2 and 4 ranks, 8 B..1 GiB)
+#   gpu_bench.json/.png    tools/bench/collectives.py --device cuda --compare boards (IPC, 2 and 4
+#                          ranks, 8 B..1 GiB; by default and with RTXNET_IPC_BOARD=1)
 # and ends with a summary (test counts, training result, bench fractions of the copy-rate limit).
 # Exit code: 0 all passed; 1 a step failed (the summary names it); 3 no usable CUDA device (the
 # GPU steps were skipped); 2 usage.
 #
 # How to run it from a session (the working tree travels; .whl/ is git-ignored, so carry it):
-#   1. here, once, from the repository root (fills .whl/ with what the host lacks):
-#        /work/shared/gpu/fetch-wheels.sh ml_dtypes==0.6.0 psutil==7.2.2 typing_extensions==4.15.0
+#   1. here, once, from the repository root (fills .whl/ with what the host lacks: pyzmq,
+#      structlog and pytest-asyncio, as the run of 2026-12-04 found):
+#        /work/shared/gpu/fetch-wheels.sh
 #      (the digits example needs no scikit-learn there: it reads examples/data/digits_seed0.npz;
 #      tqdm and matplotlib are optional)
 #   2. the device tool's run, with carry [".whl"] and timeout_s 420:
@@ -23,7 +25,7 @@
 #      then read the summary at the end of output_tail; the files above come back from $OUT.
 #   A rerun of a part: GPU_CHECK_STEPS="tests bench" (any of: tests digits bench), and
 #   GPU_CHECK_BENCH_ARGS="--max-bytes 256MiB" (extra bench arguments), GPU_CHECK_PYTEST_ARGS
-#   (e.g. "-k ipc"), GPU_CHECK_BUDGET_S (default 250: with the kill graces and the
+#   (e.g. "-k ipc"), GPU_CHECK_BUDGET_S (default 270: with the kill graces and the
 #   summary the run stays within 5 minutes).
 # Off the GPU host (a dry run): PYTHON=.venv/bin/python bash tools/gpu_check.sh /tmp/x  gets
 # through installation and pytest (GPU tests skip), skips the GPU steps and exits 3.
@@ -40,7 +42,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
 STEPS=${GPU_CHECK_STEPS:-tests digits bench}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-250}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-270}
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
 TEE_PID=$!
@@ -162,7 +164,7 @@ fi
 
 # -- 3. Tests -------------------------------------------------------------------------------------
 if want tests; then
-  t=$(allot 170 90)
+  t=$(allot 180 90)
   # the collectives, fault, NCCL, DDP and topology tests first, verbose (a stopped run still
   # shows what passed); the large kernel matrix after, in what time is left, on the device only
   # (its "host" executor and the compile checks run in CI, and every kernel the device tests run
@@ -220,7 +222,7 @@ if want bench; then
     say "bench: tools/bench/collectives.py --device cuda (timeout ${t}s)"
     # shellcheck disable=SC2086
     timeout -k 5 "$t" "$PY" tools/bench/collectives.py --device cuda --ranks 2 4 \
-      --out "$OUTDIR/gpu_bench.json" ${GPU_CHECK_BENCH_ARGS:-}
+      --compare boards --out "$OUTDIR/gpu_bench.json" ${GPU_CHECK_BENCH_ARGS:-}
     RESULT[bench]=$?
   else
     say "bench --device cuda: skipped, no usable CUDA device"
@@ -278,30 +280,47 @@ else:
 
 b = read("gpu_bench.json")
 if b:
-    rows = json.loads(b)
+    every = json.loads(b)
+    rows = [r for r in every if r.get("impl", "rtxnet") == "rtxnet"]
+    alt = {(r["op"], r["ranks"], r["nbytes"]): r for r in every if r.get("impl") == "rtxnet-boards"}
     if rows:
         r0 = rows[0]
         print(f"bench: exit {rc['bench']}; GPU {r0.get('gpu')}, copy rate {r0['copy_rate_gbps']:.0f} GB/s "
-              f"(read + written); fraction of algbw_max ({r0['limit']} for all_reduce):")
+              f"(read + written); fraction of algbw_max ({r0['limit']} for all_reduce), iterations "
+              f"back to back [after a barrier each] (RTXNET_IPC_BOARD=1: back to back):")
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         for n in sorted({r["ranks"] for r in rows}):
             sel = sorted((r for r in rows if r["op"] == op and r["ranks"] == n), key=lambda r: r["nbytes"])
             if not sel:
                 continue
-            big = " ".join(f"{r['nbytes'] >> 20}MiB:{r['frac_of_limit'] * 100:.0f}%" for r in sel if r["nbytes"] >= 1 << 20)
-            small = " ".join(f"{r['nbytes']}B:{r['time_s'] * 1e6:.0f}us" for r in sel if r["nbytes"] < 1 << 20)
+            def frac(r):
+                m = alt.get((r["op"], r["ranks"], r["nbytes"]))
+                return (f"{r['nbytes'] >> 20}MiB:{r['frac_of_limit'] * 100:.0f}%"
+                        f"[{r.get('frac_of_limit_barrier', 0) * 100:.0f}%]"
+                        + (f"({m['frac_of_limit'] * 100:.0f}%)" if m else ""))
+            big = " ".join(frac(r) for r in sel if r["nbytes"] >= 1 << 20)
+            def lat(r):
+                m = alt.get((r["op"], r["ranks"], r["nbytes"]))
+                return (f"{r['nbytes']}B:{r['time_s'] * 1e6:.0f}us"
+                        f"[{r.get('time_barrier_s', 0) * 1e6:.0f}us]"
+                        + (f"({m['time_s'] * 1e6:.0f}us)" if m else ""))
+            small = " ".join(lat(r) for r in sel if r["nbytes"] < 1 << 20)
             print(f"  {op:<15} n={n}  {big}  | latency {small}")
-    target = [r for r in rows if r["op"] == "all_reduce" and r["nbytes"] >= 256 << 20]
-    if target:
-        worst = min(r["frac_of_limit"] for r in target)
-        print(f"  all_reduce >= 256MiB: worst {worst * 100:.0f}% of the limit (target 50%): "
-              f"{'MET' if worst >= 0.5 else 'NOT MET'}")
-    for r in (r for r in rows if r["op"] == "all_reduce" and r.get("phases_us")
+    for name, sel in (("default", rows), ("RTXNET_IPC_BOARD=1", list(alt.values()))):
+        target = [r for r in sel if r["op"] == "all_reduce" and r["nbytes"] >= 256 << 20]
+        if target:
+            worst = min(r["frac_of_limit"] for r in target)
+            worst_b = min(r.get("frac_of_limit_barrier", 0) for r in target)
+            print(f"  {name}: all_reduce >= 256MiB: worst {worst * 100:.0f}% of the limit back to "
+                  f"back, {worst_b * 100:.0f}% after a barrier each (target 50%): "
+                  f"{'MET' if worst >= 0.5 else 'NOT MET'}")
+    for r in (r for r in every if r["op"] == "all_reduce" and r.get("phases_us")
               and r["nbytes"] in (8, 256 << 20)):
         ph = " ".join(f"{k}:{v:.0f}" for k, v in r["phases_us"].items())
-        print(f"  all_reduce n={r['ranks']} {r['nbytes']}B: {r['time_s'] * 1e6:.0f}us in all; "
-              f"IPC phases (us from the exchange's start) {ph}")
-    wrong = [f"{r['op']} n={r['ranks']} {r['nbytes']}B" for r in rows if not r.get("ok", True)]
+        print(f"  {r.get('impl')} all_reduce n={r['ranks']} {r['nbytes']}B: "
+              f"{r.get('time_barrier_s', r['time_s']) * 1e6:.0f}us after a barrier; IPC phases "
+              f"(us from the exchange's start) {ph}; hellos {r.get('hellos')}")
+    wrong = [f"{r.get('impl')} {r['op']} n={r['ranks']} {r['nbytes']}B" for r in every if not r.get("ok", True)]
     print(f"  wrong results: {', '.join(wrong) if wrong else 'none'}")
 else:
     print(f"bench: {rc['bench']}")

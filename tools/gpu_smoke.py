@@ -143,6 +143,37 @@ def main() -> int:
             raise AssertionError(f"{int((d != want).sum())} wrong")
         return f"torch {torch.__version__}"
 
+    @check("host cost of one launch_reduce (2 and 4 sources), eventQuery, eventRecord")
+    def _():
+        import timeit
+
+        from rtxnet.collectives.gpu import kernels
+        from rtxnet.collectives.reduce_ops import ReduceOp
+
+        s = state["stream"]
+        xs = [cupy.zeros(1024, cupy.float32) for _ in range(4)]
+        out = []
+        for k in (2, 4):
+            ptrs = [x.data.ptr for x in xs[:k]]
+
+            def launch(ptrs=ptrs):
+                kernels.launch_reduce(ptrs, ptrs, 1024, np.dtype(np.float32), ReduceOp.SUM,
+                                      stream=s.ptr, device=0)
+            launch()
+            s.stream.synchronize()
+            per = min(timeit.repeat(launch, number=200, repeat=3)) / 200
+            s.stream.synchronize()
+            out.append(f"launch_reduce {k} sources {per * 1e6:.1f} us")
+        ev = cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(s.stream)
+        s.stream.synchronize()
+        rt = cupy.cuda.runtime
+        q = min(timeit.repeat(lambda: rt.eventQuery(ev.ptr), number=1000, repeat=3)) / 1000
+        r = min(timeit.repeat(lambda: rt.eventRecord(ev.ptr, s.ptr), number=1000, repeat=3)) / 1000
+        s.stream.synchronize()
+        out.append(f"eventQuery {q * 1e6:.2f} us, eventRecord {r * 1e6:.2f} us")
+        return "; ".join(out)
+
     @check("cuMemGetAddressRange of an interior pointer, ipcGetMemHandle, ipcGetEventHandle")
     def _():
         from rtxnet.collectives.gpu.ipc import _address_range

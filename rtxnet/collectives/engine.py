@@ -248,14 +248,33 @@ class Op:
         if tr is not None:
             self._trackers.append(tr)
 
+    def send_hello(self, sig: list, extra: Any = None,
+                   payload_for: Callable[[int], Any] | None = None) -> None:
+        """Send this rank's hello (see :meth:`hello`) to every peer, without waiting for theirs."""
+        meta = [sig, extra]
+        for g in self.peers:
+            self.send(g, 0, payload_for(g) if payload_for else None, meta, Kind.HELLO)
+
+    def has_mail(self, g: int, kind: Kind, step: int) -> bool:
+        """Whether group rank ``g``'s message of ``(kind, step)`` came and is not taken yet."""
+        return (g, int(kind), step) in self._mail
+
+    def waiting_for(self, kind: Kind, step: int, granks: Iterable[int]) -> None:
+        """Name ``granks`` as the ranks whose ``(kind, step)`` is due, for a timeout's message,
+        while the operation waits for them other than by message (a signal board)."""
+        self._pending_ks = (int(kind), step)
+        self._pending = set(granks)
+
     async def hello(self, sig: list, extra: Any = None,
-                    payload_for: Callable[[int], Any] | None = None) -> dict[int, tuple[Any, Any]]:
+                    payload_for: Callable[[int], Any] | None = None, *,
+                    send: bool = True) -> dict[int, tuple[Any, Any]]:
         """Exchange signatures with every peer and check that they agree.
 
         Args:
             sig: this rank's values of ``SIG_FIELDS``.
             extra: per-operation data every peer receives (shm segment offer, split color).
             payload_for: group rank -> payload to attach for that peer (or None).
+            send: False when :meth:`send_hello` already sent this rank's hello.
 
         Returns:
             group rank -> (extra, payload) for every rank, this one included (payload None).
@@ -263,9 +282,8 @@ class Op:
         Raises:
             CollectiveMismatchError: signatures differ; raised identically on every rank.
         """
-        meta = [sig, extra]
-        for g in self.peers:
-            self.send(g, 0, payload_for(g) if payload_for else None, meta, Kind.HELLO)
+        if send:
+            self.send_hello(sig, extra, payload_for)
         self._pending_ks = (int(Kind.HELLO), 0)
         self._pending = set(self.peers) - {k[0] for k in self._mail if k[1] == Kind.HELLO}
         got: dict[int, tuple[Any, Any]] = {self.r: (extra, None)}
@@ -718,6 +736,14 @@ class Engine:
             if group is None or key[1] < group._seq:
                 continue
             out.append((group, key[1], sorted({h.src for h, _ in self._early.get(key, ())})))
+        # GPU collectives over CUDA IPC begin on the peers' signal boards, without a message
+        for group in self._groups:
+            ipc = getattr(group._gpu_state, "_ipc", None)
+            if ipc is None or group._dead is not None:
+                continue
+            for seq, senders, since in ipc.ahead(group._seq, now):
+                if now - since >= older_than_s and (before is None or since < before):
+                    out.append((group, seq, senders))
         return out
 
     def _start_op(self, op: Op) -> None:

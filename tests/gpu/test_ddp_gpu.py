@@ -25,9 +25,9 @@ def _torch_cuda():
         pytest.skip(f"torch {torch.__version__} sees no CUDA device")
 
 
-@pytest.mark.parametrize("nproc", [2])
-def test_ddp_on_one_shared_gpu_matches_one_process(tmp_path, nproc):
-    env = procs.env()
+@pytest.mark.parametrize(("nproc", "board"), [(2, "0"), (2, "1")], ids=["2", "2-boards"])
+def test_ddp_on_one_shared_gpu_matches_one_process(tmp_path, nproc, board):
+    env = procs.env(RTXNET_IPC_BOARD=board)
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), str(WORKER), str(tmp_path)],
         capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)

@@ -56,11 +56,14 @@ def _check(name, got, want, errors):
         errors.append(f"{name}: {bad} elements differ")
 
 
-async def ipc_ops(engine, dtypes, sizes, big):
+async def ipc_ops(engine, dtypes, sizes, big, board=True):
+    import os
+
     import cupy
 
     from rtxnet.collectives import ReduceOp
 
+    os.environ["RTXNET_IPC_BOARD"] = "1" if board else "0"   # read by the group's first GPU op
     cupy.cuda.Device(0).use()
     w = engine.world
     n, r = w.size, w.rank
@@ -136,26 +139,115 @@ async def ipc_ops(engine, dtypes, sizes, big):
     again = 0 if ipc is None else len(ipc._opened)
     if n > 1 and again > opened + (n - 1):
         errors.append(f"handle cache grew from {opened} to {again} over 3 reuses of one buffer")
+    # every hello after the first went through the boards, unless they are turned off (all_to_all
+    # and offers of new buffers excepted: those also send messages, counted as fast or full)
+    if ipc is not None:
+        st = ipc.stats
+        if board and not (st["fast"] >= 2 and st["fast"] + st["offers"] > st["full"] > 0):
+            errors.append(f"with boards: hellos {st}")
+        if not board and (st["fast"] or st["offers"] or ipc.handshake.board is not None):
+            errors.append(f"RTXNET_IPC_BOARD=0: hellos {st}")
     return errors
 
 
-@pytest.mark.parametrize("nranks", [1, 2, 4])
-def test_ipc_collectives_match_cupy(nranks):
+@pytest.mark.parametrize(("nranks", "board"),
+                         [(1, False), (2, False), (4, False), (2, True), (4, True)],
+                         ids=["1", "2", "4", "2-boards", "4-boards"])
+def test_ipc_collectives_match_cupy(nranks, board):
+    """Every op, dtype and size against CuPy; "-boards": the hellos and "done"s through signal
+    boards (RTXNET_IPC_BOARD=1) instead of control messages."""
     big = BIG if nranks in (2, 4) else 0
-    res = run_world(nranks, ipc_ops, DTYPES, SIZES, big, timeout_s=90, default_timeout_s=30)
+    res = run_world(nranks, ipc_ops, DTYPES, SIZES, big, board, timeout_s=90,
+                    default_timeout_s=30)
     for rank, errors in enumerate(res):
         assert errors == [], f"rank {rank}: {errors}"
 
 
-async def ipc_mismatches(engine):
+async def ipc_fresh_allocations(engine):
+    """Buffers freed and allocated again (cudaMalloc may hand out the same address for a new
+    allocation, with a new IPC handle): every all_reduce is right, and reused buffers are named
+    by their offer id."""
+    import os
+
+    import cupy
+
+    os.environ["RTXNET_IPC_BOARD"] = "1"
+    cupy.cuda.Device(0).use()
+    w = engine.world
+    n, r = w.size, w.rank
+    pool = cupy.get_default_memory_pool()
+    errors = []
+    for it in range(6):
+        pool.free_all_blocks()
+        size = (1 << 20) + (it % 2) * 4096
+        x = cupy.full(size, r + it, cupy.float32)
+        for rep in range(3):
+            await w.all_reduce(x)
+            want = sum(g + it for g in range(n)) * n ** rep
+            if not bool((x == want).all()):
+                errors.append(f"iteration {it} repeat {rep}: wrong result")
+        x = None
+    return errors, dict(w._gpu_state._ipc.stats)
+
+
+def test_fresh_allocations_at_old_addresses_are_offered_again():
+    res = run_world(2, ipc_fresh_allocations, timeout_s=60, default_timeout_s=20)
+    for rank, (errors, stats) in enumerate(res):
+        assert errors == [], f"rank {rank}: {errors}"
+        # the first operation as messages, each later buffer's first offered by message, its
+        # two repeats through the boards alone
+        assert stats == {"fast": 12, "offers": 5, "full": 1}, f"rank {rank}: {stats}"
+
+
+async def ipc_skipped(engine):
+    """Rank 1 begins an all_reduce rank 0 has not issued: rank 0's engine reports it as skipped
+    (rtxnet.FaultTolerance asks this while a step's vote is pending) though no message came."""
+    import asyncio
+    import os
+
+    import cupy
+
+    os.environ["RTXNET_IPC_BOARD"] = "1"
+    cupy.cuda.Device(0).use()
+    w = engine.world
+    x = cupy.ones(1000, cupy.float32)
+    await w.all_reduce(x)                       # the group is warm: hellos through the boards
+    await w.barrier()
+    if w.rank == 1:
+        await w.all_reduce(x, timeout=30)
+        return None
+    seen = []
+    for _ in range(50):   # polled, as FaultTolerance does: a post counts from when it was seen
+        await asyncio.sleep(0.1)
+        seen = [(s, senders) for g, s, senders in engine.skipped(1.0) if g is w]
+        if seen:
+            break
+    await w.all_reduce(x)
+    return seen, float(x[0])
+
+
+def test_a_gpu_collective_begun_on_the_boards_only_is_seen_as_skipped():
+    res = run_world(2, ipc_skipped, timeout_s=60, default_timeout_s=20)
+    seen, value = res[0]
+    assert value == 4.0
+    assert len(seen) == 1 and seen[0][1] == [1], seen
+
+
+async def ipc_mismatches(engine, warm, board):
+    import os
+
     import cupy
     import numpy as np
 
     from transport.errors import CollectiveMismatchError
 
+    os.environ["RTXNET_IPC_BOARD"] = "1" if board else "0"
     cupy.cuda.Device(0).use()
     w = engine.world
     out = []
+    if warm:   # hellos then go through the boards: a mismatch is found from the hashes
+        for _ in range(2):
+            await w.all_reduce(cupy.ones(10, cupy.float32))
     for x in (cupy.ones(10 + w.rank, cupy.float32),                                 # numel
               cupy.ones(10, cupy.float32) if w.rank == 0 else np.ones(10, np.float32)):  # CPU+GPU
         try:
@@ -169,7 +261,12 @@ async def ipc_mismatches(engine):
     return out
 
 
-def test_mismatches_are_reported_on_every_rank_and_the_group_stays_usable():
+@pytest.mark.parametrize(("warm", "board"), [(False, True), (True, True), (True, False)],
+                         ids=["first-ops", "warm-group", "warm-messages"])
+def test_mismatches_are_reported_on_every_rank_and_the_group_stays_usable(warm, board):
     """Ranks disagreeing on the element count, and a CPU array meeting a GPU array, get the same
-    CollectiveMismatchError on every rank (never a hang), and the next all_reduce is right."""
-    assert run_world(2, ipc_mismatches, timeout_s=60) == [["numel", "algorithm", 3.0]] * 2
+    CollectiveMismatchError on every rank (never a hang), and the next all_reduce is right; in a
+    group's first operations (hellos as messages), in a warm one (through the boards), and
+    without boards."""
+    assert run_world(2, ipc_mismatches, warm, board, timeout_s=60) == \
+        [["numel", "algorithm", 3.0]] * 2

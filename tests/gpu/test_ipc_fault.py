@@ -20,9 +20,11 @@ FAST = {"RTXNET_HEARTBEAT_INTERVAL": "0.1", "RTXNET_HEARTBEAT_TIMEOUT": "1.0",
         "RTXNET_OP_TIMEOUT": "20"}
 
 
-def test_rank_killed_during_ipc_all_reduce(tmp_path):
+@pytest.mark.parametrize("board", ["0", "1"], ids=["messages", "boards"])
+def test_rank_killed_during_ipc_all_reduce(tmp_path, board):
+    """With boards, the survivors wait on the dead rank's board (no message is due from it)."""
     nproc = 4
-    env = procs.env(**FAST)
+    env = procs.env(**FAST, RTXNET_IPC_BOARD=board)
     proc = subprocess.run(
         [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), "--min-ranks",
          str(nproc - 1), "tests/gpu/ipc_kill_worker.py", str(tmp_path)],

@@ -26,23 +26,30 @@ each run's median in ``runs_s``.
 initialised) that all use GPU ``--gpu`` (default 0) with CuPy float32 arrays, so the group's GPU
 path runs CUDA IPC between ranks sharing one GPU. Default ops all_reduce, all_gather and
 reduce_scatter; default sizes 8 B and 4 KiB (latency) and 1 MiB to 1 GiB (``--max-bytes`` drops
-the larger ones). An iteration ends when the rank's current stream has finished
-(``stream.synchronize()`` after the awaited collective). Each (op, size) first checks one result
-(``ok`` in the JSON), then times with zeros. The anchor is measured in the same run, in a
-separate spawned process: the device-to-device copy rate, ``copy_rate = 2 * 1 GiB / time`` of a
-1 GiB ``cudaMemcpyAsync`` (bytes read plus written). Ranks sharing one GPU share its memory
-bandwidth, and each must at least read its input once and write its output once, so
+the larger ones). Each (op, size) first checks one result (``ok`` in the JSON), then times with
+zeros, twice: as nccl-tests does, the timed iterations back to back after one barrier, then the
+rank's current stream synchronised, ``time_s`` being the slowest rank's mean; and each iteration
+alone, started right after a barrier and ended when the rank's stream has finished,
+``time_barrier_s`` being the median over iterations of the slowest rank's time (each call's own
+latency, with the barrier's release skew in it). ``--compare boards`` runs every world again
+with ``RTXNET_IPC_BOARD=1`` (impl ``rtxnet-boards``): the IPC hellos and "done"s through signal
+boards in shared memory instead of control messages (``rtxnet.collectives.gpu.handshake``). The
+anchor is measured in the same run, in a separate spawned process: the device-to-device copy
+rate, ``copy_rate = 2 * 1 GiB / time`` of a 1 GiB ``cudaMemcpyAsync`` (bytes read plus written).
+Ranks sharing one GPU share its memory bandwidth, and each must at least read its input once and
+write its output once, so
 
     all_reduce:                 n ranks read S and write S each     algbw_max = copy_rate / (2n)
     all_gather, reduce_scatter: inputs S in all, outputs n*S or S   algbw_max = copy_rate / (n+1)
                                 (S the nccl-tests size: the gathered output, the scattered input)
 
 and every GPU row carries ``copy_rate_gbps``, ``algbw_max_gbps``, ``frac_of_limit`` (algbw /
-algbw_max) and ``limit`` (the rule used), besides the CPU rows' fields, and ``phases_us``: where
-the time went, as the median over ranks and iterations of each phase of the IPC protocol
-(``IpcState.phases``: offers received, peers' inputs ready, work enqueued, completed, peers done),
-in microseconds from the start of the exchange; also printed after the table. gloo is not run
-there.
+algbw_max; ``frac_of_limit_barrier`` from ``time_barrier_s``) and ``limit`` (the rule used),
+besides the CPU rows' fields, ``hellos`` (rank 0's IPC hellos so far: through the boards alone,
+with offers by message, as messages), and ``phases_us``: where the time went, as the median over
+ranks and iterations of each phase of the IPC protocol (``IpcState.phases``: offers received,
+peers' inputs ready, work enqueued, completed, peers done), in microseconds from the start of the
+exchange; also printed after the table. gloo is not run there.
 """
 
 from __future__ import annotations
@@ -175,11 +182,17 @@ def _merge(results):
 
 # -- rtxnet on one GPU (CUDA IPC) ----------------------------------------------------------------
 
-async def rtxnet_rank_cuda(engine, ops, sizes, device):
+async def rtxnet_rank_cuda(engine, ops, sizes, device, board=None):
     """One rank of ``--device cuda``: every (op, size) checked once, then timed; returns
-    ``[(op, nbytes, times_s, ok, phases)]``, ``phases`` the IPC state's phase times of every
-    timed iteration (``IpcState.phases``; empty for a group of one)."""
+    ``[(op, nbytes, times_s, ok, phases, mean_s, hellos)]``, ``phases`` the IPC state's phase
+    times of every iteration timed after a barrier (``IpcState.phases``; empty for a group of
+    one), ``mean_s`` the back-to-back mean, ``hellos`` ``IpcState.stats`` after it."""
     import cupy
+
+    if board is not None:
+        # read when the group's IPC state is made, at its first GPU collective; set here, in
+        # the rank (a forkserver's children do not see the parent's later environment)
+        os.environ["RTXNET_IPC_BOARD"] = "1" if board else "0"
 
     cupy.cuda.Device(device).use()
     g = engine.world
@@ -214,6 +227,14 @@ async def rtxnet_rank_cuda(engine, ops, sizes, device):
             for _ in range(warm):
                 await call()
             stream.synchronize()
+            # as nccl-tests: the iterations back to back, their mean
+            await g.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                await call()
+            stream.synchronize()
+            mean = (time.perf_counter() - t0) / iters
+            # each iteration alone, started right after a barrier (its own latency)
             times, phases = [], []
             for _ in range(iters):
                 await g.barrier()
@@ -223,19 +244,30 @@ async def rtxnet_rank_cuda(engine, ops, sizes, device):
                 times.append(time.perf_counter() - t0)
                 ipc = getattr(g._gpu_state, "_ipc", None)
                 phases.append(dict(ipc.phases) if ipc is not None else {})
-            rows.append((op, actual, times, ok, phases))
+            ipc = getattr(g._gpu_state, "_ipc", None)
+            stats = dict(ipc.stats) if ipc is not None else {}
+            rows.append((op, actual, times, ok, phases, mean, stats))
             x = out = call = None      # free before the next, possibly larger, allocation
     return rows
 
 
-def run_rtxnet_cuda(n, ops, sizes, device):
+def run_rtxnet_cuda(n, ops, sizes, device, board=None):
+    """One world of ``n`` ranks on GPU ``device``; ``board`` True or False runs it with
+    ``RTXNET_IPC_BOARD`` 1 or 0 (signal boards, or every IPC hello and "done" as a message),
+    None with this process's environment. Returns ``(rows, oks,
+    phases, stats)``: ``rows`` ``[(op, nbytes, mean_s, median_barrier_s)]`` (the slowest rank's
+    back-to-back mean, and the median over iterations of the slowest rank's time after a
+    barrier), ``oks`` whether each checked result was right on every rank, ``phases`` the IPC
+    phase medians, ``stats`` the IPC hellos by board and by message (rank 0's, cumulative)."""
     from tests.collectives.harness import run_world
 
-    results = run_world(n, rtxnet_rank_cuda, ops, sizes, device, timeout_s=600,
+    results = run_world(n, rtxnet_rank_cuda, ops, sizes, device, board, timeout_s=600,
                         default_timeout_s=120)
-    merged = _merge(results)
+    merged = [(op, nbytes, max(r[i][5] for r in results), barrier_s)
+              for i, (op, nbytes, barrier_s) in enumerate(_merge(results))]
     oks = [all(r[i][3] for r in results) for i in range(len(results[0]))]
-    return merged, oks, [_phase_medians([r[i][4] for r in results]) for i in range(len(oks))]
+    return (merged, oks, [_phase_medians([r[i][4] for r in results]) for i in range(len(oks))],
+            [results[0][i][6] for i in range(len(oks))])
 
 
 PHASES = ("hello", "peers_ready", "launched", "local_done", "peers_done")
@@ -461,12 +493,14 @@ def print_phases(rows) -> None:
     rows = [r for r in rows if r.get("phases_us")]
     if not rows:
         return
-    lines = [["op", "ranks", "size", "total", *PHASES]]
+    lines = [["impl", "op", "ranks", "size", "total", *PHASES]]
     for r in rows:
         ph = r["phases_us"]
-        lines.append([r["op"], str(r["ranks"]), fmt_size(r["nbytes"]), f"{r['time_s'] * 1e6:.0f}",
-                      *(f"{ph[p]:.0f}" if p in ph else "-" for p in PHASES)])
-    print("\nIPC phases (median us from the start of the exchange):", file=sys.stderr)
+        total = r.get("time_barrier_s", r["time_s"])
+        lines.append([r["impl"], r["op"], str(r["ranks"]), fmt_size(r["nbytes"]),
+                      f"{total * 1e6:.0f}", *(f"{ph[p]:.0f}" if p in ph else "-" for p in PHASES)])
+    print("\nIPC phases (median us from the start of the exchange; total: the iteration after a "
+          "barrier, time_barrier_s):", file=sys.stderr)
     for line in columns(lines):
         print(line, file=sys.stderr)
 
@@ -514,8 +548,10 @@ def main(argv=None):
     p.add_argument("--gpu", type=int, default=0, help="--device cuda: the GPU every rank uses")
     p.add_argument("--max-bytes", type=parse_size, default=None,
                    help="drop sizes above this one (e.g. 256MiB)")
-    p.add_argument("--compare", choices=["gloo", "none"], default=None,
-                   help="gloo (default on cpu) or none (the only choice on cuda)")
+    p.add_argument("--compare", choices=["gloo", "boards", "none"], default=None,
+                   help="gloo (cpu; the default there), boards (cuda: also run with "
+                        "RTXNET_IPC_BOARD=1, the IPC hellos and 'done's through signal boards), "
+                        "or none (the default on cuda)")
     p.add_argument("--no-shm", action="store_true", help="rtxnet over TCP only")
     p.add_argument("--algorithm", default=None,
                    help="cpu: force rtxnet's algorithm for every op (e.g. direct, ring, shm; "
@@ -539,6 +575,8 @@ def main(argv=None):
         args.compare = "none" if cuda else "gloo"
     if cuda and args.compare == "gloo":
         p.error("--compare gloo is for --device cpu; on cuda the anchor is the copy rate")
+    if not cuda and args.compare == "boards":
+        p.error("--compare boards is for --device cuda (the IPC signal boards)")
     if args.repeat < 1:
         p.error(f"--repeat({args.repeat}) must be >= 1")
     if args.algorithm is not None:
@@ -579,24 +617,36 @@ def run_cuda(args) -> list[dict]:
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rate = copy["copy_rate_gbps"]
     rows = []
+    impls = [("rtxnet", "cuda-ipc", None)]
+    if args.compare == "boards":
+        impls.append(("rtxnet-boards", "cuda-ipc/boards", True))
     for n in args.ranks:
-        runs, oks, phases = [], None, None
-        for k in range(args.repeat):
-            t0 = time.perf_counter()
-            merged, ok, phases = run_rtxnet_cuda(n, args.ops, args.sizes, args.gpu)
-            runs.append(merged)
-            oks = ok if oks is None else [a and b for a, b in zip(oks, ok, strict=True)]
-            print(f"rtxnet cuda n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr)
-        for row, ok, ph in zip(to_rows("rtxnet", n, "cuda-ipc", runs), oks, phases, strict=True):
-            limit, rule = gpu_limit(row["op"], n, rate)
-            row.update(device=f"cuda:{args.gpu}", gpu=copy["gpu"], ok=ok, copy_rate_gbps=rate,
-                       phases_us=ph,
-                       algbw_max_gbps=limit, limit=rule,
-                       frac_of_limit=row["algbw_gbps"] / limit if limit > 0 else None)
-            rows.append(row)
+        for impl, transport, board in impls:
+            runs, barrier_runs, oks, phases, stats = [], [], None, None, None
+            for k in range(args.repeat):
+                t0 = time.perf_counter()
+                merged, ok, phases, stats = run_rtxnet_cuda(n, args.ops, args.sizes, args.gpu,
+                                                            board=board)
+                runs.append([m[:3] for m in merged])
+                barrier_runs.append([(m[0], m[1], m[3]) for m in merged])
+                oks = ok if oks is None else [a and b for a, b in zip(oks, ok, strict=True)]
+                print(f"{impl} cuda n={n} run {k} done in {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr)
+            barrier = to_rows(impl, n, transport, barrier_runs)
+            for row, ok, ph, st, lat in zip(to_rows(impl, n, transport, runs), oks, phases, stats,
+                                            barrier, strict=True):
+                limit, rule = gpu_limit(row["op"], n, rate)
+                row.update(device=f"cuda:{args.gpu}", gpu=copy["gpu"], ok=ok,
+                           copy_rate_gbps=rate, phases_us=ph, hellos=st,
+                           time_barrier_s=lat["time_s"],
+                           algbw_max_gbps=limit, limit=rule,
+                           frac_of_limit=row["algbw_gbps"] / limit if limit > 0 else None,
+                           frac_of_limit_barrier=(lat["algbw_gbps"] / limit if limit > 0
+                                                  else None))
+                rows.append(row)
     print_phases(rows)
-    wrong = [f"{r['op']} n={r['ranks']} {fmt_size(r['nbytes'])}" for r in rows if not r["ok"]]
+    wrong = [f"{r['impl']} {r['op']} n={r['ranks']} {fmt_size(r['nbytes'])}" for r in rows
+             if not r["ok"]]
     if wrong:
         print(f"WRONG RESULTS: {', '.join(wrong)}", file=sys.stderr)
     return rows

@@ -15,6 +15,8 @@ Modules:
   ``cudaEventQuery`` with back-off, so the event loop never blocks on the GPU).
 - :mod:`.kernels`: the reduction/copy kernels (NVRTC-compiled CUDA C, no headers).
 - :mod:`.ipc`: same-host collectives over CUDA IPC memory and event handles.
+- :mod:`.handshake`: their hello and "done" between ranks, as control messages or through
+  :mod:`.board` (signal boards: a few words per rank in host shared memory, ``RTXNET_IPC_BOARD=1``).
 - :mod:`.nccl`: NCCL communicators from a unique id exchanged through the coordinator's store.
 - :mod:`.backend`: ``GpuGroup``, the per-group choice between them (topology exchange on first
   use) and the operations ``Group`` calls.

@@ -7,25 +7,39 @@ a peer opens each handle once (``cudaIpcOpenMemHandle``) and caches it by the ha
 training loop that reuses its buckets opens nothing after the first step. Handles are closed when
 the group's epoch ends and at exit.
 
-Ordering uses one inter-process CUDA event per rank and group, ``ready``:
+Ordering uses two inter-process CUDA events per rank and group, ``ready`` and ``done``, and the
+group's :class:`.handshake.Handshake` (control messages, or signal boards: a few words in host
+shared memory that peers poll, see :mod:`.handshake`):
 
-1. rtxnet's stream waits for the user's stream, then records ``ready``; the hello, sent at once
-   (so the message overlaps the GPU work still pending before ``ready``), carries the buffer
-   handles and the event's handle.
-2. On receiving every peer's hello, the host polls each peer's ``ready`` (``cudaEventQuery`` on
-   the opened handle) until it has completed, then enqueues this rank's share of the work,
-   reading and writing peers' memory directly.
-3. Once that work has completed (polled), the rank sends a small "done" message; on receiving
-   every peer's, every write into this rank's memory is complete, and the operation returns.
+1. rtxnet's stream waits for the user's stream, then records ``ready``, and the rank offers its
+   buffers (their IPC handles and offsets) and its events' handles to its peers: the hello,
+   sent at once, so it overlaps the GPU work still pending before ``ready``.
+2. Once it has every peer's offer, the rank maps their buffers (each allocation opened once),
+   polls each peer's ``ready`` (``cudaEventQuery`` on the opened handle, on the host) until it
+   has completed, then enqueues its share of the work, reading and writing peers' memory
+   directly, and records ``done`` behind it.
+3. It waits (polling) until its own ``done`` has completed and every peer's work has: with
+   boards, each peer posts that its ``done`` is recorded and this rank polls that event; without,
+   each peer sends a "done" message once its work completed. Every write into this rank's
+   memory is then complete, and the operation returns.
+
+Without boards (the default) every hello and "done" is a message: about 100 us each way through
+the engine on an H200 host, three such steps per operation. ``RTXNET_IPC_BOARD=1`` (read when a
+group makes its IPC state, at its first GPU collective) turns the boards on: once a group is warm
+an operation sends no message at all, unless it offers buffers the peers do not hold yet. Opt-in
+until it has run on a GPU: its protocol is tested on the CPU (``tests/collectives/
+test_handshake.py``), the CUDA side by ``tests/gpu/test_ipc.py``, and ``tools/bench/
+collectives.py --device cuda --compare messages`` measures both.
 
 The stream never waits on the GPU for another process: a peer that dies before its ``ready``
 completes would otherwise leave this rank's stream blocked forever, with a kernel queued behind
 the wait that could write into memory already reused after recovery. Host-side polling instead
 ends with the op's ``PeerLostError`` or ``CollectiveTimeout``, and nothing is left queued.
 
-Why one event suffices: a rank records ``ready`` of operation k+1 only after operation k finished
-on its host side, which needs every peer's "done" message of k, which each peer sends after it
-stopped polling ``ready`` of k.
+Why one event of each kind suffices: a rank records ``ready`` of operation k+1 only after
+operation k finished on its host side, which needs every peer's "done" of k, which each peer
+gives after it stopped polling ``ready`` of k; and it records ``done`` of k+1 only after every
+peer's hello of k+1, which each gives after it stopped polling ``done`` of k.
 
 Work per rank, with ``W`` ranks and ``S`` bytes per rank (every rank's input read once and every
 output written once, the physical limit when ranks share one GPU's memory):
@@ -49,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import os
 import time
 from collections import OrderedDict
 
@@ -57,7 +70,8 @@ import numpy as np
 import structlog
 
 from rtxnet.collectives.gpu import kernels
-from rtxnet.collectives.gpu.stream import DeviceStream, await_event, poll_delay
+from rtxnet.collectives.gpu.handshake import Handshake, make_board
+from rtxnet.collectives.gpu.stream import DeviceStream, poll_delay
 from rtxnet.collectives.reduce_ops import ReduceOp
 from transport.errors import CollectiveError
 
@@ -66,9 +80,9 @@ __all__ = ["IpcState", "MAX_RANKS", "chunk_bounds"]
 log = structlog.get_logger(__name__)
 
 MAX_RANKS = kernels.MAX_POINTERS  # a fused kernel takes at most this many peer pointers
-_DONE_STEP = 1
 _RAW = {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 _OPEN_CACHE = 256                 # opened peer allocations kept per group
+_NOT_READY = 600                  # cudaErrorNotReady (driver_types.h)
 _libcuda = None
 
 
@@ -129,16 +143,26 @@ class IpcState:
         with self.stream.use():
             self._ready = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
             self._ready_h = bytes(self._rt.ipcGetEventHandle(self._ready.ptr))
+            self._done = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            self._done_h = bytes(self._rt.ipcGetEventHandle(self._done.ptr))
         self._opened: OrderedDict[bytes, int] = OrderedDict()   # mem handle -> mapped base
         self._peer_events: dict[bytes, int] = {}                 # event handle -> event
+        self._peer_done: dict[int, int] = {}                     # group rank -> its done event
         self._tainted = False
         self._closed = False
         self._t0 = 0.0
+        self._not_ready = getattr(self._rt, "errorNotReady", _NOT_READY)
+        self.handshake = Handshake(group, make_board(group))
         #: the last operation's phases, in seconds from its start (``time.perf_counter``), for
-        #: benchmarks: ``hello`` (every peer's offer received), ``peers_ready`` (their ``ready``
+        #: benchmarks: ``hello`` (every peer's offer known), ``peers_ready`` (their ``ready``
         #: events completed), ``launched`` (this rank's work enqueued), ``local_done`` (completed
-        #: on the GPU), ``peers_done`` (every peer's "done" received).
+        #: on the GPU), ``peers_done`` (every peer's work completed).
         self.phases: dict[str, float] = {}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Hellos through the boards and as messages (:attr:`.handshake.Handshake.stats`)."""
+        return self.handshake.stats
 
     def _phase(self, name: str) -> None:
         self.phases[name] = time.perf_counter() - self._t0
@@ -200,8 +224,8 @@ class IpcState:
     async def exchange(self, op, sig: list, user_stream: int, exports: list[int],
                        extra=None) -> tuple[dict[int, list[int]], dict]:
         """Phase 1-2: order after the user's stream, offer ``exports`` (device addresses) and the
-        ``ready`` event in the hello, map every peer's offers and wait (polling on the host) until
-        every peer's ``ready`` has completed.
+        events (:class:`.handshake.Handshake`: through the boards, or as messages), map every
+        peer's offers and wait (polling on the host) until every peer's ``ready`` has completed.
 
         Returns:
             ``(ptrs, extras)``: group rank -> the addresses it offered, as mapped here (this
@@ -222,21 +246,22 @@ class IpcState:
         self.stream.after(user_stream)
         with self.stream.use():
             self._rt.eventRecord(self._ready.ptr, self.stream.ptr)
-        offer = [os.getpid(), [self._export(p) for p in exports], self._ready_h, extra]
-        got = await op.hello(sig, offer)
+        items = [self._export(p) for p in exports]
+        key = tuple(None if it is None else (it[0], it[1]) for it in items)
+        got = await self.handshake.hello(op, sig, [items, self._ready_h, self._done_h, extra],
+                                         key, per_call=extra is not None)
         self._phase("hello")
         ptrs: dict[int, list[int]] = {op.r: list(exports)}
         extras = {op.r: extra}
         waits = {}
         for g in op.peers:
-            d = got[g][0]
-            if not (isinstance(d, list) and len(d) == 4 and isinstance(d[1], list)):
+            d = got[g]
+            if not (isinstance(d, list) and len(d) == 4 and isinstance(d[0], list)):
                 raise CollectiveError(f"malformed IPC offer from rank {self.group.ranks[g]}")
-            if d[0] == os.getpid():
-                raise CollectiveError(f"rank {self.group.ranks[g]} is this process; CUDA IPC "
-                                      f"needs one process per rank")
-            ptrs[g] = [self._map(g, item) for item in d[1]]
-            waits[g] = self._event(d[2])
+            ptrs[g] = [self._map(g, item) for item in d[0]]
+            waits[g] = self._event(d[1])
+            if g not in self._peer_done:
+                self._peer_done[g] = self._event(d[2])
             extras[g] = d[3]
         await self._await_peer_events(op, waits)
         self._phase("peers_ready")
@@ -251,44 +276,64 @@ class IpcState:
         """
         loop = asyncio.get_running_loop()
         start = loop.time()
-        not_ready = getattr(self._rt, "errorNotReady", 600)
         while waits:
             # a failed op may already have closed this state (epoch end): never touch its
             # handles again, and never hand unmapped addresses to a kernel
             if op.error is not None:
                 raise op.error
             for g, ev in list(waits.items()):
-                try:
-                    rc = self._rt.eventQuery(ev)
-                except Exception as exc:  # noqa: BLE001 - CUDARuntimeError for a failed event
-                    raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed: "
-                                          f"{exc}") from exc
-                if rc == 0:
+                if self._completed(g, ev):
                     del waits[g]
-                elif rc != not_ready:
-                    raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed with "
-                                          f"cudaError {rc}")
             if not waits:
                 break
             await asyncio.sleep(poll_delay(loop.time() - start))
         if op.error is not None or self._closed:
             raise op.error or CollectiveError(f"IPC state of group {self.group.gid!r} closed")
 
+    def _completed(self, g: int, ev: int) -> bool:
+        """Whether event ``ev`` (of group rank ``g``) has completed. Raises CollectiveError when
+        the driver reports it failed."""
+        try:
+            rc = self._rt.eventQuery(ev)
+        except Exception as exc:  # noqa: BLE001 - CUDARuntimeError for a failed event
+            raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed: "
+                                  f"{exc}") from exc
+        if rc == 0:
+            return True
+        if rc != self._not_ready:
+            raise CollectiveError(f"CUDA event of rank {self.group.ranks[g]} failed with "
+                                  f"cudaError {rc}")
+        return False
+
     async def finish(self, op, user_stream: int) -> None:
-        """Phase 3: wait (polling) until this rank's work has completed, tell every peer, wait
-        for every peer's word (their writes into this rank's memory are then complete), and
-        order the user's stream after rtxnet's."""
+        """Phase 3: record ``done`` behind this rank's work and wait (polling, through the
+        handshake) until it and every peer's work have completed: their writes into this rank's
+        memory are then complete. Then order the user's stream after rtxnet's."""
         self._phase("launched")
-        await await_event(self.stream.record(), op)
-        self._phase("local_done")
-        for g in op.peers:
-            op.send(g, _DONE_STEP)
-        await op.recv_all(op.peers, _DONE_STEP)
+        with self.stream.use():
+            self._rt.eventRecord(self._done.ptr, self.stream.ptr)
+        me, done = self.group.rank, self._done.ptr
+
+        def local_done() -> bool:
+            if self._completed(me, done):
+                self._phase("local_done")
+                return True
+            return False
+
+        await self.handshake.done(op, local_done,
+                                  lambda g: self._completed(g, self._peer_done[g]))
         self._phase("peers_done")
         self.stream.before(user_stream)
 
     def taint(self) -> None:
+        """An operation failed: drain the stream before the next one; offers by id again only
+        once sent again (:meth:`.handshake.Handshake.taint`)."""
         self._tainted = True
+        self.handshake.taint()
+
+    def ahead(self, next_seq: int, now: float) -> list[tuple[int, list[int], float]]:
+        """See :meth:`.handshake.Handshake.ahead`."""
+        return self.handshake.ahead(next_seq, now)
 
     # -- operations (inside Group._collective; ``op`` is the running Op) -------------------------
 
@@ -399,3 +444,5 @@ class IpcState:
         finally:
             self._opened.clear()
             self._peer_events.clear()
+            self._peer_done.clear()
+            self.handshake.close()

@@ -30,6 +30,9 @@ class DeviceStream:
         self._cupy = cupy
         with cupy.cuda.Device(device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            # after()'s event, recorded again each time: a stream's wait is on the record made
+            # before cudaStreamWaitEvent was called, not on later ones (CUDA Runtime API)
+            self._after_ev = cupy.cuda.Event(block=False, disable_timing=True)
         self.ptr = int(self.stream.ptr)
 
     def use(self):
@@ -43,9 +46,8 @@ class DeviceStream:
             return
         rt = self._cupy.cuda.runtime
         with self.use():
-            ev = self._cupy.cuda.Event(block=False, disable_timing=True)
-            rt.eventRecord(ev.ptr, user_stream)
-            rt.streamWaitEvent(self.ptr, ev.ptr, 0)
+            rt.eventRecord(self._after_ev.ptr, user_stream)
+            rt.streamWaitEvent(self.ptr, self._after_ev.ptr, 0)
 
     def before(self, user_stream: int) -> object:
         """Make ``user_stream`` wait for everything enqueued so far on this stream; returns the
