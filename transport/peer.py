@@ -189,21 +189,54 @@ class PeerMesh:
         return None
 
     def disconnect(self, endpoint: str) -> None:
+        """Close the outgoing link to ``endpoint``, dropping what is still queued for it."""
         s = self._dealers.pop(endpoint, None)
         if s is not None:
             s.close(linger=0)
 
-    def close(self) -> None:
+    def retain(self, endpoints) -> None:
+        """Close the outgoing links to every endpoint not in ``endpoints`` (peers no longer in
+        the job: what is queued for them is dropped, and never holds up :meth:`aclose`)."""
+        for ep in [ep for ep in self._dealers if ep not in endpoints]:
+            self.disconnect(ep)
+
+    def _stop_reading(self) -> bool:
         if self._closed:
-            return
+            return False
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.remove_reader(self._router.getsockopt(zmq.FD))
             except Exception:  # loop already torn down
                 pass
+        return True
+
+    def close(self) -> None:
+        """Close at once: messages still queued are dropped (``LINGER`` 0)."""
+        if not self._stop_reading():
+            return
         for s in self._dealers.values():
             s.close(linger=0)
         self._dealers.clear()
         self._router.close(linger=0)
         self._ctx.term()
+
+    async def aclose(self, linger_s: float) -> None:
+        """Close, giving the messages still queued for peers up to ``linger_s`` seconds to leave
+        (``zmq_ctx_term`` waits for them, in a worker thread: the loop goes on meanwhile). A
+        message sent just before (the last hello of a barrier this rank completed, its peers
+        still waiting for it) is otherwise dropped when ZeroMQ's I/O thread has not written it
+        to the socket yet, and the peer fails with this rank's leave instead of completing."""
+        if not self._stop_reading():
+            return
+        dealers, self._dealers = list(self._dealers.values()), {}
+        router, ctx = self._router, self._ctx
+        ms = max(0, int(linger_s * 1000))
+
+        def finish() -> None:
+            for s in dealers:
+                s.close(linger=ms)
+            router.close(linger=0)
+            ctx.term()
+
+        await asyncio.to_thread(finish)

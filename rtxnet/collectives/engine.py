@@ -55,6 +55,9 @@ log = structlog.get_logger(__name__)
 # is the one the mismatch error names).
 SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape", "splits")
 _MAX_FUTURE_MSGS = 100_000
+# how long a closing engine lets the messages it queued leave (see transport.peer.PeerMesh.aclose):
+# only what is queued for peers still in the view waits (links to others are closed at each view)
+CLOSE_LINGER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -566,6 +569,7 @@ class Engine:
             self._data_ep[r], self._bulk_addr[r] = bulk_mod.parse_endpoint(ep)
             if r != view.rank:
                 self._mesh.connect(self._data_ep[r])
+        self._mesh.retain(set(self._data_ep.values()))
         if self._bulk is not None:
             self._bulk.set_epoch(view.job, view.epoch, view.rank)
         self.world = Group._create(self, "w", list(range(view.world_size)))
@@ -650,7 +654,7 @@ class Engine:
         self._closed = exc
         # let failed operations unwind before the sockets go
         await asyncio.sleep(0)
-        self._mesh.close()
+        await self._mesh.aclose(linger_s=CLOSE_LINGER_S)
         if self._bulk is not None:
             self._bulk.close()
 

@@ -51,6 +51,14 @@ def _check(got, key, n, r):
     assert got == want, (got, want)
 
 
+async def _warm(w):
+    """Group ``w``'s handshake with boards, after two operations (hellos through the boards)."""
+    hs = _handshake(w, True)
+    for _ in range(2):
+        _check(await op_with(w, hs, "a"), "a", w.size, w.rank)
+    return hs
+
+
 async def warm_then_fast(engine, board):
     w = engine.world
     n, r = w.size, w.rank
@@ -100,9 +108,7 @@ async def mismatch_when_warm(engine):
 
     w = engine.world
     n, r = w.size, w.rank
-    hs = _handshake(w, True)
-    for _ in range(2):
-        _check(await op_with(w, hs, "a"), "a", n, r)
+    hs = await _warm(w)
     out = []
     try:
         await op_with(w, hs, "a", numel=10 + r)           # the hashes differ
@@ -126,9 +132,7 @@ async def cpu_collective_meets_board_op(engine):
 
     w = engine.world
     n, r = w.size, w.rank
-    hs = _handshake(w, True)
-    for _ in range(2):
-        _check(await op_with(w, hs, "a"), "a", n, r)
+    hs = await _warm(w)
     try:
         if r == 0:
             await w.all_reduce(np.ones(10, np.float32), timeout=20)   # a CPU collective
@@ -153,9 +157,7 @@ async def missing_rank(engine):
     from transport.errors import CollectiveTimeout
 
     w = engine.world
-    hs = _handshake(w, True)
-    for _ in range(2):
-        _check(await op_with(w, hs, "a"), "a", w.size, w.rank)
+    hs = await _warm(w)
     if w.rank == 1:
         await asyncio.sleep(2.5)          # never calls the third operation
         return None
