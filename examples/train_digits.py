@@ -94,7 +94,7 @@ except KeyboardInterrupt:
         raise
     _interrupted = True
 if _interrupted:
-    print("interrupted", file=sys.stderr)
+    sys.stderr.write("interrupted\n")   # one write: never glued into another thread's log line
     sys.exit(130)
 if __name__ == "__main__":
     # Keep the flag: a KeyboardInterrupt raised inside a weakref callback or a destructor is
@@ -774,7 +774,8 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:   # Ctrl-C of rtxnet-run reaches every rank: one line, not a traceback
-        print("interrupted", file=sys.stderr, flush=True)
+        sys.stderr.write("interrupted\n")   # one write: never glued into another thread's line
+        sys.stderr.flush()
         sys.stdout.flush()
         # No interpreter teardown: rtxnet's loop thread and torch's threads may be mid-call, and
         # C++ destructors racing them aborted a rank once in 9 Ctrl-Cs ("terminate called

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu_check.sh OUTDIR: the one script to run on the GPU host (one H200, Python 3.12, CuPy,
-# torch; see ../shared/gpu/GPU_HOST.md). It finishes within 5 minutes (every step has a timeout,
+# torch; the project's notes on it, ../shared/gpu/GPU_HOST.md, lie outside this repository, beside
+# the developers' checkout). It finishes within 5 minutes (every step has a timeout,
 # all of them drawn from one budget) and writes, in OUTDIR:
 #   gpu_check.log          everything this script printed
 #   gpu_smoke.log          tools/gpu_smoke.py: one ok/FAIL line per CUDA/CuPy/NCCL call rtxnet makes
@@ -16,8 +17,10 @@
 #
 # How to run it from a session (the working tree travels; .whl/ is git-ignored, so carry it):
 #   1. here, once, from the repository root (fills .whl/ with what the host lacks: pyzmq,
-#      structlog and pytest-asyncio, as the run of 2026-12-04 found):
-#        /work/shared/gpu/fetch-wheels.sh
+#      structlog and pytest-asyncio, as the run of 2026-12-04 found; the script is the
+#      developers' tool, outside this repository, not in a clone; elsewhere: pip download
+#      --only-binary=:all: --python-version 3.12 -d .whl pyzmq structlog pytest-asyncio):
+#        ../shared/gpu/fetch-wheels.sh
 #      (the digits example needs no scikit-learn there: it reads examples/data/digits_seed0.npz;
 #      tqdm and matplotlib are optional)
 #   2. the device tool's run, with carry [".whl"] and timeout_s 420:

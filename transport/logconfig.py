@@ -68,6 +68,8 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
+        # one write per line (PrintLogger's print() writes the text and its newline apart: a
+        # Ctrl-C raised between the two, or another thread's line, was glued to it)
+        logger_factory=structlog.WriteLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=True,
     )

@@ -517,6 +517,15 @@ def _tcp_established(pid: int) -> int:
     return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process(pid).net_connections("tcp"))
 
 
+def _has_result(p, cmd: str) -> bool:
+    """Whether probe ``p`` has already printed the result of ``cmd`` (it is kept for expect)."""
+    try:
+        p.seen.append(p.expect("result", timeout=0.01, cmd=cmd))
+    except AssertionError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
 def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(coordinator, probes, op):
     # the ring's TCP streams break at once (reset, broken pipe); the survivors wait for the
@@ -529,14 +538,24 @@ def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(c
                           "rendezvous_s": 60.0})
     numel = 32 * 2**20   # 128 MiB per rank
     before = _tcp_established(ps[2].pid)
-    for p in ps:
-        p.submit("big", op=op, numel=numel, algorithm="ring", timeout=30)
-    ps[2].expect("started")
-    # frozen mid-ring (both its bulk streams open, data flowing): the others cannot finish
-    wait_until(lambda: _tcp_established(ps[2].pid) >= before + 2, 40, "rank 2's bulk streams")
-    time.sleep(0.05)
-    ps[2].signal(signal.SIGSTOP)
-    time.sleep(0.1)
+    survivors = (ps[0], ps[1], ps[3])
+    for attempt in range(4):
+        for p in ps:
+            p.submit("big", op=op, numel=numel, algorithm="ring", timeout=30)
+        ps[2].expect("started")
+        # frozen mid-ring (both its bulk streams open, data flowing): the others cannot finish
+        wait_until(lambda: _tcp_established(ps[2].pid) >= before + 2, 40, "rank 2's bulk streams")
+        ps[2].signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        if not any(_has_result(p, "big") for p in survivors):
+            break
+        # on a fast host rank 2 had sent its last chunk before the freeze (the CI's reduce_scatter
+        # once finished everywhere): let it finish, and freeze the next operation earlier
+        ps[2].signal(signal.SIGCONT)
+        for p in ps:
+            assert p.expect("result", cmd="big", timeout=30)["ok"]
+    else:
+        pytest.fail(f"four {op}s of 128 MiB finished before rank 2 could be frozen mid-ring")
     # a coordinator slower to decide than the streams are to break (far away, busy): here
     # frozen while rank 2 dies, so the streams break well before the new epoch comes
     os.kill(coordinator.proc.pid, signal.SIGSTOP)
@@ -546,7 +565,7 @@ def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(c
         time.sleep(0.8)
     finally:
         os.kill(coordinator.proc.pid, signal.SIGCONT)
-    for p in (ps[0], ps[1], ps[3]):
+    for p in survivors:
         r = p.expect("result", cmd="big", timeout=30)
         assert not r["ok"] and r["error"] == "PeerLostError" and r["ranks"] == [2], (r, p.log[-3000:])
         assert r["t"] - t0 < 10, r

@@ -328,6 +328,11 @@ def test_tool_arguments_output_file_and_int_in(tmp_path):
     (["tools/bench/collectives.py", "--json", "/proc/x.json"], "no file can be made in folder '/proc'"),
     (["tools/bench/collectives.py", "--algorithm", "shm", "--no-shm"],
      "--algorithm shm moves data through shared memory, which --no-shm turns off"),
+    # a fresh user's trial: 1000GiB ended in numpy's MemoryError traceback, 6B ran as 4B
+    (["tools/bench/collectives.py", "--sizes", "1000GiB"], "--sizes 1000GiB with 4 ranks needs about"),
+    (["tools/bench/collectives.py", "--sizes", "6B"], "size '6B' (6 B) is not a whole number of float32"),
+    (["tools/bench/collectives.py", "--device", "cuda", "--gpu", "-1"], "argument --gpu: must be in 0..1023"),
+    (["tools/bench/collectives.py", "--device", "cuda", "--no-shm"], "--no-shm is for --device cpu"),
     (["tools/faultrun.py", "--plan", "kill:rank=1:step=5", "--json", "/proc/x.json", "--", "x.py"],
      "argument --json: cannot write '/proc/x.json'"),
 ])

@@ -66,6 +66,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 
 from rtxnet.config import int_in, output_file
 
@@ -81,9 +82,9 @@ _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1000, "M
 
 
 def parse_size(text: str) -> int:
-    """An ``argparse`` type: a size in bytes, at least 4 (one float32, what the benchmark moves;
-    a size is rounded down to whole float32 elements, and for all_gather/reduce_scatter to whole
-    elements per rank: the table and JSON give the size that ran)."""
+    """An ``argparse`` type: a size in bytes, a whole number of float32 elements (4 B, what the
+    benchmark moves) and at least one; for all_gather/reduce_scatter it is rounded down to whole
+    elements per rank (the table and JSON give the size that ran)."""
     m = re.fullmatch(r"(\d+)\s*(B|KiB|MiB|GiB|KB|MB)?", text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"bad size {text!r}: a number and a unit of "
@@ -91,6 +92,9 @@ def parse_size(text: str) -> int:
     nbytes = int(m.group(1)) * _UNITS[m.group(2) or "B"]
     if nbytes < 4:
         raise argparse.ArgumentTypeError(f"size {text!r} is under 4B, one float32 element")
+    if nbytes % 4:
+        raise argparse.ArgumentTypeError(f"size {text!r} ({nbytes} B) is not a whole number of "
+                                          f"float32 elements (4 B each)")
     return nbytes
 
 
@@ -310,10 +314,14 @@ def _copy_rate_child(q, device: int, nbytes: int) -> None:
                 e1.synchronize()
                 per_copy.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3 / 10)
             name = rt.getDeviceProperties(device)["name"]
+            del src, dst
+            cupy.get_default_memory_pool().free_all_blocks()
+            free_bytes = rt.memGetInfo()[0]
         t = float(statistics.median(per_copy))
         q.put(("ok", {"time_s": t, "copy_rate_gbps": 2 * nbytes / t / 1e9, "nbytes": nbytes,
                       "gpu": name.decode() if isinstance(name, bytes) else str(name),
-                      "cupy": cupy.__version__, "runtime": rt.runtimeGetVersion()}))
+                      "cupy": cupy.__version__, "runtime": rt.runtimeGetVersion(),
+                      "free_bytes": free_bytes}))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which stops
         q.put(("err", f"{type(exc).__name__}: {exc}"))
 
@@ -337,7 +345,9 @@ def measure_copy_rate(device: int, nbytes: int = COPY_NBYTES) -> dict:
             p.kill()
             p.join(5)
     if status != "ok":
-        raise SystemExit(f"collectives.py --device cuda: cannot measure GPU {device}: {info}")
+        hint = ("; install the gpu extra: pip install -e '.[gpu]' (CUDA 12) or '.[cuda13]'"
+                if "No module named 'cupy'" in str(info) else "")
+        raise SystemExit(f"collectives.py --device cuda: cannot measure GPU {device}: {info}{hint}")
     return info
 
 
@@ -535,7 +545,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--ranks", type=int_in(1, 64), nargs="+", default=[2, 4])
     p.add_argument("--sizes", type=parse_size, nargs="+", default=None,
                    help="default: 8B 1KiB 64KiB 1MiB 16MiB 64MiB (cpu), "
@@ -545,7 +555,7 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: NumPy arrays, against gloo; cuda: CuPy arrays on one GPU shared by "
                         "the ranks (CUDA IPC), against the copy rate")
-    p.add_argument("--gpu", type=int, default=0, help="--device cuda: the GPU every rank uses")
+    p.add_argument("--gpu", type=int_in(0, 1023), default=0, help="--device cuda: the GPU every rank uses")
     p.add_argument("--max-bytes", type=parse_size, default=None,
                    help="drop sizes above this one (e.g. 256MiB)")
     p.add_argument("--compare", choices=["gloo", "boards", "none"], default=None,
@@ -579,6 +589,15 @@ def main(argv=None):
         p.error("--compare boards is for --device cuda (the IPC signal boards)")
     if args.repeat < 1:
         p.error(f"--repeat({args.repeat}) must be >= 1")
+    if cuda and args.no_shm:
+        p.error("--no-shm is for --device cpu (on cuda the ranks share one GPU through CUDA IPC)")
+    if not cuda:
+        # every rank holds its input, its output and the transport's staging of the same size
+        need, free = 3 * max(args.sizes) * max(args.ranks), psutil.virtual_memory().available
+        if need > free:
+            p.error(f"--sizes {fmt_size(max(args.sizes))} with {max(args.ranks)} ranks needs about "
+                    f"{need / 2**30:.1f} GiB of memory (3 buffers per rank); "
+                    f"{free / 2**30:.1f} GiB is available")
     if args.algorithm is not None:
         from rtxnet.collectives import ALGORITHMS
 
@@ -616,6 +635,12 @@ def run_cuda(args) -> list[dict]:
           f"{copy['copy_rate_gbps']:.0f} GB/s (read + written), measured in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rate = copy["copy_rate_gbps"]
+    # every rank holds its input and output on the one GPU (and a CUDA context, ~0.5 GiB)
+    need = max(args.ranks) * (2 * max(args.sizes) + 2**29)
+    if need > copy["free_bytes"]:
+        raise SystemExit(f"collectives.py --device cuda: --sizes {fmt_size(max(args.sizes))} with "
+                         f"{max(args.ranks)} ranks needs about {need / 2**30:.1f} GiB on GPU "
+                         f"{args.gpu}; {copy['free_bytes'] / 2**30:.1f} GiB is free")
     rows = []
     impls = [("rtxnet", "cuda-ipc", None)]
     if args.compare == "boards":
