@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             resumed_from = state.step
             log.info("resumed", step=state.step, checkpoint=resume_step)
+            if state.step >= args.steps and pg.rank == 0:
+                log.warning("nothing_to_train", step=state.step, steps=args.steps,
+                            hint="the checkpoint is at or past --steps: raise --steps to train on")
 
     ft = rtxnet.FaultTolerance(pg, state, start_step=state.step,   # continue the step count
                                load_checkpoint=load_checkpoint, rejoin_window_s=args.rejoin_window,

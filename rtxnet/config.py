@@ -177,8 +177,10 @@ def output_file(text: str) -> Path:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no file can be made in folder "
-                                         f"{str(folder)!r} ({exc.strerror})") from None
+        parent = path.absolute().parent
+        what = (f"no file can be made in folder {str(folder)!r}" if parent == folder else
+                f"its folder {str(parent)!r} does not exist and cannot be made in {str(folder)!r}")
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {what} ({exc.strerror})") from None
     return path
 
 

@@ -34,7 +34,8 @@ as exited 0.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
-and stopped at the end. With ``--coordinator ADDR``, that coordinator must answer a ``status``
+restarted on that journal when it dies or stops answering (SIGSTOPped, hung: killed after a third
+of the ranks' coordinator timeout), and stopped at the end. With ``--coordinator ADDR``, that coordinator must answer a ``status``
 request within a few seconds before any rank starts (else exit code 1, naming ADDR). A ``--job``
 that has finished on the coordinator (or in the ``--journal`` given) is refused before any rank
 starts, exit code 2: a job id is not reused.
@@ -117,6 +118,16 @@ class _Slot:
         return self.stopped and self.returncode in (143, 137)
 
 
+def _proc_state(pid: int) -> str:
+    """``ps``'s word for process ``pid``: "stopped" (SIGSTOP), "running", "sleeping", ..."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
+
+
 def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -130,6 +141,10 @@ _NODES_POLL_S = 1.0   # --nnodes > 1: how often the nodes' failed-for-good ranks
 # the ranks' coordinator_s (RTXNET_COORDINATOR_TIMEOUT, 30 s): the ranks then raise
 # CoordinatorLostError, instead of one daemon after another answering them for a moment.
 _COORD_STABLE_S = 10.0
+# A coordinator this launcher started that lives but answers nothing (SIGSTOPped, hung) for this
+# fraction of the ranks' coordinator_s is killed and restarted from its journal, well before the
+# ranks would give up on it (30 s by default: killed after 10 s).
+_COORD_HUNG_FRACTION = 1 / 3
 _COORD_PAUSE_S = 0.1
 _COORD_PAUSE_MAX_S = 5.0
 _FAILED_KEY = "rtxnet-run/failed-for-good/node{}"   # in the job's store: JSON list of launch ranks
@@ -616,6 +631,7 @@ class Launcher:
                     raise
             _say(f"coordinator {self.address} (journal {journal}, pid {self.coordinator_proc.pid})")
             self._supervisor = asyncio.ensure_future(self._supervise_coordinator(journal))
+            self._hang_watch = asyncio.ensure_future(self._watch_coordinator_answers())
         if a.nnodes > 1:
             _say(f"job {self.job}: node {a.node_rank} of {a.nnodes}: starting ranks "
                  f"{self.slots[0].rank}..{self.slots[-1].rank} of {self.total} of {a.script} "
@@ -1001,6 +1017,43 @@ class Launcher:
                         _say(f"coordinator restart failed ({exc}); trying again")
                     await asyncio.sleep(0.1)
             _say(f"coordinator restarted (pid {self.coordinator_proc.pid})")
+
+    async def _watch_coordinator_answers(self) -> None:
+        """Kill (SIGKILL, by its pid) the coordinator this launcher started when its process
+        lives but has answered no status request for ``_COORD_HUNG_FRACTION`` of the ranks'
+        ``coordinator_s`` (10 s of 30 s): SIGSTOPped, or hung. ``_supervise_coordinator`` then
+        restarts it on its journal and the ranks reconnect, as after a crash, before their own
+        ``coordinator_s`` ends (else they would stop with CoordinatorLostError and the whole job
+        with them: a fresh user's trial). A process is watched only once it has answered since
+        it started, so a restart still replaying its journal is left to finish."""
+        from transport.errors import RtxError
+
+        from .cli import _status
+        from .config import Timeouts
+
+        coordinator_s = Timeouts.from_env().coordinator_s
+        hung_s = max(2.0, coordinator_s * _COORD_HUNG_FRACTION)
+        ask_s = min(1.0, hung_s / 2)
+        proc, answered = None, None
+        while not (self.stopping or self.done):
+            if self.coordinator_proc is not proc:
+                proc, answered = self.coordinator_proc, None   # a new process: its first answer
+            if proc.returncode is None:
+                try:
+                    await _status(self.address, ask_s, self.job)
+                    answered = time.monotonic()
+                except RtxError:
+                    silent = time.monotonic() - answered if answered is not None else 0.0
+                    if (silent >= hung_s and proc is self.coordinator_proc and proc.returncode is None
+                            and not (self.stopping or self.done)):
+                        _say(f"coordinator (pid {proc.pid}, {_proc_state(proc.pid)}) has answered "
+                             f"nothing for {silent:.1f} s; killing it to restart it from its "
+                             f"journal before the ranks give up on it (their coordinator_s, "
+                             f"{coordinator_s:g} s)")
+                        proc.kill()
+                        answered = None
+                        continue
+            await asyncio.sleep(ask_s)
 
     async def _shutdown(self) -> None:
         self.done = True

@@ -482,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_plan(args.plan, script, nproc=args.nproc, min_ranks=args.min_ranks,
                        max_restarts=args.max_restarts, timeout=args.timeout, quiet=False)
     except subprocess.TimeoutExpired:
-        print(f"faultrun: the run exceeded {args.timeout:g} s and was killed", file=sys.stderr)
+        print(f"faultrun: the run exceeded {args.timeout:g} s and was stopped (SIGTERM to "
+              f"rtxnet-run, SIGKILL {STOP_GRACE_S:g} s later if still running)", file=sys.stderr)
         return 124
     except Terminated:
         print("faultrun: terminated (SIGTERM); the run was stopped", file=sys.stderr)

@@ -1332,6 +1332,10 @@ CORRUPT_NEWEST = textwrap.dedent("""
                     data = bytearray(shard.read_bytes())
                     data[len(data) // 2] ^= 0xFF
                     shard.write_bytes(bytes(data))
+                # together: a replacement that met the other rank still alive took its live
+                # state and needed no checkpoint (the test then saw no fall-back, under load)
+                pg.store.set(f"dying/{me}", b"1")
+                pg.store.wait(["dying/0", "dying/1"], timeout=30)
                 os._exit(9)
             g = torch.full((4,), float(step))
             pg.all_reduce(g)

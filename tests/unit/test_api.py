@@ -314,7 +314,10 @@ def test_tool_arguments_output_file_and_int_in(tmp_path):
     (tmp_path / "f").write_text("x")
     for text, message in ((str(tmp_path), "is a folder, not a file to write"),
                           (str(tmp_path / "f" / "x.json"), "is not a folder"),
-                          ("/proc/rtxnet-x.json", "no file can be made in folder '/proc'")):
+                          ("/proc/rtxnet-x.json", "no file can be made in folder '/proc'"),
+                          # a tester's: '/proc' exists; the folder missing is /proc/nope
+                          ("/proc/nope/x.json", "its folder '/proc/nope' does not exist and cannot be "
+                                                "made in '/proc'")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             output_file(text)
     assert int_in(1, 64)("64") == 64

@@ -365,6 +365,9 @@ def _gloo_rank(rank, n, port, ops, sizes, q):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # torch 2.13 names them *_single and warns on the older *_into_tensor/*_tensor names
+    _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=n)
     rows = []
@@ -378,10 +381,10 @@ def _gloo_rank(rank, n, port, ops, sizes, q):
                         (lambda x=x: dist.broadcast(x, 0))
                 elif op == "all_gather":
                     x, out = torch.zeros(per), torch.empty(per * n)
-                    call = lambda out=out, x=x: dist.all_gather_into_tensor(out, x)  # noqa: E731
+                    call = lambda out=out, x=x: _gather_single(out, x)  # noqa: E731
                 else:
                     x, out = torch.zeros(per * n), torch.empty(per)
-                    call = lambda out=out, x=x: dist.reduce_scatter_tensor(out, x)  # noqa: E731
+                    call = lambda out=out, x=x: _scatter_single(out, x)  # noqa: E731
                 warm, iters = iterations(actual)
                 try:
                     for _ in range(warm):
