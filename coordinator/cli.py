@@ -141,8 +141,19 @@ def _reachable(address: str) -> str:
 
 def _owner_alive(pid: int | None) -> bool:
     """Whether ``--journal-owner`` ``pid`` still runs as this daemon's parent (when it dies the
-    daemon is reparented, so a pid reused by another process does not count)."""
-    return pid is not None and os.getppid() == pid
+    daemon is reparented, so a pid reused by another process does not count). A parent whose
+    main thread has exited (a zombie thread-group leader) is dying: a SIGKILLed rtxnet-run sends
+    this daemon its SIGTERM (``PR_SET_PDEATHSIG``) when its main thread ends, while the daemon is
+    still its child through a worker thread that has not ended yet; under load the daemon then
+    kept the temporary journal (a test saw it)."""
+    import psutil
+
+    if pid is None or os.getppid() != pid:
+        return False
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
 
 
 async def _amain(args: argparse.Namespace) -> int:

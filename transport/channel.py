@@ -77,6 +77,25 @@ def route_address(host: str) -> str:
         return s.getsockname()[0]
 
 
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """``sock.get_monitor_socket(events)``, tried again when a signal interrupts it.
+
+    libzmq's ``zmq_socket_monitor`` can fail with EINTR (a SIGCHLD from a rank that exited, in
+    rtxnet-run) and pyzmq does not retry it (``InterruptedSystemCall``: "This call should have
+    been retried"); the monitor is then not set, so the call is simply made again. Seen once:
+    rtxnet-run ended in that traceback when both its ranks exited together under load.
+
+    Raises:
+        zmq.ZMQError: any other failure (or EINTR 100 times in a row).
+    """
+    for _ in range(99):
+        try:
+            return sock.get_monitor_socket(events)
+        except zmq.error.InterruptedSystemCall:
+            continue
+    return sock.get_monitor_socket(events)
+
+
 def process_context() -> zmq.asyncio.Context:
     """This process's asyncio ZeroMQ context (a fresh one in a forked child, never the parent's)."""
     pid = os.getpid()
@@ -159,7 +178,7 @@ class ControlClient:
         except zmq.ZMQError as exc:
             self._sock.close(0)
             raise ConnectError(f"cannot connect to {address!r}: {exc}") from exc
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor_socket(self._sock, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read_loop(), name="control-reader")
         self._watcher = loop.create_task(self._monitor_loop(), name="control-monitor")
@@ -364,7 +383,7 @@ class ControlServer:
         except zmq.ZMQError as exc:
             self._sock.close(0)
             raise ConnectError(f"cannot bind {bind!r}: {exc}") from exc
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = monitor_socket(self._sock, zmq.EVENT_DISCONNECTED)
         self._fd_owner: dict[int, bytes] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._bad_log = LogBudget()

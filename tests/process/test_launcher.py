@@ -1375,13 +1375,35 @@ FREEZES_IN_RENDEZVOUS = textwrap.dedent("""
     import os, pathlib, subprocess, sys, time
     import rtxnet
 
+    FREEZE_ONCE_JOINED = '''if True:
+        import asyncio, os, signal, time
+        from rtxnet.cli import _status
+
+        async def joined():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    st = await _status({addr!r}, 2.0, {job!r})
+                    job = [j for j in st["jobs"] if j["job"] == {job!r}]
+                    if job and isinstance(job[0]["missing_ranks"], list) and 1 not in job[0]["missing_ranks"]:
+                        return
+                except Exception:
+                    pass
+                await asyncio.sleep(0.05)
+
+        asyncio.run(joined())
+        os.kill({pid}, signal.SIGSTOP)
+    '''
+
     me, first = int(os.environ["RANK"]), os.environ["RTXNET_RESTART_COUNT"] == "0"
     if me == 2:
         time.sleep(6)        # the rendezvous stays open meanwhile
     if me == 1 and first:    # stopped for good while it waits in the rendezvous
         pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
-        subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(1.5); "
-                          f"os.kill({os.getpid()}, signal.SIGSTOP)"])
+        # once the coordinator has it in the rendezvous (a fixed 1.5 s could come before its
+        # join on a loaded host: never dropped, the others waited out the test's timeout)
+        subprocess.Popen([sys.executable, "-c", FREEZE_ONCE_JOINED.format(
+            addr=os.environ["RTXNET_COORDINATOR"], job=os.environ["RTXNET_JOB"], pid=os.getpid())])
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
                                               op_s=10, rendezvous_s=120))
     print(f"formed world={pg.world_size}", flush=True)
