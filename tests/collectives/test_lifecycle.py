@@ -231,6 +231,15 @@ def test_work_overlap_in_a_rank():
         assert before is False and x0 == 2.0 and done
 
 
+async def _outcome(aw) -> str:
+    """"completed", or the PeerLostError/ClosedError ``aw`` raised, as "Type: message"."""
+    try:
+        await aw
+    except (PeerLostError, ClosedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "completed"
+
+
 async def leave_race(engine, case):
     """Rank 0 'leaves' (its peers enter a view without it, marked as left) before its last
     barrier message reaches rank 1, as when the coordinator's push overtakes the data."""
@@ -246,16 +255,8 @@ async def leave_race(engine, case):
         await asyncio.sleep(0.2)
         engine.set_view(v1, lost=[0], leave_grace_s=3.0)
         held = engine.view.epoch                 # still 0 while the barrier is in flight
-        try:                                     # started while held: fails once the view is in
-            await g0.barrier(timeout=20)
-            late = "completed"
-        except (PeerLostError, ClosedError) as exc:
-            late = f"{type(exc).__name__}: {exc}"
-        try:
-            await first
-            got = "completed"
-        except (PeerLostError, ClosedError) as exc:
-            got = f"{type(exc).__name__}: {exc}"
+        late = await _outcome(g0.barrier(timeout=20))   # started while held: fails once it is in
+        got = await _outcome(first)
         return got, late, held, engine.view.epoch, round(asyncio.get_running_loop().time() - t0, 1)
     if case == "late-messages":
         await asyncio.sleep(1.0)                 # their barrier messages come after the push
@@ -282,3 +283,41 @@ def test_operations_in_flight_when_ranks_left_in_order_get_a_grace(case):
         assert got == "completed" and took < 4, res[1]
     else:
         assert got == f"PeerLostError: {left}" and 2.5 <= took < 8, res[1]
+
+
+async def two_leaves_race(engine):
+    """Ranks 0 and 1 (one host) close one after the other: rank 2 gets two orderly-leave epochs
+    while its barrier waits for their last messages, which come after both pushes."""
+    v0 = engine.view
+    r = engine.world.rank
+    eps, hosts = v0.endpoints, v0.hosts
+    if r == 2:
+        # epoch 1 without rank 0 (renumbered), epoch 2 without old rank 1 (rank 0 of epoch 1)
+        v1 = WorldView(job=v0.job, epoch=1, rank=1, world_size=3, endpoints={0: eps[1], 1: eps[2], 2: eps[3]},
+                       hosts={0: hosts[1], 1: hosts[2], 2: hosts[3]})
+        v2 = WorldView(job=v0.job, epoch=2, rank=0, world_size=2, endpoints={0: eps[2], 1: eps[3]},
+                       hosts={0: hosts[2], 1: hosts[3]})
+        g0 = engine.world
+        first = asyncio.ensure_future(g0.barrier(timeout=20))
+        await asyncio.sleep(0.2)
+        engine.set_view(v1, lost=[0], leave_grace_s=3.0)
+        engine.set_view(v2, lost=[0], leave_grace_s=3.0)
+        held = engine.view.epoch                 # still 0 while the barrier is in flight
+        late = await _outcome(g0.barrier(timeout=20))
+        got = await _outcome(first)
+        return got, late, held, engine.view.epoch, engine.view.rank
+    if r in (0, 1):
+        await asyncio.sleep(1.0)                 # their barrier messages come after both pushes
+    await engine.world.barrier(timeout=20)
+    return None
+
+
+def test_a_barrier_in_flight_outlives_two_orderly_leaves_in_a_row():
+    # a two-host benchmark's last barrier, under load: the second leave's epoch entered the
+    # first (held) one at once, and the barrier failed with "ranks [0] left" though rank 0's
+    # message was on its way
+    res = run_world(4, two_leaves_race, timeout_s=60, return_exceptions=True)
+    got, late, held, epoch, rank = res[2]
+    assert (got, held, epoch, rank) == ("completed", 0, 2, 0), res[2]
+    assert late == ("PeerLostError: group 'w' of epoch 0 is gone: ranks [0, 1] left (closed their "
+                    "group); epoch 0 -> 2"), res[2]
