@@ -80,7 +80,9 @@ def test_a_state_of_hundreds_of_mb_commits_every_step_and_nobody_is_declared_los
     assert " fenced " not in proc.stderr and "declared lost" not in proc.stderr, proc.stderr[-4000:]
     assert len(results) == 2, proc.stderr[-4000:]
     for r in results:
-        assert r["events"] == [] and r["worlds"] == [2], r
+        # a vote slower than 0.2 s is noted as a commit_stall (training waited, nothing lost): on
+        # two loaded cores packing hundreds of MB can make one; any other event is a failure
+        assert set(r["events"]) <= {"commit_stall"} and r["worlds"] == [2], r
         assert r["checks"] == _want(6), r["checks"]
 
 
