@@ -52,8 +52,8 @@ import asyncio
 import contextlib
 import math
 import os
-import shutil
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -286,6 +286,7 @@ class Launcher:
         self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
         self.stopping = False
         self.training_finished = False   # the coordinator said so (see _training_finished)
+        self._answered_at = -math.inf    # when the coordinator last answered a status request
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
         self.error_dir: str | None = None        # the ranks' error files (rtxnet.errorfile)
@@ -756,11 +757,9 @@ class Launcher:
         step without ``finish()`` (no step is committed after the first one left)."""
         from transport.errors import RtxError
 
-        from .cli import _status
-
         while not self.stopping and any(s.proc is not None and s.returncode is None for s in self.slots):
             try:
-                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+                st = await self._job_status(_FINISHED_PROBE_S)
             except RtxError:
                 st = {"jobs": [], "finished": {}}   # no answer: ask again
             job = _job_entry(st, self.job)
@@ -796,11 +795,10 @@ class Launcher:
         this host's processes it declared lost and which are not back)``."""
         from transport.errors import RtxError
 
-        from .cli import _status
         from .topology import host_id
 
         try:
-            st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+            st = await self._job_status(_FINISHED_PROBE_S)
         except RtxError:
             return None, set()
         host = host_id()[:64]    # as the agents' identities carry it
@@ -906,11 +904,9 @@ class Launcher:
         mid-training, and finished, between two looks of ``_watch_exits_0``."""
         from transport.errors import RtxError
 
-        from .cli import _status
-
         if any(s.exit_step is not None and not s.noted_mid_training for s in self._exited_0):
             try:
-                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+                st = await self._job_status(_FINISHED_PROBE_S)
             except RtxError:
                 return
             self._note_trained_on_without(_committed_step(st, self.job))
@@ -940,11 +936,9 @@ class Launcher:
         launcher is stopping. Once true, remembered."""
         from transport.errors import RtxError
 
-        from .cli import _status
-
         if not self.training_finished and not self.stopping:
             try:
-                st = await _status(self.address, _FINISHED_PROBE_S, self.job)
+                st = await self._job_status(_FINISHED_PROBE_S)
             except RtxError:
                 return False
             job = _job_entry(st, self.job)
@@ -960,13 +954,11 @@ class Launcher:
         non-zero too). Asked of the coordinator; without an answer nothing is forgiven."""
         from transport.errors import RtxError
 
-        from .cli import _status
-
         late = [s for s in self.slots if s.returncode not in (0, None) and s.restarts > 0]
         if not late:
             return
         try:
-            finished = self.job in (await _status(self.address, _PROBE_S, self.job))["finished"]
+            finished = self.job in (await self._job_status(_PROBE_S))["finished"]
         except RtxError:
             return
         if not finished:
@@ -1033,41 +1025,53 @@ class Launcher:
                     await asyncio.sleep(0.1)
             _say(f"coordinator restarted (pid {self.coordinator_proc.pid})")
 
+    async def _job_status(self, timeout_s: float) -> dict:
+        """The coordinator's status answer about this job (``cli._status``); when it answers,
+        ``_answered_at`` says so for :meth:`_watch_coordinator_answers`.
+
+        Raises:
+            RtxError: no answer within ``timeout_s``.
+        """
+        from .cli import _status
+
+        st = await _status(self.address, timeout_s, self.job)
+        self._answered_at = time.monotonic()
+        return st
+
     async def _watch_coordinator_answers(self) -> None:
         """Kill (SIGKILL, by its pid) the coordinator this launcher started when its process
         lives but has answered no status request for ``_COORD_HUNG_FRACTION`` of the ranks'
         ``coordinator_s`` (10 s of 30 s): SIGSTOPped, or hung. ``_supervise_coordinator`` then
         restarts it on its journal and the ranks reconnect, as after a crash, before their own
         ``coordinator_s`` ends (else they would stop with CoordinatorLostError and the whole job
-        with them: a fresh user's trial). A process is watched only once it has answered since
-        it started, so a restart still replaying its journal is left to finish."""
+        with them: a fresh user's trial). It asks only when the launcher's other status requests
+        (:meth:`_job_status`) got no answer lately. A process is watched only once it has
+        answered since it started, so a restart still replaying its journal is left to finish."""
         from transport.errors import RtxError
 
-        from .cli import _status
         from .config import Timeouts
 
         coordinator_s = Timeouts.from_env().coordinator_s
         hung_s = max(2.0, coordinator_s * _COORD_HUNG_FRACTION)
         ask_s = min(1.0, hung_s / 2)
-        proc, answered = None, None
+        proc, since = None, math.inf
         while not (self.stopping or self.done):
             if self.coordinator_proc is not proc:
-                proc, answered = self.coordinator_proc, None   # a new process: its first answer
+                proc, since = self.coordinator_proc, time.monotonic()   # a new process
             if proc.returncode is None:
-                try:
-                    await _status(self.address, ask_s, self.job)
-                    answered = time.monotonic()
-                except RtxError:
-                    silent = time.monotonic() - answered if answered is not None else 0.0
-                    if (silent >= hung_s and proc is self.coordinator_proc and proc.returncode is None
-                            and not (self.stopping or self.done)):
-                        _say(f"coordinator (pid {proc.pid}, {_proc_state(proc.pid)}) has answered "
-                             f"nothing for {silent:.1f} s; killing it to restart it from its "
-                             f"journal before the ranks give up on it (their coordinator_s, "
-                             f"{coordinator_s:g} s)")
-                        proc.kill()
-                        answered = None
-                        continue
+                if self._answered_at < time.monotonic() - ask_s:   # nobody heard from it lately
+                    with contextlib.suppress(RtxError):
+                        await self._job_status(ask_s)
+                silent = time.monotonic() - self._answered_at
+                if (self._answered_at >= since and silent >= hung_s and proc is self.coordinator_proc
+                        and proc.returncode is None and not (self.stopping or self.done)):
+                    _say(f"coordinator (pid {proc.pid}, {_proc_state(proc.pid)}) has answered "
+                         f"nothing for {silent:.1f} s; killing it to restart it from its "
+                         f"journal before the ranks give up on it (their coordinator_s, "
+                         f"{coordinator_s:g} s)")
+                    proc.kill()
+                    since = math.inf   # watched again once its successor answers
+                    continue
             await asyncio.sleep(ask_s)
 
     async def _shutdown(self) -> None:

@@ -539,7 +539,7 @@ def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(c
     numel = 32 * 2**20   # 128 MiB per rank
     before = _tcp_established(ps[2].pid)
     survivors = (ps[0], ps[1], ps[3])
-    for attempt in range(4):
+    for _ in range(4):
         for p in ps:
             p.submit("big", op=op, numel=numel, algorithm="ring", timeout=30)
         ps[2].expect("started")

@@ -314,7 +314,7 @@ def _copy_rate_child(q, device: int, nbytes: int) -> None:
                 e1.synchronize()
                 per_copy.append(cupy.cuda.get_elapsed_time(e0, e1) / 1e3 / 10)
             name = rt.getDeviceProperties(device)["name"]
-            del src, dst
+            src = dst = None   # freed, so the free memory below counts theirs
             cupy.get_default_memory_pool().free_all_blocks()
             free_bytes = rt.memGetInfo()[0]
         t = float(statistics.median(per_copy))
