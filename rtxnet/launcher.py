@@ -19,7 +19,10 @@ left running in its group when it ended gets SIGTERM, then SIGKILL after ``--gra
 second such signal, are killed (SIGKILL); the same signal again within 0.5 s is the first delivered twice (coreutils
 ``timeout`` signals rtxnet-run, then its process group), not a second one. A rank that
 exits non-zero is restarted up to K times; the restarted process rejoins the running job (it gets
-``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). Unlike torchrun, the other ranks are left
+``RTXNET_REJOIN=1`` and ``RTXNET_RESTART_COUNT``). A rank whose process lived less than 10 s is
+restarted after a pause, 0.1 s doubling with each such exit in a row up to 5 s (as the
+coordinator's restarts below), so a script that crashes at once does not restart dozens of times
+a second; one that ran longer is restarted at once. Unlike torchrun, the other ranks are left
 running: the job re-forms around the loss. When the ranks that failed for good (restarts spent)
 leave fewer than ``--min-ranks`` (default: all of them), the job cannot go on: the launcher says so
 and stops the others at once (SIGTERM, SIGKILL after ``--grace``) instead of letting them wait out
@@ -103,6 +106,7 @@ class _Slot:
     noted_mid_training: bool = False
     pumps: list = field(default_factory=list)
     moved: list = field(default_factory=lambda: [0])   # bytes its pumps read (_pump)
+    last_err: list = field(default_factory=lambda: [b""])   # its last line on stderr (_pump)
     # exited 0 while the job still needed it, and will not come back (exit 0 is not restarted):
     # "before the job formed" or "during training" (see _watch_exits_0); "" otherwise
     left_early: str = ""
@@ -112,6 +116,11 @@ class _Slot:
     error_path: str | None = None    # its process's RTXNET_ERROR_FILE (rtxnet.errorfile)
     error: dict | None = None        # what its last process wrote there, if it failed
     failed_at: float | None = None   # when it failed for good: its error's time, else its exit's
+    started_at: float = 0.0          # when its process started (time.monotonic())
+    pause: float = 0.0               # the pause before its last restart (0: none; _restart_pause)
+    # why its paused restart was not made (rtxnet-run stopping, training over): its exit, queued
+    # again, then counts as final ("": not dropped)
+    restart_dropped: str = ""
 
     @property
     def killed_after_stop(self) -> bool:
@@ -133,6 +142,7 @@ def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+_LAST_LINE = 300   # bytes of a rank's last line on stderr kept to name a failure (_last_words)
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read without progress
 _DRAIN_ALONE_S = 10.0   # the same when it left no process in its group (see _watch)
 _NODES_POLL_S = 1.0   # --nnodes > 1: how often the nodes' failed-for-good ranks are compared
@@ -148,7 +158,23 @@ _COORD_STABLE_S = 10.0
 _COORD_HUNG_FRACTION = 1 / 3
 _COORD_PAUSE_S = 0.1
 _COORD_PAUSE_MAX_S = 5.0
+# A rank whose process lived less than _RANK_STABLE_S is restarted after a pause doubling from
+# _RANK_PAUSE_S to _RANK_PAUSE_MAX_S with each such exit in a row (a fresh user's find: a script
+# that raised at once was restarted 24 times a second); one that lived longer, at once.
+_RANK_STABLE_S = 10.0
+_RANK_PAUSE_S = 0.1
+_RANK_PAUSE_MAX_S = 5.0
 _FAILED_KEY = "rtxnet-run/failed-for-good/node{}"   # in the job's store: JSON list of launch ranks
+
+
+def _restart_pause(lived: float, last: float) -> float:
+    """Seconds to wait before restarting a rank whose process lived ``lived`` seconds, when the
+    pause before its previous restart was ``last`` (0: none): 0 after a process that lived
+    ``_RANK_STABLE_S`` or more, else ``_RANK_PAUSE_S`` doubling with each such exit in a row,
+    up to ``_RANK_PAUSE_MAX_S``."""
+    if lived >= _RANK_STABLE_S:
+        return 0.0
+    return min(2 * last, _RANK_PAUSE_MAX_S) if last else _RANK_PAUSE_S
 
 
 def _die_with_parent() -> None:
@@ -234,17 +260,28 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     return proc, text.split("=", 1)[1]
 
 
-async def _pump(stream: asyncio.StreamReader, prefix: bytes, out, moved: list[int] | None = None) -> None:
+async def _pump(stream: asyncio.StreamReader, prefix: bytes, out, moved: list[int] | None = None,
+                last: list[bytes] | None = None) -> None:
     """Copy ``stream`` to ``out`` line by line with ``prefix``; lines of any length (read in chunks,
     so a huge line never stalls the child on a full pipe). Counts the bytes read in ``moved[0]``
-    when given."""
+    when given, and keeps the last line that is not blank (its first ``_LAST_LINE`` bytes) in
+    ``last[0]``."""
     pending = b""
+
+    def keep(lines: list[bytes]) -> None:
+        if last is not None:
+            for line in reversed(lines):
+                if line.strip():
+                    last[0] = line.strip()[:_LAST_LINE]
+                    return
+
     while True:
         chunk = await stream.read(1 << 16)
         if moved is not None:
             moved[0] += len(chunk)
         if not chunk:
             if pending:
+                keep([pending])
                 _write_all(out, prefix + pending + b"\n")
             return
         pending += chunk
@@ -253,6 +290,7 @@ async def _pump(stream: asyncio.StreamReader, prefix: bytes, out, moved: list[in
             lines.append(pending)
             pending = b""
         if lines:
+            keep(lines)
             _write_all(out, b"".join(prefix + line + b"\n" for line in lines))
 
 
@@ -304,6 +342,7 @@ class Launcher:
         self.others_failed: dict[int, list[int]] = {}
         self._exited_0: list[_Slot] = []     # ranks that exited 0 while others still ran
         self._exits_0_watch: asyncio.Future | None = None
+        self._respawns: set[asyncio.Future] = set()   # restarts waiting out their pause
         # process groups of ended ranks with processes left in them: their SIGKILL (_end_leftovers)
         self._leftovers: dict[int, asyncio.TimerHandle] = {}
         # told each rank's process group, ends them if this launcher dies (rtxnet/_groupguard.py)
@@ -354,6 +393,7 @@ class Launcher:
 
     async def _spawn(self, slot: _Slot) -> None:
         cmd = [sys.executable, "-u", self.args.script, *self.args.script_args]
+        slot.started_at = time.monotonic()
         slot.proc = await asyncio.create_subprocess_exec(
             *cmd, env=self._env(slot), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             preexec_fn=_die_with_parent, start_new_session=True,
@@ -361,9 +401,10 @@ class Launcher:
         self._tell_guard(f"+{slot.proc.pid}")
         prefix = f"[rank{slot.rank}] ".encode()
         slot.moved = [0]
+        slot.last_err = [b""]
         slot.pumps = [
             asyncio.ensure_future(_pump(slot.proc.stdout, prefix, sys.stdout, slot.moved)),
-            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr, slot.moved)),
+            asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr, slot.moved, slot.last_err)),
         ]
         asyncio.ensure_future(self._watch(slot, slot.proc))
 
@@ -678,14 +719,28 @@ class Launcher:
                     continue
                 code = _code(rc)
                 err = errorfile.read(slot.error_path, proc.pid) if code != 0 else None
-                raised = f" ({errorfile.summary(err)})" if err else ""
-                restartable = code != 0 and not self.stopping and slot.restarts < a.max_restarts
+                raised = f" ({errorfile.summary(err)})" if err else _last_words(slot, code)
+                dropped, slot.restart_dropped = slot.restart_dropped, ""
+                restartable = (code != 0 and not dropped and not self.stopping
+                               and slot.restarts < a.max_restarts)
                 # after FaultTolerance.finish() a replacement would only be turned away
                 if restartable and not await self._training_finished():
                     slot.restarts += 1
+                    lived = time.monotonic() - slot.started_at
+                    slot.pause = _restart_pause(lived, slot.pause)
+                    why = (f"; a rank that exits within {_RANK_STABLE_S:g} s of its start is "
+                           f"restarted after a pause, doubling up to {_RANK_PAUSE_MAX_S:g} s"
+                           if slot.pause == _RANK_PAUSE_S else "")
                     _say(f"rank {slot.rank} exited with code {code}{raised}; restart "
-                         f"{slot.restarts}/{a.max_restarts}")
-                    await self._spawn(slot)
+                         f"{slot.restarts}/{a.max_restarts}" + (
+                             f" in {slot.pause:g} s (its process lived {lived:.1f} s{why})"
+                             if slot.pause else ""))
+                    if slot.pause:
+                        task = asyncio.ensure_future(self._respawn_after_pause(slot, proc, rc))
+                        self._respawns.add(task)
+                        task.add_done_callback(self._respawns.discard)
+                    else:
+                        await self._spawn(slot)
                     continue
                 slot.returncode = code
                 running -= 1
@@ -695,9 +750,13 @@ class Launcher:
                         self._exits_0_watch = asyncio.ensure_future(self._watch_exits_0())
                 if code != 0:
                     slot.error, slot.failed_at = err, err["time"] if err else time.time()
-                    _say(f"rank {slot.rank} exited with code {code}{raised}" + (
-                        f" after job {self.job} finished training or ended: not restarted (the job "
-                        f"admits no new ranks); its exit code stands" if restartable else ""))
+                    if dropped:
+                        _say(f"rank {slot.rank}'s restart was not made ({dropped}); its exit code "
+                             f"{code} stands")
+                    else:
+                        _say(f"rank {slot.rank} exited with code {code}{raised}" + (
+                            f" after job {self.job} finished training or ended: not restarted (the "
+                            f"job admits no new ranks); its exit code stands" if restartable else ""))
                     if self.first_failure is None:
                         self.first_failure = (time.monotonic(), code)
                     if not await self._training_finished():
@@ -709,7 +768,7 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_replacements_after_the_end()
         finally:
-            for task in (sharing, frozen, claim, self._exits_0_watch):
+            for task in (sharing, frozen, claim, self._exits_0_watch, *self._respawns):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -736,6 +795,27 @@ class Launcher:
                 self.first_failure = (self.first_failure[0], code)
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1], root, self._stopped_at))
         return self.first_failure[1] if self.first_failure else 0
+
+    async def _respawn_after_pause(self, slot: _Slot, proc, rc: int) -> None:
+        """Restart ``slot`` after its pause (``slot.pause``), unless rtxnet-run stops or training
+        finishes meanwhile: then its exit is queued again (``restart_dropped``), to count as
+        final. A restart that cannot start its process counts the same way."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + slot.pause
+        while not self.stopping and loop.time() < end:
+            await asyncio.sleep(min(0.05, end - loop.time()))
+        why = "rtxnet-run is stopping"
+        if not self.stopping:
+            why = "the job has finished training"
+            if not await self._training_finished():
+                try:
+                    await self._spawn(slot)
+                    return
+                except OSError as exc:
+                    why = f"its process could not be started: {exc}"
+        slot.restarts -= 1
+        slot.restart_dropped = why
+        await self._exited.put((slot, proc, rc))
 
     async def _watch_exits_0(self) -> None:
         """Ranks that exited 0 while others ran are not restarted, so they will not come back;
@@ -1370,8 +1450,22 @@ def _outcome(slots, max_restarts: int, code: int, root: _Slot | None = None,
     if root is not None and root.error is not None:
         first = (f" First failure: rank {root.rank}, {errorfile.summary(root.error)}"
                  f"{' (then stopped by rtxnet-run as it ended)' if root.killed_after_stop else ''}.")
+    elif root is not None and _last_words(root, root.returncode):
+        first = f" First failure: rank {root.rank}{_last_words(root, root.returncode)}."
     return (f"{'; '.join(parts)}.{first} Exit code {code}: {whose} (0 only when every rank's last "
             f"process exited 0 and the job did not stop)")
+
+
+def _last_words(slot: _Slot, code: int | None) -> str:
+    """For a rank that exited with ``code`` 1..127 and wrote no error file (``sys.exit(2)`` from
+    argparse, a crash before ``import rtxnet``): ``" (last line on stderr: '...')"`` from its last
+    line that was not blank, else ``""`` (a signal's code says what happened; stderr would not)."""
+    if code is None or not 0 < code < 128 or not slot.last_err[0]:
+        return ""
+    from .cli import _shown
+
+    line = slot.last_err[0].decode("utf-8", "replace")
+    return f" (last line on stderr: {_shown(line)!r})"
 
 
 def signal_suffix(code: int | None) -> str:
@@ -1405,7 +1499,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--journal", default=None, help="journal folder for the coordinator this command starts")
     p.add_argument("--job", default=None, help="job id (default: a fresh random one)")
     p.add_argument("--min-ranks", type=int, default=None, help="smallest world the job may shrink to (default nproc)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restarts of each crashed rank (default 0); a rank whose process lived under "
+                        f"{_RANK_STABLE_S:g} s is restarted after a pause, {_RANK_PAUSE_S:g} s doubling "
+                        f"to {_RANK_PAUSE_MAX_S:g} s")
     p.add_argument("--faults", default=None,
                    help="fault-injection plan (see README); overrides RTXNET_FAULTS, and --faults '' "
                         "injects none")

@@ -222,7 +222,11 @@ def _one_per_epoch(events: list[dict], kind: str, keys: tuple[str, ...]) -> list
 
 
 # (the exception in parentheses: what the rank's error file said; see rtxnet.errorfile)
-_RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?: \(.*?\))?(?:; restart (\d+)/(\d+))?\s*$")
+# (a restart after a pause: "; restart k/K in P s (its process lived ...)")
+_RANK_EXIT = re.compile(r"\[rtxnet-run\] rank (\d+) exited with code (-?\d+)(?: \(.*?\))?"
+                        r"(?:; restart (\d+)/(\d+)(?: in [\d.]+ s \(its process lived .*\))?)?\s*$")
+# a paused restart that rtxnet-run did not make after all (it was stopping)
+_RESTART_DROPPED = re.compile(r"\[rtxnet-run\] rank (\d+)'s restart was not made")
 _COORD_EXIT = re.compile(r"\[rtxnet-run\] coordinator exited with code (-?\d+)")
 _COORD_LOST = re.compile(r"\[rtxnet-run\] (could not restart the coordinator|coordinator exited .*not restarting it again)")
 _BELOW_MIN = re.compile(r"\[rtxnet-run\] (ranks? [\d, ]+ failed for good .*); stopping")
@@ -255,7 +259,7 @@ def scan_output(text: str) -> dict:
 
     Returns:
         ``rank_exits``: every non-zero exit of a rank process, in order: ``rank`` (launch rank),
-        ``code``, ``restart`` (``"k/K"``, or None when none was left). ``coordinator_exits``: codes
+        ``code``, ``restart`` (``"k/K"``, or None when none was made). ``coordinator_exits``: codes
         of the coordinator's deaths, ``coordinator_lost``: whether it could not be restarted.
         ``restores``: checkpoint restores after every live copy of the state was gone (``step``,
         ``job_committed_step``, ``steps_redone``). ``state_lost``: each ``committed_state_lost``
@@ -272,6 +276,11 @@ def scan_output(text: str) -> dict:
             rank, code, k, n = m.groups()
             res["rank_exits"].append({"rank": int(rank), "code": int(code),
                                       "restart": f"{k}/{n}" if k is not None else None})
+        elif m := _RESTART_DROPPED.search(line):
+            for e in reversed(res["rank_exits"]):
+                if e["rank"] == int(m.group(1)):
+                    e["restart"] = None
+                    break
         elif m := _COORD_EXIT.search(line):
             res["coordinator_exits"].append(int(m.group(1)))
             if _COORD_LOST.search(line):     # it died once more, and was given up on

@@ -481,7 +481,11 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
         "[rtxnet-run] coordinator exited with code 3 again: 9 restarts in 31 s did not keep it up (exit "
         "code 3: its journal /j cannot be written or read; its log says why); not restarting it again: "
         "the ranks stop with CoordinatorLostError within their coordinator_s (30 s)",
-        "[rtxnet-run] rank 2 exited with code 1 (ValueError: bad (input)); restart 2/2",
+        "[rtxnet-run] rank 2 exited with code 1 (ValueError: bad (input)); restart 2/2 in 0.2 s (its "
+        "process lived 0.3 s)",
+        "[rtxnet-run] rank 3 exited with code 1; restart 1/2 in 0.1 s (its process lived 0.0 s; a rank "
+        "that exits within 10 s of its start is restarted after a pause, doubling up to 5 s)",
+        "[rtxnet-run] rank 3's restart was not made (rtxnet-run is stopping); its exit code 1 stands",
         "[rtxnet-run] rank 1 exited with code 1 (RuntimeError: x)",
         "[rtxnet-run] rank 1 failed for good (--max-restarts 2): 3 ranks left, fewer than --min-ranks 4; "
         "stopping ranks 0, 2, 3 (SIGTERM, SIGKILL after 10 s)",
@@ -527,7 +531,7 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
     ]
     s = faultrun.summarize(events, out)
     assert [(x["rank"], x["code"], x["restart"]) for x in s["rank_exits"]] == [
-        (2, 137, "1/2"), (2, 1, "2/2"), (1, 1, None), (2, 1, None)]
+        (2, 137, "1/2"), (2, 1, "2/2"), (3, 1, None), (1, 1, None), (2, 1, None)]
     assert s["coordinator_exits"] == [137, 3, 3] and s["coordinator_lost"] is True
     assert s["state_lost"] == [{"job_committed_step": 99, "best_live_step": -1, "steps_lost": 100,
                                 "reason": "no checkpoint recorded", "ranks_reporting": 2}]

@@ -1028,6 +1028,64 @@ def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_g
     assert 4 <= took < 30, took
 
 
+def test_a_rank_that_crashes_at_once_is_restarted_after_growing_pauses_and_sigterm_cuts_the_pause(tmp_path):
+    """A fresh user's find: a script whose rank 1 raised at once, under --max-restarts 1000000,
+    was restarted 2,855 times in 120 s (24 a second, a traceback each). A rank whose process
+    lived under 10 s now waits 0.1 s doubling to 5 s before each restart; a SIGTERM during a
+    pause ends rtxnet-run at once, that restart not made."""
+    script = tmp_path / "crashy.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    os._exit(7)\n"
+                      "time.sleep(300)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "2", "--max-restarts", "1000",
+         str(script)], env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        for line in launcher.stderr:
+            lines.append(line)
+            if "restart 5/1000 in " in line:      # the fifth restart waits 1.6 s: stop it
+                launcher.send_signal(signal.SIGTERM)
+        rc = launcher.wait(30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    text = "".join(lines)
+    assert rc == 143, text[-4000:]
+    restarts = [x for x in lines if "rank 1 exited with code 7; restart " in x]
+    assert len(restarts) == 5, text[-4000:]
+    pauses = [float(x.split(" in ", 1)[1].split(" s ", 1)[0]) for x in restarts]
+    assert pauses == [0.1, 0.2, 0.4, 0.8, 1.6], pauses
+    assert "a rank that exits within 10 s of its start is restarted after a pause, doubling up to 5 s" \
+        in restarts[0], restarts[0]
+    assert "rank 1's restart was not made (rtxnet-run is stopping); its exit code 7 stands" in text, text[-4000:]
+
+
+def test_a_rank_that_fails_without_an_error_file_is_named_by_its_last_line_on_stderr(tmp_path):
+    """A fresh user's find: a bad script argument (argparse's sys.exit(2)) or a SyntaxError writes
+    no error file, and the launcher's lines said only "exited with code 2"; they now quote the
+    rank's last line on stderr (not for a signal's exit code)."""
+    script = tmp_path / "args.py"
+    script.write_text("import argparse\np = argparse.ArgumentParser()\n"
+                      "p.add_argument('--steps', type=int)\np.parse_args()\n")
+    out = run(["--nproc", "2", "--grace", "2", str(script), "--steps", "1e3"], timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    said = "(last line on stderr: \"args.py: error: argument --steps: invalid int value: '1e3'\")"
+    assert re.search(r"rank [01] exited with code 2 " + re.escape(said), out.stderr), out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert re.search(r"First failure: rank [01] " + re.escape(said) + r"\. Exit code 2", last), last
+
+
+@pytest.mark.parametrize("lived,last,pause", [(0.0, 0.0, 0.1), (9.9, 0.1, 0.2), (3.0, 3.2, 5.0),
+                                              (1.0, 5.0, 5.0), (10.0, 5.0, 0.0), (60.0, 0.0, 0.0)])
+def test_restart_pause_doubles_for_ranks_that_die_young_and_is_none_after_a_long_life(lived, last, pause):
+    from rtxnet.launcher import _restart_pause
+
+    assert _restart_pause(lived, last) == pause
+
+
 LATE_REPLACEMENT = textwrap.dedent("""
     import os, signal, sys, time
     import numpy as np
