@@ -13,9 +13,23 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["Portal", "Work"]
+__all__ = ["Portal", "Work", "result_of"]
 
 T = TypeVar("T")
+
+
+def result_of(future: concurrent.futures.Future, timeout: float | None = None) -> Any:
+    """``future.result(timeout)``, with rtxnet's own errors (``RtxError``: a lost peer, a deadline,
+    calls that differ) raised from the caller's line, without the frames of the event loop's
+    thread and of ``concurrent.futures`` (a fresh user's find: an uncaught ``PeerLostError`` was a
+    25-line traceback through rtxnet's waits, the user's line at its top). Any other exception (a
+    bug) keeps its whole traceback. Raises what ``future.result`` raises."""
+    from transport.errors import RtxError
+
+    try:
+        return future.result(timeout)
+    except RtxError as exc:
+        raise exc.with_traceback(None)  # noqa: B904 (the same exception: its cause stays)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -59,7 +73,7 @@ class Work:
     def result(self, timeout: float | None = None) -> Any:
         """What the operation returned, once it finished (``timeout``: as :meth:`wait`)."""
         try:
-            return self._future.result(timeout)
+            return result_of(self._future, timeout)
         except concurrent.futures.TimeoutError:
             if self._future.done():   # the operation's own error (a TimeoutError of its own)
                 raise
@@ -103,7 +117,7 @@ class Portal:
         return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        return self.submit(fn, *args, **kwargs).result()
+        return result_of(self.submit(fn, *args, **kwargs))
 
     def stop(self) -> None:
         self._stopped = True

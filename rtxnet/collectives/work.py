@@ -52,8 +52,10 @@ class Work:
             if not fut.done():
                 raise RuntimeError("Work.wait() on an asyncio future that is not done; await it")
             return fut.result()
+        from rtxnet.portal import result_of
+
         try:
-            return fut.result(timeout)
+            return result_of(fut, timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"operation not finished within {timeout} s") from None
 

@@ -345,3 +345,30 @@ def test_tools_refuse_bad_arguments_before_they_run(argv, line):
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 2 and line in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+
+
+def test_blocking_calls_raise_rtxnet_errors_from_the_callers_line_and_bugs_with_every_frame():
+    # a fresh user's find: an uncaught PeerLostError was 25 lines through the loop thread's waits
+    import traceback
+
+    from rtxnet.portal import Portal, Work
+    from transport.errors import PeerLostError
+
+    async def deep(exc):
+        async def deeper():
+            raise exc
+        await deeper()
+
+    portal = Portal()
+    try:
+        for run in (lambda e: portal.call(deep, e), lambda e: Work(portal.submit(deep, e)).wait()):
+            with pytest.raises(PeerLostError) as info:
+                run(PeerLostError("ranks [1] lost"))
+            files = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+            assert files[0] == __file__ and not any("concurrent" in f for f in files), files
+            assert "deeper" not in [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+            with pytest.raises(ValueError) as info:
+                run(ValueError("a bug"))
+            assert "deeper" in [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    finally:
+        portal.stop()
