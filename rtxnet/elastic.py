@@ -209,7 +209,10 @@ class FaultTolerance:
         # end of training can wait for exactly those ranks). None before the first commit.
         self.committed_world: tuple[int, int, int] | None = None
         self.max_step_retries = max_step_retries
-        self._delays_recorded: set[int] = set()   # delay faults already claimed in the store
+        # delay faults already claimed in the store -> this rank's failures (_failures) when it
+        # last wrote the time the delay acted (``faults/<i>/last``; see _record_fault)
+        self._delays_recorded: dict[int, int] = {}
+        self._failures = 0   # the step failures this rank went through (_recover)
         self.load_checkpoint = load_checkpoint
         self.sharded_state = bool(sharded_state)
         if self.sharded_state and not callable(getattr(state, "load_state_dicts", None)):
@@ -667,6 +670,7 @@ class FaultTolerance:
 
     async def _recover(self, exc: BaseException, step: int) -> None:
         self.pg._pinned_world = None
+        self._failures += 1
         now = time.monotonic()
         if self._open_failure is None:
             seen = [t for e, t in self._epoch_seen.items() if e > self._synced_epoch or e == -1]
@@ -1164,25 +1168,29 @@ class FaultTolerance:
         just before acting; ``time.monotonic`` is one clock for all processes of a host): the
         newest injected before ``detected``; when the failure lost ranks (``lost_launch``, launch
         ranks), only a fault injected on one of them can have caused it (a ``delay`` on rank 0
-        at step 0 does not explain rank 2 killed from outside at step 278)."""
+        at step 0 does not explain rank 2 killed from outside at step 278). A delay, which acts
+        at every step, counts from when it last acted before ``detected`` as its rank wrote it
+        after a failure (``faults/<i>/last``, see _record_fault)."""
         inj = self.injector
         if inj is None:
             return None
         await self._store_unrecorded_faults()
         best = None
         for f in inj.faults:
-            try:
-                raw = await self.pg.store.get(f"faults/{f.index}")
-            except RtxError:
-                return best
-            if raw is None:
-                continue
-            rec = json.loads(raw)
-            if lost_launch and rec.get("rank") not in lost_launch:
-                continue
-            t = rec["t"]
-            if t <= detected + 0.001 and (best is None or t > best):
-                best = t
+            keys = [f"faults/{f.index}"] + ([f"faults/{f.index}/last"] if f.kind == "delay" else [])
+            for key in keys:
+                try:
+                    raw = await self.pg.store.get(key)
+                except RtxError:
+                    return best
+                if raw is None:
+                    continue
+                rec = json.loads(raw)
+                if lost_launch and rec.get("rank") not in lost_launch:
+                    continue
+                t = rec["t"]
+                if t <= detected + 0.001 and (best is None or t > best):
+                    best = t
         return best
 
     # ---------------------------------------------------------------------------------------------
@@ -1199,8 +1207,16 @@ class FaultTolerance:
 
     async def _record_fault(self, rec: dict[str, Any]) -> bool:
         """Claim the fault in the store (once per job, even across restarts); True: act on it.
-        A delay acts at every step but is recorded once: later steps skip the store."""
+        A delay acts at every step but is claimed once: later steps skip the store, except the
+        first step this rank runs after each failure it went through, which writes the time the
+        delay acts again to ``faults/<i>/last`` (a step retried after the delay made it time out
+        is detected from that time, not from the first step's: a fresh user saw
+        ``detection_latency_s`` 5, 25, 45 s for three timeouts of 5 s each)."""
         if rec["kind"] == "delay" and rec["index"] in self._delays_recorded:
+            if self._delays_recorded[rec["index"]] < self._failures:
+                self._delays_recorded[rec["index"]] = self._failures
+                with contextlib.suppress(RtxError):   # a measure only: the delay acts anyway
+                    await self.pg.store.set(f"faults/{rec['index']}/last", json.dumps(rec))
             return True
         try:
             swapped, _ = await self.pg.store.compare_set(f"faults/{rec['index']}", None, json.dumps(rec))
@@ -1217,7 +1233,7 @@ class FaultTolerance:
         if swapped:
             log.warning("fault_injected", fault=rec["fault"], rank=rec["rank"], step=rec["step"])
         if rec["kind"] == "delay":
-            self._delays_recorded.add(rec["index"])
+            self._delays_recorded[rec["index"]] = self._failures
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped
 

@@ -759,3 +759,21 @@ def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
             rf"\[rank{r}\] recovery: epoch \d+: (launch )?rank 2 lost before the first step: no step failed; "
             r"world of 2", report[0]), proc.stdout
         assert f"[rank{r}] w [6.0, 6.0, 6.0, 6.0]" in proc.stdout, proc.stdout   # 3 steps of 2 ranks
+
+
+def test_a_delay_that_times_out_every_retry_is_detected_from_its_latest_act(tmp_path):
+    # A fresh user's find: a delay acts at every step but was recorded once, so the retries of a
+    # step it made time out reported detection_latency_s 5, 25, 45 s (from its first act). Its
+    # rank now writes the time it acts again after each failure (faults/<i>/last).
+    env = procs.env(RTXNET_HEARTBEAT_INTERVAL="0.1", RTXNET_HEARTBEAT_TIMEOUT="0.5", RTXNET_OP_TIMEOUT="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "delay:rank=1:ms=2500",
+         "tools/ft_workload.py", "--steps", "3", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "step 0 failed 4 times without a membership change (max_step_retries=3)" in proc.stderr
+    timeouts = [float(m) for m in re.findall(
+        r"\[rank0\].*recovered .*detection_latency_s=([\d.]+) .*error=CollectiveTimeout", proc.stderr)]
+    assert len(timeouts) >= 3, proc.stderr[-4000:]
+    # each about the 1 s deadline after the delay began again; from the first act: 3.5 s, 6 s, ...
+    assert all(0.9 <= t < 2.4 for t in timeouts), timeouts
