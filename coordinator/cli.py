@@ -93,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="journal records between snapshots, >= 1 (default 10000)")
     p.add_argument("--log-level", type=_level, default=None,
                    help=f"one of {', '.join(LOG_LEVELS)} (default RTXNET_LOG_LEVEL or info)")
-    p.add_argument("--log-json", action="store_true")
+    p.add_argument("--log-json", action="store_true",
+                   help="log JSON lines to stderr instead of readable console lines (default "
+                        "RTXNET_LOG_JSON: JSON when set and not 0 or false)")
     p.add_argument("--dead-job-ttl", type=_ttl, default=3600.0,
                    help="seconds a job whose every rank crashed is kept for restarted ranks to "
                         "rejoin (committed step, store, checkpoint record), then forgotten "

@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rtxnet", description="rtxnet command-line tools")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{status,topology}")
     st = sub.add_parser("status", help="show the coordinator's jobs, members, epochs and heartbeats")
-    st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"))
+    st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"),
+                    help="address of the coordinator to ask (default $RTXNET_COORDINATOR, else "
+                         "tcp://127.0.0.1:29600); an rtxnet-run started without --coordinator picks a "
+                         "free port and prints it in its line '[rtxnet-run] coordinator tcp://...'")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=_seconds, default=5.0,
                     help="seconds to wait for the answer, finite and > 0 (default 5)")

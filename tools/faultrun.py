@@ -474,9 +474,14 @@ def _on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="fault plan, e.g. 'kill:rank=2:step=30' (see README)")
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--min-ranks", type=int, default=None)
-    ap.add_argument("--max-restarts", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=4,
+                    help="ranks rtxnet-run starts (its --nproc), 1..1024 (default 4)")
+    ap.add_argument("--min-ranks", type=int, default=None,
+                    help="smallest world the job may shrink to (rtxnet-run's --min-ranks), "
+                         "1..nproc (default nproc)")
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="restarts of each crashed rank (rtxnet-run's --max-restarts), >= 0 "
+                         "(default 0)")
     ap.add_argument("--timeout", type=positive_seconds, default=600.0,
                     help="seconds before the run is stopped, finite and > 0 (default 600)")
     ap.add_argument("--json", default=None, type=output_file, help="write events and summary here")

@@ -549,7 +549,8 @@ def plot(rows, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--ranks", type=int_in(1, 64), nargs="+", default=[2, 4])
+    p.add_argument("--ranks", type=int_in(1, 64), nargs="+", default=[2, 4],
+                   help="world sizes to run, each 1..64 (default 2 4)")
     p.add_argument("--sizes", type=parse_size, nargs="+", default=None,
                    help="default: 8B 1KiB 64KiB 1MiB 16MiB 64MiB (cpu), "
                         f"{' '.join(GPU_SIZES)} (cuda)")

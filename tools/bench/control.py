@@ -96,9 +96,13 @@ def bench_detect(coord: Coordinator, sig: int, trials: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None, type=output_file, help="write the rows here")
-    ap.add_argument("--trials", type=int_in(1, 10**4), default=20)
-    ap.add_argument("--worlds", type=int_in(1, 1024), nargs="+", default=[2, 4, 8, 16])
-    ap.add_argument("--journal-records", type=int_in(1, 10**7), default=20000)
+    ap.add_argument("--trials", type=int_in(1, 10**4), default=20,
+                    help="detection trials per signal (SIGKILL, SIGSTOP), 1..10000 (default 20)")
+    ap.add_argument("--worlds", type=int_in(1, 1024), nargs="+", default=[2, 4, 8, 16],
+                    help="world sizes whose forming is timed, each 1..1024 (default 2 4 8 16)")
+    ap.add_argument("--journal-records", type=int_in(1, 10**7), default=20000,
+                    help="records appended per journal mode (group commit, fsync per record), "
+                         "1..10000000 (default 20000)")
     args = ap.parse_args(argv)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rtxnet-bench-") as tmp:

@@ -155,19 +155,22 @@ def run_config(impl: str, n: int, args: argparse.Namespace, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=output_file, help="write the rows here")
-    p.add_argument("--worlds", default="1,2,4")
-    p.add_argument("--steps", type=int_in(1, 10**6), default=20)
+    p.add_argument("--worlds", default="1,2,4",
+                   help="comma-separated world sizes (default 1,2,4; scaling_eff needs 1 among them)")
+    p.add_argument("--steps", type=int_in(1, 10**6), default=20,
+                   help="timed steps per measurement, after 3 warm-up steps (default 20)")
     p.add_argument("--batch", type=int_in(1, 10**6), default=32, help="samples per rank per step")
-    p.add_argument("--width", type=int_in(1, 65536), default=1024)
-    p.add_argument("--depth", type=int_in(1, 1000), default=4)
+    p.add_argument("--width", type=int_in(1, 65536), default=1024,
+                   help="features of each hidden layer of the MLP (default 1024)")
+    p.add_argument("--depth", type=int_in(1, 1000), default=4, help="linear layers of the MLP (default 4)")
     p.add_argument("--repeat", type=int_in(1, 100), default=2,
                    help="runs per configuration; the fastest counts (robust to noisy neighbours)")
     # worker mode (internal)
-    p.add_argument("--worker", choices=["rtxnet", "torch"])
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world", type=int, default=1)
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--result", default="")
+    p.add_argument("--worker", choices=["rtxnet", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)

@@ -89,10 +89,12 @@ def worker(out: Path, width: int, depth: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=output_file, default=None)
-    ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--width", type=int_in(1, 65536), default=512)
-    ap.add_argument("--depth", type=int_in(1, 1000), default=4)
+    ap.add_argument("--json", type=output_file, default=None,
+                    help="write width, depth and every rank's figures here as JSON")
+    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    ap.add_argument("--width", type=int_in(1, 65536), default=512,
+                    help="in and out features of each Linear of the MLP (default 512)")
+    ap.add_argument("--depth", type=int_in(1, 1000), default=4, help="Linear layers of the MLP (default 4)")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker is not None:

@@ -60,9 +60,12 @@ def faulted(mode: str, nproc: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None, type=output_file)
-    ap.add_argument("--trials", type=int_in(1, 10**3), default=3)
-    ap.add_argument("--nproc", type=int_in(2, 64), default=3)
+    ap.add_argument("--json", default=None, type=output_file,
+                    help="write the fault-free runs, every trial and the summary here as JSON")
+    ap.add_argument("--trials", type=int_in(1, 10**3), default=3,
+                    help="SIGKILL trials per recovery mode (memory, checkpoint), 1..1000 (default 3)")
+    ap.add_argument("--nproc", type=int_in(2, 64), default=3,
+                    help="ranks per run, 2..64; after the kill nproc-1 go on (default 3)")
     args = ap.parse_args(argv)
     if args.trials < 1 or args.nproc < 2:
         ap.error(f"--trials({args.trials}) must be >= 1 and --nproc({args.nproc}) >= 2")

@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the collective (default all_reduce; sizes are all_gather's output, "
                          "reduce_scatter's input)")
     ap.add_argument("--rate", default="1gbit", help="tc rate of each direction of the link (default 1gbit)")
-    ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20])
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20],
+                    help="array sizes, a whole number and B, KiB, MiB or GiB "
+                         "(default 1MiB 4MiB 16MiB 64MiB)")
     ap.add_argument("--iters", type=int_in(1, 10**4), default=5, help="timed iterations per row (default 5)")
     ap.add_argument("--json", default=None, type=output_file, help="write the result here")
     ap.add_argument("--timeout", type=positive_seconds, default=1500.0,

@@ -72,9 +72,12 @@ def trial(kind: str, workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None, type=output_file)
-    ap.add_argument("--trials", type=int_in(1, 10**4), default=20)
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--json", default=None, type=output_file,
+                    help="write every trial and the per-kind summary here as JSON")
+    ap.add_argument("--trials", type=int_in(1, 10**4), default=20,
+                    help="trials per fault kind, 1..10000 (default 20)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
+                    help=f"fault kinds to run (default all: {' '.join(KINDS)})")
     args = ap.parse_args(argv)
     rows, summary = [], []
     for kind in args.kinds:
