@@ -148,11 +148,14 @@ def _seconds(text: str) -> float:
     return v
 
 
+_DEFAULT_COORDINATOR = "tcp://127.0.0.1:29600"   # rtxnet-coordinator's default --bind
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rtxnet", description="rtxnet command-line tools")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{status,topology}")
     st = sub.add_parser("status", help="show the coordinator's jobs, members, epochs and heartbeats")
-    st.add_argument("--coordinator", default=os.environ.get("RTXNET_COORDINATOR", "tcp://127.0.0.1:29600"),
+    st.add_argument("--coordinator", default=None,
                     help="address of the coordinator to ask (default $RTXNET_COORDINATOR, else "
                          "tcp://127.0.0.1:29600); an rtxnet-run started without --coordinator picks a "
                          "free port and prints it in its line '[rtxnet-run] coordinator tcp://...'")
@@ -182,10 +185,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _print(json.dumps(topo, indent=2) if args.json else render_topology(topo))
     if args.cmd == "status":
+        defaulted = args.coordinator is None and not os.environ.get("RTXNET_COORDINATOR")
+        if args.coordinator is None:
+            args.coordinator = os.environ.get("RTXNET_COORDINATOR") or _DEFAULT_COORDINATOR
         try:
             status = asyncio.run(_status_unless_refused(args.coordinator, args.timeout))
         except _NobodyListens as exc:
-            print(f"rtxnet status: no answer from {args.coordinator} ({exc})", file=sys.stderr)
+            hint = ("; the coordinator an rtxnet-run starts listens on a free port, which it prints "
+                    "in its line '[rtxnet-run] coordinator tcp://...': pass that with --coordinator"
+                    if defaulted else "")
+            print(f"rtxnet status: no answer from {args.coordinator} ({exc}){hint}", file=sys.stderr)
             return 1
         except ConnectError as exc:
             print(f"rtxnet status: {exc}", file=sys.stderr)

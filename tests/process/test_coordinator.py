@@ -729,6 +729,22 @@ def test_status_of_a_port_where_nothing_listens_says_so(timeout, says):
     assert out.stderr.strip() == "rtxnet status: " + says.format(addr=addr, why=why), out.stderr
 
 
+def test_status_at_the_default_address_says_where_rtxnet_run_prints_its_coordinator():
+    # a fresh user's find: a bare `rtxnet status` never finds the coordinator rtxnet-run started
+    # (a free port), and said only that nothing listens at 29600
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", 29600)) == 0:
+            pytest.skip("something listens on 127.0.0.1:29600, rtxnet status's default address")
+    env = {k: v for k, v in os.environ.items() if k != "RTXNET_COORDINATOR"}
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--timeout", "3"],
+                         capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("rtxnet status: no answer from tcp://127.0.0.1:29600 (nothing is listening"), \
+        out.stderr
+    assert out.stderr.rstrip().endswith("prints in its line '[rtxnet-run] coordinator tcp://...': pass that "
+                                        "with --coordinator"), out.stderr
+
+
 def test_status_writes_control_characters_of_ids_and_hosts_as_escapes(coordinator):
     # any client names hosts: they must not clear the screen or forge lines; a job id with a
     # control character is refused (status escapes those too, as a journal may hold one)
