@@ -8,6 +8,7 @@ after 60 s, a rendezvous after 300 s.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,9 +26,11 @@ CHECKPOINT_STORE_KEY = "rtxnet/checkpoint/latest"
 
 
 def is_seconds(v: object) -> bool:
-    """Whether ``v`` is a duration rtxnet accepts: an int or float (not a bool) above 0 and
-    finite (not NaN, not infinite)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf
+    """Whether ``v`` is a duration rtxnet accepts: a real number (an int or float, or a NumPy
+    scalar such as ``np.float32(5)``; not a bool) above 0 and finite (not NaN, not infinite).
+    Callers keep ``float(v)``."""
+    return (isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_"
+            and 0 < v < math.inf)
 
 
 def env_float(name: str, default: float) -> float:
@@ -93,6 +96,7 @@ class Timeouts:
             v = getattr(self, f.name)
             if not is_seconds(v):
                 raise ConfigError(f"{f.name}({v!r}) must be a finite positive number of seconds")
+            object.__setattr__(self, f.name, float(v))   # (np.float32 is not msgpack's)
         hi, ht, op, rv = self.heartbeat_interval_s, self.heartbeat_timeout_s, self.op_s, self.rendezvous_s
         if hi < MIN_HEARTBEAT_INTERVAL_S:
             raise ConfigError(f"heartbeat_interval_s({hi!r}) must be at least {MIN_HEARTBEAT_INTERVAL_S} s: "

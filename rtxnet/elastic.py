@@ -195,8 +195,8 @@ class FaultTolerance:
                               f"max_ranks({max_ranks}): the world can never be that large")
         if max_step_retries < 0:
             raise ConfigError(f"max_step_retries({max_step_retries}) must be >= 0")
-        self.rejoin_window_s = rejoin_window_s
-        self.commit_timeout_s = commit_timeout_s or self.pg.timeouts.op_s
+        self.rejoin_window_s = float(rejoin_window_s)
+        self.commit_timeout_s = float(commit_timeout_s) if commit_timeout_s else self.pg.timeouts.op_s
         self.injector = _faults.current() if faults == "env" else faults
         launch = os.environ.get("RTXNET_RANK")
         self.launch_rank = int(launch) if launch else self.pg.rank

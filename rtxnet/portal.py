@@ -41,6 +41,20 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
+def _check_wait(timeout: Any) -> float | None:
+    """A wait's ``timeout`` as ``Future.result`` takes it (infinite: None); refuses one that is
+    not None, 0 or a positive number (a fresh user's find: ``wait(timeout=nan)`` said the
+    operation "did not finish within timeout=nan s")."""
+    import math
+    import numbers
+
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise ValueError(f"timeout must be None, 0 or a positive number of seconds, got {timeout!r}")
+    return None if timeout == math.inf else float(timeout)
+
+
 class Work:
     """Handle of an operation started with ``async_op=True`` (like ``torch.distributed.Work``).
 
@@ -57,6 +71,8 @@ class Work:
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the operation goes on; its own
                 deadline still applies), naming ``timeout``.
+            ValueError: ``timeout`` is not None, 0 (do not wait) or a positive number of seconds
+                (NaN, negative, not a number), naming it.
         """
         self.result(timeout)
         return True
@@ -71,13 +87,19 @@ class Work:
         return self._future.exception() if self._future.done() else None
 
     def result(self, timeout: float | None = None) -> Any:
-        """What the operation returned, once it finished (``timeout``: as :meth:`wait`)."""
+        """What the operation returned, once it finished (``timeout``: as :meth:`wait`).
+
+        Raises:
+            ValueError: ``timeout`` is not None, 0 (do not wait) or a positive number of seconds
+                (infinite: wait as long as it takes), naming it.
+        """
+        wait_s = _check_wait(timeout)
         try:
-            return result_of(self._future, timeout)
+            return result_of(self._future, wait_s)
         except concurrent.futures.TimeoutError:
             if self._future.done():   # the operation's own error (a TimeoutError of its own)
                 raise
-            raise TimeoutError(f"the operation did not finish within timeout={timeout!r} s; it goes "
+            raise TimeoutError(f"the operation did not finish within timeout={wait_s:g} s; it goes "
                                f"on (until its own deadline): wait again, or poll is_completed()") from None
 
 

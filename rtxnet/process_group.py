@@ -63,11 +63,28 @@ def _with_fault_point(pg: ProcessGroup, fn: Any) -> Any:
     return call
 
 
+def _utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8, the store's encoding on the wire.
+
+    Raises:
+        ConfigError: ``text`` holds a lone surrogate (``"\\udc80"``, from ``os.fsdecode`` of
+            bytes that are not UTF-8), which UTF-8 cannot encode; names where.
+    """
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"store {what} {text[:60]!r} is not valid UTF-8 ({exc.reason} at index "
+                          f"{exc.start}): store keys and str values travel as UTF-8; pass bytes "
+                          f"for a value") from None
+
+
 class Store:
     """The job's key-value store on the coordinator (journaled; survives coordinator restarts).
 
     Values are ``bytes``; ``str`` is encoded as UTF-8. Every call has a deadline
-    (``Timeouts.request_s``, or ``timeout`` for :meth:`wait`).
+    (``Timeouts.request_s``, or ``timeout`` for :meth:`wait`). Every method raises
+    ``ConfigError`` for a key (or ``str`` value) that UTF-8 cannot encode (a lone surrogate),
+    naming it.
     """
 
     def __init__(self, agent: Agent):
@@ -77,12 +94,13 @@ class Store:
     def _k(key: str) -> str:
         if not isinstance(key, str):   # what would reach the wire as a key of another type
             raise TypeError(f"store keys are str, got {type(key).__name__} ({key!r:.60})")
+        _utf8(key, "key")
         return key
 
     @staticmethod
     def _b(value: bytes | str, key: str = "") -> bytes:
         if isinstance(value, str):
-            value = value.encode()
+            value = _utf8(value, f"value of key {key[:100]!r}")
         elif isinstance(value, bytes | bytearray | memoryview):
             value = bytes(value)
         else:
@@ -102,7 +120,8 @@ class Store:
 
         Raises:
             ConfigError: the job's store would hold more than 16 MiB (this item alone, or with
-                what it holds), or the coordinator's more than 48 MiB; the key is empty.
+                what it holds), or the coordinator's more than 48 MiB; the key is empty; the key
+                or a str value is not valid UTF-8.
             TypeError: ``key`` is not a str, ``value`` not bytes or str.
         """
         await self._agent.kv_set(self._k(key), self._b(value, key))
@@ -125,8 +144,8 @@ class Store:
         """
         if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
-        keys = [keys] if isinstance(keys, str) else [self._k(k) for k in keys]
-        return await self._agent.kv_wait(keys, timeout if timeout is not None else self._agent.timeouts.op_s)
+        keys = [self._k(keys)] if isinstance(keys, str) else [self._k(k) for k in keys]
+        return await self._agent.kv_wait(keys, float(timeout) if timeout is not None else self._agent.timeouts.op_s)
 
     async def compare_set(self, key: str, expected: bytes | str | None, value: bytes | str) -> tuple[bool, bytes | None]:
         """Set ``key`` to ``value`` only if it currently equals ``expected`` (None: absent).

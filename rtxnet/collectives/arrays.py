@@ -23,12 +23,20 @@ OFF_LOOP_NBYTES = 4 << 20
 def as_numpy(t) -> np.ndarray:
     """A NumPy view of ``t`` sharing its memory.
 
+    A subclass of ``numpy.ndarray`` (``np.matrix``, ``np.memmap``) is viewed as a plain
+    ``ndarray`` of the same shape: its methods (``np.matrix`` keeps two dimensions whatever it is
+    reshaped to) would break the flat view after the data moved (a fresh user's find: a matrix on
+    one rank raised NumPy's broadcast error there while the others had its data).
+
     Raises:
-        ValueError: ``t`` is neither a NumPy array nor a CPU DLPack tensor, or its dtype is not
-            supported.
+        ValueError: ``t`` is neither a NumPy array nor a CPU DLPack tensor, is a masked array
+            (its mask would be ignored), or its dtype is not supported.
     """
+    if isinstance(t, np.ma.MaskedArray):
+        raise ValueError(f"a masked array ({type(t).__name__}) is not supported: its mask would be "
+                         f"ignored; pass .filled(value) or .data")
     if isinstance(t, np.ndarray):
-        a = t
+        a = t if type(t) is np.ndarray else t.view(np.ndarray)
     elif type(t).__module__.startswith("torch"):
         a = _torch_to_numpy(t)
     elif hasattr(t, "__dlpack__"):

@@ -56,6 +56,7 @@ from rtxnet.collectives.reduce_ops import (
     check_op_dtype,
     dtype_name,
     finish,
+    quiet,
     reduce_into,
 )
 from rtxnet.collectives.ring import (
@@ -1255,6 +1256,7 @@ async def _copy_out(pairs: list, out_bufs: list) -> None:
         b.commit()
 
 
+@quiet
 def _average_and_commit(ob: Buffer, rop: ReduceOp, n: int) -> None:
     """A hierarchical reduce_scatter's last step: AVG (run as SUM) divided by the ``n`` ranks,
     then the output written back."""
@@ -1304,6 +1306,7 @@ def _check_tag(tag) -> None:
         raise ValueError(f"tag({tag}) is out of range: a tag lies strictly between -2**62 and 2**62")
 
 
+@quiet
 def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
 
@@ -1321,6 +1324,7 @@ def _avg_plan(rop: ReduceOp, tensor) -> tuple[ReduceOp, bool]:
     return ReduceOp.SUM, str(getattr(tensor, "dtype", "")) in ("float16", "torch.float16")
 
 
+@quiet
 def _divide_in_place(tensor, n: int) -> None:
     """``tensor /= n`` in place: torch tensors on their current stream, CuPy arrays on CuPy's,
     NumPy arrays (and bfloat16) on the host."""

@@ -155,6 +155,14 @@ def accepted_pairs() -> list[tuple[str, ReduceOp]]:
     return out
 
 
+# A float reduction that overflows gives inf, and inf - inf NaN, as IEEE 754 defines and as NCCL
+# and torch.distributed return them, without a word: NumPy's RuntimeWarning for them ("overflow
+# encountered in cast", from rtxnet's own lines) is turned off where rtxnet reduces and casts (a
+# fresh user's find). Integers wrap as NumPy's array arithmetic does (it never warns there).
+quiet = np.errstate(over="ignore", invalid="ignore")
+
+
+@quiet
 def combine(op: ReduceOp, out: np.ndarray, x: np.ndarray) -> None:
     """``out = out (op) x`` in place; ``out`` is in the accumulation dtype, ``x`` in any."""
     uf = _UFUNC[op]
@@ -164,6 +172,7 @@ def combine(op: ReduceOp, out: np.ndarray, x: np.ndarray) -> None:
         uf(out, x, out=out)
 
 
+@quiet
 def combine2(op: ReduceOp, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     """``out = a (op) b`` without temporaries; ``out`` is in the accumulation dtype."""
     uf = _UFUNC[op]
@@ -173,6 +182,7 @@ def combine2(op: ReduceOp, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> Non
         uf(a, b, out=out)
 
 
+@quiet
 def finish(op: ReduceOp, acc: np.ndarray, nranks: int) -> None:
     """Apply what comes after accumulation: AVG divides by the number of ranks."""
     if op is ReduceOp.AVG:
@@ -182,6 +192,7 @@ def finish(op: ReduceOp, acc: np.ndarray, nranks: int) -> None:
 BLOCK_ELEMS = 1 << 16   # reduce_into's block: cache-sized, and no full-size temporary
 
 
+@quiet
 def reduce_into(op: ReduceOp, xs: list[np.ndarray], out: np.ndarray, n: int,
                 also: np.ndarray | None = None) -> None:
     """``out = finish(xs[0] (op) xs[1] (op) ...)`` block by block, accumulating each block in

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from rtxnet.collectives.arrays import off_loop, payload_view
-from rtxnet.collectives.reduce_ops import ReduceOp, combine, combine2, finish
+from rtxnet.collectives.reduce_ops import ReduceOp, combine, combine2, finish, quiet
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
            "chain_broadcast", "block_nbytes",
@@ -109,6 +109,7 @@ async def _ring_schedule(op, parts: list[np.ndarray], rop: ReduceOp | None, *, s
     await (op.bulk_flush() if bulk else op.flush())
 
 
+@quiet
 def _cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
 

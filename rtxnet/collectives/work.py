@@ -47,15 +47,16 @@ class Work:
 
     def result(self, timeout: float | None = None) -> Any:
         """The operation's return value (the output array), after ``wait``."""
+        from rtxnet.portal import _check_wait, result_of
+
+        wait_s = _check_wait(timeout)
         fut = self._future
         if isinstance(fut, asyncio.Future):
             if not fut.done():
                 raise RuntimeError("Work.wait() on an asyncio future that is not done; await it")
             return fut.result()
-        from rtxnet.portal import result_of
-
         try:
-            return result_of(fut, timeout)
+            return result_of(fut, wait_s)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"operation not finished within {timeout} s") from None
 

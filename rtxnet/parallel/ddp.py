@@ -72,6 +72,7 @@ import structlog
 import torch
 
 from rtxnet.collectives import ReduceOp
+from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
 from ._world import StepWorld, broadcastable, check_same_layout, group_size
@@ -191,8 +192,8 @@ class DistributedDataParallel(torch.nn.Module):
                 raise ConfigError(f"{name}({v!r}) must be a positive number of MiB")
         if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise ConfigError(f"reduce_op({reduce_op!r}) must be ReduceOp.AVG or ReduceOp.SUM")
-        if timeout_s is not None and not (isinstance(timeout_s, int | float) and timeout_s > 0):
-            raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive number of seconds")
+        if timeout_s is not None and not is_seconds(timeout_s):
+            raise ConfigError(f"timeout_s({timeout_s!r}) must be a positive, finite number of seconds")
         self.module = module
         self._pg = pg
         self._step_world = StepWorld(pg)

@@ -405,3 +405,49 @@ def test_torch_tensors_numpy_cannot_view_are_refused_by_name():
         as_numpy(torch.zeros(3, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match=r"tensor of layout torch\.sparse_coo; collectives take dense"):
         as_numpy(torch.eye(3).to_sparse())
+
+
+async def matrix_on_one_rank(engine):
+    g = engine.world
+    r = g.rank
+    # a fresh user's find: np.matrix on rank 0 raised NumPy's broadcast error there after the
+    # data moved, while the others returned the sum
+    x = np.matrix([[1.0, 2.0 + r]]) if r == 0 else np.array([[1.0, 2.0 + r]])
+    await g.all_reduce(x, timeout=10)
+    m = np.ones(3, np.float32)        # the group goes on
+    await g.all_reduce(m, timeout=10)
+    return type(x).__name__, x.tolist(), m.tolist()
+
+
+def test_ndarray_subclasses_are_reduced_as_arrays_and_masked_arrays_refused():
+    res = run_world(2, matrix_on_one_rank)
+    assert res == [("matrix", [[2.0, 5.0]], [2.0] * 3), ("ndarray", [[2.0, 5.0]], [2.0] * 3)], res
+    from rtxnet.collectives.arrays import as_numpy
+
+    with pytest.raises(ValueError, match=r"a masked array \(MaskedArray\) is not supported: its mask would be ignored"):
+        as_numpy(np.ma.masked_array([1.0, 2.0], mask=[0, 1]))
+
+
+async def overflow_quietly(engine):
+    import warnings
+
+    g = engine.world
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")    # each rank is a process of its own
+        for algo in ("direct", "recursive_doubling", "ring", "shm"):
+            x = np.full(70001, 60000, np.float16)
+            await g.all_reduce(x, algorithm=algo)
+            y = np.full(7, 60000, np.float16)
+            await g.all_reduce(y, ReduceOp.AVG, algorithm=algo)
+            z = np.array([np.inf], np.float32) * (1 if g.rank == 0 else -1)
+            await g.all_reduce(z, algorithm=algo)
+            out.append((float(x[0]), float(x[-1]), float(y[0]), bool(np.isnan(z[0]))))
+    return out
+
+
+def test_a_float_reduction_that_overflows_gives_inf_and_nan_without_a_numpy_warning():
+    # a fresh user's find: a float16 SUM past 65504 printed "RuntimeWarning: overflow encountered
+    # in cast" from rtxnet's own line; inf and NaN are IEEE's answers, as NCCL gives them
+    for per_rank in run_world(2, overflow_quietly):
+        assert per_rank == [(np.inf, np.inf, 60000.0, True)] * 4, per_rank

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -219,6 +220,14 @@ def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coor
                 call()
         with pytest.raises(ValueError, match=r"broadcast: rank True not in group of size 1"):
             pg.broadcast(np.ones(2), True)
+        # a lone surrogate (os.fsdecode of bytes that are not UTF-8) was a raw UnicodeEncodeError
+        for call in (lambda: pg.store.set("a\udc80", b"x"), lambda: pg.store.get("\udc80"),
+                     lambda: pg.store.wait("\udc80", timeout=1), lambda: pg.store.delete("\udc80")):
+            with pytest.raises(rtxnet.ConfigError, match=r"store key '(a)?\\udc80' is not valid UTF-8 "
+                                                         r"\(surrogates not allowed at index [01]\)"):
+                call()
+        with pytest.raises(rtxnet.ConfigError, match=r"store value of key 'k' 'v\\udc80' is not valid UTF-8"):
+            pg.store.set("k", "v\udc80")
         pg.store.set("k", b"v")      # the group goes on
         assert pg.store.get("k") == b"v"
 
@@ -372,3 +381,38 @@ def test_blocking_calls_raise_rtxnet_errors_from_the_callers_line_and_bugs_with_
             assert "deeper" in [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     finally:
         portal.stop()
+
+
+def test_work_wait_refuses_a_timeout_that_is_not_a_duration_and_takes_numpy_and_infinite_ones():
+    # a fresh user's find: wait(timeout=nan) said the operation "did not finish within timeout=nan s"
+    import concurrent.futures
+    import math
+
+    import numpy as np
+
+    fut = concurrent.futures.Future()
+    work = rtxnet.Work(fut)
+    for bad in (-1, math.nan, "5", True):
+        with pytest.raises(ValueError, match=r"timeout must be None, 0 or a positive number of seconds, got "
+                                             + re.escape(repr(bad))):
+            work.wait(bad)
+    with pytest.raises(TimeoutError, match=r"within timeout=0 s"):
+        work.wait(0)
+    with pytest.raises(TimeoutError, match=r"within timeout=0.01 s"):
+        work.wait(np.float32(0.01))
+    fut.set_result("done")
+    assert work.wait(math.inf) and work.result(math.inf) == "done"
+
+
+@pytest.mark.parametrize("value", [5, 5.0, "np.float32(5)", "np.int64(5)"])
+def test_numpy_scalars_are_durations_and_bools_and_nan_are_not(value):
+    import numpy as np
+
+    from rtxnet.config import Timeouts, is_seconds
+
+    v = eval(value) if isinstance(value, str) else value
+    assert is_seconds(v)
+    t = Timeouts(op_s=v, rendezvous_s=300)
+    assert type(t.op_s) is float and t.op_s == 5.0
+    for bad in (True, np.bool_(True), math.nan, math.inf, 0, -1, "5", None):
+        assert not is_seconds(bad), bad
