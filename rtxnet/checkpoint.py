@@ -307,7 +307,9 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             strings, bools, None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
             "sampler": sampler.state_dict(), "rng": capture_rng()}``).
         pg: the :class:`rtxnet.BlockingProcessGroup`; ``None`` for a single process.
-        keep: after a successful save, rank 0 deletes all but the newest ``keep`` step folders.
+        keep: after a successful save, rank 0 deletes all but the newest ``keep`` step folders;
+            a step :func:`latest` found corrupt in this process is not counted among them (it is
+            deleted once older than the oldest kept).
         metadata: JSON-serialisable values stored in the manifest (e.g. the loss).
         timeout_s: deadline of each collective, in seconds; ``None`` uses the group's.
 
@@ -471,6 +473,9 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
+# (resolved root, step) of the checkpoints latest() found corrupt in this process: not counted
+# among the ``keep`` newest by _prune
+_CORRUPT_SEEN: set[tuple[str, int]] = set()
 
 
 def _check_loadable(v: Any, where: str) -> None:
@@ -503,7 +508,7 @@ def _check_loadable(v: Any, where: str) -> None:
         raise TypeError(
             f"{where} is a {type(v).__module__}.{type(v).__qualname__}, which a checkpoint cannot "
             f"hold: shards are loaded with torch.load(weights_only=True), which takes tensors, "
-            f"numbers, strings, bytes, None and dicts/lists/tuples of them{hint}") from None
+            f"numbers, strings, bytes, None and dicts/lists/tuples/sets of them{hint}") from None
 
 
 def _remove_leftovers(folder: Path, listed: set[str]) -> None:
@@ -537,7 +542,12 @@ def _steps(root: Path) -> list[int]:
 
 
 def _prune(root: Path, keep: int) -> None:
-    complete = [s for s in _steps(root) if (step_dir(root, s) / MANIFEST).exists()]
+    # a step this process found corrupt does not count among the kept (a fresh user's find: after
+    # a resume past a corrupt step-300, keep=3 kept 200, the corrupt 300 and 320, and deleted the
+    # intact 100); it goes with the others once older than the oldest kept
+    resolved = str(root.resolve())
+    complete = [s for s in _steps(root) if (step_dir(root, s) / MANIFEST).exists()
+                and (resolved, s) not in _CORRUPT_SEEN]
     if len(complete) <= keep:
         return
     cutoff = complete[-keep]
@@ -663,6 +673,7 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
             verify(root, s) if verify_shards else read_manifest(root, s)
         except CheckpointCorruptError as exc:
             log.warning("checkpoint_corrupt", step=s, path=str(exc.path), error=str(exc))
+            _CORRUPT_SEEN.add((str(Path(root).resolve()), s))
             continue
         except CheckpointError:   # the manifest went between the two looks (pruned meanwhile)
             continue

@@ -219,6 +219,29 @@ def test_keep_prunes_old_steps_and_bad_arguments_are_named(tmp_path):
         checkpoint.save(tmp_path, 5, {}, keep=0)
 
 
+def test_a_corrupt_step_found_by_latest_is_not_counted_among_the_kept(tmp_path):
+    # a fresh user's find: after a resume past a corrupt step-300, keep=3 kept 200, the corrupt
+    # 300 and 320, and deleted the intact 100
+    for s in (100, 200, 300):
+        checkpoint.save(tmp_path, s, {"step": s, "w": torch.zeros(4)})
+    shard = tmp_path / "step-300" / "rank-0.pt"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert checkpoint.latest(tmp_path) == 200          # it finds 300 corrupt
+    checkpoint.save(tmp_path, 320, {"step": 320}, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-100", "step-200", "step-300", "step-320"]
+    checkpoint.save(tmp_path, 340, {"step": 340}, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-200", "step-300", "step-320", "step-340"]
+    checkpoint.save(tmp_path, 360, {"step": 360}, keep=3)   # the corrupt one goes once older
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-320", "step-340", "step-360"]
+
+
+def test_a_set_is_saved_and_loaded_as_the_readme_says(tmp_path):
+    checkpoint.save(tmp_path, 1, {"tags": {"a", "b"}})
+    assert checkpoint.load(tmp_path, 1)["tags"] == {"a", "b"}
+
+
 def test_rng_capture_and_restore(tmp_path):
     import random
 
