@@ -982,6 +982,24 @@ def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
     assert "never awaited" not in out.stderr, out.stderr[-3000:]
 
 
+def _launch_watching_stderr(args: list[str], on_line, env=None) -> tuple[int, list[str]]:
+    """Run rtxnet-run with ``args``, calling ``on_line(line, process)`` for each line of its
+    stderr as it comes; its exit code and those lines. Killed (by its pid) if it has not ended
+    30 s after its stderr closed, or when the test fails."""
+    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", *args], env=env or procs.env(),
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        for line in launcher.stderr:
+            lines.append(line)
+            on_line(line, launcher)
+        return launcher.wait(30), lines
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
 @pytest.mark.timeout(120)
 def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_given_up_on(tmp_path):
     """Each coordinator rtxnet-run starts dies again at once (here SIGKILLed by the test as soon
@@ -993,28 +1011,22 @@ def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_g
     job neither went on nor failed. The ranks here only sleep, so the launcher alone decides."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "2", str(script), str(tmp_path)],
-        env=procs.env(RTXNET_COORDINATOR_TIMEOUT="4"), cwd=ROOT, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
     killed: list[int] = []
-    lines: list[str] = []
     t0 = time.monotonic()
-    try:
-        for line in launcher.stderr:
-            lines.append(line)
-            if line.startswith("[rtxnet-run] coordinator tcp://") or "coordinator restarted (pid" in line:
-                pid = int(line.rsplit("pid ", 1)[1].split(")", 1)[0])
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            elif "not restarting it again" in line:
-                took = time.monotonic() - t0
-                launcher.send_signal(signal.SIGTERM)     # the sleeping ranks: stop them
-        rc = launcher.wait(30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    took = None
+
+    def on_line(line: str, launcher: subprocess.Popen) -> None:
+        nonlocal took
+        if line.startswith("[rtxnet-run] coordinator tcp://") or "coordinator restarted (pid" in line:
+            pid = int(line.rsplit("pid ", 1)[1].split(")", 1)[0])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        elif "not restarting it again" in line:
+            took = time.monotonic() - t0
+            launcher.send_signal(signal.SIGTERM)     # the sleeping ranks: stop them
+
+    rc, lines = _launch_watching_stderr(["--nproc", "2", "--grace", "2", str(script), str(tmp_path)], on_line,
+                                        env=procs.env(RTXNET_COORDINATOR_TIMEOUT="4"))
     text = "".join(lines)
     assert rc == 143, text[-4000:]
     (gave_up,) = [x for x in lines if "not restarting it again" in x]
@@ -1038,20 +1050,12 @@ def test_a_rank_that_crashes_at_once_is_restarted_after_growing_pauses_and_sigte
                       "if os.environ['RANK'] == '1':\n"
                       "    os._exit(7)\n"
                       "time.sleep(300)\n")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "2", "--max-restarts", "1000",
-         str(script)], env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    try:
-        for line in launcher.stderr:
-            lines.append(line)
-            if "restart 5/1000 in " in line:      # the fifth restart waits 1.6 s: stop it
-                launcher.send_signal(signal.SIGTERM)
-        rc = launcher.wait(30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    def on_line(line: str, launcher: subprocess.Popen) -> None:
+        if "restart 5/1000 in " in line:      # the fifth restart waits 1.6 s: stop it
+            launcher.send_signal(signal.SIGTERM)
+
+    rc, lines = _launch_watching_stderr(["--nproc", "2", "--grace", "2", "--max-restarts", "1000", str(script)],
+                                        on_line)
     text = "".join(lines)
     assert rc == 143, text[-4000:]
     restarts = [x for x in lines if "rank 1 exited with code 7; restart " in x]
