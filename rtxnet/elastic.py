@@ -209,10 +209,11 @@ class FaultTolerance:
         # end of training can wait for exactly those ranks). None before the first commit.
         self.committed_world: tuple[int, int, int] | None = None
         self.max_step_retries = max_step_retries
-        # delay faults already claimed in the store -> this rank's failures (_failures) when it
-        # last wrote the time the delay acted (``faults/<i>/last``; see _record_fault)
+        # delay faults already claimed in the store -> the step it last acted at (see
+        # _record_fault: a step again, or an earlier one, is a retry), and the times it acted
+        # again, newest last (at most _DELAY_ACTS_KEPT)
         self._delays_recorded: dict[int, int] = {}
-        self._failures = 0   # the step failures this rank went through (_recover)
+        self._delay_acts: dict[int, list[float]] = {}
         self.load_checkpoint = load_checkpoint
         self.sharded_state = bool(sharded_state)
         if self.sharded_state and not callable(getattr(state, "load_state_dicts", None)):
@@ -670,7 +671,6 @@ class FaultTolerance:
 
     async def _recover(self, exc: BaseException, step: int) -> None:
         self.pg._pinned_world = None
-        self._failures += 1
         now = time.monotonic()
         if self._open_failure is None:
             seen = [t for e, t in self._epoch_seen.items() if e > self._synced_epoch or e == -1]
@@ -1188,9 +1188,9 @@ class FaultTolerance:
                 rec = json.loads(raw)
                 if lost_launch and rec.get("rank") not in lost_launch:
                     continue
-                t = rec["t"]
-                if t <= detected + 0.001 and (best is None or t > best):
-                    best = t
+                for t in rec.get("acts", [rec["t"]]):
+                    if t <= detected + 0.001 and (best is None or t > best):
+                        best = t
         return best
 
     # ---------------------------------------------------------------------------------------------
@@ -1207,16 +1207,21 @@ class FaultTolerance:
 
     async def _record_fault(self, rec: dict[str, Any]) -> bool:
         """Claim the fault in the store (once per job, even across restarts); True: act on it.
-        A delay acts at every step but is claimed once: later steps skip the store, except the
-        first step this rank runs after each failure it went through, which writes the time the
-        delay acts again to ``faults/<i>/last`` (a step retried after the delay made it time out
-        is detected from that time, not from the first step's: a fresh user saw
-        ``detection_latency_s`` 5, 25, 45 s for three timeouts of 5 s each)."""
+        A delay acts at every step but is claimed once: later steps skip the store, except a step
+        run again (a retry, or a step at or before the last one it acted at: a rollback), which
+        writes the time the delay acts again to ``faults/<i>/last`` (a step retried after the
+        delay made it time out is detected from that time, not from the first step's: a fresh
+        user saw ``detection_latency_s`` 5, 25, 45 s for three timeouts of 5 s each)."""
         if rec["kind"] == "delay" and rec["index"] in self._delays_recorded:
-            if self._delays_recorded[rec["index"]] < self._failures:
-                self._delays_recorded[rec["index"]] = self._failures
+            last, self._delays_recorded[rec["index"]] = self._delays_recorded[rec["index"]], rec["step"]
+            if rec["step"] <= last:
+                # every recent act, not only the newest: the failure a survivor measures may be
+                # the one before (this rank already acting again when the survivor reads)
+                acts = self._delay_acts.setdefault(rec["index"], [])
+                acts[:] = [*acts, rec["t"]][-_DELAY_ACTS_KEPT:]
                 with contextlib.suppress(RtxError):   # a measure only: the delay acts anyway
-                    await self.pg.store.set(f"faults/{rec['index']}/last", json.dumps(rec))
+                    await self.pg.store.set(f"faults/{rec['index']}/last",
+                                            json.dumps({**rec, "acts": acts}))
             return True
         try:
             swapped, _ = await self.pg.store.compare_set(f"faults/{rec['index']}", None, json.dumps(rec))
@@ -1233,9 +1238,12 @@ class FaultTolerance:
         if swapped:
             log.warning("fault_injected", fault=rec["fault"], rank=rec["rank"], step=rec["step"])
         if rec["kind"] == "delay":
-            self._delays_recorded[rec["index"]] = self._failures
+            self._delays_recorded[rec["index"]] = rec["step"]
             return True   # a slow rank is slow at every step; the store keeps the first record
         return swapped
+
+
+_DELAY_ACTS_KEPT = 16   # a delay's latest acts kept in faults/<i>/last (its retries' times)
 
 
 def _n_ranks(n: int) -> str:
