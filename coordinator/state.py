@@ -749,8 +749,14 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         _finish(state, job, identity, msg, now, actions)
     elif t == "reform":
         member = job.member_by_identity(msg["identity"])
+        evict = _evictable(job, member, msg.get("evict") or [])
         if member is None:
             actions.append(_not_member(identity, msg, job))
+        elif msg["epoch"] == job.epoch and evict:
+            # ranks late in every try of a step while the others waited: declared lost, as a
+            # frozen rank is (fenced: it rejoins if it comes back)
+            _lose(state, job, evict, now, actions, reason="lost")
+            actions.append(_reply(identity, msg, job, epoch=job.epoch, evicted=evict))
         elif msg["epoch"] == job.epoch:
             members = {r: m.public() for r, m in job.members.items()}
             _fail_commit_waiters(job, actions, f"epoch reformed: {msg['reason']}")
@@ -762,6 +768,20 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_reply(identity, msg, job, epoch=job.epoch))  # someone already did
     else:  # pragma: no cover - wire.validate admits only known types
         actions.append(_error(identity, msg, "ProtocolError", f"{t!r} is not a request"))
+
+
+def _evictable(job: Job, member: Member | None, evict: list) -> list[int]:
+    """The ranks of a reform's ``evict`` to drop: all of them, when each is a member's rank other
+    than the asker's and the members left would still be ``min_ranks`` or more; else none (a
+    plain reform). Anything else a client sends there (not ints, repeated) is ignored likewise."""
+    if (member is None or not evict or len(evict) > len(job.members)
+            or any(isinstance(r, bool) or not isinstance(r, int) for r in evict)):
+        return []
+    ranks = sorted(set(evict))
+    if (len(ranks) != len(evict) or member.rank in ranks or any(r not in job.members for r in ranks)
+            or len(job.members) - len(ranks) < job.min_ranks):
+        return []
+    return ranks
 
 
 def _finished_training(job: Job) -> str:

@@ -573,13 +573,18 @@ class Agent:
                 self._fence(str(exc))
                 return {"committed": False, "step": step, "reason": str(exc)}
 
-    async def reform(self, reason: str, epoch: int | None = None) -> int:
+    async def reform(self, reason: str, epoch: int | None = None, *,
+                     evict: list[int] | None = None) -> int:
         """Ask for a new epoch with the same members (see ``reform`` in :mod:`transport.wire`)
         in place of ``epoch`` (default: this rank's current one): only a request naming the
         job's current epoch acts, so a rank that asks after another rank's reform already moved
-        it on opens no second epoch. Returns the job's epoch after the request."""
+        it on opens no second epoch. ``evict``: ranks of ``epoch`` to leave out of the new one
+        (declared lost, as a frozen rank is), which the coordinator does only when the members
+        left are at least the job's ``min_ranks`` (else a plain reform). Returns the job's epoch
+        after the request."""
+        extra = {"evict": [int(r) for r in evict]} if evict else {}
         body = await self._request("reform", epoch=None if epoch is None else int(epoch),
-                                   identity=self.identity, reason=reason[:500])
+                                   identity=self.identity, reason=reason[:500], **extra)
         return body["epoch"]
 
     async def finish(self) -> dict[str, Any]:

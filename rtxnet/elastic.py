@@ -117,6 +117,14 @@ class FaultTolerance:
         max_step_retries: how often one step may fail without a membership change before the
             error is raised instead of retried: such a failure, e.g. a
             :class:`CollectiveMismatchError` from ranks that disagree, would repeat forever.
+        evict_late_after: a rank that this many tries of one step in a row timed out waiting
+            for (``CollectiveTimeout`` naming it: alive, heartbeating, but not taking part: a
+            hung data loader, a rank far slower than the others) is evicted, declared lost as a
+            frozen rank is, when the world without it still has ``min_world_size`` ranks and the
+            job's ``min_ranks`` (else the step is retried as before, up to
+            ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins. ``None``:
+            never. Default 2: the first timeout may be ranks out of step, which a re-formed
+            epoch mends.
         sharded_state: the state differs per rank (FSDP shards, tensor-parallel slices), so no
             single rank can hand it to the others. Each rank then also keeps its ring
             predecessor's committed state (rank ``r`` holds rank ``r - 1``'s, mod the world size),
@@ -148,7 +156,7 @@ class FaultTolerance:
                  commit_timeout_s: float | None = None, faults: Injector | None | str = "env",
                  start_step: int = 0, max_step_retries: int = 3,
                  load_checkpoint: Callable[[int, str], None] | None = None,
-                 sharded_state: bool = False):
+                 sharded_state: bool = False, evict_late_after: int | None = 2):
         if isinstance(pg, BlockingProcessGroup):
             self._portal = pg._portal
             self.pg = pg.async_pg
@@ -162,7 +170,7 @@ class FaultTolerance:
             raise ConfigError(f"FaultTolerance: state must have state_dict() and load_state_dict(d), "
                               f"got {type(state).__name__}")
         for name, v in (("min_world_size", min_world_size), ("start_step", start_step),
-                        ("max_step_retries", max_step_retries)):
+                        ("max_step_retries", max_step_retries), ("evict_late_after", evict_late_after)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
         for name, v in (("rejoin_window_s", rejoin_window_s), ("commit_timeout_s", commit_timeout_s)):
@@ -195,6 +203,13 @@ class FaultTolerance:
                               f"max_ranks({max_ranks}): the world can never be that large")
         if max_step_retries < 0:
             raise ConfigError(f"max_step_retries({max_step_retries}) must be >= 0")
+        if evict_late_after is not None and evict_late_after < 1:
+            raise ConfigError(f"evict_late_after({evict_late_after}) must be >= 1 or None")
+        self.evict_late_after = evict_late_after
+        # step -> (the ranks the last timeouts of its tries named, as of their epoch's numbering
+        # mapped to identities, how many tries in a row named them)
+        self._late_streak: dict[int, tuple[frozenset, int]] = {}
+        self._sync_timeouts = 0   # syncs of new epochs that timed out since the last that did not
         self.rejoin_window_s = float(rejoin_window_s)
         self.commit_timeout_s = float(commit_timeout_s) if commit_timeout_s else self.pg.timeouts.op_s
         self.injector = _faults.current() if faults == "env" else faults
@@ -555,6 +570,7 @@ class FaultTolerance:
                         self._note_loss_between_steps()
                     await self._wait_world()
                     await self._sync()
+                    self._sync_timeouts = 0
                 if self._open_failure is not None:
                     await self._close_failure()
                 self._step_epoch = self.pg.epoch
@@ -705,16 +721,64 @@ class FaultTolerance:
             # moved on without it): say so instead of retrying the step into a wall.
             self.pg.agent.check_coordinator(f"step {step} failed ({type(exc).__name__})")
             self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
-            if n > self.max_step_retries:
+            evict = self._late_to_evict(exc, step)
+            if n > self.max_step_retries and not evict:
                 raise RtxError(
                     f"step {step} failed {n} times without a membership change "
                     f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
                 ) from exc
+            if evict:
+                log.warning("evicting_late_ranks", step=step, ranks=evict,
+                            launch_ranks=self._launch_ranks(self._synced_epoch, evict),
+                            tries=self.evict_late_after, error=str(exc))
             try:
                 await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}",
-                                           self._synced_epoch)
+                                           self._synced_epoch, evict=evict)
             except RtxError as exc2:
                 log.warning("reform_failed", error=str(exc2))
+        elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
+            # The sync of a new epoch timed out waiting for members that do not come (a rank
+            # hung with its heartbeats going on): it was retried until they came, for ever for
+            # one that never does. Evict them as in a step; else give up after as many tries.
+            epoch = self.pg.epoch
+            evict = self._late_to_evict(exc, step)
+            if evict:
+                log.warning("evicting_late_ranks", step=step, ranks=evict, epoch=epoch,
+                            launch_ranks=self._launch_ranks(epoch, evict),
+                            tries=self.evict_late_after, error=str(exc))
+                try:
+                    await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}",
+                                               epoch, evict=evict)
+                except RtxError as exc2:
+                    log.warning("reform_failed", error=str(exc2))
+            self._sync_timeouts += 1
+            if not evict and self._sync_timeouts > self.max_step_retries:
+                raise RtxError(
+                    f"step {step}: the sync of a new epoch (now {epoch}) timed out "
+                    f"{self._sync_timeouts} times in a row waiting for ranks (max_step_retries="
+                    f"{self.max_step_retries}), which the world cannot go on without "
+                    f"(min_world_size={self.min_world_size}); last error: {exc}") from exc
+
+    def _late_to_evict(self, exc: BaseException, step: int) -> list[int]:
+        """The ranks (numbered as in the synced epoch) to evict after this failure of ``step``:
+        those that ``evict_late_after`` timeouts of its tries in a row named (by identity, as
+        ranks renumber), when the world without them is still ``min_world_size`` ranks or more;
+        else none."""
+        if not isinstance(exc, CollectiveTimeout) or not exc.ranks:
+            self._late_streak.pop(step, None)
+            return []
+        members = self.pg.membership.members if self.pg.membership is not None else {}
+        ids = frozenset(members[r]["identity"] for r in exc.ranks if r in members)
+        if len(ids) != len(set(exc.ranks)) or self.pg.rank in exc.ranks:
+            self._late_streak.pop(step, None)
+            return []
+        seen, count = self._late_streak.get(step, (frozenset(), 0))
+        count = count + 1 if ids == seen else 1
+        self._late_streak = {step: (ids, count)}
+        if (self.evict_late_after is None or count < self.evict_late_after
+                or self.pg.world_size - len(ids) < self.min_world_size):
+            return []
+        return sorted(set(exc.ranks))
 
     async def _wait_world(self) -> None:
         agent = self.pg.agent

@@ -970,9 +970,10 @@ class Launcher:
                         ended = "finished" if self.job in st["finished"] else "finished training"
                         for s in alive:
                             _say(f"rank {s.rank} (pid {s.proc.pid}) was declared lost by the "
-                                 f"coordinator (its heartbeats stopped: frozen or cut off) and "
-                                 f"still runs {FENCED_GRACE_S:g} s after every other rank ended; "
-                                 f"job {self.job} {ended} without it: killing it (SIGKILL)")
+                                 f"coordinator (its heartbeats stopped: frozen or cut off; or "
+                                 f"evicted, alive but late in the others' collectives) and still "
+                                 f"runs {FENCED_GRACE_S:g} s after every other rank ended; job "
+                                 f"{self.job} {ended} without it: killing it (SIGKILL)")
                             _kill(s.proc)
                         return
                 else:

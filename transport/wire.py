@@ -143,7 +143,10 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
         "metadata": (dict, False),
         "timeout_s": (_Num, True),
     },
-    "reform": {"identity": (str, True), "reason": (str, True)},
+    # evict: ranks of ``epoch`` to drop from the new one instead of keeping them (late in the
+    # collectives of a step, again and again: FaultTolerance's evict_late_after), when the job can
+    # go on without them (coordinator.state: otherwise a plain reform)
+    "reform": {"identity": (str, True), "reason": (str, True), "evict": (list, False)},
     # training is over: the job admits no more ranks (coordinator.state._finish)
     "finish": {"identity": (str, True)},
     "status": {},

@@ -777,3 +777,40 @@ def test_a_delay_that_times_out_every_retry_is_detected_from_its_latest_act(tmp_
     assert len(timeouts) >= 3, proc.stderr[-4000:]
     # each about the 1 s deadline after the delay began again; from the first act: 3.5 s, 6 s, ...
     assert all(0.9 <= t < 2.4 for t in timeouts), timeouts
+
+
+def test_a_rank_hung_with_its_heartbeats_going_is_evicted_and_the_others_finish(tmp_path):
+    # A fresh user's find: a rank alive and heartbeating but not taking part (here a 30 s delay:
+    # a hung data loader) ended the job even with --min-ranks 2, the healthy ranks giving up
+    # after max_step_retries; and the sync of a re-formed epoch waited for it for ever. Two
+    # timeouts naming it now evict it (FaultTolerance(evict_late_after=2)).
+    env = procs.env(RTXNET_HEARTBEAT_INTERVAL="0.1", RTXNET_HEARTBEAT_TIMEOUT="0.5", RTXNET_OP_TIMEOUT="1")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2", "--faults",
+         "delay:rank=1:ms=30000", "tools/ft_workload.py", "--steps", "20", "--step-sleep", "0.01",
+         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    took = time.monotonic() - t0
+    # the hung rank is killed once the others are done (as a frozen one is): its 137 stands
+    assert proc.returncode == 137, proc.stderr[-4000:]
+    assert re.search(r"\[rank[02]\].*evicting_late_ranks .*launch_ranks=\[1\]", proc.stderr), proc.stderr[-4000:]
+    assert "[rank1]" in proc.stderr and "reason='declared lost; epoch" in proc.stderr
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("final-*.json"))]
+    assert len(results) == 2 and all(r["sha256"] == reference(20, 1024) for r in results), results
+    assert took < 28, took      # not after the 30 s delay
+
+
+def test_a_hung_rank_the_world_cannot_do_without_fails_the_job_in_bounded_time(tmp_path):
+    # the same rank with --min-ranks 2 of 2: nothing to evict; the re-formed epoch's sync, which
+    # retried for as long as the rank hung, gives up after max_step_retries timeouts in a row
+    env = procs.env(RTXNET_HEARTBEAT_INTERVAL="0.1", RTXNET_HEARTBEAT_TIMEOUT="0.5", RTXNET_OP_TIMEOUT="1")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--faults", "delay:rank=1:ms=60000",
+         "tools/ft_workload.py", "--steps", "5", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert re.search(r"rank 0 exited with code 1 \(RtxError: step 0: the sync of a new epoch \(now \d+\) timed "
+                     r"out 4 times in a row waiting for ranks \(max_step_retries=3\)", proc.stderr), proc.stderr[-4000:]
+    assert took < 40, took

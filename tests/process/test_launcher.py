@@ -110,10 +110,16 @@ def test_the_rank_that_raised_first_is_named_as_the_first_failure(tmp_path, slow
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert "First failure: rank 1, ValueError: boom [...]" in last, last
-    assert "Exit code 1: the first failing rank's" in last and "stopped by rtxnet-run (143" not in last, last
+    assert "Exit code 1: the first failing rank's" in last, last
+    # rank 1 raised: never counted as only stopped (rank 0 may be, when rtxnet-run's stop reaches
+    # it before its PeerLostError does: 1 full-suite run in 6)
+    stopped = re.search(r"ranks? ([\d, ]+) stopped by rtxnet-run", last)
+    assert stopped is None or "1" not in stopped.group(1).split(", "), last
     assert re.search(r"rank 1 exited with code (1|143) \(ValueError: boom \[\.\.\.\]\)", out.stderr), out.stderr[-3000:]
     # (1, or 143 when rtxnet-run's stop came while its PeerLostError ended it: the same race)
-    assert re.search(r"rank 0 exited with code (1|143) \(PeerLostError: ", out.stderr), out.stderr[-3000:]
+    # (or 143 with nothing raised, when the stop came first: 1 run in 20 with a CPU hog)
+    assert re.search(r"rank 0 exited with code (1|143) \(PeerLostError: |rank 0 exited with code 143\n",
+                     out.stderr), out.stderr[-3000:]
     if slow_exit:
         assert "rank 1 exited with code 143" in out.stderr and "(then stopped by rtxnet-run as it ended)" in last
     assert not list(tmp_path.glob("rtxnet-run-errors-*")), "the error files' folder was left behind"
@@ -1370,7 +1376,8 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
         _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
     assert "[rank0] done step=20 world=2" in out.stdout and "[rank2] done step=20 world=2" in out.stdout, out.stdout
     assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator \(its heartbeats stopped: "
-                     r"frozen or cut off\) and still runs 5 s after every other rank ended; job \S+ "
+                     r"frozen or cut off; or evicted, alive but late in the others' collectives\) and still "
+                     r"runs 5 s after every other rank ended; job \S+ "
                      r"finished without it: killing it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
     assert out.returncode == 137, (out.returncode, out.stderr[-2000:])
     assert took < 40, took

@@ -483,6 +483,40 @@ def test_reform_opens_one_new_epoch_with_the_same_members():
     assert h.state.jobs["j"].epoch == 1
 
 
+@pytest.mark.parametrize("evict", [[1, 2], [0], [1, 1], [7], [True], ["1"], [1.0]],
+                         ids=["below-min", "the-asker", "repeated", "no-such-rank", "bool", "str", "float"])
+def test_a_reform_evicts_nobody_it_may_not(evict):
+    # below min_ranks, the asker itself, or what no client should send: a plain reform
+    h = _three_of_min_two()
+    e = h.state.jobs["j"].epoch
+    ep = pushes(h.req("a", "reform", epoch=e, identity="a", reason="late", evict=evict))
+    assert set(ep) == {"a", "b", "c"} and ep["a"]["reason"] == "reform", ep
+    assert sorted(h.state.jobs["j"].members) == [0, 1, 2]
+
+
+def test_a_reform_that_evicts_a_late_rank_declares_it_lost_and_fences_it():
+    h = _three_of_min_two()
+    e = h.state.jobs["j"].epoch
+    out = h.req("a", "reform", epoch=e, identity="a", reason="late", evict=[1])
+    ep = pushes(out)
+    assert set(ep) == {"a", "c"} and ep["a"]["epoch"] == e + 1 and ep["a"]["reason"] == "lost", ep
+    assert [ep["a"]["members"][r]["identity"] for r in range(2)] == ["a", "c"]
+    fenced = pushes(out, "fenced")
+    assert set(fenced) == {"b"} and "declared lost" in fenced["b"]["reason"], fenced
+    assert [s.msg["body"] for s in out if s.msg["t"] == "reply"] == [{"epoch": e + 1, "evicted": [1]}]
+    # the others' requests about the old epoch evict nobody more
+    assert not pushes(h.req("c", "reform", epoch=e, identity="c", reason="late", evict=[1]))
+    assert h.state.jobs["j"].epoch == e + 1
+
+
+def _three_of_min_two() -> Harness:
+    h = Harness()
+    for i in "abc":
+        h.join(i, min_ranks=2, max_ranks=3)
+    assert [m.identity for _, m in sorted(h.state.jobs["j"].members.items())] == ["a", "b", "c"]
+    return h
+
+
 def test_a_job_whose_every_rank_crashed_is_kept_for_the_ttl_then_forgotten():
     h = Harness()
     h.state.dead_job_ttl_s = 100.0
