@@ -118,6 +118,7 @@ class _Slot:
     failed_at: float | None = None   # when it failed for good: its error's time, else its exit's
     started_at: float = 0.0          # when its process started (time.monotonic())
     pause: float = 0.0               # the pause before its last restart (0: none; _restart_pause)
+    exited_at: float = 0.0           # when the exit that a paused restart follows was taken
     # why its paused restart was not made (rtxnet-run stopping, training over): its exit, queued
     # again, then counts as final ("": not dropped)
     restart_dropped: str = ""
@@ -736,6 +737,7 @@ class Launcher:
                              f" in {slot.pause:g} s (its process lived {lived:.1f} s{why})"
                              if slot.pause else ""))
                     if slot.pause:
+                        slot.exited_at = time.monotonic()
                         task = asyncio.ensure_future(self._respawn_after_pause(slot, proc, rc))
                         self._respawns.add(task)
                         task.add_done_callback(self._respawns.discard)
@@ -757,8 +759,12 @@ class Launcher:
                         _say(f"rank {slot.rank} exited with code {code}{raised}" + (
                             f" after job {self.job} finished training or ended: not restarted (the "
                             f"job admits no new ranks); its exit code stands" if restartable else ""))
-                    if self.first_failure is None:
-                        self.first_failure = (time.monotonic(), code)
+                    # a restart not made counts from its exit, before what stopped it (a SIGTERM
+                    # during the pause gave exit code 143 or 1 depending on which exit the loop
+                    # took first; a fresh user's find)
+                    when = slot.exited_at if dropped else time.monotonic()
+                    if self.first_failure is None or when < self.first_failure[0]:
+                        self.first_failure = (when, code)
                     if not await self._training_finished():
                         # (after training, the others may still finish what runs after it: an
                         # evaluation, writing results; nobody waits for replacements any more)
