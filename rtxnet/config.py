@@ -27,10 +27,9 @@ CHECKPOINT_STORE_KEY = "rtxnet/checkpoint/latest"
 
 def is_seconds(v: object) -> bool:
     """Whether ``v`` is a duration rtxnet accepts: a real number (an int or float, or a NumPy
-    scalar such as ``np.float32(5)``; not a bool) above 0 and finite (not NaN, not infinite).
-    Callers keep ``float(v)``."""
-    return (isinstance(v, numbers.Real) and not isinstance(v, bool) and type(v).__name__ != "bool_"
-            and 0 < v < math.inf)
+    scalar such as ``np.float32(5)``; not a bool, and ``np.bool_`` is no ``numbers.Real``) above
+    0 and finite (not NaN, not infinite). Callers keep ``float(v)``."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
 
 
 def env_float(name: str, default: float) -> float:

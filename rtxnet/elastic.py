@@ -727,15 +727,7 @@ class FaultTolerance:
                     f"step {step} failed {n} times without a membership change "
                     f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
                 ) from exc
-            if evict:
-                log.warning("evicting_late_ranks", step=step, ranks=evict,
-                            launch_ranks=self._launch_ranks(self._synced_epoch, evict),
-                            tries=self.evict_late_after, error=str(exc))
-            try:
-                await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}",
-                                           self._synced_epoch, evict=evict)
-            except RtxError as exc2:
-                log.warning("reform_failed", error=str(exc2))
+            await self._ask_reform(exc, step, self._synced_epoch, evict)
         elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
             # The sync of a new epoch timed out waiting for members that do not come (a rank
             # hung with its heartbeats going on): it was retried until they came, for ever for
@@ -743,14 +735,7 @@ class FaultTolerance:
             epoch = self.pg.epoch
             evict = self._late_to_evict(exc, step)
             if evict:
-                log.warning("evicting_late_ranks", step=step, ranks=evict, epoch=epoch,
-                            launch_ranks=self._launch_ranks(epoch, evict),
-                            tries=self.evict_late_after, error=str(exc))
-                try:
-                    await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}",
-                                               epoch, evict=evict)
-                except RtxError as exc2:
-                    log.warning("reform_failed", error=str(exc2))
+                await self._ask_reform(exc, step, epoch, evict)
             self._sync_timeouts += 1
             if not evict and self._sync_timeouts > self.max_step_retries:
                 raise RtxError(
@@ -758,6 +743,20 @@ class FaultTolerance:
                     f"{self._sync_timeouts} times in a row waiting for ranks (max_step_retries="
                     f"{self.max_step_retries}), which the world cannot go on without "
                     f"(min_world_size={self.min_world_size}); last error: {exc}") from exc
+
+    async def _ask_reform(self, exc: BaseException, step: int, epoch: int, evict: list[int]) -> None:
+        """Ask the coordinator for a fresh epoch in place of ``epoch`` after ``exc`` failed
+        ``step``, leaving out the ranks ``evict`` (numbered as in ``epoch``; said in a warning).
+        A request that fails is logged: the next failure asks again."""
+        if evict:
+            log.warning("evicting_late_ranks", step=step, ranks=evict, epoch=epoch,
+                        launch_ranks=self._launch_ranks(epoch, evict),
+                        tries=self.evict_late_after, error=str(exc))
+        try:
+            await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}", epoch,
+                                       evict=evict)
+        except RtxError as exc2:
+            log.warning("reform_failed", error=str(exc2))
 
     def _late_to_evict(self, exc: BaseException, step: int) -> list[int]:
         """The ranks (numbered as in the synced epoch) to evict after this failure of ``step``:

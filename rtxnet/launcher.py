@@ -323,7 +323,7 @@ class Launcher:
         self.coordinator_proc: asyncio.subprocess.Process | None = None
         self.address = args.coordinator
         self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
-        self.stopping = False
+        self._stop_event = asyncio.Event()   # set once stopping (see the property)
         self.training_finished = False   # the coordinator said so (see _training_finished)
         self._answered_at = -math.inf    # when the coordinator last answered a status request
         self.tmp_journal: str | None = None
@@ -485,7 +485,7 @@ class Launcher:
             _say(f"second {signal.Signals(sig).name}: killing the ranks now (SIGKILL)")
             self._kill_all(said=True)
             return
-        self.stopping = True
+        self.stopping = True   # (the property: wakes restarts waiting out their pause)
         self.stop_signal = signal.Signals(sig).name
         self._stop_signal_at = now
         for slot in self.slots:
@@ -527,7 +527,7 @@ class Launcher:
                     else "stopping the job")
         _say(f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
              f"than --min-ranks {min_ranks}; {stopping}")
-        self.stopping = True
+        self.stopping = True   # (the property: wakes restarts waiting out their pause)
         self._stopped_at = time.time()
         for s in running:
             s.stopped = True
@@ -802,14 +802,23 @@ class Launcher:
             _say(_outcome(self.slots, a.max_restarts, self.first_failure[1], root, self._stopped_at))
         return self.first_failure[1] if self.first_failure else 0
 
+    @property
+    def stopping(self) -> bool:
+        """Whether rtxnet-run is stopping the job (a signal, too few ranks left)."""
+        return self._stop_event.is_set()
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        """Only ever set to True: a stop is not taken back."""
+        if value:
+            self._stop_event.set()
+
     async def _respawn_after_pause(self, slot: _Slot, proc, rc: int) -> None:
         """Restart ``slot`` after its pause (``slot.pause``), unless rtxnet-run stops or training
         finishes meanwhile: then its exit is queued again (``restart_dropped``), to count as
         final. A restart that cannot start its process counts the same way."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + slot.pause
-        while not self.stopping and loop.time() < end:
-            await asyncio.sleep(min(0.05, end - loop.time()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), slot.pause)
         why = "rtxnet-run is stopping"
         if not self.stopping:
             why = "the job has finished training"

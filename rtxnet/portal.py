@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
+import numbers
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -45,9 +47,6 @@ def _check_wait(timeout: Any) -> float | None:
     """A wait's ``timeout`` as ``Future.result`` takes it (infinite: None); refuses one that is
     not None, 0 or a positive number (a fresh user's find: ``wait(timeout=nan)`` said the
     operation "did not finish within timeout=nan s")."""
-    import math
-    import numbers
-
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
