@@ -54,10 +54,14 @@ explicitly). Buckets whose all-reduce may still be in flight are replaced by fre
 write of an aborted collective cannot touch the next step. ``param.grad`` holds unreduced or
 partially reduced values after a failure: zero the gradients before retrying the step (parameters
 are untouched, because ``optimizer.step()`` was never reached). The world size is never cached: a
-step uses whatever world the process group has when its first bucket is launched, so the world
-may shrink or grow between steps; if it changes while a backward is launching buckets, the rest
-are not launched in the new world (every rank would then run a different number of collectives
-there) and ``loss.backward()`` raises ``PeerLostError``.
+step uses the world the process group has at its synchronising ``forward`` (or at
+:meth:`DistributedDataParallel.sync_gradients`), so the world may shrink or grow between steps.
+Every collective of the step goes to that world: if the membership changes after the forward
+(its batch was chosen for the old world, e.g. by :class:`rtxnet.sampler.ElasticDistributedSampler`)
+or while the backward is launching buckets, no bucket runs in the new world (every rank would then
+run a different number of collectives there, or reduce a batch meant for another world size)
+and ``loss.backward()`` raises ``PeerLostError``. A synchronising ``forward`` in a world below
+``min_ranks`` raises the ``PeerLostError`` its collectives would.
 """
 
 from __future__ import annotations
@@ -221,7 +225,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._require_sync = True       # toggled by no_sync()
         self._sync_armed = False        # set by forward: the next backward synchronises
         self._round_open = False        # a backward of a synchronising step is under way
-        self._round_epoch: int | None = None      # epoch of this round's first bucket
+        self._round_epoch: int | None = None      # epoch of the world the step began in
         self._round_broken: PeerLostError | None = None   # the world changed mid-round
         self._next_launch = 0
         self._last_world_size: int | None = None
@@ -282,8 +286,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._late_forwards = 0
         if self._sync_armed:
             self._armed_since_sync += 1
+            self._begin_step()
         if self._sync_armed and self.broadcast_buffers:
-            self._broadcast_buffers()
+            with self._step_world.pinned():
+                self._broadcast_buffers()
         out = self.module(*args, **kwargs)
         if self._sync_armed:
             self._forward_no += 1
@@ -425,6 +431,7 @@ class DistributedDataParallel(torch.nn.Module):
             raise ConfigError("sync_gradients: a backward's gradient synchronisation is under way")
         if group_size(self._pg) <= 1 or self._grads_synced:
             return   # nothing accumulated since the last synchronisation (a second call: no-op)
+        self._begin_step()
         self._round_open = True
         self._round_broken = None
         self.finish_gradient_sync()
@@ -497,18 +504,16 @@ class DistributedDataParallel(torch.nn.Module):
             b = self._buckets[self._next_launch]
             if b.ready < len(b.params):
                 return
-            if self._next_launch == 0:
-                self._note_world()
-                self._round_epoch = self._step_world.begin()
-            elif self._pg.epoch != self._round_epoch:
-                # The world changed during this backward: the earlier buckets went to the old
-                # world, and launching the rest in the new one would leave this rank with more
-                # collectives there than ranks that failed sooner. Launch nothing more.
+            if self._pg.epoch != self._round_epoch:
+                # The world changed since the step's forward: launching buckets in the new one
+                # would leave this rank with more collectives there than ranks that failed
+                # sooner (and reduce a batch chosen for the old world). Launch nothing more.
                 if self._round_broken is None:
                     m = getattr(self._pg, "membership", None)
                     self._round_broken = PeerLostError(
-                        f"membership changed during the gradient synchronisation (epoch "
-                        f"{self._round_epoch} -> {self._pg.epoch})",
+                        f"membership changed between the step's forward and its gradient "
+                        f"synchronisation (epoch {self._round_epoch} -> {self._pg.epoch}); retry "
+                        f"the step in the new world",
                         ranks=getattr(m, "lost", ()), epoch=self._pg.epoch)
                 return
             kw = {} if self.timeout_s is None else {"timeout": self.timeout_s}
@@ -529,6 +534,12 @@ class DistributedDataParallel(torch.nn.Module):
                 p.grad = v.clone()
             else:
                 p.grad.copy_(v)
+
+    def _begin_step(self) -> None:
+        # The world the step's collectives go to: taken where its batch is used (the forward),
+        # not where the first bucket is launched, which a membership change may come between.
+        self._note_world()
+        self._round_epoch = self._step_world.begin()
 
     def _note_world(self) -> None:
         ws = group_size(self._pg)

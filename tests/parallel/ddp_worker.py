@@ -14,6 +14,9 @@ Scenarios:
             process with the global batch. Rank 1 launches its first bucket of step 2 only once
             the world has changed (a thread descheduled between the round's start and the
             launch): that bucket must fail with the old world, not run alone in the new one.
+            Rank 2 runs step 2's backward only once the world has changed after its forward
+            (whose batch was chosen for 4 ranks): the backward must fail, not reduce that
+            batch with the other ranks' retry in the 3-rank world.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import rtxnet
 from rtxnet.parallel import DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
-from tests.procs import LateLaunch, leave_together
+from tests.procs import LateLaunch, leave_together, wait_until
 
 D_IN, D_H, D_OUT = 12, 24, 5
 
@@ -210,7 +213,10 @@ def fault(pg, steps=5, B=12):
             idx = torch.from_numpy(b.indices)
             opt.zero_grad()
             try:
-                (LOSS(ddp(x[idx]), y[idx]) * b.loss_weight).backward()
+                loss = LOSS(ddp(x[idx]), y[idx]) * b.loss_weight
+                if r0 == 2 and s == 2 and not failures:
+                    wait_until(lambda: pg.world_size == 3, 30, "the world without rank 3")
+                loss.backward()
             except rtxnet.PeerLostError as exc:
                 failures.append({"step": s, "ranks": exc.ranks, "world_size_after": pg.world_size})
                 sampler.load_state_dict(snapshot)   # roll back this step's data position
