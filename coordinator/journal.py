@@ -50,6 +50,7 @@ import collections
 import concurrent.futures
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -166,6 +167,20 @@ def remove_journal(path: str | os.PathLike, *, keep_folder: bool = False) -> lis
         except OSError:
             pass
     return left
+
+
+def _check_regular(path: Path) -> None:
+    """Refuse a FIFO, socket or device where a journal file should be: reading a FIFO would
+    block the daemon's start for ever. (A folder or a dangling link fails its read, naming it.)
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        JournalError: it is no regular file (names it).
+    """
+    mode = path.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise JournalError(f"journal file {path} is not a regular file (a FIFO, socket or "
+                           f"device): move it aside")
 
 
 def _segment_name(generation: int) -> str:
@@ -390,6 +405,20 @@ class Journal:
             self._lock_directory()
             snapshot, covered = self._read_snapshot()
             segments = self._list_segments()
+            if snapshot is not None and (not segments or segments[-1][0] < covered):
+                # write_snapshot keeps the segment the snapshot covers until the next one exists:
+                # segments that all end before it mean a snapshot from another journal (or one
+                # whose newer segments were deleted); replaying would drop the segments' records
+                newest = segments[-1][0] if segments else None
+                raise JournalCorruptError(
+                    f"journal {self._dir}: {self.snapshot_path} covers generation {covered} but "
+                    f"the newest segment is "
+                    f"{'missing' if newest is None else f'of generation {newest}'} (a snapshot "
+                    f"from another journal, or segments deleted); nothing was changed: move the "
+                    f"snapshot or the folder aside",
+                    path=str(self.snapshot_path),
+                    offset=0,
+                )
             stale = [(g, p) for g, p in segments if g <= covered]
             live = [(g, p) for g, p in segments if g > covered]
             expected = covered + 1
@@ -473,6 +502,7 @@ class Journal:
     def _read_snapshot(self) -> tuple[bytes | None, int]:
         path = self._dir / SNAPSHOT_NAME
         try:
+            _check_regular(path)
             data = path.read_bytes()
         except FileNotFoundError:
             return None, 0
@@ -501,6 +531,7 @@ class Journal:
         for entry in os.scandir(self._dir):
             m = _SEGMENT_RE.match(entry.name)
             if m is not None:
+                _check_regular(Path(entry.path))
                 found.append((int(m.group(1)), Path(entry.path)))
         found.sort()
         return found

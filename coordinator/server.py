@@ -84,16 +84,39 @@ class Coordinator:
                                f"cannot be decoded ({exc}); move the folder aside to start "
                                f"afresh") from exc
 
+    def _applied(self, fn, what: str):
+        """``fn()`` (a snapshot restored, a record applied); one whose content does not fit
+        (a field missing or of another type, an unknown kind, a job never created: written by
+        another version or copied from another journal) is a ``JournalError`` naming the journal
+        and ``what`` (the daemon exits 3)."""
+        try:
+            return fn()
+        except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
+            raise JournalError(
+                f"journal {self.journal.directory}: {what} passed its checksum but does not "
+                f"apply ({type(exc).__name__}: {exc}): it was not written by this version of "
+                f"the coordinator for this journal; move the folder aside to start afresh"
+            ) from exc
+
     async def start(self) -> str:
-        """Replay the journal and bind. Returns the bound address."""
+        """Replay the journal and bind. Returns the bound address.
+
+        Raises:
+            JournalCorruptError, JournalError: see the class; a record or snapshot that decodes
+                but does not apply is a ``JournalError`` naming it.
+            ConnectError: the address cannot be bound.
+        """
         now = time.monotonic()
         snap, records = self.journal.open()
-        self.state = restore(self._replayed(snap, _SNAPSHOT_LIMITS, "the snapshot"), now) \
-            if snap else State()
+        if snap:
+            raw = self._replayed(snap, _SNAPSHOT_LIMITS, "the snapshot")
+            self.state = self._applied(lambda: restore(raw, now), "the snapshot")
+        else:
+            self.state = State()
         for i, raw in enumerate(records):
-            rec = self._replayed(raw, _JOURNAL_LIMITS,
-                                 f"record {i + 1} of {len(records)} after the snapshot")
-            apply_record(self.state, rec, now)
+            what = f"record {i + 1} of {len(records)} after the snapshot"
+            rec = self._replayed(raw, _JOURNAL_LIMITS, what)
+            self._applied(lambda rec=rec: apply_record(self.state, rec, now), what)
         self.state.dead_job_ttl_s = self.dead_job_ttl_s
         for job in self.state.jobs.values():
             if job.formed and not job.members:

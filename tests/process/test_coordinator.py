@@ -417,6 +417,35 @@ def test_corrupt_journal_stops_the_daemon_naming_file_and_offset(tmp_path, probe
     assert str(seg) in out.stderr and "offset" in out.stderr
 
 
+@pytest.mark.parametrize("record", [
+    {"k": "future_kind", "job": "c"},          # a newer version's record
+    {"k": "commit", "job": "c"},               # a field missing
+    {"k": "commit", "job": "never-made", "step": 3},
+    ["not", "a", "map"],
+], ids=["unknown-kind", "field-missing", "unknown-job", "not-a-map"])
+def test_a_journal_record_that_does_not_apply_stops_the_daemon_naming_it(tmp_path, probes, record):
+    # a tester's find: records that pass their CRC and decode but do not fit (another version's,
+    # another journal's) crashed the replay with a KeyError/TypeError traceback and exit 1
+    from procs import Coordinator
+
+    from coordinator.journal import encode_frame
+
+    c = Coordinator(tmp_path / "j")
+    p = probes(c.address, job="c", world_size=1)
+    p.expect("joined")
+    p.close()
+    c.stop()
+    seg = sorted((tmp_path / "j").glob("journal-*.log"))[-1]
+    with open(seg, "ab") as f:
+        f.write(encode_frame(msgpack.packb(record)))
+    out = subprocess.run([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0",
+                          "--journal", str(tmp_path / "j")],
+                         capture_output=True, text=True, timeout=30, cwd=c.journal.parent)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert str(tmp_path / "j") in out.stderr and "does not apply" in out.stderr, out.stderr[-2000:]
+
+
 def test_bound_to_every_interface_it_prints_an_address_others_can_connect_to(tmp_path):
     c = procs.Coordinator(tmp_path / "journal", host="0.0.0.0")
     try:

@@ -511,6 +511,41 @@ def test_crash_after_snapshot_rename_before_new_segment(tmp_path: Path) -> None:
     assert reopen(after) == (b"S(r0..r4)", [b"x"])
 
 
+def test_a_snapshot_ahead_of_every_segment_is_refused_and_nothing_is_deleted(tmp_path: Path) -> None:
+    # a tester's find: another journal's snapshot (covering generation 4) copied in beside this
+    # journal's only segment made open() delete that segment as "stale", and the daemon started
+    # without the job it held
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    write_journal(mine, [b"r%d" % i for i in range(5)])
+    with Journal(other) as j:
+        j.open()
+        for i in range(4):
+            j.write_snapshot(b"S%d" % i)
+    shutil.copy2(other / SNAPSHOT_NAME, mine / SNAPSHOT_NAME)
+    before = {p.name: p.read_bytes() for p in mine.iterdir() if p.name != "LOCK"}
+    with pytest.raises(JournalCorruptError, match="covers generation 4 but the newest segment is of "
+                                                  "generation 1") as info:
+        Journal(mine).open()
+    assert info.value.path == str(mine / SNAPSHOT_NAME)
+    assert {p.name: p.read_bytes() for p in mine.iterdir() if p.name != "LOCK"} == before
+    # and a snapshot with no segment at all (write_snapshot always leaves one)
+    segment(mine, 1).unlink()
+    with pytest.raises(JournalCorruptError, match="the newest segment is missing"):
+        Journal(mine).open()
+    assert sorted(p.name for p in mine.iterdir() if p.name != "LOCK") == [SNAPSHOT_NAME]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", ["segment", "snapshot"])
+def test_a_fifo_in_place_of_a_journal_file_is_refused_not_read(tmp_path: Path, name: str) -> None:
+    # reading it blocked the daemon's start for ever (a tester's find)
+    write_journal(tmp_path, [b"a"])
+    path = segment(tmp_path, 2) if name == "segment" else tmp_path / SNAPSHOT_NAME
+    os.mkfifo(path)
+    with pytest.raises(JournalError, match="not a regular file"):
+        Journal(tmp_path).open()
+
+
 def test_crash_before_snapshot_rename_keeps_the_old_state(tmp_path: Path) -> None:
     before, after = _before_and_after_snapshot(tmp_path)
     shutil.copy2(after / SNAPSHOT_NAME, before / SNAPSHOT_TMP_NAME)  # written, never renamed
