@@ -13,7 +13,9 @@ on every rank of the group:
 
 1. the ranks exchange the step and the root (its resolved absolute path) with one ``all_gather``
    and refuse, on every rank and before anything is written, when they differ;
-2. every rank serialises its state, writes it to a temporary name, flushes, fsyncs, renames it to
+2. every rank serialises its state into a file of a temporary name (``torch.save`` to a file,
+   which writes tensors' bytes with the GIL released, so the agent's heartbeats go on however
+   large the shard), fsyncs it, takes its SHA-256 reading it back in chunks, renames it to
    its shard name and fsyncs the folder (the POSIX recipe for an atomic, durable replace). The
    shard name is ``rank-<r>.pt`` when the step has no manifest; when it has one (a save over a
    committed step: the README's FaultTolerance pattern saves at the start of step N, so a redone
@@ -180,7 +182,7 @@ def _write_atomic(path: Path, data: bytes, *, sync_folder: bool = True) -> None:
         OSError: writing, syncing or renaming failed; the temporary file is removed, ``path`` is
             untouched unless only the folder's fsync failed.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = _temp_of(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -192,6 +194,46 @@ def _write_atomic(path: Path, data: bytes, *, sync_folder: bool = True) -> None:
         raise
     if sync_folder:
         fsync_dir(path.parent)
+
+
+def _temp_of(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+class _KeepsWriteError:
+    """A file for ``torch.save`` that keeps the ``OSError`` of a failed write: torch's writer
+    swallows it and raises ``RuntimeError("... unexpected pos 704 vs 598")`` instead."""
+
+    def __init__(self, f: Any):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, b: Any) -> int:
+        try:
+            return self._f.write(b)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:   # flush, seek, tell, fileno
+        return getattr(self._f, name)
+
+
+_HASH_CHUNK = 16 << 20
+
+
+def _hash_file(path: Path, *, sync: bool = False) -> tuple[int, bytes]:
+    """The size in bytes and SHA-256 of ``path``, read in 16 MiB chunks (``read`` and ``hashlib``
+    release the GIL on them: the agent's heartbeats go on); ``sync``: fsync it first."""
+    h = hashlib.sha256()
+    nbytes = 0
+    with open(path, "rb") as f:
+        if sync:
+            os.fsync(f.fileno())
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            nbytes += len(chunk)
+    return nbytes, h.digest()
 
 
 def _remove_stale_temps(folder: Path, name: str) -> None:
@@ -364,13 +406,29 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
             raise TypeError(f"state must be a dict (e.g. {{'model': model.state_dict()}}), got "
                             f"{type(state).__name__}")
         _check_loadable(state, "state")
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = buf.getvalue()
-        digest, nbytes = hashlib.sha256(data).digest(), len(data)
-        faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during checkpoint write"
-        written = True   # from here on a failure may leave the file
-        _write_atomic(folder / name, data)
+        tmp = _temp_of(folder / name)
+        try:
+            # To a file, not a BytesIO: torch hands the file each tensor's bytes, which it
+            # writes with the GIL released. Into a BytesIO the copies held the GIL throughout
+            # (2.4 s for a 700 MB shard): the agent's heartbeats stopped and the coordinator
+            # declared the saving ranks lost. (Not to a path either: torch's own writer reports
+            # a full disk only as "unexpected pos", without the OSError.)
+            with open(tmp, "wb") as f:
+                sink = _KeepsWriteError(f)
+                try:
+                    torch.save(state, sink)
+                except RuntimeError as exc:
+                    if sink.error is None:
+                        raise
+                    raise sink.error from exc   # e.g. "No space left on device"
+            faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during the write"
+            nbytes, digest = _hash_file(tmp, sync=True)
+            written = True   # from here on a failure may leave the file
+            os.replace(tmp, folder / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(folder)
     except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
         err = exc
     mine = _pack_status(err is None, nbytes, digest, name,
@@ -621,20 +679,23 @@ def _check_manifest(m: Any, step: int) -> None:
         raise ValueError(f"files lists {extra}, which are no shard of its world of {world}")
 
 
-def _read_verified(path: Path, entry: dict[str, Any], step: int) -> bytes:
+def _verify_shard(path: Path, entry: dict[str, Any], step: int) -> None:
+    """Check ``path``'s size and SHA-256 against its manifest entry, streaming it (the GIL is
+    released on each 16 MiB chunk)."""
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        if size == int(entry["nbytes"]):
+            size, digest = _hash_file(path)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{path} is listed in the manifest but missing", path=path,
                                      step=step) from exc
-    if len(data) != int(entry["nbytes"]):
-        raise CheckpointCorruptError(f"{path}: {len(data)} bytes, manifest says {entry['nbytes']}",
+    if size != int(entry["nbytes"]):
+        raise CheckpointCorruptError(f"{path}: {size} bytes, manifest says {entry['nbytes']}",
                                      path=path, step=step)
-    got = hashlib.sha256(data).hexdigest()
+    got = digest.hex()
     if got != entry["sha256"]:
         raise CheckpointCorruptError(f"{path}: sha256 {got} does not match the manifest's "
                                      f"{entry['sha256']}", path=path, step=step)
-    return data
 
 
 def verify(root: str | os.PathLike, step: int) -> dict[str, Any]:
@@ -648,7 +709,7 @@ def verify(root: str | os.PathLike, step: int) -> dict[str, Any]:
     """
     m = read_manifest(root, step)
     for name in m["shards"]:
-        _read_verified(step_dir(root, step) / name, m["files"][name], step)
+        _verify_shard(step_dir(root, step) / name, m["files"][name], step)
     return m
 
 
@@ -692,9 +753,11 @@ def _resolve_step(root: str | os.PathLike, step: int | None) -> int:
 def _load_shard(root: str | os.PathLike, step: int, m: dict[str, Any], shard: int) -> dict[str, Any]:
     name = m["shards"][shard]   # read_manifest checked: one per rank of the saved world
     path = step_dir(root, step) / name
-    data = _read_verified(path, m["files"][name], step)
+    _verify_shard(path, m["files"][name], step)
     try:
-        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        # from the path (the file verified just now: shard names are never written twice), as
+        # torch then reads it with the GIL released; from a BytesIO it held the GIL throughout
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         # intact (its SHA-256 matches) but holding what weights_only refuses: written by another
         # tool or an older rtxnet that did not check the state at save time
