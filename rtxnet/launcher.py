@@ -32,8 +32,9 @@ here, since it will not come back: while its job's rendezvous is open (it will n
 during training (before ``FaultTolerance.finish()``) once the ranks left wait for the world to
 grow, as the coordinator's status shows. The exit code is 0 when every rank's last process exited 0, else
 the code of the first rank whose last process failed (128+N for signal N); a replacement that
-failed after the job had finished (every member left in order, as the coordinator says) counts
-as exited 0.
+failed after the job had finished (every member left in order, as the coordinator says), or a
+rank declared lost that woke after it and raised ``JobFinishedError``, counts as exited 0. A
+``--journal`` the coordinator cannot use (exit code 3: held by another, corrupt) exits 2.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
 (``python -m coordinator``), with its journal in a temporary folder unless ``--journal`` is given,
@@ -257,8 +258,17 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     text = line.decode().strip()
     if not text.startswith("RTXNET_COORDINATOR="):
         await proc.wait()
+        if proc.returncode == 3:   # the daemon's code for a journal it cannot use
+            raise JournalRefused(f"journal {journal!r}: the coordinator cannot use it (exit code 3: "
+                                 f"held by another coordinator, corrupt or unwritable; its log "
+                                 f"above says which)")
         raise RuntimeError(f"the coordinator failed to start (exit code {proc.returncode}); see its log above")
     return proc, text.split("=", 1)[1]
+
+
+class JournalRefused(RuntimeError):
+    """The coordinator exited 3: the journal folder it was given is in use, corrupt or cannot be
+    written (rtxnet-run exits 2 for a ``--journal`` so refused, as for any bad argument)."""
 
 
 async def _pump(stream: asyncio.StreamReader, prefix: bytes, out, moved: list[int] | None = None,
@@ -1050,7 +1060,10 @@ class Launcher:
         non-zero too). Asked of the coordinator; without an answer nothing is forgiven."""
         from transport.errors import RtxError
 
-        late = [s for s in self.slots if s.returncode not in (0, None) and s.restarts > 0]
+        # ... and a rank whose own process was declared lost (frozen: SIGSTOP, a long GC pause)
+        # and woke after the end, its guard raising JobFinishedError: the job did its steps
+        late = [s for s in self.slots if s.returncode not in (0, None) and (
+            s.restarts > 0 or (s.error is not None and s.error.get("type") == "JobFinishedError"))]
         if not late:
             return
         try:
@@ -1060,9 +1073,10 @@ class Launcher:
         if not finished:
             return
         for s in late:
-            _say(f"rank {s.rank}'s replacement (restart {s.restarts}) exited with code "
-                 f"{s.returncode} after job {self.job} had finished (its last members left in "
-                 f"order): the job's result stands; not counted as a failure")
+            who = (f"rank {s.rank}'s replacement (restart {s.restarts})" if s.restarts else
+                   f"rank {s.rank}, declared lost and woken (JobFinishedError),")
+            _say(f"{who} exited with code {s.returncode} after job {self.job} had finished (its "
+                 f"last members left in order): the job's result stands; not counted as a failure")
             s.returncode = 0
         failed = [s for s in self.slots if s.returncode not in (0, None)]
         self.first_failure = (self.first_failure[0], failed[0].returncode) if failed else None
@@ -1679,6 +1693,9 @@ def _main(argv: list[str] | None) -> int:
             print(f"rtxnet-run: stopped by {launcher.stop_signal} before any rank started",
                   file=sys.stderr)
             return 128 + signal.Signals[launcher.stop_signal].value
+        if isinstance(exc, JournalRefused) and args.journal is not None:
+            print(f"rtxnet-run: --{exc}", file=sys.stderr)
+            return 2
         print(f"rtxnet-run: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, JobIdTaken) else 1
 

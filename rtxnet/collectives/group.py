@@ -279,7 +279,8 @@ class Group:
         shm_ok = self._shm is not None
         if forced == "shm" and not shm_ok:
             raise ValueError(f"{opname}: algorithm 'shm' needs every rank of the group on this "
-                             f"host and an engine created with shm=True")
+                             f"host (its {self.size} ranks are on {len(self._by_host())} "
+                             f"host(s)) and shared memory enabled (RTXNET_SHM=0 disables it)")
         if forced is not None:
             return forced
         if shm_ok and nbytes >= SHM_MIN_NBYTES and "shm" in allowed:

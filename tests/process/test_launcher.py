@@ -411,6 +411,22 @@ def test_a_journal_that_is_a_file_is_refused_before_anything_starts(tmp_path):
     assert journal.read_text() == "mine"
 
 
+def test_a_journal_another_coordinator_holds_is_refused_as_a_bad_argument(tmp_path):
+    # exit 1 and "the coordinator failed to start" before, where a --journal that is a file or
+    # cannot be made exits 2 (a fresh user's find)
+    journal = tmp_path / "journal"
+    holder = procs.Coordinator(journal)
+    try:
+        script = tmp_path / "one.py"
+        script.write_text("print('ran')\n")
+        out = run(["--nproc", "1", "--journal", str(journal), str(script)])
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert f"--journal {str(journal)!r}: the coordinator cannot use it" in out.stderr, out.stderr[-2000:]
+        assert "ran" not in out.stdout
+    finally:
+        holder.stop()
+
+
 def _read_until(p: subprocess.Popen, text: str, count: int, deadline: float) -> int:
     """Read ``p``'s stdout lines until ``count`` of them hold ``text`` or ``deadline`` (a
     ``time.monotonic()``) passed; returns how many did."""
@@ -882,13 +898,13 @@ PINNED = textwrap.dedent("""
     x = np.ones(4, np.float32)
     with pg.pinned():
         pg.all_reduce(x)                    # the world of 3
+        epoch = pg.epoch    # before the key below: after it rank 2 may be gone before this read
         # rank 2 leaves only once every rank has its result: an exit right after a collective
         # may take its last unsent messages with it (the CI run of stop 12 saw rank 1 lose them)
         pg.store.set(f"pinned/first/{pg.rank}", b"1")
         if pg.rank == 2:
             pg.store.wait([f"pinned/first/{r}" for r in range(3)], timeout=30)
             os._exit(0)
-        epoch = pg.epoch
         wait_until(lambda: pg.epoch != epoch, 30, "the epoch after rank 2 left")
         try:
             pg.all_reduce(x)
@@ -1138,6 +1154,63 @@ def test_a_replacement_that_finds_the_job_finished_does_not_fail_the_run(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("rank 2's replacement (restart 1) exited with code 1 after job" in proc.stderr
             and "the job's result stands; not counted as a failure" in proc.stderr), proc.stderr[-3000:]
+
+
+WOKEN_AFTER_THE_END = textwrap.dedent("""
+    import os, signal, time
+    import numpy as np
+    import rtxnet
+
+    class State:
+        v = 0.0
+        def state_dict(self):
+            return {"v": self.v}
+        def load_state_dict(self, d):
+            self.v = d["v"]
+
+    pg = rtxnet.init()
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state)
+    while ft.step < 20:                      # no except JobFinishedError: a script as users write it
+        with ft.guard() as step:
+            if step == 5 and os.environ["RTXNET_RANK"] == "1" and not os.path.exists(os.environ["WOKEN_MARK"]):
+                # frozen (SIGSTOP) until the others have finished and left: the parent wakes it
+                open(os.environ["WOKEN_MARK"], "w").write(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            x = np.ones(4, np.float32)
+            pg.all_reduce(x)
+            state.v += float(x[0])
+    ft.finish()
+    pg.close()
+    open(os.environ["WOKEN_MARK"] + ".left" + os.environ["RTXNET_RANK"], "w").close()
+""")
+
+
+def test_a_rank_woken_after_the_job_finished_does_not_fail_the_run(tmp_path):
+    """Rank 1 is frozen at step 5, declared lost; the other two finish the 20 steps and leave;
+    woken, its guard raises JobFinishedError, which the script does not catch. The job's result
+    stands: rtxnet-run exits 0 and says why (exit 1 before, "First failure: rank 1,
+    JobFinishedError": only a replacement was forgiven; a fresh user's find)."""
+    script, mark = tmp_path / "woken.py", tmp_path / "frozen-pid"
+    script.write_text(WOKEN_AFTER_THE_END)
+    proc = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="1", RTXNET_HEARTBEAT_INTERVAL="0.1",
+                                                    WOKEN_MARK=str(mark)))
+    try:
+        pid = int(wait_until(lambda: mark.exists() and mark.read_text(), 60, "rank 1 frozen"))
+        # the other two ranks finish and leave; then rank 1 wakes
+        wait_until(lambda: all(Path(f"{mark}.left{r}").exists() for r in (0, 2)), 60,
+                   "the two other ranks gone")
+        os.kill(pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "JobFinishedError" in err, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 1, declared lost and woken (JobFinishedError), exited with code 1 after job" in err, err[-3000:]
 
 
 # a training state for FaultTolerance in the scripts below (NumPy, one array)
