@@ -15,7 +15,7 @@ on every rank of the group:
    and refuse, on every rank and before anything is written, when they differ;
 2. every rank serialises its state into a file of a temporary name (``torch.save`` to a file,
    which writes tensors' bytes with the GIL released, so the agent's heartbeats go on however
-   large the shard), fsyncs it, takes its SHA-256 reading it back in chunks, renames it to
+   large the shard; its SHA-256 taken on the way), fsyncs it, renames it to
    its shard name and fsyncs the folder (the POSIX recipe for an atomic, durable replace). The
    shard name is ``rank-<r>.pt`` when the step has no manifest; when it has one (a save over a
    committed step: the README's FaultTolerance pattern saves at the start of step N, so a redone
@@ -200,36 +200,51 @@ def _temp_of(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-class _KeepsWriteError:
-    """A file for ``torch.save`` that keeps the ``OSError`` of a failed write: torch's writer
-    swallows it and raises ``RuntimeError("... unexpected pos 704 vs 598")`` instead."""
+class _ShardSink:
+    """The file ``torch.save`` writes a shard to: takes the SHA-256 and size of what passes
+    (``hashlib`` releases the GIL on each chunk, as the file's ``write`` does), so the shard is
+    not read back; and keeps the ``OSError`` of a failed write, which torch's writer swallows,
+    raising ``RuntimeError("... unexpected pos 704 vs 598")`` instead. A ``seek`` (torch does
+    none for a plain save) drops the running hash: ``digest`` is then None."""
 
     def __init__(self, f: Any):
         self._f = f
+        self._h: Any = hashlib.sha256()
+        self.nbytes = 0
         self.error: OSError | None = None
 
     def write(self, b: Any) -> int:
         try:
-            return self._f.write(b)
+            n = self._f.write(b)
         except OSError as exc:
             self.error = exc
             raise
+        if self._h is not None:
+            self._h.update(b)
+            self.nbytes += memoryview(b).nbytes
+        return n
 
-    def __getattr__(self, name: str) -> Any:   # flush, seek, tell, fileno
+    def seek(self, *args: Any) -> int:
+        self._h = None
+        return self._f.seek(*args)
+
+    @property
+    def digest(self) -> bytes | None:
+        return None if self._h is None else self._h.digest()
+
+    def __getattr__(self, name: str) -> Any:   # flush, tell, fileno
         return getattr(self._f, name)
 
 
 _HASH_CHUNK = 16 << 20
 
 
-def _hash_file(path: Path, *, sync: bool = False) -> tuple[int, bytes]:
+def _hash_file(path: Path) -> tuple[int, bytes]:
     """The size in bytes and SHA-256 of ``path``, read in 16 MiB chunks (``read`` and ``hashlib``
-    release the GIL on them: the agent's heartbeats go on); ``sync``: fsync it first."""
+    release the GIL on them: the agent's heartbeats go on)."""
     h = hashlib.sha256()
     nbytes = 0
     with open(path, "rb") as f:
-        if sync:
-            os.fsync(f.fileno())
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
             nbytes += len(chunk)
@@ -414,15 +429,20 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
             # declared the saving ranks lost. (Not to a path either: torch's own writer reports
             # a full disk only as "unexpected pos", without the OSError.)
             with open(tmp, "wb") as f:
-                sink = _KeepsWriteError(f)
+                sink = _ShardSink(f)
                 try:
                     torch.save(state, sink)
                 except RuntimeError as exc:
                     if sink.error is None:
                         raise
                     raise sink.error from exc   # e.g. "No space left on device"
+                f.flush()
+                os.fsync(f.fileno())
             faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during the write"
-            nbytes, digest = _hash_file(tmp, sync=True)
+            nbytes, digest = (sink.nbytes, sink.digest) if sink.digest is not None else \
+                _hash_file(tmp)
+            if nbytes != tmp.stat().st_size:   # torch wrote other than what passed the sink
+                nbytes, digest = _hash_file(tmp)
             written = True   # from here on a failure may leave the file
             os.replace(tmp, folder / name)
         except BaseException:
