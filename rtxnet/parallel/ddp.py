@@ -172,7 +172,8 @@ class DistributedDataParallel(torch.nn.Module):
     Raises:
         ConfigError: a bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``; parameters
             and buffers on several devices, or on a device that is neither the CPU nor CUDA;
-            a trainable parameter not float32/float64/float16/bfloat16 (complex: names it);
+            a trainable parameter not float32/float64/float16/bfloat16 (complex: names it); an
+            ``Embedding``/``EmbeddingBag`` with ``sparse=True`` (sparse gradients);
             names the value or the devices. Buffers of any dtype are broadcast (their bytes).
         ConfigError: with ``init_sync``, ranks whose parameters or buffers differ in name,
             shape, dtype or ``requires_grad`` (raised on every rank, naming them).
@@ -213,6 +214,12 @@ class DistributedDataParallel(torch.nn.Module):
                 raise ConfigError(f"DDP: parameter {n!r} has dtype {p.dtype}; DDP reduces float32, "
                                   f"float64, float16 and bfloat16 gradients (hold a complex one as "
                                   f"torch.view_as_real, or freeze it)")
+        for mn, sub in module.named_modules():
+            if getattr(sub, "sparse", False) is True and isinstance(
+                    sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.weight.requires_grad:
+                raise ConfigError(f"DDP: {mn or 'the module'} ({type(sub).__name__}) has "
+                                  f"sparse=True; DDP reduces dense gradients only: build it with "
+                                  f"sparse=False")
         self.device = _module_device(module)
         self._names = {id(p): n for n, p in named}
         self._buckets = self._build_buckets([p for _, p in named])
@@ -241,6 +248,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._synced_through = 0
         self._grad_reached = 0
         self._awaiting_grad: set[int] = set()
+        # epochs of the forwards whose outputs a backward reached since the last synchronisation
+        # (no_sync micro-batches included): all must be the synchronisation's, or their batches
+        # were chosen for another world
+        self._grad_epochs: set[int | None] = set()
+        # the autograd graph task of the backward that reached a synchronising forward's output
+        # (a gradient of a parameter from another, nested one: reentrant checkpointing)
+        self._backward_task: int | None = None
         self.last_comm_wait_s = 0.0
         if init_sync:
             check_same_layout(self.module, self._pg, "DDP", list(self._names.values()))
@@ -281,9 +295,12 @@ class DistributedDataParallel(torch.nn.Module):
             # fired): start this step clean.
             self.reset()
         # A world of one has nothing to reduce: its gradients are already the result.
-        self._sync_armed = (self._require_sync and torch.is_grad_enabled()
-                            and group_size(self._pg) > 1)
+        several = torch.is_grad_enabled() and group_size(self._pg) > 1
+        self._sync_armed = self._require_sync and several
         self._late_forwards = 0
+        self._backward_task = None
+        if not several:
+            self._grad_epochs.clear()
         if self._sync_armed:
             self._armed_since_sync += 1
             self._begin_step()
@@ -291,18 +308,28 @@ class DistributedDataParallel(torch.nn.Module):
             with self._step_world.pinned():
                 self._broadcast_buffers()
         out = self.module(*args, **kwargs)
+        if several:
+            outputs = [t for t in _tensors_in(out) if t.requires_grad]
         if self._sync_armed:
             self._forward_no += 1
-            outputs = [t for t in _tensors_in(out) if t.requires_grad]
             if outputs:
                 if len(self._awaiting_grad) >= 64:   # forwards never backwarded (an eval with grad)
                     self._awaiting_grad.discard(min(self._awaiting_grad))
                 self._awaiting_grad.add(self._forward_no)
                 for t in outputs:
-                    t.register_hook(functools.partial(self._output_grad, self._forward_no))
+                    t.register_hook(functools.partial(self._output_grad, self._forward_no,
+                                                      self._round_epoch))
+        elif several:   # a no_sync micro-batch: its gradient joins a later synchronisation
+            epoch = self._pg.epoch
+            for t in outputs:
+                t.register_hook(functools.partial(self._accumulated_grad, epoch))
         return out
 
-    def _output_grad(self, k: int, grad: torch.Tensor) -> None:
+    def _accumulated_grad(self, epoch: int | None, grad: torch.Tensor) -> None:
+        """A backward reached an output of a forward run under :meth:`no_sync` in ``epoch``."""
+        self._grad_epochs.add(epoch)
+
+    def _output_grad(self, k: int, epoch: int | None, grad: torch.Tensor) -> None:
         """A backward reached an output of synchronising forward ``k`` (a tensor hook: before any
         gradient of the parameters). Raises ``ConfigError`` when the gradients of that forward
         were synchronised already: a second backward through it (``retain_graph=True``) would
@@ -310,6 +337,8 @@ class DistributedDataParallel(torch.nn.Module):
         silently). The late forwards of :meth:`_grad_ready` keep their own message."""
         self._awaiting_grad.discard(k)
         self._grad_reached = max(self._grad_reached, k)
+        self._grad_epochs.add(epoch)
+        self._backward_task = _graph_task()
         if self._require_sync and k <= self._synced_through and not self._late_forwards:
             raise ConfigError(
                 "DistributedDataParallel: a second backward through a forward whose gradients the "
@@ -349,6 +378,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._round_open = False
         self._sync_armed = False
         self._round_broken = None
+        self._grad_epochs.clear()
         log.info("ddp_reset", buckets_replaced=replaced)
 
     def broadcast_parameters(self, src: int = 0) -> None:
@@ -404,15 +434,17 @@ class DistributedDataParallel(torch.nn.Module):
         # reached: this rank skipped their backward (the others, running theirs, wait for it)
         skipped = sum(1 for k in self._awaiting_grad if k < self._grad_reached)
         if skipped:
-            log.warning("ddp_backward_skipped", forwards=skipped,
-                        hint="run backward through the module on every rank every step, "
-                             "even with an empty batch, or forward under no_sync()/no_grad()")
+            log.warning("ddp_forward_without_backward", forwards=skipped,
+                        hint="a forward with grad enabled that no backward reached: run an "
+                             "evaluation under torch.no_grad() (or ddp.no_sync()); a training "
+                             "step's backward must run on every rank, even with an empty batch")
         self._awaiting_grad = {k for k in self._awaiting_grad if k > self._grad_reached}
         # A second backward over the same forward (retain_graph) is refused (_output_grad).
         self._sync_armed = False
         self._late_forwards = max(0, self._armed_since_sync - 1)
         self._armed_since_sync = 0
         self._grads_synced = True
+        self._grad_epochs.clear()
 
     def sync_gradients(self) -> None:
         """Reduce the gradients accumulated in ``param.grad`` over the group now, in place
@@ -430,6 +462,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self._round_open:
             raise ConfigError("sync_gradients: a backward's gradient synchronisation is under way")
         if group_size(self._pg) <= 1 or self._grads_synced:
+            self._grad_epochs.clear()
             return   # nothing accumulated since the last synchronisation (a second call: no-op)
         self._begin_step()
         self._round_open = True
@@ -471,6 +504,17 @@ class DistributedDataParallel(torch.nn.Module):
                     "no_sync() and call ddp.sync_gradients() after the last backward")
             return
         if not self._round_open:
+            task = _graph_task()
+            if self._backward_task is not None and task != self._backward_task:
+                # a backward inside the backward (torch.utils.checkpoint with use_reentrant=True):
+                # the synchronisation would end with the inner one, and the gradients the outer
+                # one computes after it would stay on this rank
+                raise ConfigError(
+                    "DistributedDataParallel: a parameter's gradient came from a backward run "
+                    "inside the backward that reached the module's output (activation "
+                    "checkpointing with torch.utils.checkpoint(..., use_reentrant=True)): the "
+                    "synchronisation would end with that inner backward and later gradients would "
+                    "stay on this rank. Use use_reentrant=False")
             self._round_open = True
             self._round_broken = None
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
@@ -504,16 +548,19 @@ class DistributedDataParallel(torch.nn.Module):
             b = self._buckets[self._next_launch]
             if b.ready < len(b.params):
                 return
-            if self._pg.epoch != self._round_epoch:
-                # The world changed since the step's forward: launching buckets in the new one
-                # would leave this rank with more collectives there than ranks that failed
-                # sooner (and reduce a batch chosen for the old world). Launch nothing more.
+            if self._pg.epoch != self._round_epoch or self._grad_epochs - {self._round_epoch}:
+                # The world changed since the step's forward (or a micro-batch's, or another
+                # forward this backward reached): launching buckets in the new one would leave
+                # this rank with more collectives there than ranks that failed sooner, and reduce
+                # a batch chosen for the old world. Launch nothing more.
                 if self._round_broken is None:
                     m = getattr(self._pg, "membership", None)
+                    first = min((e for e in self._grad_epochs | {self._round_epoch}
+                                 if e is not None), default=None)
                     self._round_broken = PeerLostError(
                         f"membership changed between the step's forward and its gradient "
-                        f"synchronisation (epoch {self._round_epoch} -> {self._pg.epoch}); retry "
-                        f"the step in the new world",
+                        f"synchronisation (epoch {first} -> {self._pg.epoch}); retry the step "
+                        f"(its forwards too) in the new world",
                         ranks=getattr(m, "lost", ()), epoch=self._pg.epoch)
                 return
             kw = {} if self.timeout_s is None else {"timeout": self.timeout_s}
@@ -573,6 +620,13 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape))
                     off += n
+
+
+def _graph_task() -> int | None:
+    """The id of the autograd graph task running this hook (-1 outside a backward; None where
+    torch does not say)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return None if fn is None else fn()
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:

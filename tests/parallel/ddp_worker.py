@@ -251,6 +251,79 @@ def double_backward(pg) -> dict:
     return {"double_first": first, "double_refused": refused, "two_forwards_grad": m.module.weight.grad.tolist()}
 
 
+def reentrant_checkpoint(pg) -> dict:
+    """Activation checkpointing of the last layer with use_reentrant=True: its backward runs inside
+    the backward, the synchronisation ended with it and the first layer's gradient stayed on each
+    rank (a tester saw 0.048 off one process, the replicas 0.14 apart after 3 steps). Refused on
+    every rank before any collective; use_reentrant=False gives one process's gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net2(torch.nn.Module):
+        def __init__(self, reentrant):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.reentrant = torch.nn.Linear(4, 6), torch.nn.Linear(6, 2), reentrant
+
+        def forward(self, x):
+            return checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=self.reentrant)
+
+    W, r = pg.world_size, pg.rank
+    x = torch.randn(4 * W, 4, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for reentrant in (True, False):
+        m = DistributedDataParallel(Net2(reentrant), pg, reduce_op=rtxnet.ReduceOp.SUM)
+        try:
+            m(x[4 * r:4 * (r + 1)]).pow(2).sum().backward()
+            out[f"reentrant_{reentrant}"] = None
+        except rtxnet.ConfigError as exc:
+            out[f"reentrant_{reentrant}"] = str(exc)
+    ref = Net2(False)
+    ref(x).pow(2).sum().backward()
+    out["nonreentrant_rel"] = max(rel(p.grad, q.grad) for p, q in zip(m.module.parameters(), ref.parameters(), strict=True))
+    return out
+
+
+def stale(pg) -> dict:
+    """4 ranks, --min-ranks 2. Rank 3 leaves after the no_sync micro-batches' backward, before
+    sync_gradients; rank 2 leaves between two forwards whose summed loss one backward reduces.
+    Both synchronisations would reduce batches chosen for the old world in the new one (a tester
+    saw 0.015 off one process, silently): they raise PeerLostError on every survivor. A step
+    after them runs in the world of 2."""
+    r0 = pg.rank
+    torch.manual_seed(3)
+    m = DistributedDataParallel(torch.nn.Linear(4, 2), pg, reduce_op=rtxnet.ReduceOp.SUM)
+    x = torch.ones(2, 4)
+    got = {}
+
+    def leave(name, who, n):
+        pg.store.set(f"stale/{name}/{r0}", b"1")
+        pg.store.wait([f"stale/{name}/{k}" for k in range(n)], timeout=30)
+        if r0 == who:
+            os._exit(0)
+        wait_until(lambda: pg.world_size == who, 30, f"the world without rank {who}")
+
+    with m.no_sync():
+        m(x).sum().backward()
+    leave("accum", 3, 4)
+    try:
+        m.sync_gradients()
+        got["sync_gradients"] = None
+    except rtxnet.PeerLostError as exc:
+        got["sync_gradients"] = str(exc)
+    m.module.zero_grad()
+    first = m(x).sum()
+    leave("two", 2, 3)
+    try:
+        (first + m(x).sum()).backward()
+        got["two_forwards"] = None
+    except rtxnet.PeerLostError as exc:
+        got["two_forwards"] = str(exc)
+    m.module.zero_grad()
+    m(x).sum().backward()                       # a whole step in the world of 2
+    got["after"] = m.module.bias.grad.tolist()  # 2 rows per rank, SUM of 2 ranks: [4, 4]
+    return got
+
+
 def odd_buffers(pg) -> dict:
     """Buffers of dtypes the collectives do not reduce (a rotary embedding's complex
     ``freqs_cis``, uint16, float8, bool) are broadcast by their bytes, for DDP and FSDP; a
@@ -323,8 +396,11 @@ def main() -> int:
         res.update(different_layouts(pg))
         res.update(odd_buffers(pg))
         res.update(double_backward(pg))
+        res.update(reentrant_checkpoint(pg))
     elif scenario == "fault":
         res.update(fault(pg))
+    elif scenario == "stale":
+        res.update(stale(pg))
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))
     leave_together(pg, scenario, rank)
     return 0

@@ -90,6 +90,21 @@ def test_a_second_backward_through_one_forward_is_refused_on_every_rank(basic):
         assert r["two_forwards_grad"] == [[3.0 * n] * 3], r["two_forwards_grad"]
 
 
+def test_reentrant_checkpointing_is_refused_and_the_other_kind_is_exact(basic):
+    for r in basic:
+        assert "use_reentrant=True" in (r["reentrant_True"] or ""), r
+        assert r["reentrant_False"] is None and r["nonreentrant_rel"] < TOL, r
+
+
+def test_a_world_change_after_micro_batches_or_between_two_forwards_fails_their_sync(tmp_path):
+    res = launch(tmp_path, "stale", "--min-ranks", "2")
+    assert sorted(r["rank"] for r in res) == [0, 1]   # ranks 2 and 3 left on purpose
+    for r in res:
+        assert "membership changed between the step's forward" in (r["sync_gradients"] or ""), r
+        assert "membership changed between the step's forward" in (r["two_forwards"] or ""), r
+        assert r["after"] == [4.0, 4.0], r
+
+
 def test_survivors_retry_a_failed_step_and_still_match_one_process(tmp_path):
     res = launch(tmp_path, "fault", "--min-ranks", "3")
     assert len(res) == 3

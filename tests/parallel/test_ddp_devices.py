@@ -48,6 +48,14 @@ def test_a_buffer_on_another_device_counts_too():
         DistributedDataParallel(net, _Pg(), init_sync=False)
 
 
+def test_a_sparse_embedding_is_refused_naming_it():
+    # it failed at the first backward with torch's "copy_() between dense and sparse Tensors"
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"0 \(Embedding\) has sparse=True"):
+        DistributedDataParallel(net, _Pg(), init_sync=False)
+    DistributedDataParallel(torch.nn.Embedding(10, 4), _Pg(), init_sync=False)   # dense: accepted
+
+
 def test_a_device_that_is_neither_cpu_nor_cuda_is_refused():
     with pytest.raises(ConfigError, match=r"weight is on meta; rtxnet DDP takes CPU or CUDA"):
         DistributedDataParallel(torch.nn.Linear(4, 3, device="meta"), _Pg(), init_sync=False)
