@@ -263,6 +263,9 @@ class FaultTolerance:
         self._epoch_seen: dict[int, float] = {}
         self._epoch_lost: dict[int, list[int]] = {}   # epoch -> ranks its membership lost
         self._epoch_left: set[int] = set()   # epochs made by orderly leaves (pg.close())
+        # epochs with the members of the one before (re-forms after a failed step): a step that
+        # fails again in such an epoch failed "without a membership change"
+        self._epoch_same: set[int] = set()
         # epoch -> the launch ranks (rtxnet-run's RANK, stable across epochs) its membership lost;
         # None where a lost rank's launch rank is unknown (ranks started by hand, an epoch missed)
         self._epoch_lost_launch: dict[int, list[int] | None] = {}
@@ -532,6 +535,8 @@ class FaultTolerance:
                 # commit, they never trained; neither a loss nor a join to report
                 gone = set(membership.lost)
                 self._pending_joins = [j for j in self._pending_joins if not gone & set(j["added"])]
+            elif not membership.lost and not membership.added:
+                self._epoch_same.add(epoch)
             elif membership.lost:
                 if reason == "left":
                     self._epoch_left.add(epoch)
@@ -728,6 +733,17 @@ class FaultTolerance:
                     f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
                 ) from exc
             await self._ask_reform(exc, step, self._synced_epoch, evict)
+        elif self._only_reformed_since_sync() and not self.pg.agent.fenced:
+            # Re-formed (same members) since the step began, by a rank that found the step
+            # failing (a skipped collective: its vote asks for the re-form), so this rank sees
+            # the epoch change as its error: the same failure again all the same. Counted, or a
+            # step one rank always fails was retried for ever (126 tries in a tester's run).
+            self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
+            if n > self.max_step_retries:
+                raise RtxError(
+                    f"step {step} failed {n} times without a membership change "
+                    f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
+                ) from exc
         elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
             # The sync of a new epoch timed out waiting for members that do not come (a rank
             # hung with its heartbeats going on): it was retried until they came, for ever for
@@ -1177,6 +1193,12 @@ class FaultTolerance:
         }
         self._event(rec)
         log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
+
+    def _only_reformed_since_sync(self) -> bool:
+        """Whether every epoch after the last sync, up to the current one, kept its members
+        (re-forms), each of them seen."""
+        later = range(self._synced_epoch + 1, self.pg.epoch + 1)
+        return self._synced_epoch >= 0 and len(later) > 0 and all(e in self._epoch_same for e in later)
 
     def _only_left_since_sync(self) -> bool:
         """Whether every epoch after the last sync, up to the current one, came of orderly

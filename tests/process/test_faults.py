@@ -160,6 +160,47 @@ def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tm
                for line in rank0[0]["report"]), rank0[0]["report"]
 
 
+ALWAYS_SKIPS = """
+import sys, time
+import numpy as np
+import rtxnet
+class State:
+    v = 0
+    def state_dict(self): return {"v": self.v}
+    def load_state_dict(self, d): self.v = d["v"]
+pg = rtxnet.init()
+state, tries, t0 = State(), 0, time.monotonic()
+ft = rtxnet.FaultTolerance(pg, state)
+try:
+    while ft.step < 4:
+        with ft.guard() as step:
+            tries += step == 2
+            if not (step == 2 and pg.rank == 1):   # rank 1 skips step 2's all_reduce, every try
+                pg.all_reduce(np.ones(4))
+            state.v += 1
+except rtxnet.RtxError as exc:
+    print(f"tries={tries} seconds={time.monotonic() - t0:.1f} {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_step_one_rank_always_fails_is_given_up_after_max_step_retries(tmp_path):
+    # each try's skip made the skipping rank ask for a re-form, and both ranks saw the epoch
+    # change as their error: a try was counted only when the epoch had not moved, and a tester's
+    # run retried step 2 126 times (132 s) before giving up
+    script = tmp_path / "always_skips.py"
+    script.write_text(ALWAYS_SKIPS)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=procs.env())
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if "tries=" in x]
+    assert len(lines) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    gave_up = [x for x in lines if "tries=4 " in x and "RtxError: step 2 failed 4 times without a "
+               "membership change" in x]
+    # (the other rank may instead see the first one leave as it gives up: then it fails on that)
+    assert gave_up and all(re.search(r"tries=[45] ", x) for x in lines), lines
+
+
 def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):
     results, proc = run_job(tmp_path, "kill-coordinator:step=15", steps=60)
     assert len(results) == 4 and "coordinator restarted" in proc.stderr
