@@ -733,17 +733,6 @@ class FaultTolerance:
                     f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
                 ) from exc
             await self._ask_reform(exc, step, self._synced_epoch, evict)
-        elif self._only_reformed_since_sync() and not self.pg.agent.fenced:
-            # Re-formed (same members) since the step began, by a rank that found the step
-            # failing (a skipped collective: its vote asks for the re-form), so this rank sees
-            # the epoch change as its error: the same failure again all the same. Counted, or a
-            # step one rank always fails was retried for ever (126 tries in a tester's run).
-            self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
-            if n > self.max_step_retries:
-                raise RtxError(
-                    f"step {step} failed {n} times without a membership change "
-                    f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
-                ) from exc
         elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
             # The sync of a new epoch timed out waiting for members that do not come (a rank
             # hung with its heartbeats going on): it was retried until they came, for ever for
@@ -759,6 +748,17 @@ class FaultTolerance:
                     f"{self._sync_timeouts} times in a row waiting for ranks (max_step_retries="
                     f"{self.max_step_retries}), which the world cannot go on without "
                     f"(min_world_size={self.min_world_size}); last error: {exc}") from exc
+        elif self._only_reformed_since_sync() and not self.pg.agent.fenced:
+            # Re-formed (same members) since the step began, by a rank that found the step
+            # failing (a skipped collective: its vote asks for the re-form), so this rank sees
+            # the epoch change as its error: the same failure again all the same. Counted, or a
+            # step one rank always fails was retried for ever (126 tries in a tester's run).
+            self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
+            if n > self.max_step_retries:
+                raise RtxError(
+                    f"step {step} failed {n} times without a membership change "
+                    f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
+                ) from exc
 
     async def _ask_reform(self, exc: BaseException, step: int, epoch: int, evict: list[int]) -> None:
         """Ask the coordinator for a fresh epoch in place of ``epoch`` after ``exc`` failed

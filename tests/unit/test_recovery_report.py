@@ -23,6 +23,7 @@ def _ft() -> FaultTolerance:
     ft = FaultTolerance.__new__(FaultTolerance)
     ft.events, ft._epoch_seen, ft._epoch_lost = [], {}, {}
     ft._epoch_lost_launch, ft._launch_of, ft._pending_joins = {}, {}, []
+    ft._epoch_same = set()
     ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
     ft.injector = None
     ft.state = None
