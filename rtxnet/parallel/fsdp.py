@@ -593,6 +593,51 @@ class FullyShardedDataParallel(torch.nn.Module):
                 "shards) with reshard_optimizer_state_dict, or load_sharded_state_dict() saved at "
                 "this world size")
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients of every rank's shards in place so that the norm of the whole
+        model's gradient (every rank's shards together) is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does for one process and torch FSDP's
+        ``clip_grad_norm_`` for shards. ``torch.nn.utils.clip_grad_norm_(fsdp.parameters())``
+        would clip each rank's shard by its own norm: other scales on every rank, wrong numbers.
+
+        A collective (one all-reduce of one float64, in the step's world): call it on every rank,
+        after ``backward`` and before ``optimizer.step()``. Padding is zero and adds nothing.
+
+        Args:
+            max_norm: the largest total norm kept; a positive finite number.
+            norm_type: p of the p-norm, a positive finite number or ``math.inf`` (the largest
+                absolute element; all-reduced with MAX, the others' p-th powers with SUM).
+
+        Returns:
+            The total norm before clipping: a float64 0-d CPU tensor, the same on every rank.
+            The gradients are multiplied by ``max_norm / (total + 1e-6)`` when that is below 1.
+
+        Raises:
+            ConfigError: ``max_norm`` or ``norm_type`` out of range (names the value).
+            PeerLostError, CollectiveTimeout: the all-reduce failed.
+        """
+        for name, v in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+                    or (math.isnan(v) or (math.isinf(v) and name == "max_norm")):
+                raise ConfigError(f"clip_grad_norm_: {name}({v!r}) must be a positive number"
+                                  f"{' or math.inf' if name == 'norm_type' else ''}")
+        p = float(norm_type)
+        grads = [g.shard.grad for g in self._groups if g.shard is not None and g.shard.grad is not None]
+        if math.isinf(p):
+            local = max((float(t.abs().max()) for t in grads if t.numel()), default=0.0)
+        else:
+            local = sum(float(torch.linalg.vector_norm(t.double(), p) ** p) for t in grads)
+        total = torch.tensor([local], dtype=torch.float64)
+        if group_size(self._pg) > 1:
+            with self._step_world.pinned():
+                self._pg.all_reduce(total, op=ReduceOp.MAX if math.isinf(p) else ReduceOp.SUM)
+        norm = total[0] if math.isinf(p) else total[0] ** (1.0 / p)
+        coef = float(max_norm) / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for t in grads:
+                t.mul_(coef)
+        return norm
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole module's state dict, gathered: the keys ``module.state_dict()`` had before
         wrapping, in that order, each a new CPU tensor of the parameter's shape and dtype.

@@ -129,7 +129,7 @@ def avg_sgd(pg, steps=5, per_rank=4):
     total = sum(p.numel() for p in net.parameters())
     fsdp = FullyShardedDataParallel(net, pg, wrap=[Block])
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
-    loss_rel, g_rel, gathers, rs = 0.0, 0.0, [], []
+    loss_rel, g_rel, gathers, rs, clip_rel = 0.0, 0.0, [], [], 0.0
     for s in range(steps):
         xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
         ref_opt.zero_grad()
@@ -141,6 +141,12 @@ def avg_sgd(pg, steps=5, per_rank=4):
         gathers.append(fsdp.last_gathers)
         rs.append(fsdp.last_reduce_scatters)
         g_rel = max(g_rel, grad_rel(fsdp, ref))
+        if s >= 3:   # clipped to half the norm: every rank by the whole model's norm
+            cap = 0.5 * float(torch.linalg.vector_norm(torch.cat(
+                [q.grad.reshape(-1) for q in ref.parameters() if q.grad is not None])))
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), cap)
+            norm = fsdp.clip_grad_norm_(cap)
+            clip_rel = max(clip_rel, abs(float(norm) / float(ref_norm) - 1))
         mean = loss.detach().reshape(1).clone()
         pg.all_reduce(mean, op=rtxnet.ReduceOp.AVG)
         loss_rel = max(loss_rel, rel(mean, ref_loss.detach().reshape(1)))
@@ -148,6 +154,7 @@ def avg_sgd(pg, steps=5, per_rank=4):
         opt.step()
     full = fsdp.full_state_dict(rank0_only=False)
     return {"avg_loss_rel": loss_rel, "avg_grad_rel": g_rel, "avg_param_rel": sd_rel(full, ref.state_dict()),
+            "avg_clip_norm_rel": clip_rel,
             "avg_never_rel": rel(full["never.weight"], make_net(1).never.weight.detach()),
             "avg_units": fsdp.units, "avg_gathers": gathers, "avg_reduce_scatters": rs,
             "avg_stored_numel": fsdp.shard_numel(), "avg_total_numel": total,

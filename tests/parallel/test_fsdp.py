@@ -49,6 +49,7 @@ def test_avg_matches_one_process_loss_gradients_and_parameters(basic):
         assert r["avg_loss_rel"] < TOL, r
         assert r["avg_grad_rel"] < TOL, r
         assert r["avg_param_rel"] < TOL, r                 # 5 SGD steps with momentum
+        assert r["avg_clip_norm_rel"] < TOL, r   # steps 3 and 4 clipped by the whole model's norm
         # each unit gathered for forward and again for backward, one reduce-scatter each
         assert r["avg_gathers"] == [6] * 5 and r["avg_reduce_scatters"] == [3] * 5, r
         assert r["avg_views_outside_forward"] == [[0], [0]], r   # freed after forward
