@@ -247,6 +247,12 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        # a session of its own: a signal to rtxnet-run's process group (Ctrl-C in a terminal,
+        # coreutils timeout) reaches rtxnet-run, which forwards it to the ranks and stops the
+        # coordinator only once they ended; it stopped at once with the group before, and ranks
+        # finishing on the signal (a last commit, a barrier) hung until their coordinator
+        # timeout (a fresh user's find). It still dies with rtxnet-run (PR_SET_PDEATHSIG).
+        start_new_session=True,
         preexec_fn=_die_with_parent,
     )
     asyncio.ensure_future(_pump(proc.stderr, b"[coordinator] ", sys.stderr))

@@ -18,11 +18,14 @@ __all__ = ["ReduceOp", "SUPPORTED_DTYPES", "bfloat16", "is_bfloat16", "accepted_
 
 
 class ReduceOp(enum.Enum):
+    """The reductions of ``all_reduce``, ``reduce`` and ``reduce_scatter``. ``PRODUCT`` is
+    ``PROD`` under torch.distributed's name for it (an alias: the same member)."""
     SUM = "sum"
     AVG = "avg"
     MIN = "min"
     MAX = "max"
     PROD = "prod"
+    PRODUCT = "prod"
 
 
 @functools.cache

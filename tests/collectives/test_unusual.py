@@ -101,6 +101,9 @@ async def torch_tensors(engine):
     with torch.no_grad():
         await g.all_reduce(w.detach())
     out["grad"] = float(w[0])
+    p = torch.full((3,), float(r + 2))
+    await g.all_reduce(p, ReduceOp.PRODUCT)     # torch.distributed's name for PROD
+    out["product"] = p.tolist()
     outs = torch.zeros(g.size * 3)
     await g.all_gather(outs, torch.full((3,), float(r)))
     out["ag"] = outs.tolist()
@@ -117,6 +120,7 @@ def test_torch_tensors_in_place():
         assert out["torch.bool"] == [1.0] * 6
         assert out["col"] == [[3.0, r + 1.0], [3.0, r + 1.0]]
         assert out["grad"] == 2.0
+        assert out["product"] == [6.0] * 3
         assert out["ag"] == [0.0] * 3 + [1.0] * 3
 
 

@@ -463,6 +463,49 @@ def test_sigterm_is_forwarded_to_ranks(tmp_path, sig):
     assert err.strip().splitlines()[-1].endswith(f"stopped by {sig}, forwarded to the ranks; exit code 0"), err
 
 
+GRACEFUL = textwrap.dedent("""
+    import signal, sys, time
+    import numpy as np
+    import rtxnet
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    pg = rtxnet.init()
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while not stop and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pg.all_reduce(np.ones(4))               # a last step on the signal, then an orderly leave
+    pg.store.set(f"last/{pg.rank}", b"1")   # (the store is the coordinator's)
+    pg.store.wait([f"last/{r}" for r in range(pg.world_size)], timeout=20)
+    print("left in order", flush=True)
+    pg.close()
+""")
+
+
+def test_a_signal_to_the_launchers_process_group_lets_ranks_finish_with_their_coordinator(tmp_path):
+    # coreutils timeout and a terminal's Ctrl-C signal rtxnet-run's whole process group: the
+    # coordinator, in that group, stopped at once, and ranks finishing on the signal hung until
+    # their 30 s coordinator timeout (a fresh user's find: exit 124 after 38.8 s)
+    script = tmp_path / "graceful.py"
+    script.write_text(GRACEFUL)
+    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "20", str(script)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=procs.env(), cwd=ROOT,
+                         start_new_session=True)   # its own group, as timeout makes one
+    try:
+        _read_until(p, "ready", 2, time.monotonic() + 30)
+        t0 = time.monotonic()
+        os.killpg(p.pid, signal.SIGTERM)      # the group this test made: rtxnet-run and its children
+        out, err = p.communicate(timeout=40)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    assert out.count("left in order") == 2, out + err[-3000:]
+    assert p.returncode == 0, err[-3000:]
+    assert took < 15, (took, err[-3000:])       # not the ranks' 30 s coordinator timeout
+
+
 @pytest.mark.parametrize("given", [None, "3"])
 def test_omp_num_threads_is_1_for_each_rank_unless_given(tmp_path, given):
     # torchrun's default with more than one rank: each rank's OpenMP pool, a thread per core,
