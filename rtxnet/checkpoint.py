@@ -439,9 +439,8 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
                 f.flush()
                 os.fsync(f.fileno())
             faults.point("checkpoint", pg=pg, step=step)   # fault injection: "during the write"
-            nbytes, digest = (sink.nbytes, sink.digest) if sink.digest is not None else \
-                _hash_file(tmp)
-            if nbytes != tmp.stat().st_size:   # torch wrote other than what passed the sink
+            nbytes, digest = sink.nbytes, sink.digest
+            if digest is None or nbytes != tmp.stat().st_size:   # a seek, or bytes not seen
                 nbytes, digest = _hash_file(tmp)
             written = True   # from here on a failure may leave the file
             os.replace(tmp, folder / name)

@@ -725,13 +725,8 @@ class FaultTolerance:
             # A rank cut off from the coordinator cannot be re-formed (nor learn that the others
             # moved on without it): say so instead of retrying the step into a wall.
             self.pg.agent.check_coordinator(f"step {step} failed ({type(exc).__name__})")
-            self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
             evict = self._late_to_evict(exc, step)
-            if n > self.max_step_retries and not evict:
-                raise RtxError(
-                    f"step {step} failed {n} times without a membership change "
-                    f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
-                ) from exc
+            self._count_failure(exc, step, give_up=not evict)
             await self._ask_reform(exc, step, self._synced_epoch, evict)
         elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
             # The sync of a new epoch timed out waiting for members that do not come (a rank
@@ -753,12 +748,17 @@ class FaultTolerance:
             # failing (a skipped collective: its vote asks for the re-form), so this rank sees
             # the epoch change as its error: the same failure again all the same. Counted, or a
             # step one rank always fails was retried for ever (126 tries in a tester's run).
-            self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
-            if n > self.max_step_retries:
-                raise RtxError(
-                    f"step {step} failed {n} times without a membership change "
-                    f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
-                ) from exc
+            self._count_failure(exc, step)
+
+    def _count_failure(self, exc: BaseException, step: int, *, give_up: bool = True) -> None:
+        """Count a failure of ``step`` without a membership change; past ``max_step_retries``
+        raise ``RtxError`` naming it (unless not ``give_up``: an eviction comes instead)."""
+        self._same_step_failures[step] = n = self._same_step_failures.get(step, 0) + 1
+        if n > self.max_step_retries and give_up:
+            raise RtxError(
+                f"step {step} failed {n} times without a membership change "
+                f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
+            ) from exc
 
     async def _ask_reform(self, exc: BaseException, step: int, epoch: int, evict: list[int]) -> None:
         """Ask the coordinator for a fresh epoch in place of ``epoch`` after ``exc`` failed

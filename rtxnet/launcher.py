@@ -265,9 +265,7 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     if not text.startswith("RTXNET_COORDINATOR="):
         await proc.wait()
         if proc.returncode == 3:   # the daemon's code for a journal it cannot use
-            raise JournalRefused(f"journal {journal!r}: the coordinator cannot use it (exit code 3: "
-                                 f"held by another coordinator, corrupt or unwritable; its log "
-                                 f"above says which)")
+            raise JournalRefused(journal)
         raise RuntimeError(f"the coordinator failed to start (exit code {proc.returncode}); see its log above")
     return proc, text.split("=", 1)[1]
 
@@ -275,6 +273,11 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
 class JournalRefused(RuntimeError):
     """The coordinator exited 3: the journal folder it was given is in use, corrupt or cannot be
     written (rtxnet-run exits 2 for a ``--journal`` so refused, as for any bad argument)."""
+
+    def __init__(self, journal: str):
+        self.journal = journal
+        super().__init__(f"journal {journal!r}: the coordinator cannot use it (exit code 3: held "
+                         f"by another coordinator, corrupt or unwritable; its log above says which)")
 
 
 async def _pump(stream: asyncio.StreamReader, prefix: bytes, out, moved: list[int] | None = None,
@@ -788,7 +791,7 @@ class Launcher:
             if self.stop_signal is None:
                 await self._last_look_at_exits_0()
             if self.first_failure is not None and self.stop_signal is None:
-                await self._forgive_replacements_after_the_end()
+                await self._forgive_failures_after_the_end()
         finally:
             for task in (sharing, frozen, claim, self._exits_0_watch, *self._respawns):
                 if task is not None:
@@ -1057,10 +1060,11 @@ class Launcher:
             self.training_finished = self.job in st["finished"] or bool(job and job.get("finished_training"))
         return self.training_finished
 
-    async def _forgive_replacements_after_the_end(self) -> None:
+    async def _forgive_failures_after_the_end(self) -> None:
         """A replacement that failed (``JobFinishedError`` from its ``init``, say) after the job
         had finished, every member having left in order, does not fail the run: the job's result
-        stands (the process it replaced died after its own work was done). Not a rank that was
+        stands (the process it replaced died after its own work was done); nor does a rank
+        declared lost that woke after the end and raised ``JobFinishedError``. Not a rank that was
         not restarted because training had finished: its own exit code
         stands, whatever ``--max-restarts`` (a survivor that could not produce its result exits
         non-zero too). Asked of the coordinator; without an answer nothing is forgiven."""
@@ -1700,7 +1704,7 @@ def _main(argv: list[str] | None) -> int:
                   file=sys.stderr)
             return 128 + signal.Signals[launcher.stop_signal].value
         if isinstance(exc, JournalRefused) and args.journal is not None:
-            print(f"rtxnet-run: --{exc}", file=sys.stderr)
+            print(f"rtxnet-run: --{exc}", file=sys.stderr)   # "--journal '...': ..."
             return 2
         print(f"rtxnet-run: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, JobIdTaken) else 1
