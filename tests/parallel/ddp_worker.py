@@ -193,6 +193,12 @@ def fault(pg, steps=5, B=12):
     if r0 == 3:
         def die(*_):
             if die.step == 2:
+                # Only once every survivor finished step 1: a rank that completes a collective
+                # and dies at once may take its last sends with it, and one survivor failing
+                # step 1 while the others completed it is the disagreement FaultTolerance's
+                # commit vote settles, not this raw loop (a CI run had rank 1 retry step 1
+                # while ranks 0 and 2 ran step 2).
+                pg.store.wait([f"fault/step1/{q}" for q in range(3)], timeout=30)
                 os._exit(0)
         die.step = -1
         net.register_forward_pre_hook(die)
@@ -204,7 +210,9 @@ def fault(pg, steps=5, B=12):
         ref_opt.step()
         snapshot = sampler.state_dict()
         if r0 == 1 and s == 2:
-            late.armed = pg.epoch
+            late.armed = pg.epoch    # before rank 3 may die: armed with the epoch step 2 began in
+        if r0 != 3 and s == 2:
+            pg.store.set(f"fault/step1/{r0}", b"1")
         while True:
             if r0 == 3:
                 die.step = s
