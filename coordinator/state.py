@@ -336,6 +336,10 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         job.committed_step = rec["step"]
         job.committed_epoch = rec.get("epoch", job.epoch)
         job.commit_metadata = rec.get("metadata") or {}
+    elif kind == "rewind":
+        job.committed_step = rec["step"]
+        job.committed_epoch = rec["epoch"] if rec["step"] >= 0 else -1
+        job.commit_metadata = {}
     elif kind == "finish":
         job.finished_training = True
     elif kind == "job_drop":
@@ -670,7 +674,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     if msg.get("token", "") != job.token:
         actions.append(_error(identity, msg, "RendezvousError", f"{t}: wrong token for job {job.job!r}"))
         return
-    if t in ("heartbeat", "leave", "reform", "finish") and msg["identity"] != identity:
+    if t in ("heartbeat", "leave", "reform", "finish", "rewind") and msg["identity"] != identity:
         actions.append(_not_yours(identity, msg))
         return
     if t.startswith("kv_") and "" in (msg["keys"] if t == "kv_wait" else [msg["key"]]):
@@ -747,6 +751,8 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         _commit(state, job, identity, msg, now, actions)
     elif t == "finish":
         _finish(state, job, identity, msg, now, actions)
+    elif t == "rewind":
+        _rewind(state, job, identity, msg, now, actions)
     elif t == "reform":
         member = job.member_by_identity(msg["identity"])
         evict = _evictable(job, member, msg.get("evict") or [])
@@ -817,6 +823,30 @@ def _finish(state: State, job: Job, identity: str, msg: dict, now: float, action
                 evicted = len(late)
                 _lose(state, job, late, now, actions, reason="finished")
     actions.append(_reply(identity, msg, job, epoch=job.epoch, turned_away=dropped + evicted))
+
+
+def _rewind(state: State, job: Job, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
+    """A member says training goes on from ``step``, older than the job's committed step: no live
+    rank and no checkpoint holds the steps after it (every rank was lost; ``FaultTolerance``
+    found the committed state gone). The committed step becomes ``step`` (journaled) and its
+    epoch the current one, so the steps trained again are voted on: before, their commits were
+    answered "already committed" without a vote, and ``finish`` before the old step turned every
+    rank away as admitted after the last commit. Only a request naming the current epoch acts,
+    and only when it moves the step back: the other members' requests find it done. Nothing of
+    this epoch can have voted yet (a member votes after its own request's answer)."""
+    member = job.member_by_identity(msg["identity"])
+    if member is None:
+        actions.append(_not_member(identity, msg, job))
+        return
+    step_no = msg["step"]
+    if step_no < -1:
+        actions.append(_error(identity, msg, "ConfigError",
+                              f"rewind: step({step_no}) must be -1 (from scratch) or a step >= 0"))
+        return
+    rewound = msg["epoch"] == job.epoch and step_no < job.committed_step
+    if rewound:
+        _record(state, actions, {"k": "rewind", "job": job.job, "step": step_no, "epoch": job.epoch}, now)
+    actions.append(_reply(identity, msg, job, rewound=rewound, committed_step=job.committed_step))
 
 
 def _wake_kv(job: Job, actions: list[Action]) -> None:

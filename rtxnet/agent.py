@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -603,6 +603,23 @@ class Agent:
         if self.membership is None or self.membership.epoch < epoch:
             await self.wait_epoch(epoch - 1, timeout_s=self.timeouts.request_s)
         return {"epoch": epoch, "turned_away": int(body.get("turned_away", 0))}
+
+    async def rewind(self, step: int) -> bool:
+        """Tell the coordinator training goes on from ``step`` (-1: from scratch), older than the
+        job's committed step, because nothing holds the steps after it (see ``rewind`` in
+        :mod:`transport.wire`). Returns whether this request moved the job's committed step (False:
+        another member's did, or the epoch changed meanwhile); this agent's
+        ``membership.committed_step`` follows the job's.
+
+        Raises:
+            RendezvousError: this agent is not a member (declared lost meanwhile).
+            RtxTimeoutError: no answer within ``timeouts.request_s``.
+        """
+        body = await self._request("rewind", identity=self.identity, step=int(step))
+        m = self.membership
+        if m is not None and m.epoch == self.epoch:
+            self.membership = replace(m, committed_step=int(body["committed_step"]))
+        return bool(body["rewound"])
 
     async def status(self) -> list[dict[str, Any]]:
         return (await self._request("status"))["jobs"]

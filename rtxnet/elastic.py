@@ -833,7 +833,9 @@ class FaultTolerance:
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
         await self._check_same_layout(world)
         if self.sharded_state:
-            best = await self._sync_sharded(pg.membership.committed_step)
+            job_committed = pg.membership.committed_step
+            best = await self._sync_sharded(job_committed)
+            await self._rewind_job(best, job_committed)
             self._synced(best, epoch, rank, world, "sharded")
             return
         mine = np.array([self.committed_step if self._holds_state else -1], dtype=np.int64)
@@ -871,7 +873,21 @@ class FaultTolerance:
             if not oks.all():
                 best = await self._fall_back_to_checkpoint(np.flatnonzero(oks == 0).tolist(), src,
                                                             job_committed, world)
+        await self._rewind_job(best, job_committed)
         self._synced(best, epoch, rank, world, src)
+
+    async def _rewind_job(self, best: int, job_committed: int) -> None:
+        """Every rank goes on from step ``best`` (-1: from scratch), older than the job's committed
+        step ``job_committed``: no live rank and no checkpoint holds the steps between. The job's
+        committed step moves back to ``best`` (journaled by the coordinator; every rank asks, the
+        first acts), so those steps are voted on again: before, their commits were answered
+        "already committed" without a vote, and ``finish()`` before the old step turned every
+        rank away as admitted after the last commit (a relaunched job with fewer steps failed
+        after training)."""
+        if best >= job_committed:
+            return
+        if await self.pg.agent.rewind(best):
+            log.warning("job_rewound", from_step=job_committed, to_step=best, epoch=self.pg.epoch)
 
     async def _check_same_layout(self, world: int) -> None:
         """When the state has ``layout_digest()`` (:class:`rtxnet.parallel.FSDPState`): one

@@ -46,6 +46,12 @@ Message types and their meaning:
   dropped, and members admitted after the epoch of the last commit are turned away (fenced, in a
   new epoch with reason ``finished``); the reply carries the job's ``epoch`` and how many ranks
   were ``turned_away``. Idempotent.
+- ``rewind``: a member of the current epoch says training goes on from ``step`` (-1: from
+  scratch), older than the job's last committed step, because no live rank and no checkpoint
+  holds the steps after it (``FaultTolerance`` after every rank was lost): the job's committed
+  step becomes ``step`` (journaled), so the steps trained again are voted on anew. The reply
+  carries ``rewound`` (false when the epoch is not the current one, or the committed step is not
+  newer than ``step``: another member's request already did it) and the job's ``committed_step``.
 - ``status``: a snapshot of every job for ``rtxnet status``.
 - ``epoch`` (push): a new epoch was formed; carries the members and the ranks lost or added.
 - ``fenced`` (push): this agent belongs to an epoch that is gone; it must rejoin.
@@ -149,6 +155,8 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
     "reform": {"identity": (str, True), "reason": (str, True), "evict": (list, False)},
     # training is over: the job admits no more ranks (coordinator.state._finish)
     "finish": {"identity": (str, True)},
+    # training goes on from ``step``, older than the job's committed step (coordinator.state._rewind)
+    "rewind": {"identity": (str, True), "step": (int, True)},
     "status": {},
     # a launcher (rtxnet-run) takes job id ``job`` for its node for ttl_s seconds, renewed while
     # it runs; ttl_s 0 gives it back; replaces: the pid of a launcher of the same host that is
@@ -178,7 +186,7 @@ CLAIM_STALE_S = 5.0
 
 REQUESTS = frozenset(
     {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
-     "finish", "status", "claim"}
+     "finish", "rewind", "status", "claim"}
 )
 PUSHES = frozenset({"epoch", "fenced"})
 

@@ -1568,6 +1568,52 @@ def test_a_corrupt_shard_of_the_newest_checkpoint_falls_back_to_an_older_one(tmp
     assert "restored_from_checkpoint" in out.stderr and "step=4" in out.stderr
 
 
+RESTART_SHORTER = textwrap.dedent("""
+    import os, sys
+    import torch
+    import rtxnet
+
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=10, rendezvous_s=60))
+    class State:
+        def state_dict(self):
+            return {"w": w.clone()}
+        def load_state_dict(self, d):
+            w.copy_(d["w"])
+
+    w = torch.zeros(2)
+    ft = rtxnet.FaultTolerance(pg, State())
+    first, me = os.environ["RTXNET_RESTART_COUNT"] == "0", int(os.environ["RANK"])
+    last = 12 if first else 4        # the restarted ranks train fewer steps than were committed
+    while ft.step < last:
+        with ft.guard() as step:
+            if step == 8 and first:   # every rank dies: steps 0..7 committed, no checkpoint
+                pg.store.set(f"dying/{me}", b"1")
+                pg.store.wait(["dying/0", "dying/1"], timeout=30)
+                os._exit(9)
+            g = torch.full((2,), float(step))
+            pg.all_reduce(g)
+            w += g
+    ft.finish()
+    print(f"done w={w[0].item():g} step={ft.step}", flush=True)
+""")
+
+
+def test_ranks_that_start_again_from_scratch_commit_their_steps_anew(tmp_path):
+    # a tester's find: every rank of a job died, no checkpoint; the restarted ranks trained from
+    # step 0 (committed_state_lost), but the job kept its old committed step: their commits up to
+    # it were answered "already committed" without a vote, and finish() before it turned every
+    # rank away as having joined after the last commit, failing the run after training. The
+    # ranks now rewind the job's committed step (journaled) to the state they go on from.
+    script = tmp_path / "shorter.py"
+    script.write_text(RESTART_SHORTER)
+    out = run(["--nproc", "2", "--max-restarts", "1", str(script)], timeout=90)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for r in range(2):   # 2 ranks x (0 + 1 + 2 + 3), all from the restart
+        assert f"[rank{r}] done w=12 step=4" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert out.stderr.count("committed_state_lost") == 2, out.stderr[-4000:]
+    assert re.search(r"job_rewound .*from_step=7 .*to_step=-1", out.stderr), out.stderr[-4000:]
+
+
 FREEZES_IN_RENDEZVOUS = textwrap.dedent("""
     import os, pathlib, subprocess, sys, time
     import rtxnet

@@ -700,6 +700,46 @@ def test_finish_drops_a_waiting_joiner_and_keeps_every_rank_that_voted():
     assert "not this connection's" in errors(h.req("a", "finish", identity="b"))[0]["message"]
 
 
+def test_rewind_moves_the_committed_step_back_once_journaled_and_the_steps_are_voted_again():
+    # every rank of a job was lost, nothing holds its state: the ranks go on from scratch and
+    # the job's committed step must follow, or their commits up to it are answered "already
+    # committed" without a vote and finish() turns them all away (a tester's find)
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    _trained(h, step_no=7)
+    h.run(Disconnect("a"))
+    h.run(Disconnect("b"))
+    for who in ("c", "d"):                 # the restarted ranks rejoin the job
+        h.join(who)
+    job = h.state.jobs["j"]
+    e = job.epoch
+    assert set(m.identity for m in job.members.values()) == {"c", "d"} and job.committed_step == 7
+    body = lambda sends: [s.msg["body"] for s in sends if s.msg["t"] == "reply"]   # noqa: E731
+    # a stale epoch, a bad step, a non-member, another's identity: nothing moves
+    assert body(h.req("c", "rewind", epoch=e - 1, identity="c", step=-1)) == [{"rewound": False, "committed_step": 7}]
+    err = errors(h.req("c", "rewind", epoch=e, identity="c", step=-2))
+    assert err and err[0]["error"] == "ConfigError" and "step(-2)" in err[0]["message"]
+    assert "not a member" in errors(h.req("a", "rewind", epoch=e, identity="a", step=-1))[0]["message"]
+    assert "not this connection's" in errors(h.req("c", "rewind", epoch=e, identity="d", step=-1))[0]["message"]
+    assert job.committed_step == 7 and all(r["k"] != "rewind" for r in h.records)
+    # the first member's request acts (journaled); the other's finds it done
+    assert body(h.req("c", "rewind", epoch=e, identity="c", step=-1)) == [{"rewound": True, "committed_step": -1}]
+    assert h.records[-1] == {"k": "rewind", "job": "j", "step": -1, "epoch": e}
+    assert body(h.req("d", "rewind", epoch=e, identity="d", step=-1)) == [{"rewound": False, "committed_step": -1}]
+    # step 0 is voted on again (it was answered "already committed" without a vote before)
+    assert h.req("c", "commit", epoch=e, identity="c", step=0, ok=True, timeout_s=5.0) == []
+    out = h.req("d", "commit", epoch=e, identity="d", step=0, ok=True, timeout_s=5.0)
+    assert [s.msg["body"]["committed"] for s in out] == [True, True] and job.committed_step == 0
+    assert job.committed_epoch == e
+    # finish() after fewer steps than before keeps every rank
+    assert not pushes(h.req("c", "finish", epoch=e, identity="c"), "fenced")
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 5.0)
+    assert snapshot(replayed) == snapshot(h.state)
+
+
 def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lapsed():
     h = Harness()
 
