@@ -102,3 +102,11 @@ def broadcastable(flat: torch.Tensor) -> torch.Tensor:
     bytes as ``uint8`` for a dtype they do not reduce (bool, complex such as rotary embeddings'
     ``freqs_cis``, uint16, float8): a broadcast copies bits, whatever they mean."""
     return flat if flat.dtype in _REDUCIBLE else flat.view(torch.uint8)
+
+
+def graph_task() -> int | None:
+    """The id of the autograd graph task running this hook (-1 outside a backward; None where
+    torch does not say): a backward run inside a backward (activation checkpointing with
+    ``use_reentrant=True``) has its own."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return None if fn is None else fn()

@@ -79,7 +79,7 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, broadcastable, check_same_layout, group_size
+from ._world import StepWorld, broadcastable, check_same_layout, graph_task, group_size
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
@@ -338,7 +338,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._awaiting_grad.discard(k)
         self._grad_reached = max(self._grad_reached, k)
         self._grad_epochs.add(epoch)
-        self._backward_task = _graph_task()
+        self._backward_task = graph_task()
         if self._require_sync and k <= self._synced_through and not self._late_forwards:
             raise ConfigError(
                 "DistributedDataParallel: a second backward through a forward whose gradients the "
@@ -504,7 +504,7 @@ class DistributedDataParallel(torch.nn.Module):
                     "no_sync() and call ddp.sync_gradients() after the last backward")
             return
         if not self._round_open:
-            task = _graph_task()
+            task = graph_task()
             if self._backward_task is not None and task != self._backward_task:
                 # a backward inside the backward (torch.utils.checkpoint with use_reentrant=True):
                 # the synchronisation would end with the inner one, and the gradients the outer
@@ -620,13 +620,6 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape))
                     off += n
-
-
-def _graph_task() -> int | None:
-    """The id of the autograd graph task running this hook (-1 outside a backward; None where
-    torch does not say)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return None if fn is None else fn()
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:

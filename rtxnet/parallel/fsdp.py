@@ -21,7 +21,10 @@ et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB
   fresh buffer ``full_WS`` and sets each original parameter name (``module.l1.weight``) to a view of
   it; a forward hook frees the buffer (its storage is resized to 0) and sets the names back to
   empty placeholders. So the parameters the user sees are views into the gathered buffer while the
-  unit runs, and shape-``[0]`` tensors otherwise.
+  unit runs, and shape-``[0]`` tensors otherwise, which refuse any computation (``ConfigError``
+  naming the parameter and its unit; their shape, dtype and printed form may be read). A unit's
+  forward run inside a backward (activation checkpointing with ``use_reentrant=True`` recomputing
+  it) keeps its buffer until its gradient is reduced: its backward uses the views it saved.
 - **Backward.** Autograd saves views of ``full_WS`` for backward; a saved-tensor hook notes them, and
   unpacking one whose buffer was freed all-gathers it again first (blocking, in backward order).
   ``full_WS`` is an autograd leaf, so the views' gradients meet in ``full_WS.grad``; when autograd has
@@ -101,7 +104,14 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, broadcastable, check_same_layout, group_size, layout_digest
+from ._world import (
+    StepWorld,
+    broadcastable,
+    check_same_layout,
+    graph_task,
+    group_size,
+    layout_digest,
+)
 
 __all__ = ["FullyShardedDataParallel", "FSDPState", "FSDP_STATE_FORMAT"]
 
@@ -149,10 +159,48 @@ class _Slot:
         self.offset = offset
 
 
+# what a placeholder may be asked without being used in a computation: its metadata (property
+# getters arrive as ``__get__``) and its printed form
+_PLACEHOLDER_OK = frozenset({"__get__", "numel", "nelement", "dim", "size", "stride", "element_size",
+                             "is_floating_point", "is_contiguous", "__repr__", "__format__"})
+
+
+class _Placeholder(torch.Tensor):
+    """What a unit's parameter name holds outside that unit's forward (and its backward): an empty
+    tensor that refuses any computation with ``ConfigError`` naming the parameter and its unit.
+    A plain empty tensor there took part silently: a forward that read a child unit's weight
+    outside the child's forward summed it to 0 and left it out of the gradient (a tester's
+    find: the loss 1.37 where one process gives -14.8)."""
+
+    _rtx_fqn = "?"
+    _rtx_unit = "?"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in _PLACEHOLDER_OK:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        held = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _Placeholder)]
+        held += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, _Placeholder)]
+        fqn, unit = (held[0]._rtx_fqn, held[0]._rtx_unit) if held else ("?", "?")
+        raise ConfigError(
+            f"FullyShardedDataParallel: parameter {fqn!r} was used ({getattr(func, '__name__', func)}) "
+            f"outside the forward of its unit {unit!r}: it is gathered only while that unit runs "
+            f"and is an empty placeholder elsewhere. Use it inside that unit's forward, make the "
+            f"module that reads it part of the same unit (wrap=...), or read the whole parameters "
+            f"with full_state_dict()")
+
+
+def _placeholder(dtype: torch.dtype, fqn: str, unit: str) -> torch.Tensor:
+    t = torch.empty(0, dtype=dtype).as_subclass(_Placeholder)
+    t._rtx_fqn, t._rtx_unit = fqn, unit
+    return t
+
+
 class _FlatGroup:
     """A unit's trainable parameters of one dtype: ``T`` elements, this rank's shard ``[S]``."""
 
-    def __init__(self, unit: int, dtype: torch.dtype, slots: list[_Slot]):
+    def __init__(self, unit: int, dtype: torch.dtype, slots: list[_Slot], unit_name: str = ""):
         self.unit = unit
         self.dtype = dtype
         self.slots = slots
@@ -160,7 +208,7 @@ class _FlatGroup:
         self.name = f"flat_u{unit}_{_dtype_name(dtype)}"
         self.shard: torch.nn.Parameter | None = None                   # [S]
         self.current: _Gathered | None = None
-        self.placeholder = torch.empty(0, dtype=dtype)
+        self.placeholders = [_placeholder(dtype, s.fqns[0], unit_name or "<root>") for s in slots]
 
     def shard_numel(self, world: int) -> int:
         return -(-self.numel // world)                                 # S = ceil(T / W)
@@ -178,9 +226,9 @@ class _FlatGroup:
         return full
 
     def assign(self, views: list[torch.Tensor] | None) -> None:
-        """Point every name of every slot at its view (or at the empty placeholder)."""
+        """Point every name of every slot at its view (or at its empty placeholder)."""
         for i, s in enumerate(self.slots):
-            t = self.placeholder if views is None else views[i]
+            t = self.placeholders[i] if views is None else views[i]
             for mod, attr in s.owners:
                 mod.__dict__[attr] = t
 
@@ -355,7 +403,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             off = sum(s.numel for s in lst)
             lst.append(_Slot([f for f, _, _ in where], [(m, a) for _, m, a in where], p.shape, off))
         keys = sorted(by_key, key=lambda k: (k[0], _dtype_name(k[1])))  # same order on every rank
-        return [_FlatGroup(u, dt, by_key[(u, dt)]) for u, dt in keys]
+        return [_FlatGroup(u, dt, by_key[(u, dt)], unit_names[u]) for u, dt in keys]
 
     def shard_numel(self) -> int:
         """Elements of the shards this rank stores (padding included), over all flat parameters."""
@@ -412,9 +460,15 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     def _make_post(self, u: int) -> Callable:
         def post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+            # A forward run inside a backward (activation checkpointing recomputing the unit,
+            # torch.utils.checkpoint with use_reentrant=True) keeps its gathered parameters: the
+            # backward that follows uses the views it saved, outside this module's saved-tensor
+            # hooks, so nothing would gather them again (freed, torch failed with "setStorage ...
+            # out of bounds", a tester's find); its gradient's hook frees them.
+            recompute = torch.is_grad_enabled() and graph_task() not in (-1, None)
             for g in self._unit_groups[u]:
                 g.assign(None)
-                if g.current is not None:
+                if g.current is not None and not recompute:
                     self._free(g.current)
         return post
 

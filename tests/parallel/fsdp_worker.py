@@ -23,6 +23,8 @@ Scenarios (basic):
                 a world of 2 (load_all, load_sharded_state_dicts, reshard_optimizer_state_dict), and
                 trained on: still one process's parameters.
     errors      bad arguments: ConfigError naming the value.
+    checkpointed  activation checkpointing of every unit (use_reentrant True and False) against one
+                process; a block's weight read outside the block's forward: ConfigError naming it.
 Scenario (fault):
     fault       the last rank dies at the start of step 2's backward; the survivors' backward raises
                 PeerLostError, the next forward ConfigError (layout for 3 ranks), they reload the
@@ -160,6 +162,57 @@ def avg_sgd(pg, steps=5, per_rank=4):
             "avg_stored_numel": fsdp.shard_numel(), "avg_total_numel": total,
             "avg_flat_params": len(fsdp._groups),
             "avg_views_outside_forward": [tuple(net.head.weight.shape), tuple(net.blocks[0].lin1.bias.shape)]}
+
+
+class CheckpointedNet(Net):
+    """``Net`` whose blocks run under ``torch.utils.checkpoint`` (``reentrant`` or not), and whose
+    forward may read a block's weight after that block's forward (``peek``)."""
+
+    def __init__(self, reentrant: bool, peek: bool = False):
+        super().__init__()
+        self.reentrant, self.peek = reentrant, peek
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=self.reentrant)
+        out = self.head(h) * self.scale
+        return out + self.blocks[0].lin1.weight.sum() if self.peek else out
+
+
+def checkpointed(pg, steps=2, per_rank=4):
+    """Activation checkpointing of every unit, reentrant or not, matches one process (reentrant:
+    torch failed with "setStorage ... out of bounds", the recomputed unit's gathered parameters
+    freed under its backward); a forward reading a unit's weight outside that unit's forward is
+    refused naming it (it read an empty placeholder: its sum was 0, the loss silently wrong)."""
+    W, r = pg.world_size, pg.rank
+    B = per_rank * W
+    x, y = data(B * steps, seed=11)
+    res = {}
+    for reentrant in (True, False):
+        torch.manual_seed(7)
+        ref = CheckpointedNet(False)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        torch.manual_seed(7)
+        fsdp = FullyShardedDataParallel(CheckpointedNet(reentrant), pg, wrap=[Block])
+        opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+        for s in range(steps):
+            xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+            ref_opt.zero_grad()
+            LOSS(ref(xb), yb).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            LOSS(fsdp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
+            opt.step()
+        res[f"ckpt_reentrant_{reentrant}_rel"] = sd_rel(fsdp.full_state_dict(rank0_only=False), ref.state_dict())
+    fsdp = FullyShardedDataParallel(CheckpointedNet(False, peek=True), pg, wrap=[Block])
+    try:
+        fsdp(x[:per_rank])
+        res["ckpt_peek"] = None
+    except rtxnet.ConfigError as exc:
+        res["ckpt_peek"] = str(exc)
+    return res
 
 
 def sum_adam(pg, steps=4, B=10):
@@ -401,7 +454,8 @@ def main() -> int:
     took = {"init": time.perf_counter() - t_start}
     for name, fn in (("avg_sgd", avg_sgd), ("sum_adam", sum_adam), ("size_adam", size_adam),
                      ("state", lambda pg: state(pg, out)),
-                     ("resharded", lambda pg: resharded(pg, out)), ("errors", errors)):
+                     ("resharded", lambda pg: resharded(pg, out)), ("errors", errors),
+                     ("checkpointed", checkpointed)):
         t0 = time.perf_counter()
         res.update(fn(pg))
         took[name] = round(time.perf_counter() - t0, 3)

@@ -124,6 +124,13 @@ def test_bad_arguments_get_errors_naming_the_value(basic):
         assert r["err_order"].startswith("FSDP: the replicas differ: rank(s) [1] have parameters"), r["err_order"]
 
 
+def test_activation_checkpointing_matches_one_process_and_a_weight_read_outside_its_unit_is_refused(basic):
+    for r in basic:
+        assert r["ckpt_reentrant_True_rel"] < TOL and r["ckpt_reentrant_False_rel"] < TOL, r
+        assert "parameter 'blocks.0.lin1.weight' was used (sum) outside the forward of its unit " \
+               "'blocks.0'" in (r["ckpt_peek"] or ""), r
+
+
 def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
     res = runs["fault"]
     assert len(res) == 2
