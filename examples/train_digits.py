@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             "loss_history": state.history,
         }
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        _plot(out / "loss_curve.png", state.history, events, resumed_from)
+        _plot(out / "loss_curve.png", state.history, events, resumed_from, args.strategy)
         log.info("done", test_accuracy=round(acc, 4), duration_s=round(duration_s, 2), out=str(out),
                  launch_rank=ft.launch_rank)
         for line in ft.report():
@@ -723,7 +723,8 @@ def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: e[k] for k in keep if k in e} for e in raw]
 
 
-def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], resumed_from: int | None) -> None:
+def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], resumed_from: int | None,
+          strategy: str) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -765,7 +766,7 @@ def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], 
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_yscale("log")
-    ax.set_title("digits MLP, rtxnet DDP")
+    ax.set_title(f"digits MLP, rtxnet {strategy.upper()}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                          "free port and prints it in its line '[rtxnet-run] coordinator tcp://...'")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.add_argument("--timeout", type=_seconds, default=5.0,
-                    help="seconds to wait for the answer, finite and > 0 (default 5)")
+                    help="seconds to wait for the answer, in (0, 3600] (default 5)")
     tp = sub.add_parser("topology", help="show this machine's host identity, CPUs and GPUs (NVML)")
     tp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
