@@ -194,7 +194,10 @@ def test_a_step_one_rank_always_fails_is_given_up_after_max_step_retries(tmp_pat
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=procs.env())
     assert proc.returncode == 3, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if "tries=" in x]
-    assert len(lines) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # the other rank prints its line too, unless rtxnet-run stopped it first: the first rank to
+    # give up left it below --min-ranks (a loaded CI run)
+    stopped = re.search(r"rank \d exited with code 143", proc.stderr)
+    assert len(lines) == 2 or (len(lines) == 1 and stopped), proc.stdout[-2000:] + proc.stderr[-3000:]
     gave_up = [x for x in lines if "tries=4 " in x and "RtxError: step 2 failed 4 times without a "
                "membership change" in x]
     # (the other rank may instead see the first one leave as it gives up: then it fails on that)
