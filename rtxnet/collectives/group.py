@@ -39,6 +39,7 @@ import asyncio
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import structlog
@@ -432,7 +433,7 @@ class Group:
         forced = algorithm or self.algorithm
         if forced == "hierarchical" or (forced is None and nbytes > SMALL_MAX_NBYTES
                                         and self._hosts_shared()):
-            return await self._hierarchical_all_reduce(tensor, rop, timeout)
+            return await self._hierarchical_all_reduce(tensor, rop, timeout, (buf.dtype, buf.size, buf.shape))
         algo = self._choose("all_reduce", nbytes, algorithm)
         sig = self._sig("all_reduce", algo, rop, None, buf.dtype, buf.size, buf.shape)
         flat, dtype, n, N = buf.flat, buf.dtype, self.size, buf.size
@@ -576,7 +577,8 @@ class Group:
         out_bufs, slots = _parts("all_gather output", "input", output, n, N, dtype, readonly=False)
         mine = _detached(ib.flat, slots, own=slots[self.rank])
         if self._hierarchical("all_gather", n * N * dtype.itemsize, algorithm):
-            return await self._hierarchical_all_gather(output, out_bufs, slots, mine, timeout)
+            sig = self._sig("all_gather", "hierarchical", None, None, dtype, N, ib.shape)
+            return await self._hierarchical_all_gather(output, out_bufs, slots, mine, timeout, sig)
         algo = self._choose("all_gather", n * N * dtype.itemsize, algorithm)
         sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape)
 
@@ -635,7 +637,8 @@ class Group:
         chunks = [_detached(c, [ob.flat], own=ob.flat if k == self.rank else None)
                   for k, c in enumerate(chunks)]
         if self._hierarchical("reduce_scatter", n * N * dtype.itemsize, algorithm):
-            return await self._hierarchical_reduce_scatter(output, ob, chunks, rop, timeout)
+            sig = self._sig("reduce_scatter", "hierarchical", rop, None, dtype, N, ob.shape)
+            return await self._hierarchical_reduce_scatter(output, ob, chunks, rop, timeout, sig)
         algo = self._choose("reduce_scatter", n * N * dtype.itemsize, algorithm)
         sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape)
 
@@ -955,27 +958,45 @@ class Group:
         by_host = self._by_host()
         return len(by_host) > 1 and max(map(len, by_host.values())) > 1
 
+    def _inner(self, role: str, ranks: list[int]) -> Group | None:
+        """The group of world ``ranks`` (sorted) that this group's hierarchical collectives use
+        for ``role`` (``intra``, ``leaders``, ``rail``), or None where this rank is not in it.
+        Its id derives from this group's, not from :meth:`new_group`'s count of groups per rank
+        set: made lazily on the loop thread, a count shared with the user's ``new_group`` (the
+        blocking facade's calling thread) gave one group two ids on two ranks when the user's
+        call came before it on one and after it on the other, and the user's subgroup traffic was
+        matched with the hierarchical collective's (a breaker's find: 204 where 6 was due)."""
+        rs = sorted(ranks)
+        if self.engine.view.rank not in rs:
+            return None
+        return Group._create(self.engine, f"{self.gid}/{role}:{','.join(map(str, rs))}", rs)
+
     def _host_groups(self) -> tuple[Group, Group | None]:
         """``(this host's ranks, the hosts' first ranks or None here)``, made once per group."""
         if self._host_groups_cache is None:
             by_host = self._by_host()
             mine = by_host[self.engine.view.hosts.get(self.ranks[self.rank])]
-            intra = self.new_group(mine)
-            leaders = self.new_group(sorted(v[0] for v in by_host.values()))
+            intra = self._inner("intra", mine)
+            leaders = self._inner("leaders", [v[0] for v in by_host.values()])
             self._host_groups_cache = (intra, leaders)
         return self._host_groups_cache
 
-    async def _hierarchical_all_reduce(self, tensor, rop: ReduceOp, timeout: float | None):
+    async def _hierarchical_all_reduce(self, tensor, rop: ReduceOp, timeout: float | None,
+                                       meta: tuple) -> Any:
         """all_reduce as reduce to each host's first rank, all_reduce among those, broadcast
         within each host: the bytes crossing hosts are one array per host instead of one per rank.
-        float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says."""
+        float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says. ``meta``: the
+        array's ``(dtype, numel, shape)`` for the signature every rank checks first (see
+        :meth:`_hello_first`)."""
         gpu = is_gpu_array(tensor)
         intra, leaders = self._host_groups()
         sub, pre = _avg_plan(rop, tensor)
         buf = None if gpu else Buffer(tensor)
         k = 0 if buf is None else min(PIPELINE_MAX_CHUNKS, buf.size * buf.dtype.itemsize // PIPELINE_CHUNK_NBYTES)
+        sig = self._sig("all_reduce", "hierarchical", rop, None, *meta)
 
         async def body(op: Op):
+            await self._hello_first(op, sig)
             if pre:
                 _divide_in_place(buf.flat if k >= 2 else tensor, self.size)
             if k >= 2:     # same size on every rank, so the same k
@@ -992,6 +1013,17 @@ class Group:
             return tensor
 
         return await self._collective("all_reduce", timeout, body)
+
+    async def _hello_first(self, op: Op, sig: list) -> None:
+        """A hierarchical collective's first step: the signature exchange of this group's
+        operation, before any operation of its host, leader or rail groups. Without it a rank
+        that refused the call (its abort reached an operation no rank waited on) or passed
+        another size, dtype or op sent the other ranks into those groups' operations: they took
+        the refusing rank's next call's data there (a breaker's find: 22 where the next call was
+        due 60), or those on another host waited out the whole deadline with a timeout naming
+        nobody. Now they fail as the flat algorithms do (``CollectiveRefusedError``,
+        ``CollectiveMismatchError`` on every rank at once), and the inner groups stay in step."""
+        await op.hello(sig)
 
     # -- hierarchical all_gather and reduce_scatter (CPU arrays) --------------------------------
 
@@ -1031,12 +1063,12 @@ class Group:
             p = intra.rank
             orders = [sorted(range(len(world)), key=lambda i, q=q: world[i][q])
                       for q in range(len(world[0]))]
-            rail = self.new_group([v[p] for v in world])
+            rail = self._inner("rail", [v[p] for v in world])
             self._rails_cache = (intra, rail, orders)
         return self._rails_cache
 
     async def _hierarchical_all_gather(self, output, out_bufs: list, slots: list, mine: np.ndarray,
-                                       timeout: float | None):
+                                       timeout: float | None, sig: list):
         """all_gather in two stages when every host holds P ranks (H hosts): all_gather across
         hosts within each rail (the ranks at one position of every host: H parts), then
         all_gather of those H-part blocks within each host (shared memory). Each host puts
@@ -1044,13 +1076,14 @@ class Group:
         (half of the ring's 3 parts on 2 x 2 ranks). Hosts of unequal counts: see
         :meth:`_leader_all_gather`."""
         if len({len(v) for v in self._by_host().values()}) > 1:
-            return await self._leader_all_gather(output, out_bufs, slots, mine, timeout)
+            return await self._leader_all_gather(output, out_bufs, slots, mine, timeout, sig)
         intra, rail, orders = self._rails()
         hosts, P, _ = self._host_layout()
         H, n, N, dtype = len(hosts), self.size, mine.size, mine.dtype
         bounds = _chunk_bounds(N, n * N * dtype.itemsize)
 
         async def body(op: Op):
+            await self._hello_first(op, sig)
             # chunk c of every part: across hosts (by_rail[c], in the rail group's order), then
             # within the host (full[c], by position in the host); chunk c+1 crosses the link
             # while chunk c is exchanged within the host
@@ -1069,7 +1102,7 @@ class Group:
         return await self._collective("all_gather", timeout, body)
 
     async def _hierarchical_reduce_scatter(self, output, ob: Buffer, chunks: list, rop: ReduceOp,
-                                           timeout: float | None):
+                                           timeout: float | None, sig: list):
         """reduce_scatter in two stages when every host holds P ranks (H hosts): reduce_scatter
         within each host (shared memory), position p keeping the host's partial sums of the H
         parts of rail p, then reduce_scatter of those across hosts within each rail. Each host
@@ -1077,7 +1110,7 @@ class Group:
         float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says. Hosts of unequal
         counts: see :meth:`_leader_reduce_scatter`."""
         if len({len(v) for v in self._by_host().values()}) > 1:
-            return await self._leader_reduce_scatter(output, ob, chunks, rop, timeout)
+            return await self._leader_reduce_scatter(output, ob, chunks, rop, timeout, sig)
         intra, rail, orders = self._rails()
         hosts, P, _ = self._host_layout()
         H, n, N, dtype = len(hosts), self.size, ob.size, ob.dtype
@@ -1085,6 +1118,7 @@ class Group:
         bounds = _chunk_bounds(N, n * N * dtype.itemsize)
 
         async def body(op: Op):
+            await self._hello_first(op, sig)
             # chunk c of every part, by rail (each in its group's order): reduced within the
             # host (by_rail[c]: this host's sums of this rail's parts), then across hosts into
             # chunk c of the output, while chunk c+1 is reduced within the host
@@ -1107,7 +1141,7 @@ class Group:
         return await self._collective("reduce_scatter", timeout, body)
 
     async def _leader_all_gather(self, output, out_bufs: list, slots: list, mine: np.ndarray,
-                                 timeout: float | None):
+                                 timeout: float | None, sig: list):
         """all_gather on hosts of unequal rank counts: gather to each host's first rank (a
         block of the host's parts, padded to the largest host's P), all_gather of the H blocks
         among the hosts' first ranks, broadcast of all of them within each host: the bytes
@@ -1117,6 +1151,7 @@ class Group:
         N, dtype = mine.size, mine.dtype
 
         async def body(op: Op):
+            await self._hello_first(op, sig)
             full = np.empty(len(hosts) * P * N, dtype)
             block = full[h * P * N:(h + 1) * P * N]
             if leaders is not None:      # this host's first rank (rank 0 of its host group)
@@ -1134,7 +1169,7 @@ class Group:
         return await self._collective("all_gather", timeout, body)
 
     async def _leader_reduce_scatter(self, output, ob: Buffer, chunks: list, rop: ReduceOp,
-                                     timeout: float | None):
+                                     timeout: float | None, sig: list):
         """reduce_scatter on hosts of unequal rank counts: reduce of the whole input (in host
         order, padded to the largest host's P parts a host) to each host's first rank,
         reduce_scatter of the hosts' blocks among those, scatter within each host: the bytes
@@ -1146,6 +1181,7 @@ class Group:
         sub, pre = _avg_plan(rop, ob.flat)
 
         async def body(op: Op):
+            await self._hello_first(op, sig)
             # this rank's input in host order (zeros where a smaller host has no rank); its
             # host's first rank reduces the host's inputs into it
             x = np.zeros(len(hosts) * P * N, dtype)
@@ -1179,6 +1215,7 @@ class Group:
             ValueError: duplicate ranks, ranks that are not ints, or ranks not in this group.
         """
         self._check_usable()
+        ranks = list(ranks)   # once: a generator would be used up by the first check
         bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
         if bad:
             raise ValueError(f"new_group ranks must be ints, got {bad}")

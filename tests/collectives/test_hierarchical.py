@@ -277,3 +277,83 @@ def test_float16_mean_does_not_overflow_where_the_flat_one_does_not(hosts):
     # overflowed before the division); the flat algorithms accumulate in float32 and gave 40000
     for r, rows in enumerate(run_world(len(hosts), f16_means, hosts=hosts)):
         assert rows == [[40000.0], [40000.0], [40000.0], True], (r, rows)
+
+
+async def refused_and_mismatched(engine, opname):
+    """Rank 1 refuses a hierarchical call (a bad op, an output of the wrong size), then rank 0
+    passes one element more; after each the ranks make a right call. Returns per call: the
+    error class (or the result) and the seconds it took."""
+    import time
+    w = engine.world
+    r, n, N = w.rank, w.size, 30_000     # hierarchical by default (400 KB > 64 KiB), or forced
+    res = []
+
+    async def call(size, bad):
+        t0 = time.monotonic()
+        try:
+            if opname == "all_reduce":
+                x = np.full(size, 10.0 * (r + 1), np.float32)
+                await w.all_reduce(x, op="bogus" if bad else ReduceOp.SUM, timeout=20)
+                got = float(x[0])
+            elif opname == "all_gather":
+                out = np.zeros(n * size - bad, np.float32)
+                await w.all_gather(out, np.full(size, r + 1.0, np.float32), timeout=20,
+                                   algorithm="hierarchical")
+                got = out[::size].tolist()
+            else:
+                out = np.zeros(size, np.float32)
+                await w.reduce_scatter(out, np.full(n * size - bad, r + 1.0, np.float32), timeout=20,
+                                       algorithm="hierarchical")
+                got = float(out[0])
+            res.append((got, time.monotonic() - t0))
+        except Exception as exc:   # noqa: BLE001 (the class is the result)
+            res.append((type(exc).__name__, time.monotonic() - t0))
+
+    await call(N, r == 1)            # refused on rank 1
+    await call(N, False)             # right: the refusing rank's call must not be matched here
+    await call(N + (r == 0), False)  # mismatch
+    await call(N, False)             # still in step
+    return res
+
+
+@pytest.mark.parametrize("opname,hosts", [
+    ("all_reduce", HOSTS), ("all_gather", HOSTS), ("reduce_scatter", HOSTS),
+    ("all_gather", {0: "a", 1: "a", 2: "b", 3: "b"}), ("reduce_scatter", {0: "a", 1: "a", 2: "b", 3: "b"}),
+], ids=["all_reduce", "all_gather-uneven", "reduce_scatter-uneven", "all_gather-rails", "reduce_scatter-rails"])
+def test_a_hierarchical_call_refused_or_mismatched_fails_on_every_rank_at_once_and_stays_in_step(opname, hosts):
+    # a breaker's find: the refusal's abort reached an operation no rank waited on, and the
+    # others took the refusing rank's next call's data in the host groups (22 where 60 was
+    # due); a mismatch failed one host at once and left the other waiting out the deadline
+    n = len(hosts)
+    res = run_world(n, refused_and_mismatched, opname, hosts=hosts)
+    right = {"all_reduce": 10.0 * n * (n + 1) / 2, "all_gather": [float(k + 1) for k in range(n)],
+             "reduce_scatter": n * (n + 1) / 2}[opname]
+    for r, calls in enumerate(res):
+        (first, t1), (second, _), (third, t3), (fourth, _) = calls
+        assert first == ("ValueError" if r == 1 else "CollectiveRefusedError") and t1 < 10, (r, calls)
+        assert second == right and fourth == right, (r, calls)
+        assert third == "CollectiveMismatchError" and t3 < 10, (r, calls)
+
+
+async def user_group_beside_host_groups(engine):
+    """Rank 0 makes its own group of host a's ranks before the first hierarchical all_reduce
+    makes the host groups, rank 1 after: the same group on both (its id counted per rank set
+    was shared with the host groups, and they swapped ids)."""
+    w = engine.world
+    x = np.full(100_000, w.rank + 1.0, np.float32)
+    g = w.new_group([0, 1]) if w.rank == 0 else None
+    await w.all_reduce(x, algorithm="hierarchical")
+    if w.rank == 1:
+        g = w.new_group([0, 1])
+    elif w.rank > 1:
+        w.new_group([0, 1])
+    y = np.full(10, 100.0 * (w.rank + 1), np.float32)
+    if g is not None:
+        await g.all_reduce(y, timeout=10)
+    return float(x[0]), float(y[0]), None if g is None else g.gid
+
+
+def test_the_host_groups_take_no_id_from_the_users_new_group():
+    res = run_world(5, user_group_beside_host_groups, hosts=HOSTS)
+    assert [r[0] for r in res] == [15.0] * 5, res
+    assert [r[1:] for r in res[:2]] == [(300.0, "0,1#0")] * 2, res

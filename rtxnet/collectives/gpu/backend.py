@@ -183,7 +183,7 @@ class GpuGroup:
         algo = self.choose("all_reduce", algorithm)
         g = self.group
         if algo == "hierarchical":
-            return await g._hierarchical_all_reduce(tensor, rop, timeout)
+            return await g._hierarchical_all_reduce(tensor, rop, timeout, (buf.dtype, buf.size, buf.shape))
         sig = g._sig("all_reduce", algo, rop, None, buf.dtype, buf.size, buf.shape)
 
         async def body(op):
