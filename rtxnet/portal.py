@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import math
 import numbers
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -108,6 +109,7 @@ class Portal:
     def __init__(self) -> None:
         self.loop = _new_loop()
         self._stopped = False
+        self._pid = os.getpid()
         ready = threading.Event()
 
         def run() -> None:
@@ -124,7 +126,16 @@ class Portal:
         return self._stopped or self.loop.is_closed()
 
     def check_open(self) -> None:
-        """Raises ``ClosedError`` once :meth:`stop` was called (the process group was closed)."""
+        """Raises ``ClosedError`` once :meth:`stop` was called (the process group was closed), or
+        in a child forked after it started: the child has no loop thread (fork copies only the
+        calling thread), so a call waited for ever (a breaker's find)."""
+        if os.getpid() != self._pid:
+            from transport.errors import ClosedError
+
+            raise ClosedError(f"this process group belongs to process {self._pid}; a child forked "
+                              f"from it (pid {os.getpid()}) cannot use it: call rtxnet.init() in "
+                              f"the child, as another rank, or start children with the 'spawn' "
+                              f"method before init")
         if self.stopped:
             from transport.errors import ClosedError
 

@@ -207,6 +207,31 @@ def test_zmq_context_is_never_shared_with_a_forked_child():
     assert os.read(r, 1) == b"1"
 
 
+def test_a_child_forked_after_init_is_refused_at_its_first_call(coordinator):
+    # a breaker's find: the child has no loop thread (fork copies only the caller's), and its
+    # all_reduce(timeout=2) waited for ever; the parent's group goes on
+    import numpy as np
+
+    with rtxnet.init(coordinator.address, job="forked", world_size=1) as pg:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                pg.all_reduce(np.ones(2), timeout=2)
+                os.write(w, b"no error")
+            except rtxnet.ClosedError as exc:
+                os.write(w, str(exc).encode()[:500])
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        said = os.read(r, 600).decode()
+        assert f"belongs to process {os.getpid()}; a child forked from it (pid {pid})" in said, said
+        x = np.ones(2)
+        pg.all_reduce(x)
+        assert x.tolist() == [1.0, 1.0]
+
+
 def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coordinator):
     # a fresh user's finds: store.set(None, ...) was an AttributeError from the encoder, and
     # broadcast(x, src=True) broadcast from rank 1
