@@ -124,6 +124,7 @@ class Agent:
         self.identity = f"{self.host[:64]}/{os.getpid()}/{uuid.uuid4().hex}"
         self.membership: Membership | None = None
         self.fenced = False
+        self.fence_reason = ""   # why this agent was last fenced (for the errors that follow)
         self.training_finished = False   # this agent told the coordinator so (finish)
         self.last_heartbeat_ok: float | None = None
         # (time.monotonic() when sent, the job's committed step) of the newest heartbeat answered
@@ -394,6 +395,7 @@ class Agent:
         if self.fenced:
             return
         self.fenced = True
+        self.fence_reason = reason
         self._standing += 1
         log.warning("fenced", reason=reason)
         for fn in self._listeners:

@@ -233,8 +233,9 @@ class ProcessGroup:
         if name in _COLLECTIVES:
             engine = self.__dict__.get("_engine")
             if self._agent.fenced:
-                raise PeerLostError(f"{name}: this rank was declared lost (fenced out of epoch "
-                                    f"{self._agent.epoch}); call pg.rejoin() before any other collective "
+                why = getattr(self._agent, "fence_reason", "") or "declared lost"
+                raise PeerLostError(f"{name}: this rank was fenced out of epoch {self._agent.epoch} "
+                                    f"({why}); call pg.rejoin() before any other collective "
                                     f"(FaultTolerance does it by itself)")
             if engine is None or engine.world is None:
                 raise ConfigError(f"{name}: the collective engine is not available in this process")

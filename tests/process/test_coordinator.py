@@ -217,6 +217,7 @@ def test_frozen_rank_is_declared_lost_then_fenced_when_it_wakes(coordinator, pro
     ps[1].expect("fenced", timeout=10)
     r = ps[1].cmd("all_reduce", value=1)    # its collectives say what to do
     assert r["error"] == "PeerLostError" and "call pg.rejoin() before any other collective" in r["message"], r
+    assert "fenced out of epoch 0 (declared lost" in r["message"], r   # why, from the fence
     # It may join again: a new epoch adds it back.
     r = ps[1].cmd("rejoin")
     assert r["ok"] and r["epoch"] == 2
