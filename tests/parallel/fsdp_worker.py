@@ -197,14 +197,7 @@ def checkpointed(pg, steps=2, per_rank=4):
         torch.manual_seed(7)
         fsdp = FullyShardedDataParallel(CheckpointedNet(reentrant), pg, wrap=[Block])
         opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
-        for s in range(steps):
-            xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
-            ref_opt.zero_grad()
-            LOSS(ref(xb), yb).backward()
-            ref_opt.step()
-            opt.zero_grad()
-            LOSS(fsdp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]).backward()
-            opt.step()
+        lockstep(ref, ref_opt, fsdp, opt, x, y, B, r * per_rank, per_rank, steps)
         res[f"ckpt_reentrant_{reentrant}_rel"] = sd_rel(fsdp.full_state_dict(rank0_only=False), ref.state_dict())
     fsdp = FullyShardedDataParallel(CheckpointedNet(False, peek=True), pg, wrap=[Block])
     try:
