@@ -79,7 +79,14 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError, PeerLostError
 
-from ._world import StepWorld, broadcastable, check_same_layout, graph_task, group_size
+from ._world import (
+    StepWorld,
+    broadcastable,
+    check_same_layout,
+    check_still_frozen,
+    graph_task,
+    group_size,
+)
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
 
@@ -222,6 +229,7 @@ class DistributedDataParallel(torch.nn.Module):
                                   f"sparse=False")
         self.device = _module_device(module)
         self._names = {id(p): n for n, p in named}
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         self._buckets = self._build_buckets([p for _, p in named])
         self._where: dict[int, tuple[_Bucket, int]] = {}
         for b in self._buckets:
@@ -290,6 +298,7 @@ class DistributedDataParallel(torch.nn.Module):
     # -- public API ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_still_frozen(self._frozen, "DistributedDataParallel")
         if self._round_open:
             # The previous backward never finished (an error, or no backward at all after hooks
             # fired): start this step clean.

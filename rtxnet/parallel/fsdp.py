@@ -38,10 +38,15 @@ et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB
 
 **Every rank runs the same units in the same order** (as with torch FSDP): the all-gathers of the
 forward and the reduce-scatters of the backward are collectives, so a unit that only some ranks
-call hangs until the group's deadline and raises ``CollectiveTimeout``. A parameter unused in the
-forward (on every rank) gets a zero gradient in its slice of the shard's ``.grad``, not ``None``;
-optimizers without weight decay then leave it unchanged (SGD, Adam), as one process would; a unit
-no rank calls gets no collective and its shard keeps ``grad = None``. A parameter shared by modules
+call fails: with a ``CollectiveMismatchError`` when its flat parameter's size differs from the
+unit the other ranks call, or a ``CollectiveTimeout`` at the group's deadline; but two units of
+the same size called by different ranks at the same point (routed experts) are gathered together
+and computed with shards of both, without an error. A parameter unused in a step's forward (on
+every rank) gets a zero gradient in its slice of the shard's ``.grad``, not ``None``, as in
+torch FSDP's flat parameters: plain SGD leaves it unchanged, but momentum, Adam's moments and
+weight decay keep moving it, where one process (its ``grad`` ``None``) would not; put a module used
+only in some steps in a unit of its own: a unit no rank calls gets no collective and its shard
+keeps ``grad = None``. A parameter shared by modules
 of two different units is refused at construction (put the modules in one unit); sharing within a
 unit works (each name gets the same view).
 
@@ -108,6 +113,7 @@ from ._world import (
     StepWorld,
     broadcastable,
     check_same_layout,
+    check_still_frozen,
     graph_task,
     group_size,
     layout_digest,
@@ -346,6 +352,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             g.assign(None)
             self.register_parameter(g.name, g.shard)
 
+        self._frozen = list(module.named_parameters())   # the trainable ones were taken out
         mods = dict(module.named_modules())
         self._handles = []
         for u, name in enumerate(unit_names):
@@ -420,6 +427,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             PeerLostError, CollectiveTimeout: an all-gather failed; the module resets at the next
                 forward.
         """
+        check_still_frozen(self._frozen, "FullyShardedDataParallel")
         if self._backward_open:
             self.reset()     # the previous backward failed half way
         # Every collective of this forward and its backward goes to one world group, the one

@@ -288,6 +288,18 @@ def reentrant_checkpoint(pg) -> dict:
     ref = Net2(False)
     ref(x).pow(2).sum().backward()
     out["nonreentrant_rel"] = max(rel(p.grad, q.grad) for p, q in zip(m.module.parameters(), ref.parameters(), strict=True))
+    # a layer frozen when the wrapper was built, unfrozen later (staged fine-tuning): its
+    # gradient would stay on each rank (a tester saw the replicas 0.035 apart): refused
+    frozen = Net2(False)
+    frozen.a.requires_grad_(False)
+    m = DistributedDataParallel(frozen, pg)
+    m(x[:4]).sum().backward()
+    frozen.a.requires_grad_(True)
+    try:
+        m(x[:4])
+        out["unfrozen"] = None
+    except rtxnet.ConfigError as exc:
+        out["unfrozen"] = str(exc)
     return out
 
 

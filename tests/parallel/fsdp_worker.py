@@ -205,6 +205,17 @@ def checkpointed(pg, steps=2, per_rank=4):
         res["ckpt_peek"] = None
     except rtxnet.ConfigError as exc:
         res["ckpt_peek"] = str(exc)
+    # a layer frozen when the wrapper was built, unfrozen later: refused, naming it (its
+    # gradient would not be reduced; a tester saw the replicas drift apart)
+    net = make_net(7)
+    net.head.requires_grad_(False)
+    fsdp = FullyShardedDataParallel(net, pg, wrap=[Block])
+    net.head.requires_grad_(True)
+    try:
+        fsdp(x[:per_rank])
+        res["unfrozen"] = None
+    except rtxnet.ConfigError as exc:
+        res["unfrozen"] = str(exc)
     return res
 
 

@@ -96,6 +96,12 @@ def test_reentrant_checkpointing_is_refused_and_the_other_kind_is_exact(basic):
         assert r["reentrant_False"] is None and r["nonreentrant_rel"] < TOL, r
 
 
+def test_a_parameter_unfrozen_after_wrapping_is_refused_naming_it(basic):
+    for r in basic:
+        assert "DistributedDataParallel: parameter(s) 'a.weight', 'a.bias' had requires_grad=False " \
+               "when the wrapper was built" in (r["unfrozen"] or ""), r
+
+
 def test_a_world_change_after_micro_batches_or_between_two_forwards_fails_their_sync(tmp_path):
     res = launch(tmp_path, "stale", "--min-ranks", "2")
     assert sorted(r["rank"] for r in res) == [0, 1]   # ranks 2 and 3 left on purpose

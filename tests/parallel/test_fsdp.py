@@ -129,6 +129,8 @@ def test_activation_checkpointing_matches_one_process_and_a_weight_read_outside_
         assert r["ckpt_reentrant_True_rel"] < TOL and r["ckpt_reentrant_False_rel"] < TOL, r
         assert "parameter 'blocks.0.lin1.weight' was used (sum) outside the forward of its unit " \
                "'blocks.0'" in (r["ckpt_peek"] or ""), r
+        assert "FullyShardedDataParallel: parameter(s) 'head.weight', 'head.bias' had requires_grad=False" \
+               in (r["unfrozen"] or ""), r
 
 
 def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
