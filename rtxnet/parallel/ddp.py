@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -236,6 +237,13 @@ class DistributedDataParallel(torch.nn.Module):
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+        # ReduceOp.SUM over gradients accumulated onto an earlier synchronisation's (see
+        # _contribution): what each p.grad held from it, and the synchronised p.grad (weakly)
+        # with its version, to tell it untouched since
+        self._base: dict[int, tuple[torch.Tensor, Any, int]] = {}   # (part, its p.grad, version)
+        self._synced_ref: dict[int, tuple[Any, int]] = {}
+        if reduce_op is ReduceOp.SUM:
+            self._hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for _, p in named]
 
         self._require_sync = True       # toggled by no_sync()
         self._sync_armed = False        # set by forward: the next backward synchronises
@@ -388,6 +396,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_armed = False
         self._round_broken = None
         self._grad_epochs.clear()
+        self._base.clear()
         log.info("ddp_reset", buckets_replaced=replaced)
 
     def broadcast_parameters(self, src: int = 0) -> None:
@@ -499,6 +508,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         self._grads_synced = False
+        base = self._base.get(id(p))
+        if base is not None:   # autograd added to p.grad: that version still holds the part
+            self._base[id(p)] = (base[0], base[1], p.grad._version)
         if not self._sync_armed:
             if self._late_forwards and self._require_sync:
                 # Two forwards ran before their backwards: the first backward synchronised, this
@@ -530,7 +542,7 @@ class DistributedDataParallel(torch.nn.Module):
         b, i = self._where[id(p)]
         if b.launched:
             return  # defensive: a bucket is reduced at most once per round
-        b.view(i).copy_(p.grad)
+        b.view(i).copy_(self._contribution(p))
         b.flags()[i] = 1
         b.seen[i] = True
         b.ready += 1
@@ -545,7 +557,7 @@ class DistributedDataParallel(torch.nn.Module):
             if b.seen[i]:
                 continue
             if p.grad is not None:
-                b.view(i).copy_(p.grad)
+                b.view(i).copy_(self._contribution(p))
                 flags[i] = 1
                 b.seen[i] = True
             else:
@@ -583,6 +595,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _write_back(self, b: _Bucket) -> None:
         flags = b.flags().tolist()   # one device-to-host read per bucket, not one per parameter
         for i, p in enumerate(b.params):
+            self._base.pop(id(p), None)
             if flags[i] <= 0:
                 continue  # no rank had a gradient for it: leave grad None, as one process would
             v = b.view(i)
@@ -590,6 +603,41 @@ class DistributedDataParallel(torch.nn.Module):
                 p.grad = v.clone()
             else:
                 p.grad.copy_(v)
+            if self.reduce_op is ReduceOp.SUM:
+                self._synced_ref[id(p)] = (weakref.ref(p.grad), p.grad._version)
+
+    def _holds_synced(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` is still what the last synchronisation wrote (same tensor, not
+        modified since: not zeroed, not accumulated into)."""
+        rec = self._synced_ref.get(id(p))
+        return rec is not None and p.grad is not None and rec[0]() is p.grad and p.grad._version == rec[1]
+
+    def _before_accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """A tensor hook (before autograd adds ``grad`` into ``p.grad``): with ``ReduceOp.SUM``,
+        keep what ``p.grad`` holds from the last synchronisation, for :meth:`_contribution`."""
+        if id(p) not in self._base and self._holds_synced(p):
+            self._base[id(p)] = (p.grad.detach().clone(), weakref.ref(p.grad), p.grad._version)
+            del self._synced_ref[id(p)]
+
+    def _contribution(self, p: torch.Tensor) -> torch.Tensor:
+        """What ``p.grad`` puts into its bucket. With ``ReduceOp.SUM``, the part an earlier
+        synchronisation wrote (identical on every rank: gradients accumulated over several
+        synchronised backwards, or no_sync micro-batches after one) enters divided by the world
+        size, so the sum counts it once: reduced whole, it was counted world-size times (a
+        tester's find: 0.79 off one process with 2 ranks; torch DDP's AVG has no such part, and
+        AVG keeps it as it is)."""
+        g = p.grad
+        if self.reduce_op is not ReduceOp.SUM:
+            return g
+        rec = self._base.pop(id(p), None)
+        # the part still in p.grad only if the user did not replace or change p.grad since
+        # autograd last added to it (zero_grad, set_to_none, clipping in place)
+        base = rec[0] if rec is not None and rec[1]() is g and g._version == rec[2] else None
+        if base is None and self._holds_synced(p):
+            base = g
+        if base is None:
+            return g
+        return g - base * (1.0 - 1.0 / (self._last_world_size or 1))
 
     def _begin_step(self) -> None:
         # The world the step's collectives go to: taken where its batch is used (the forward),

@@ -134,6 +134,44 @@ def equivalence_sum_uneven(pg, steps=4, B=10):
     return {"sum_rel": rel(flat_params(net), flat_params(ref)), "sum_local_n": b.local_n}
 
 
+def sum_accumulated(pg, per_rank=3):
+    """ReduceOp.SUM with gradients accumulated over several synchronised backwards (no
+    no_sync): three of them, then one synchronised, one under no_sync, one synchronised, the
+    extra layer used only in the first of each (its gradient then rides on untouched), then a
+    step after zero_grad(set_to_none=False). Each synchronisation used to sum the gradients an
+    earlier one had written again (a tester saw 0.79 off one process with 2 ranks)."""
+    W, r = pg.world_size, pg.rank
+    x, y = data(per_rank * W * 7, seed=13)
+    net, ref = make_net(8), make_net(8)
+    ddp = DistributedDataParallel(net, pg, reduce_op=rtxnet.ReduceOp.SUM, **BUCKETS)
+    worst, k = 0.0, 0
+    for plan in (("sync", "sync", "sync"), ("sync", "no_sync", "sync"), ("zeroed",)):
+        if plan == ("zeroed",):
+            ddp.zero_grad(set_to_none=False)
+            ref.zero_grad(set_to_none=False)
+        else:
+            ddp.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+        for j, how in enumerate(plan):
+            net.use_extra = ref.use_extra = j == 0
+            B = per_rank * W
+            xb, yb = x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]
+            k += 1
+            LOSS(ref(xb), yb).backward()
+            mine = LOSS(ddp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]) / W
+            if how == "no_sync":
+                with ddp.no_sync():
+                    mine.backward()
+            else:
+                mine.backward()
+        g = torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
+        g_ref = torch.cat([p.grad.reshape(-1) for p in ref.parameters() if p.grad is not None])
+        # relative to the largest element: float32 rounding of the sums is a few ulp of it, and
+        # the element-wise ratio of near-zero elements measures only that
+        worst = max(worst, float((g - g_ref).abs().max() / g_ref.abs().max()))
+    return {"sum_accumulated_rel": worst}
+
+
 def no_sync_accumulation(pg, per_rank=4, micro=2):
     W, r = pg.world_size, pg.rank
     B = per_rank * W * micro
@@ -411,6 +449,7 @@ def main() -> int:
     if scenario == "basic":
         res.update(equivalence_avg(pg))
         res.update(equivalence_sum_uneven(pg))
+        res.update(sum_accumulated(pg))
         res.update(no_sync_accumulation(pg))
         res.update(unused_parameters(pg))
         res.update(different_layouts(pg))
