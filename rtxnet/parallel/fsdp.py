@@ -99,6 +99,7 @@ raised, as DDP does.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -180,6 +181,9 @@ class _Placeholder(torch.Tensor):
 
     _rtx_fqn = "?"
     _rtx_unit = "?"
+    _rtx_owner: Any = None   # weakref to the FullyShardedDataParallel, its group and slot index
+    _rtx_group: Any = None
+    _rtx_slot = 0
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -188,6 +192,17 @@ class _Placeholder(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         held = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _Placeholder)]
         held += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, _Placeholder)]
+        owner = held[0]._rtx_owner() if held and held[0]._rtx_owner is not None else None
+        if owner is not None and torch.is_grad_enabled() and graph_task() not in (-1, None):
+            # inside a backward, with grad: activation checkpointing recomputes a module that is
+            # not a unit of its own after its unit's forward ended: gather the unit again
+            def sub(a: Any) -> Any:
+                if isinstance(a, _Placeholder):
+                    return owner._view_for(a)
+                if isinstance(a, (list, tuple)):
+                    return type(a)(sub(t) for t in a)
+                return a
+            return func(*sub(args), **{k: sub(v) for k, v in (kwargs or {}).items()})
         fqn, unit = (held[0]._rtx_fqn, held[0]._rtx_unit) if held else ("?", "?")
         raise ConfigError(
             f"FullyShardedDataParallel: parameter {fqn!r} was used ({getattr(func, '__name__', func)}) "
@@ -353,6 +368,10 @@ class FullyShardedDataParallel(torch.nn.Module):
             self.register_parameter(g.name, g.shard)
 
         self._frozen = list(module.named_parameters())   # the trainable ones were taken out
+        me = weakref.ref(self)
+        for g in self._groups:
+            for i, ph in enumerate(g.placeholders):
+                ph._rtx_owner, ph._rtx_group, ph._rtx_slot = me, g, i
         mods = dict(module.named_modules())
         self._handles = []
         for u, name in enumerate(unit_names):
@@ -451,20 +470,32 @@ class FullyShardedDataParallel(torch.nn.Module):
         def pre(_module: torch.nn.Module, _args: Any) -> None:
             training = torch.is_grad_enabled()
             for g in self._unit_groups[u]:
-                gt = g.current
-                if gt is None or gt.forward_id != self._forward_id or gt.training != training:
-                    gt = _Gathered(g, self.world_size, self._forward_id, training)
-                    g.current = gt
-                self._gather(gt)
-                if gt.views is None:
-                    if training:
-                        gt.full.requires_grad_(True)
-                        gt.hook = gt.full.register_post_accumulate_grad_hook(
-                            lambda full, gt=gt: self._grad_ready(gt, full))
-                    chunks = torch.split(gt.full, g.split_sizes(self.world_size))
-                    gt.views = [c.view(s.shape) for c, s in zip(chunks, g.slots, strict=False)]
-                g.assign(gt.views)
+                g.assign(self._gathered(g, training).views)
         return pre
+
+    def _gathered(self, g: _FlatGroup, training: bool) -> _Gathered:
+        """``g``'s gathered copy for this forward (made, and all-gathered, when needed), with its
+        views (and, in training, its gradient hook)."""
+        gt = g.current
+        if gt is None or gt.forward_id != self._forward_id or gt.training != training:
+            gt = _Gathered(g, self.world_size, self._forward_id, training)
+            g.current = gt
+        self._gather(gt)
+        if gt.views is None:
+            if training:
+                gt.full.requires_grad_(True)
+                gt.hook = gt.full.register_post_accumulate_grad_hook(
+                    lambda full, gt=gt: self._grad_ready(gt, full))
+            chunks = torch.split(gt.full, g.split_sizes(self.world_size))
+            gt.views = [c.view(s.shape) for c, s in zip(chunks, g.slots, strict=False)]
+        return gt
+
+    def _view_for(self, ph: _Placeholder) -> torch.Tensor:
+        """The parameter ``ph`` stands for, gathered again inside the backward: a module that is
+        not a unit recomputed by activation checkpointing reads its parameters after its unit's
+        forward ended (placeholders then; a tester's find: refused as used outside its unit)."""
+        self._open_backward()
+        return self._gathered(ph._rtx_group, True).views[ph._rtx_slot]
 
     def _make_post(self, u: int) -> Callable:
         def post(_module: torch.nn.Module, _args: Any, _out: Any) -> None:

@@ -23,8 +23,8 @@ Scenarios (basic):
                 a world of 2 (load_all, load_sharded_state_dicts, reshard_optimizer_state_dict), and
                 trained on: still one process's parameters.
     errors      bad arguments: ConfigError naming the value.
-    checkpointed  activation checkpointing of every unit (use_reentrant True and False) against one
-                process; a block's weight read outside the block's forward: ConfigError naming it.
+    checkpointed  activation checkpointing of every unit, and of layers of the root unit, with
+                use_reentrant True and False, against one process; a block's weight read outside the block's forward: ConfigError naming it.
 Scenario (fault):
     fault       the last rank dies at the start of step 2's backward; the survivors' backward raises
                 PeerLostError, the next forward ConfigError (layout for 3 ranks), they reload the
@@ -168,12 +168,16 @@ class CheckpointedNet(Net):
     """``Net`` whose blocks run under ``torch.utils.checkpoint`` (``reentrant`` or not), and whose
     forward may read a block's weight after that block's forward (``peek``)."""
 
-    def __init__(self, reentrant: bool, peek: bool = False):
+    def __init__(self, reentrant: bool, peek: bool = False, layers: bool = False):
         super().__init__()
-        self.reentrant, self.peek = reentrant, peek
+        self.reentrant, self.peek, self.layers = reentrant, peek, layers
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
+        if self.layers:   # layers of the root unit, not units themselves
+            x = x.requires_grad_(self.reentrant)   # reentrant: some input must need a gradient
+            h = torch.tanh(checkpoint(self.inp, x, use_reentrant=self.reentrant))
+            return checkpoint(self.head, self.blocks(h), use_reentrant=self.reentrant) * self.scale
         h = torch.tanh(self.inp(x))
         for b in self.blocks:
             h = checkpoint(b, h, use_reentrant=self.reentrant)
@@ -190,15 +194,17 @@ def checkpointed(pg, steps=2, per_rank=4):
     B = per_rank * W
     x, y = data(B * steps, seed=11)
     res = {}
-    for reentrant in (True, False):
-        torch.manual_seed(7)
-        ref = CheckpointedNet(False)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        torch.manual_seed(7)
-        fsdp = FullyShardedDataParallel(CheckpointedNet(reentrant), pg, wrap=[Block])
-        opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
-        lockstep(ref, ref_opt, fsdp, opt, x, y, B, r * per_rank, per_rank, steps)
-        res[f"ckpt_reentrant_{reentrant}_rel"] = sd_rel(fsdp.full_state_dict(rank0_only=False), ref.state_dict())
+    for layers in (False, True):
+        for reentrant in (True, False):
+            torch.manual_seed(7)
+            ref = CheckpointedNet(False)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+            torch.manual_seed(7)
+            fsdp = FullyShardedDataParallel(CheckpointedNet(reentrant, layers=layers), pg, wrap=[Block])
+            opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+            lockstep(ref, ref_opt, fsdp, opt, x.clone(), y, B, r * per_rank, per_rank, steps)
+            res[f"ckpt_{'layers' if layers else 'units'}_reentrant_{reentrant}_rel"] = sd_rel(
+                fsdp.full_state_dict(rank0_only=False), ref.state_dict())
     fsdp = FullyShardedDataParallel(CheckpointedNet(False, peek=True), pg, wrap=[Block])
     try:
         fsdp(x[:per_rank])
