@@ -342,6 +342,13 @@ class PipelineSchedule:
         failure: Exception | None = None
         xs, ts = [], []
         try:
+            if not torch.is_grad_enabled():
+                # forward and backward: under no_grad the last stage's backward failed with
+                # torch's "element 0 of tensors does not require grad" (a tester's find)
+                raise ConfigError(f"{type(self).__name__}.step() trains (each micro-batch's forward "
+                                  f"and backward): it cannot run under torch.no_grad() or "
+                                  f"torch.inference_mode(); evaluate by running each stage's module "
+                                  f"forward yourself, sending activations with pg.send/recv")
             xs = self._split("input", input, M) if st.is_first else [None] * M
             ts = self._split("target", target, M) if st.is_last else [None] * M
         except ConfigError as exc:
@@ -450,7 +457,12 @@ class PipelineSchedule:
                 raise ConfigError(f"stage {st.stage_index} returned {type(y).__name__}; a "
                                   "pipeline stage returns one tensor")
             self._outputs.append(y.detach())
-            loss = self.loss_fn(y, self._ts[m]) / self.n_microbatches
+            loss = self.loss_fn(y, self._ts[m])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                what = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise ConfigError(f"loss_fn returned {what}; it must return one number per "
+                                  f"micro-batch (a scalar tensor: reduction='mean' or 'sum')")
+            loss = loss / self.n_microbatches
             self._losses.append(loss.detach())
             self._held[m] = (x, loss)
         else:

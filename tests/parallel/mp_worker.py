@@ -24,6 +24,7 @@ Parts, in this order:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -403,6 +404,17 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
     res["abort_target"] = {"error": error_of(lambda: Schedule1F1B(st4, 4, LOSS, timeout_s=20).step(
         xt if st4.is_first else None, yb[:10] if st4.is_last else None)),
         "seconds": time.monotonic() - t0}
+
+    # Under torch.no_grad() (an evaluation): refused on every stage, naming it (the last stage
+    # failed with torch's "does not require grad"); a loss_fn with reduction="none": refused
+    # on the last stage naming the shape (torch's "grad can be implicitly created only for
+    # scalar outputs")
+    with torch.no_grad():
+        res["abort_no_grad"] = error_of(lambda: ScheduleGPipe(st4, 4, LOSS, timeout_s=20).step(
+            xt if st4.is_first else None, yb if st4.is_last else None))
+    per_element = functools.partial(torch.nn.functional.mse_loss, reduction="none")
+    res["abort_loss_shape"] = error_of(lambda: ScheduleGPipe(st4, 4, per_element, timeout_s=20).step(
+        xt if st4.is_first else None, torch.zeros(12, P_C) if st4.is_last else None))
 
     # Stage 1's module raises on its second micro-batch (a user bug): every stage fails at once,
     # both directions, then the next step runs and matches one process.

@@ -107,6 +107,17 @@ def test_the_last_stage_refusing_its_target_fails_every_stage_at_once(pp):
     assert all(r["abort_target"]["seconds"] < 10 for r in pp), [r["abort_target"] for r in pp]
 
 
+def test_a_step_under_no_grad_or_with_a_per_element_loss_is_refused_naming_why(pp):
+    for r in pp:
+        assert r["abort_no_grad"].startswith("ConfigError: ScheduleGPipe.step() trains (each "
+                                             "micro-batch's forward and backward): it cannot run "
+                                             "under torch.no_grad()"), r["abort_no_grad"]
+    assert pp[3]["abort_loss_shape"] == ("ConfigError: loss_fn returned (3, 4); it must return one "
+                                         "number per micro-batch (a scalar tensor: reduction='mean' "
+                                         "or 'sum')"), pp[3]["abort_loss_shape"]
+    assert pp[0]["abort_loss_shape"].startswith("ConfigError: a later stage"), pp[0]["abort_loss_shape"]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_stage_whose_module_raises_fails_every_stage_at_once_and_the_next_step_runs(pp, schedule):
     res = [r[f"abort_module/{schedule}"] for r in pp]
