@@ -53,7 +53,7 @@ log = structlog.get_logger(__name__)
 
 # The fields of an operation's signature, in the order they are compared (the first that differs
 # is the one the mismatch error names).
-SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape", "splits")
+SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape", "splits", "label")
 _MAX_FUTURE_MSGS = 100_000
 # how long a closing engine lets the messages it queued leave (see transport.peer.PeerMesh.aclose):
 # only what is queued for peers still in the view waits (links to others are closed at each view)

@@ -310,10 +310,10 @@ class Group:
         return nbytes >= ring_mod.BULK_MIN_NBYTES and self.engine.bulk_ok(self)
 
     def _sig(self, name, algo, rop=None, root=None, dtype=None, numel=None, shape=None,
-             splits=None) -> list:
+             splits=None, label=None) -> list:
         return [name, algo, None if rop is None else rop.value, root,
                 None if dtype is None else dtype_name(dtype), numel,
-                None if shape is None else list(shape), splits]
+                None if shape is None else list(shape), splits, label]
 
     def _check_root(self, name: str, root: int) -> int:
         if isinstance(root, bool) or not (isinstance(root, (int, np.integer)) and 0 <= int(root) < self.size):
@@ -542,7 +542,7 @@ class Group:
 
     @_refusal_told
     async def all_gather(self, output, input, *, timeout: float | None = None,
-                         algorithm: str | None = None):
+                         algorithm: str | None = None, label: str | None = None):
         """Gather every rank's ``input`` into ``output`` on every rank.
 
         Args:
@@ -561,26 +561,31 @@ class Group:
                 (tools/bench/multihost.py --op all_gather: 2 x 2 ranks over a 1 Gbit/s link,
                 16 MiB in 78 ms against the ring's 104; pipelined in chunks of about
                 4 MiB from 8 MiB).
+            label: CPU arrays: a name (at most 256 characters) every rank must pass alike; it
+                travels in the signature, so ranks calling with different labels get
+                ``CollectiveMismatchError`` naming them rather than exchanging unlike data of
+                one shape (FullyShardedDataParallel passes its flat parameter's name).
 
         Returns:
             ``output``.
 
         Raises:
-            ValueError: output of the wrong size or dtype (before anything is sent; the
-            other ranks are told at once); others as :meth:`all_reduce`.
+            ValueError: output of the wrong size or dtype, a bad ``label`` (before anything is
+            sent; the other ranks are told at once); others as :meth:`all_reduce`.
         """
         if is_gpu_array(input):
             return await self._gpu().all_gather(output, input, timeout, algorithm)
+        _check_label(label)
         n = self.size
         ib = Buffer(input, readonly=True)
         N, dtype = ib.size, ib.dtype
         out_bufs, slots = _parts("all_gather output", "input", output, n, N, dtype, readonly=False)
         mine = _detached(ib.flat, slots, own=slots[self.rank])
         if self._hierarchical("all_gather", n * N * dtype.itemsize, algorithm):
-            sig = self._sig("all_gather", "hierarchical", None, None, dtype, N, ib.shape)
+            sig = self._sig("all_gather", "hierarchical", None, None, dtype, N, ib.shape, label=label)
             return await self._hierarchical_all_gather(output, out_bufs, slots, mine, timeout, sig)
         algo = self._choose("all_gather", n * N * dtype.itemsize, algorithm)
-        sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape)
+        sig = self._sig("all_gather", algo, None, None, dtype, N, ib.shape, label=label)
 
         async def body(op: Op):
             if algo == "shm":
@@ -605,7 +610,8 @@ class Group:
 
     @_refusal_told
     async def reduce_scatter(self, output, input, op: ReduceOp = ReduceOp.SUM, *,
-                             timeout: float | None = None, algorithm: str | None = None):
+                             timeout: float | None = None, algorithm: str | None = None,
+                             label: str | None = None):
         """Reduce ``input`` over the group and keep this rank's shard in ``output``.
 
         Args:
@@ -619,6 +625,7 @@ class Group:
                 host's first rank, reduce_scatter of the hosts' blocks among those, scatter
                 within each host. AVG runs as SUM and divides at the end, float16/bfloat16
                 round at each stage).
+            label: as :meth:`all_gather`'s.
 
         Returns:
             ``output``.
@@ -629,6 +636,7 @@ class Group:
         """
         if is_gpu_array(output):
             return await self._gpu().reduce_scatter(output, input, op, timeout, algorithm)
+        _check_label(label)
         n = self.size
         ob = Buffer(output)
         N, dtype = ob.size, ob.dtype
@@ -637,10 +645,10 @@ class Group:
         chunks = [_detached(c, [ob.flat], own=ob.flat if k == self.rank else None)
                   for k, c in enumerate(chunks)]
         if self._hierarchical("reduce_scatter", n * N * dtype.itemsize, algorithm):
-            sig = self._sig("reduce_scatter", "hierarchical", rop, None, dtype, N, ob.shape)
+            sig = self._sig("reduce_scatter", "hierarchical", rop, None, dtype, N, ob.shape, label=label)
             return await self._hierarchical_reduce_scatter(output, ob, chunks, rop, timeout, sig)
         algo = self._choose("reduce_scatter", n * N * dtype.itemsize, algorithm)
-        sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape)
+        sig = self._sig("reduce_scatter", algo, rop, None, dtype, N, ob.shape, label=label)
 
         async def body(op: Op):
             r = self.rank
@@ -1334,6 +1342,13 @@ def _stamp_epoch(exc: BaseException, epoch: int) -> None:
     """Record on a collective's error the epoch it ran in (what ``reform(epoch=)`` takes)."""
     if isinstance(exc, (CollectiveError, CollectiveTimeout)) and exc.epoch is None:
         exc.epoch = epoch
+
+
+def _check_label(label) -> None:
+    """``label=`` of all_gather / reduce_scatter: None or a short str (it travels in the
+    signature every rank checks)."""
+    if label is not None and not (isinstance(label, str) and len(label) <= 256):
+        raise ValueError(f"label must be None or a str of at most 256 characters, got {label!r:.80}")
 
 
 def _check_tag(tag) -> None:

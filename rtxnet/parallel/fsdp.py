@@ -38,10 +38,10 @@ et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB
 
 **Every rank runs the same units in the same order** (as with torch FSDP): the all-gathers of the
 forward and the reduce-scatters of the backward are collectives, so a unit that only some ranks
-call fails: with a ``CollectiveMismatchError`` when its flat parameter's size differs from the
-unit the other ranks call, or a ``CollectiveTimeout`` at the group's deadline; but two units of
-the same size called by different ranks at the same point (routed experts) are gathered together
-and computed with shards of both, without an error. A parameter unused in a step's forward (on
+call fails: with a ``CollectiveMismatchError`` naming this rank's unit when another rank's call
+at that point is another unit's (the flat parameter's name travels in the collective's
+signature: two units of one size, routed experts, were gathered together before), or with a
+``CollectiveTimeout`` at the group's deadline when the others call nothing. A parameter unused in a step's forward (on
 every rank) gets a zero gradient in its slice of the shard's ``.grad``, not ``None``, as in
 torch FSDP's flat parameters: plain SGD leaves it unchanged, but momentum, Adam's moments and
 weight decay keep moving it, where one process (its ``grad`` ``None``) would not; put a module used
@@ -108,7 +108,7 @@ import torch
 
 from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
-from transport.errors import ConfigError, PeerLostError
+from transport.errors import CollectiveMismatchError, ConfigError, PeerLostError
 
 from ._world import (
     StepWorld,
@@ -210,6 +210,22 @@ class _Placeholder(torch.Tensor):
             f"and is an empty placeholder elsewhere. Use it inside that unit's forward, make the "
             f"module that reads it part of the same unit (wrap=...), or read the whole parameters "
             f"with full_state_dict()")
+
+
+def _unlike_units(exc: CollectiveMismatchError, g: _FlatGroup, units: list[str],
+                  phase: str) -> CollectiveMismatchError:
+    """``exc`` (a gather or reduce-scatter of ``g`` that the ranks' calls disagreed on) with what
+    it means for FSDP: the ranks ran different units at this point of the ``phase``. Before,
+    torch-free numbers said it (``ranks disagree on numel: {0: 11, 1: 7}``), or, for units of
+    one size, nothing did: the shards of both were exchanged (a tester's find: routed experts
+    computed with a weight stitched from two)."""
+    unit = units[g.unit] or "<root>"
+    return CollectiveMismatchError(
+        f"FullyShardedDataParallel: at this point of the {phase} this rank ran unit {unit!r} "
+        f"({g.name}), another rank something else ({exc}). Every rank must run every unit's "
+        f"forward and backward in the same order: a loss term only some ranks add (give the "
+        f"others 0 * that_output.sum()), or units chosen by the data (routed experts: run each on "
+        f"every rank), breaks it")
 
 
 def _placeholder(dtype: torch.dtype, fqn: str, unit: str) -> torch.Tensor:
@@ -531,9 +547,12 @@ class FullyShardedDataParallel(torch.nn.Module):
         try:
             if self.world_size > 1:
                 with self._step_world.pinned():
-                    self._pg.all_gather(gt.full.detach(), g.shard.detach(), **self._kw)
+                    self._pg.all_gather(gt.full.detach(), g.shard.detach(), label=g.name, **self._kw)
             else:
                 gt.full.data.copy_(g.shard.data)   # .data: no version bump on saved views
+        except CollectiveMismatchError as exc:
+            gt.poisoned = True
+            raise _unlike_units(exc, g, self.units, "forward") from exc
         except BaseException:
             gt.poisoned = True
             raise
@@ -583,7 +602,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         if self.world_size > 1:
             with self._step_world.pinned():
                 work = self._pg.reduce_scatter(out, grad.detach(), op=self.reduce_op,
-                                               async_op=True, **self._kw)
+                                               async_op=True, label=g.name, **self._kw)
         else:
             out.copy_(grad.detach())
             work = None
@@ -594,7 +613,10 @@ class FullyShardedDataParallel(torch.nn.Module):
         while self._pending:
             work, out, _grad, g = self._pending[0]
             if work is not None:
-                work.wait()
+                try:
+                    work.wait()
+                except CollectiveMismatchError as exc:
+                    raise _unlike_units(exc, g, self.units, "backward") from exc
             self._pending.pop(0)
             if g.shard.grad is None:
                 g.shard.grad = out

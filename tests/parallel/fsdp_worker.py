@@ -211,6 +211,15 @@ def checkpointed(pg, steps=2, per_rank=4):
         res["ckpt_peek"] = None
     except rtxnet.ConfigError as exc:
         res["ckpt_peek"] = str(exc)
+    # routed experts: rank 0 runs blocks.0, the others blocks.1, of the same size: the gathers
+    # paired up and every rank computed with a weight stitched from both (a tester's find);
+    # now the flat parameter's name is in the signature and every rank is told
+    fsdp = FullyShardedDataParallel(make_net(7), pg, wrap=[Block], timeout_s=20)
+    try:
+        fsdp.module.blocks[0 if r == 0 else 1](torch.zeros(2, D_H))
+        res["routed"] = None
+    except rtxnet.CollectiveMismatchError as exc:
+        res["routed"] = str(exc)
     # a layer frozen when the wrapper was built, unfrozen later: refused, naming it (its
     # gradient would not be reduced; a tester saw the replicas drift apart)
     net = make_net(7)

@@ -132,6 +132,9 @@ def test_activation_checkpointing_matches_one_process_and_a_weight_read_outside_
                "'blocks.0'" in (r["ckpt_peek"] or ""), r
         assert "FullyShardedDataParallel: parameter(s) 'head.weight', 'head.bias' had requires_grad=False" \
                in (r["unfrozen"] or ""), r
+        mine = "blocks.0" if r["rank"] == 0 else "blocks.1"
+        assert f"at this point of the forward this rank ran unit '{mine}'" in (r["routed"] or ""), r
+        assert "ranks disagree on label" in r["routed"], r
 
 
 def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
