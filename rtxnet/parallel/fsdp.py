@@ -398,6 +398,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._forward_id = 0
         self._round_epoch: int | None = None
         self._backward_open = False
+        self._reduced_in_backward = False   # a gradient was reduced in the backward under way
         self._live: list[_Gathered] = []          # gathered now (storage allocated)
         self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, _FlatGroup]] = []
         self.last_gathers = 0
@@ -586,10 +587,12 @@ class FullyShardedDataParallel(torch.nn.Module):
     def _open_backward(self) -> None:
         if not self._backward_open:
             self._backward_open = True
+            self._reduced_in_backward = False
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_sync)
 
     def _grad_ready(self, gt: _Gathered, full: torch.Tensor) -> None:
         self._open_backward()
+        self._reduced_in_backward = True
         grad = full.grad
         full.grad = None
         self._free(gt)
@@ -641,8 +644,14 @@ class FullyShardedDataParallel(torch.nn.Module):
         except BaseException as exc:
             log.warning("fsdp_sync_failed", error=type(exc).__name__, detail=str(exc))
             raise
-        for gt in list(self._live):
-            self._free(gt)
+        if self._reduced_in_backward:
+            for gt in list(self._live):
+                self._free(gt)
+        # else a backward that reached no parameter's gradient (torch.autograd.grad of an input,
+        # create_graph=True for a gradient penalty): the graph it made may hold the gathered
+        # views themselves, beyond this module's saved-tensor hooks, for a backward to come
+        # (freed, torch failed there with "setStorage ... out of bounds", a tester's find); they
+        # stay gathered until a later backward reduces them, or the next one ends
         self._backward_open = False
 
     def reset(self) -> None:

@@ -211,6 +211,31 @@ def checkpointed(pg, steps=2, per_rank=4):
         res["ckpt_peek"] = None
     except rtxnet.ConfigError as exc:
         res["ckpt_peek"] = str(exc)
+    # a gradient penalty: torch.autograd.grad(create_graph=True) of the input, then a backward
+    # through it; the first freed the gathered views its graph held (torch's "setStorage ... out
+    # of bounds", a tester's find)
+    torch.manual_seed(7)
+    ref = Net()
+    torch.manual_seed(7)
+    fsdp = FullyShardedDataParallel(Net(), pg, wrap=[Block])
+    opt, ref_opt = torch.optim.SGD(fsdp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def penalised(m, xb, yb):
+        xb = xb.clone().requires_grad_(True)
+        out = m(xb)
+        gx, = torch.autograd.grad(out.sum(), xb, create_graph=True)
+        return LOSS(out, yb) + gx.pow(2).mean()
+
+    for s in range(steps):
+        xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        penalised(fsdp, xb[r * per_rank:(r + 1) * per_rank], yb[r * per_rank:(r + 1) * per_rank]).backward()
+        (sum(penalised(ref, xb[q * per_rank:(q + 1) * per_rank], yb[q * per_rank:(q + 1) * per_rank])
+             for q in range(W)) / W).backward()
+        opt.step()
+        ref_opt.step()
+    res["penalty_rel"] = sd_rel(fsdp.full_state_dict(rank0_only=False), ref.state_dict())
     # routed experts: rank 0 runs blocks.0, the others blocks.1, of the same size: the gathers
     # paired up and every rank computed with a weight stitched from both (a tester's find);
     # now the flat parameter's name is in the signature and every rank is told

@@ -132,6 +132,7 @@ def test_activation_checkpointing_matches_one_process_and_a_weight_read_outside_
                "'blocks.0'" in (r["ckpt_peek"] or ""), r
         assert "FullyShardedDataParallel: parameter(s) 'head.weight', 'head.bias' had requires_grad=False" \
                in (r["unfrozen"] or ""), r
+        assert r["penalty_rel"] < TOL, r   # a gradient penalty (double backward)
         mine = "blocks.0" if r["rank"] == 0 else "blocks.1"
         assert f"at this point of the forward this rank ran unit '{mine}'" in (r["routed"] or ""), r
         assert "ranks disagree on label" in r["routed"], r
