@@ -1372,6 +1372,35 @@ def _bind_host_error(host: str, name: str = "--bind-host") -> str | None:
     return None
 
 
+def _other_nodes_reach_us(args: argparse.Namespace) -> list[str]:
+    """With ``--nnodes`` > 1: why the other nodes could not reach this node's ranks, or []. A
+    loopback ``--bind-host`` with a coordinator on another address (the other nodes' collectives
+    timed out naming this node's ranks, and with --min-ranks below the world the job evicted and
+    readmitted them for ever, a tester's find); no route to the coordinator, where the ranks'
+    address comes from without --bind-host (a Python traceback before: a name that does not
+    resolve yet, a host without a route)."""
+    import ipaddress
+
+    host = args.coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        coordinator_local = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        coordinator_local = host == "localhost"
+    if args.bind_host is not None:
+        if ipaddress.ip_address(args.bind_host).is_loopback and not coordinator_local:
+            return [f"--bind-host {args.bind_host} is a loopback address: with --nnodes {args.nnodes} "
+                    f"the other nodes cannot reach this node's ranks there; give this host's address "
+                    f"on the network the nodes share"]
+        return []
+    try:
+        _route_address(args.coordinator)
+    except OSError as exc:
+        return [f"--coordinator {args.coordinator}: no route from this host to {host!r} "
+                f"({exc.strerror or exc}); the ranks listen on this host's address on that route "
+                f"(or give --bind-host)"]
+    return []
+
+
 def _route_address(coordinator: str) -> str:
     """This host's address on the route to ``coordinator`` (``tcp://HOST:PORT``): what the other
     nodes can reach this one at."""
@@ -1650,6 +1679,8 @@ def _main(argv: list[str] | None) -> int:
         bad = _bind_host_error(args.bind_host)
         if bad:
             errors.append(bad)
+    if args.nnodes > 1 and args.coordinator is not None and not errors:
+        errors.extend(_other_nodes_reach_us(args))
     if args.min_ranks is not None and not (1 <= args.min_ranks <= total):
         what = f"nproc({args.nproc})" if args.nnodes == 1 else f"nnodes*nproc({total})"
         errors.append(f"--min-ranks must be in 1..{what}, got {args.min_ranks}")

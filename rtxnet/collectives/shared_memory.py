@@ -124,8 +124,15 @@ class ShmState:
             try:
                 m = PeerSegment(offer[0], offer[1])
             except (OSError, ValueError) as exc:
+                hint = ""
+                if isinstance(exc, FileNotFoundError):
+                    # a tester's find: two hosts given one RTXNET_HOST (or one hostname) without
+                    # a shared /dev/shm failed every collective of 64 KiB and more with this
+                    hint = (" (ranks that report one host must share /dev/shm: if this rank "
+                            "runs on another machine or container, give each host its own "
+                            "RTXNET_HOST; else the peer removed it, leaving the group)")
                 raise CollectiveError(f"cannot map shm segment {offer[0]} of rank "
-                                      f"{op.group.ranks[g]}: {exc}") from exc
+                                      f"{op.group.ranks[g]}: {exc}{hint}") from exc
             self.peer_maps[g] = m
         return m
 

@@ -576,6 +576,12 @@ def test_more_arguments_are_checked(tmp_path):
         (["--nnodes", "0"], "--nnodes must be in 1..1024, got 0"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in 0..1 (--nnodes 2), got 2"),
         (["--nnodes", "2", "--min-ranks", "5"], "--min-ranks must be in 1..nnodes*nproc(4), got 5"),
+        # a tester's finds: a Python traceback; accepted, then the other nodes timed out
+        (["--nnodes", "2", "--job", "j", "--coordinator", "tcp://nosuchhost.invalid:29600"],
+         "--coordinator tcp://nosuchhost.invalid:29600: no route from this host to 'nosuchhost.invalid' ("),
+        (["--nnodes", "2", "--job", "j", "--coordinator", "tcp://192.0.2.1:29600", "--bind-host", "127.0.0.1"],
+         "--bind-host 127.0.0.1 is a loopback address: with --nnodes 2 the other nodes cannot reach "
+         "this node's ranks there"),
         (["--bind-host", "0.0.0.0"], "--bind-host 0.0.0.0 is not an address other nodes can reach"),
         (["--bind-host", "192.0.2.7"], "--bind-host 192.0.2.7: the ranks could not listen there"),
         (["--bind-host", "eth0"], "--bind-host must be an IP address of this host, got 'eth0'"),
