@@ -122,8 +122,10 @@ class FaultTolerance:
             hung data loader, a rank far slower than the others) is evicted, declared lost as a
             frozen rank is, when the world without it still has ``min_world_size`` ranks and the
             job's ``min_ranks`` (else the step is retried as before, up to
-            ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins. ``None``:
-            never. Default 2: the first timeout may be ranks out of step, which a re-formed
+            ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins. A rank
+            evicts at most ``max_step_retries`` times in one step, then raises ``RtxError``
+            (ranks that come back late each time: hosts that reach the coordinator but not each
+            other). ``None``: never. Default 2: the first timeout may be ranks out of step, which a re-formed
             epoch mends.
         sharded_state: the state differs per rank (FSDP shards, tensor-parallel slices), so no
             single rank can hand it to the others. Each rank then also keeps its ring
@@ -240,6 +242,7 @@ class FaultTolerance:
         # the first sync
         self._ring: dict[str, Any] | None = None
         self._same_step_failures: dict[int, int] = {}
+        self._evictions: dict[int, int] = {}   # step -> evictions this rank asked for in it
         self._snapshot = pack_state(state.state_dict())
         # (snapshot, its array) after a step's commit: the next commit's snapshot may be packed
         # into that array (pack_state(into=)) while self._snapshot is still that snapshot and it
@@ -620,6 +623,7 @@ class FaultTolerance:
                          "time_to_recover_s": None if injected is None else round(t0 + waited - injected, 4)})
         if committed:
             self._same_step_failures.pop(step, None)
+            self._evictions.pop(step, None)
             self.committed_world = (m.epoch, m.rank, m.world_size)
             self.committed_step = step
             self.step = step + 1
@@ -727,6 +731,8 @@ class FaultTolerance:
             self.pg.agent.check_coordinator(f"step {step} failed ({type(exc).__name__})")
             evict = self._late_to_evict(exc, step)
             self._count_failure(exc, step, give_up=not evict)
+            if evict:
+                self._count_eviction(exc, step, evict)
             await self._ask_reform(exc, step, self._synced_epoch, evict)
         elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
             # The sync of a new epoch timed out waiting for members that do not come (a rank
@@ -759,6 +765,22 @@ class FaultTolerance:
                 f"step {step} failed {n} times without a membership change "
                 f"(max_step_retries={self.max_step_retries}); last error: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _count_eviction(self, exc: BaseException, step: int, evict: list[int]) -> None:
+        """Count an eviction this rank asks for in ``step``; past ``max_step_retries`` raise
+        ``RtxError``: the ranks evicted come back (a fenced rank rejoins) and are late again, so
+        the step never commits. Hosts that reach the coordinator but not each other (a firewall
+        on the data ports, a bind address the others cannot reach) evicted and readmitted each
+        other's ranks for ever, each side in turn (a tester's find: 5.5 minutes, 14 epochs, not
+        a step committed)."""
+        self._evictions[step] = n = self._evictions.get(step, 0) + 1
+        if n > self.max_step_retries:
+            raise RtxError(
+                f"step {step}: ranks were evicted {n - 1} times for not taking part in time and "
+                f"came back each time (now launch ranks {self._launch_ranks(self._synced_epoch, evict)} "
+                f"again; max_step_retries={self.max_step_retries}): if they run on other hosts, "
+                f"those may reach the coordinator but not this one's ranks (a firewall on the data "
+                f"ports, --bind-host); last error: {type(exc).__name__}: {exc}") from exc
 
     async def _ask_reform(self, exc: BaseException, step: int, epoch: int, evict: list[int]) -> None:
         """Ask the coordinator for a fresh epoch in place of ``epoch`` after ``exc`` failed

@@ -204,6 +204,53 @@ def test_a_step_one_rank_always_fails_is_given_up_after_max_step_retries(tmp_pat
     assert gave_up and all(re.search(r"tries=[45] ", x) for x in lines), lines
 
 
+ALWAYS_LATE = """
+import os, sys, time
+import numpy as np
+import rtxnet
+class State:
+    v = 0
+    def state_dict(self): return {"v": self.v}
+    def load_state_dict(self, d): self.v = d["v"]
+pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, op_s=1.0))
+state, t0 = State(), time.monotonic()
+ft = rtxnet.FaultTolerance(pg, state)
+late = os.environ["RANK"] == "1"      # rank 1 comes back after each eviction, late again
+try:
+    while ft.step < 4:
+        with ft.guard() as step:
+            if step == 2:
+                # a step longer than the join window: rank 1, evicted, is readmitted during the
+                # others' next try; it sleeps past their 1 s deadline (its heartbeats go on)
+                time.sleep(3.6 if late else 2.2)
+            pg.all_reduce(np.ones(4))
+            state.v += 1
+except rtxnet.RtxError as exc:
+    print(f"seconds={time.monotonic() - t0:.1f} {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(3)
+ft.finish()
+"""
+
+
+def test_a_rank_evicted_and_back_late_again_ends_the_step_after_max_step_retries(tmp_path):
+    # a multi-host tester's find: hosts that reach the coordinator but not each other evicted
+    # and readmitted each other's ranks for ever (5.5 minutes, 14 epochs, no step committed);
+    # the same loop, on one host: a rank late in every try of a step, rejoining each eviction
+    script = tmp_path / "always_late.py"
+    script.write_text(ALWAYS_LATE)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2",
+                           str(script)], capture_output=True, text=True, timeout=150, cwd=ROOT, env=procs.env())
+    # given up by the evictions' count, or by the tries' that an eviction did not follow (the
+    # rank back under another number: its lateness counted afresh)
+    gave_up = [x for x in proc.stdout.splitlines() if x.startswith(("[rank0] ", "[rank2] ")) and (
+        "were evicted 3 times for not taking part in time and came back each time" in x
+        or "step 2 failed 5 times without a membership change" in x)]
+    assert gave_up, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+
+
 def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):
     results, proc = run_job(tmp_path, "kill-coordinator:step=15", steps=60)
     assert len(results) == 4 and "coordinator restarted" in proc.stderr

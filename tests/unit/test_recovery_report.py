@@ -138,3 +138,23 @@ def test_committed_state_nobody_holds_is_reported_as_steps_lost():
     assert lines == ["the job had committed step 9, but no live rank held it and no checkpoint stood in "
                      "(save checkpoints with rtxnet.checkpoint.save): training went on with 2 ranks at "
                      "step 0; steps lost: 10"], lines
+
+
+def test_evictions_in_one_step_are_bounded_by_max_step_retries():
+    # a multi-host tester's find: hosts that reach the coordinator but not each other evicted and
+    # readmitted each other's ranks for ever, each side in turn, the step never committed; each
+    # eviction was a membership change, so no failure counted toward max_step_retries
+    from rtxnet import CollectiveTimeout, RtxError
+
+    ft = _ft()
+    ft.max_step_retries, ft._evictions = 3, {}
+    ft._launch_of = {2: {1: 3}}
+    exc = CollectiveTimeout("all_reduce timed out after 60 s waiting for ranks [1]", ranks=[1])
+    for _ in range(3):
+        ft._count_eviction(exc, 6, [1])
+    with pytest.raises(RtxError, match=r"step 6: ranks were evicted 3 times for not taking part in time "
+                                       r"and came back each time \(now launch ranks \[3\] again; "
+                                       r"max_step_retries=3\): if they run on other hosts"):
+        ft._count_eviction(exc, 6, [1])
+    ft._count_eviction(exc, 7, [1])   # counted per step: another step starts afresh
+    assert ft._evictions == {6: 4, 7: 1}
