@@ -648,7 +648,9 @@ class FaultTolerance:
         elif self._skip_told:
             await self._recover(CollectiveMismatchError(self._skip_told), step)
         else:
-            await self._recover(PeerLostError(f"step {step} was not committed (epoch {epoch} -> {self.pg.epoch})"), step)
+            why = (f"epoch {epoch} -> {self.pg.epoch}" if self.pg.epoch != epoch else
+                   f"in epoch {epoch}: another rank voted that it failed, or the vote got no answer")
+            await self._recover(PeerLostError(f"step {step} was not committed ({why})"), step)
 
     async def _vote(self, step: int, epoch: int) -> bool:
         """Vote that ``step`` succeeded here; whether it committed. While the vote is pending,
