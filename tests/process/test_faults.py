@@ -245,7 +245,7 @@ def test_a_rank_evicted_and_back_late_again_ends_the_step_after_max_step_retries
     # rank back under another number: its lateness counted afresh)
     gave_up = [x for x in proc.stdout.splitlines() if x.startswith(("[rank0] ", "[rank2] ")) and (
         "were evicted 3 times for not taking part in time and came back each time" in x
-        or "step 2 failed 5 times without a membership change" in x)]
+        or re.search(r"step 2 failed \d+ times without a membership change \(max_step_retries=3\)", x))]
     assert gave_up, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 120
