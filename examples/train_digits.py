@@ -521,19 +521,29 @@ def main(argv: list[str] | None = None) -> int:
     samples = 0
     loss_value = float("nan")
     try:
-        while ft.step < args.steps:
-            if _interrupted:
-                raise KeyboardInterrupt
-            with ft.guard() as step:
-                if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
-                    save_checkpoint(step)
-                loss_value, global_n = train_step(step)
-            if ft.step == step + 1:                   # committed
-                samples += global_n
-                rank0.progress(ft.step, loss=f"{loss_value:.4f}",
-                               samples_s=f"{samples / (time.perf_counter() - t0):.0f}", world=pg.world_size)
-                if step % 50 == 0 and rank0.is_me():
-                    log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
+        try:
+            while ft.step < args.steps:
+                if _interrupted:
+                    raise KeyboardInterrupt
+                with ft.guard() as step:
+                    if step >= args.steps:
+                        # the guard's sync restored a checkpoint at or past --steps (a relaunch
+                        # of a crashed job asking for fewer steps): nothing is left to train, and
+                        # its step must not run (a tester saw step 400 trained under --steps 200)
+                        raise _PastTheEnd(step)
+                    if step > 0 and step % args.checkpoint_every == 0 and step != resumed_from:
+                        save_checkpoint(step)
+                    loss_value, global_n = train_step(step)
+                if ft.step == step + 1:                   # committed
+                    samples += global_n
+                    rank0.progress(ft.step, loss=f"{loss_value:.4f}",
+                                   samples_s=f"{samples / (time.perf_counter() - t0):.0f}", world=pg.world_size)
+                    if step % 50 == 0 and rank0.is_me():
+                        log.info("train_step", step=step, loss=round(loss_value, 5), world_size=pg.world_size)
+        except _PastTheEnd as end:
+            rank0.close()
+            log.warning("nothing_to_train", step=end.args[0], steps=args.steps,
+                        hint="the checkpoint restored holds --steps steps or more")
         # Training is over: the job admits no rank from now on, so the final checkpoint and
         # evaluation (collectives; with FSDP the forward gathers shards) run in a world that no
         # replacement arriving now can grow.
@@ -721,6 +731,10 @@ def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "lost_launch", "added", "added_launch", "epoch", "world_size", "time_to_recover_s",
             "detection_latency_s")
     return [{k: e[k] for k in keep if k in e} for e in raw]
+
+
+class _PastTheEnd(Exception):
+    """The step FaultTolerance's sync restored is at or past ``--steps``: nothing to train."""
 
 
 def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], resumed_from: int | None,

@@ -414,3 +414,21 @@ def test_rendezvous_error_after_the_rejoin_window_is_one_line(tmp_path, coordina
     assert "Traceback" not in err, err[-3000:]
     assert ranks[0].returncode == 1, err[-3000:]
 
+
+
+def test_a_relaunch_asking_fewer_steps_than_the_restored_checkpoint_trains_none(tmp_path, coordinator):
+    # a fresh user's find: every rank of a job killed past its checkpoint of step 20, the job
+    # relaunched with --steps 15: the restored step 20 was trained anyway (and a checkpoint past
+    # the end saved); now nothing is trained and the run ends at once
+    out = tmp_path / "out"
+    first = train(out, "--coordinator", coordinator.address, "--job", "fewer", "--faults",
+                  "kill:rank=0:step=30; kill:rank=1:step=30", nproc=2,
+                  script_args=("--steps", "45", "--checkpoint-every", "20"))
+    assert first["rc"] != 0 and "step=30" in first["stderr"], first["stderr"][-3000:]
+    again = train(out, "--coordinator", coordinator.address, "--job", "fewer", nproc=2,
+                  script_args=("--steps", "15", "--checkpoint-every", "20"))
+    assert again["rc"] == 0, again["stderr"][-4000:]
+    assert again["stderr"].count("restored_from_checkpoint") == 2, again["stderr"][-3000:]
+    assert re.search(r"nothing_to_train .*step=20 steps=15", again["stderr"]), again["stderr"][-3000:]
+    assert "train_step" not in again["stderr"], again["stderr"][-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-20"]
