@@ -1381,7 +1381,7 @@ def _other_nodes_reach_us(args: argparse.Namespace) -> list[str]:
     resolve yet, a host without a route)."""
     import ipaddress
 
-    host = args.coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    host = _coordinator_host(args.coordinator)
     try:
         coordinator_local = ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -1406,7 +1406,12 @@ def _route_address(coordinator: str) -> str:
     nodes can reach this one at."""
     from transport.channel import route_address
 
-    return route_address(coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]"))
+    return route_address(_coordinator_host(coordinator))
+
+
+def _coordinator_host(coordinator: str) -> str:
+    """The host of ``coordinator`` (``tcp://HOST:PORT``, brackets of an IPv6 one taken off)."""
+    return coordinator.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
 def _n(world: int) -> str:

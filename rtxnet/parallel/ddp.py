@@ -240,8 +240,8 @@ class DistributedDataParallel(torch.nn.Module):
         # ReduceOp.SUM over gradients accumulated onto an earlier synchronisation's (see
         # _contribution): what each p.grad held from it, and the synchronised p.grad (weakly)
         # with its version, to tell it untouched since
-        self._base: dict[int, tuple[torch.Tensor, Any, int]] = {}   # (part, its p.grad, version)
-        self._synced_ref: dict[int, tuple[Any, int]] = {}
+        self._base: dict[int, tuple[torch.Tensor, tuple]] = {}   # (part, _mark of its p.grad)
+        self._synced_ref: dict[int, tuple] = {}                  # _mark of the synced p.grad
         if reduce_op is ReduceOp.SUM:
             self._hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for _, p in named]
 
@@ -510,7 +510,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._grads_synced = False
         base = self._base.get(id(p))
         if base is not None:   # autograd added to p.grad: that version still holds the part
-            self._base[id(p)] = (base[0], base[1], p.grad._version)
+            # (the tensor the part was taken from is kept: a p.grad replaced since holds none)
+            self._base[id(p)] = (base[0], (base[1][0], p.grad._version))
         if not self._sync_armed:
             if self._late_forwards and self._require_sync:
                 # Two forwards ran before their backwards: the first backward synchronised, this
@@ -604,19 +605,18 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 p.grad.copy_(v)
             if self.reduce_op is ReduceOp.SUM:
-                self._synced_ref[id(p)] = (weakref.ref(p.grad), p.grad._version)
+                self._synced_ref[id(p)] = _mark(p.grad)
 
     def _holds_synced(self, p: torch.Tensor) -> bool:
         """Whether ``p.grad`` is still what the last synchronisation wrote (same tensor, not
         modified since: not zeroed, not accumulated into)."""
-        rec = self._synced_ref.get(id(p))
-        return rec is not None and p.grad is not None and rec[0]() is p.grad and p.grad._version == rec[1]
+        return _unchanged(self._synced_ref.get(id(p)), p.grad)
 
     def _before_accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """A tensor hook (before autograd adds ``grad`` into ``p.grad``): with ``ReduceOp.SUM``,
         keep what ``p.grad`` holds from the last synchronisation, for :meth:`_contribution`."""
         if id(p) not in self._base and self._holds_synced(p):
-            self._base[id(p)] = (p.grad.detach().clone(), weakref.ref(p.grad), p.grad._version)
+            self._base[id(p)] = (p.grad.detach().clone(), _mark(p.grad))
             del self._synced_ref[id(p)]
 
     def _contribution(self, p: torch.Tensor) -> torch.Tensor:
@@ -632,7 +632,7 @@ class DistributedDataParallel(torch.nn.Module):
         rec = self._base.pop(id(p), None)
         # the part still in p.grad only if the user did not replace or change p.grad since
         # autograd last added to it (zero_grad, set_to_none, clipping in place)
-        base = rec[0] if rec is not None and rec[1]() is g and g._version == rec[2] else None
+        base = rec[0] if rec is not None and _unchanged(rec[1], g) else None
         if base is None and self._holds_synced(p):
             base = g
         if base is None:
@@ -677,6 +677,16 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape))
                     off += n
+
+
+def _mark(t: torch.Tensor) -> tuple:
+    """``t`` as it is now: a weak reference to it and its version counter (see :func:`_unchanged`)."""
+    return weakref.ref(t), t._version
+
+
+def _unchanged(mark: tuple | None, t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is the tensor ``mark`` was taken of, not modified in place since."""
+    return mark is not None and t is not None and mark[0]() is t and t._version == mark[1]
 
 
 def _tensors_in(out: Any) -> list[torch.Tensor]:

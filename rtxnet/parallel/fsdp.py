@@ -181,8 +181,7 @@ class _Placeholder(torch.Tensor):
 
     _rtx_fqn = "?"
     _rtx_unit = "?"
-    _rtx_owner: Any = None   # weakref to the FullyShardedDataParallel, its group and slot index
-    _rtx_group: Any = None
+    _rtx_group: Any = None   # its _FlatGroup, and its slot index there
     _rtx_slot = 0
 
     @classmethod
@@ -192,8 +191,8 @@ class _Placeholder(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         held = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _Placeholder)]
         held += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, _Placeholder)]
-        owner = held[0]._rtx_owner() if held and held[0]._rtx_owner is not None else None
-        if owner is not None and torch.is_grad_enabled() and graph_task() not in (-1, None):
+        owner = held[0]._rtx_group.owner() if held and held[0]._rtx_group.owner is not None else None
+        if owner is not None and _recomputing():
             # inside a backward, with grad: activation checkpointing recomputes a module that is
             # not a unit of its own after its unit's forward ended: gather the unit again
             def sub(a: Any) -> Any:
@@ -228,9 +227,15 @@ def _unlike_units(exc: CollectiveMismatchError, g: _FlatGroup, units: list[str],
         f"every rank), breaks it")
 
 
-def _placeholder(dtype: torch.dtype, fqn: str, unit: str) -> torch.Tensor:
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward with grad: activation checkpointing recomputing
+    a unit or a layer of one."""
+    return torch.is_grad_enabled() and graph_task() not in (-1, None)
+
+
+def _placeholder(dtype: torch.dtype, fqn: str, unit: str, group: _FlatGroup, slot: int) -> torch.Tensor:
     t = torch.empty(0, dtype=dtype).as_subclass(_Placeholder)
-    t._rtx_fqn, t._rtx_unit = fqn, unit
+    t._rtx_fqn, t._rtx_unit, t._rtx_group, t._rtx_slot = fqn, unit, group, slot
     return t
 
 
@@ -245,7 +250,9 @@ class _FlatGroup:
         self.name = f"flat_u{unit}_{_dtype_name(dtype)}"
         self.shard: torch.nn.Parameter | None = None                   # [S]
         self.current: _Gathered | None = None
-        self.placeholders = [_placeholder(dtype, s.fqns[0], unit_name or "<root>") for s in slots]
+        self.owner: Any = None   # weakref to the FullyShardedDataParallel (for _Placeholder)
+        self.placeholders = [_placeholder(dtype, s.fqns[0], unit_name or "<root>", self, i)
+                             for i, s in enumerate(slots)]
 
     def shard_numel(self, world: int) -> int:
         return -(-self.numel // world)                                 # S = ceil(T / W)
@@ -384,10 +391,8 @@ class FullyShardedDataParallel(torch.nn.Module):
             self.register_parameter(g.name, g.shard)
 
         self._frozen = list(module.named_parameters())   # the trainable ones were taken out
-        me = weakref.ref(self)
         for g in self._groups:
-            for i, ph in enumerate(g.placeholders):
-                ph._rtx_owner, ph._rtx_group, ph._rtx_slot = me, g, i
+            g.owner = weakref.ref(self)
         mods = dict(module.named_modules())
         self._handles = []
         for u, name in enumerate(unit_names):
@@ -521,7 +526,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             # backward that follows uses the views it saved, outside this module's saved-tensor
             # hooks, so nothing would gather them again (freed, torch failed with "setStorage ...
             # out of bounds", a tester's find); its gradient's hook frees them.
-            recompute = torch.is_grad_enabled() and graph_task() not in (-1, None)
+            recompute = _recomputing()
             for g in self._unit_groups[u]:
                 g.assign(None)
                 if g.current is not None and not recompute:
