@@ -8,10 +8,10 @@ from .ddp import DistributedDataParallel
 from .fsdp import FSDPState, FullyShardedDataParallel
 from .mesh import DeviceMesh
 from .pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
-from .tensor import ColumnParallelLinear, RowParallelLinear, shard_mlp
+from .tensor import ColumnParallelLinear, RowParallelLinear, clip_grad_norm_, shard_mlp, tp_group_of
 
 DDP = DistributedDataParallel
 FSDP = FullyShardedDataParallel
 
 __all__ = ["DDP", "DeviceMesh", "DistributedDataParallel", "FSDP", "FSDPState", "FullyShardedDataParallel", "ColumnParallelLinear", "RowParallelLinear",
-           "shard_mlp", "PipelineStage", "ScheduleGPipe", "Schedule1F1B"]
+           "shard_mlp", "clip_grad_norm_", "tp_group_of", "PipelineStage", "ScheduleGPipe", "Schedule1F1B"]

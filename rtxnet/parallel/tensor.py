@@ -60,17 +60,21 @@ its next forward (rebuild it from the full weights, e.g. from a checkpoint).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
 import torch
 import torch.nn.functional as F
 
+from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_mlp", "copy_to_parallel",
-           "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel"]
+           "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
+           "clip_grad_norm_", "tp_group_of"]
 
 log = structlog.get_logger(__name__)
 
@@ -230,7 +234,17 @@ class _ParallelLinear(torch.nn.Module):
         self.rank = int(pg.rank)
         self.timeout_s = timeout_s
 
+    def _sharded_names(self) -> tuple[str, ...]:
+        return ("weight", "bias")
+
+    def _mark_sharded(self) -> None:
+        for name in self._sharded_names():
+            p = getattr(self, name, None)
+            if isinstance(p, torch.nn.Parameter):
+                p._rtx_tp_group = self._pg
+
     def _check_world(self) -> None:
+        self._mark_sharded()
         now = group_size(self._pg)
         if now != self.world_size:
             raise ConfigError(f"{type(self).__name__} was sharded over {self.world_size} ranks and "
@@ -242,9 +256,9 @@ class _ParallelLinear(torch.nn.Module):
             raise ConfigError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
 
 
-def _take_params(layer: torch.nn.Module, full: torch.nn.Linear, w_index, b_index) -> None:
+def _take_params(layer: _ParallelLinear, full: torch.nn.Linear, w_index, b_index) -> None:
     """Copy ``full.weight[w_index]`` and ``full.bias[b_index]`` (or no bias) into ``layer``'s own
-    parameters, keeping ``requires_grad``."""
+    parameters, keeping ``requires_grad``, and mark the sharded ones (:func:`tp_group_of`)."""
     layer.weight = torch.nn.Parameter(full.weight.detach()[w_index].clone(),
                                       requires_grad=full.weight.requires_grad)
     if full.bias is not None:
@@ -252,6 +266,152 @@ def _take_params(layer: torch.nn.Module, full: torch.nn.Linear, w_index, b_index
                                         requires_grad=full.bias.requires_grad)
     else:
         layer.register_parameter("bias", None)
+    layer._mark_sharded()
+
+
+def tp_group_of(param: torch.Tensor) -> Any | None:
+    """The tensor-parallel group ``param`` is sharded over (each rank of it holds another slice),
+    or None for a parameter every rank holds whole: the weights and the column layer's bias of
+    :class:`ColumnParallelLinear` / :class:`RowParallelLinear` are sharded, the row layer's bias
+    is not. (The layers mark their parameters when built and at every forward: a
+    ``copy.deepcopy`` of a layer holds unmarked copies until its first forward.)"""
+    return getattr(param, "_rtx_tp_group", None)
+
+
+def tp_group_of_attr(module: torch.nn.Module, attr: str) -> Any | None:
+    """:func:`tp_group_of` for the parameter ``module`` holds as ``attr``, from the layer itself
+    (what FSDP asks when it takes the parameters over)."""
+    if isinstance(module, _ParallelLinear) and attr in module._sharded_names():
+        return module._pg
+    return None
+
+
+class NormParts:
+    """A gradient norm summed from pieces: ``p``-th powers (maxima for ``p = inf``) of the pieces
+    every rank of a tensor-parallel group holds alike (counted once) and of those sharded over
+    each group (summed over it). Megatron-LM counts its norm the same way (``clip_grad_norm_fp32``
+    skips the tensor-parallel duplicates on all but one rank).
+
+    Every rank that takes part must :meth:`register` the same groups in the same order (one per
+    distinct group object of the model's parameters), whatever pieces it holds, so the
+    collectives of :meth:`total` match.
+    """
+
+    def __init__(self, p: float):
+        self.p = p
+        self.once = 0.0
+        self.groups: dict[int, list[Any]] = {}   # id(group) -> [group, value], registration order
+
+    def _combine(self, a: float, b: float) -> float:
+        return max(a, b) if math.isinf(self.p) else a + b
+
+    def register(self, group: Any | None) -> None:
+        if group is not None:
+            self.groups.setdefault(id(group), [group, 0.0])
+
+    def add(self, t: torch.Tensor, group: Any | None) -> None:
+        """Count gradient piece ``t`` (any shape, dtype and device), sharded over ``group``."""
+        if not t.numel():
+            return
+        if math.isinf(self.p):
+            v = float(t.detach().abs().max())
+        else:
+            v = float(torch.linalg.vector_norm(t.detach().double(), self.p) ** self.p)
+        if group is None:
+            self.once = self._combine(self.once, v)
+        else:
+            self.register(group)
+            entry = self.groups[id(group)]
+            entry[1] = self._combine(entry[1], v)
+
+    def total(self, outer: Any = None, timeout_s: float | None = None) -> torch.Tensor:
+        """The norm: a float64 0-d CPU tensor. ``outer(vec)``, if given, reduces the float64 vector
+        of parts in place over the ranks the pieces were further split across (FSDP's shards)
+        before each group's part is reduced over its group.
+
+        Raises:
+            PeerLostError, CollectiveTimeout: a reduction failed.
+        """
+        op = ReduceOp.MAX if math.isinf(self.p) else ReduceOp.SUM
+        vec = torch.tensor([self.once] + [v for _, v in self.groups.values()], dtype=torch.float64)
+        if outer is not None:
+            outer(vec, op)
+        for i, (g, _) in enumerate(self.groups.values(), start=1):
+            if group_size(g) > 1:
+                part = vec[i:i + 1].clone()
+                g.all_reduce(part, op=op, **_kw(timeout_s))
+                vec[i] = part[0]
+        if math.isinf(self.p):
+            return vec.max()
+        return vec.sum() ** (1.0 / self.p)
+
+
+def check_clip_args(where: str, max_norm: Any, norm_type: Any) -> float:
+    """``float(norm_type)`` once both are in range.
+
+    Raises:
+        ConfigError: ``max_norm`` not a positive finite number, ``norm_type`` not a positive
+            number or ``math.inf`` (names the value).
+    """
+    for name, v in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+                or (math.isnan(v) or (math.isinf(v) and name == "max_norm")):
+            raise ConfigError(f"{where}: {name}({v!r}) must be a positive number"
+                              f"{' or math.inf' if name == 'norm_type' else ''}")
+    return float(norm_type)
+
+
+def scale_grads(grads: Iterable[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by ``max_norm / (norm + 1e-6)`` when that is below 1 (torch's
+    ``clip_grad_norm_`` rule)."""
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, *,
+                    timeout_s: float | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model with tensor-parallel layers (plain, or
+    wrapped in :class:`~rtxnet.parallel.DistributedDataParallel`, whose replicas hold equal
+    gradients after backward): the norm of the whole, unsharded model's gradient, the same on
+    every rank. torch's own function would take each rank's slices for the whole: every
+    tensor-parallel rank would clip by another factor and the slices would drift apart.
+
+    A parameter :func:`tp_group_of` names counts the sum over its group (one all-reduce of one
+    float64 per distinct group, in the order the parameters first name it); the others count
+    once. A collective: call it on every rank of the tensor-parallel groups, after ``backward``,
+    with the same parameters in the same order. For FSDP use its own ``clip_grad_norm_``, which
+    does this and sums over the shards too.
+
+    Args:
+        parameters: a tensor or an iterable of tensors (e.g. ``model.parameters()``); those
+            without ``.grad`` are skipped.
+        max_norm: the largest total norm kept; a positive finite number.
+        norm_type: p of the p-norm, a positive number or ``math.inf`` (the largest absolute
+            element).
+        timeout_s: deadline of each all-reduce in seconds; ``None`` uses the group's.
+
+    Returns:
+        The total norm before clipping: a float64 0-d CPU tensor. The gradients are multiplied
+        in place by ``max_norm / (total + 1e-6)`` when that is below 1.
+
+    Raises:
+        ConfigError: ``max_norm`` or ``norm_type`` out of range, a bad ``timeout_s`` (names the
+            value).
+        PeerLostError, CollectiveTimeout: an all-reduce failed.
+    """
+    p = check_clip_args("clip_grad_norm_", max_norm, norm_type)
+    _check_timeout(timeout_s)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    parts = NormParts(p)
+    for t in params:
+        parts.register(tp_group_of(t))
+        if t.grad is not None:
+            parts.add(t.grad, tp_group_of(t))
+    norm = parts.total(timeout_s=timeout_s)
+    scale_grads((t.grad for t in params if t.grad is not None), max_norm, norm)
+    return norm
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -372,6 +532,9 @@ class RowParallelLinear(_ParallelLinear):
         full = _full if _full is not None else _full_linear(in_features, out_features, bias, device, dtype)
         cols = slice(self.rank * shard, (self.rank + 1) * shard)
         _take_params(self, full, (slice(None), cols), slice(None))
+
+    def _sharded_names(self) -> tuple[str, ...]:
+        return ("weight",)   # the bias is whole on every rank
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, pg: Any, *, input_is_parallel: bool = False,

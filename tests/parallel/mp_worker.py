@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -38,10 +39,12 @@ from rtxnet.parallel import (
     ColumnParallelLinear,
     DeviceMesh,
     DistributedDataParallel,
+    FullyShardedDataParallel,
     PipelineStage,
     RowParallelLinear,
     Schedule1F1B,
     ScheduleGPipe,
+    clip_grad_norm_,
     shard_mlp,
 )
 
@@ -177,25 +180,44 @@ def run_tp(pg, pair) -> dict:
 
 # -- hybrid: data parallel x tensor parallel over a device mesh ---------------------------------
 
-def hybrid_case(pg, steps: int = 3, B: int = 8) -> dict:
+def hybrid_case(pg, wrap: str = "ddp", steps: int = 3, B: int = 8) -> dict:
+    """``wrap`` "ddp": DDP over "dp", clipped by ``rtxnet.parallel.clip_grad_norm_``; "fsdp":
+    FSDP over "dp", clipped by its own method. Every step is clipped to half the reference's
+    norm, so a rank that took the norm of its slices alone would scale by another factor."""
     mesh = DeviceMesh(pg, (-1, 2), ("dp", "tp"))
     tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
     torch.manual_seed(1)
     ref = MLP()
     net = shard_mlp(copy.deepcopy(ref), tp, up="fc1", down="fc2")
-    model = DistributedDataParallel(net, dp)
+    if wrap == "ddp":
+        model = DistributedDataParallel(net, dp)
+        clip = functools.partial(clip_grad_norm_, list(model.parameters()))
+    else:
+        model = FullyShardedDataParallel(net, dp)
+        clip = model.clip_grad_norm_
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     x, y = data((B * steps, D_IN), D_OUT, seed=30)
     i, n = mesh.get_local_rank("dp"), B // mesh.size("dp")
+    norm_rel = 0.0
     for s in range(steps):
         ref_opt.zero_grad()
         LOSS(ref(x[s * B:(s + 1) * B]), y[s * B:(s + 1) * B]).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), math.inf)   # measures only
+        cap = 0.5 * float(ref_norm)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), cap)
         ref_opt.step()
         lo = s * B + i * n        # this replica's slice; both ranks of a tp group feed the same
         opt.zero_grad()
         LOSS(model(x[lo:lo + n]), y[lo:lo + n]).backward()
+        norm_rel = max(norm_rel, abs(float(clip(cap)) / float(ref_norm) - 1))
         opt.step()
+    if wrap == "fsdp":
+        full = model.full_state_dict(rank0_only=False)
+        net = MLP()
+        net.fc1 = torch.nn.Linear(D_IN, D_H // mesh.size("tp"))
+        net.fc2 = torch.nn.Linear(D_H // mesh.size("tp"), D_OUT)
+        net.load_state_dict(full)
     h = D_H // mesh.size("tp")
     t = mesh.get_local_rank("tp")
     rows = slice(t * h, (t + 1) * h)
@@ -203,6 +225,7 @@ def hybrid_case(pg, steps: int = 3, B: int = 8) -> dict:
         "shape": list(mesh.shape), "coordinate": mesh.get_coordinate(),
         "tp_ranks": list(tp.ranks), "dp_ranks": list(dp.ranks), "size": mesh.size(),
         "moved": rel(ref.fc1.weight, _seeded_mlp().fc1.weight),     # training changed them
+        "norm_rel": norm_rel,
         "rel": {"fc1.weight": rel(net.fc1.weight, ref.fc1.weight[rows]),
                 "fc1.bias": rel(net.fc1.bias, ref.fc1.bias[rows]),
                 "fc2.weight": rel(net.fc2.weight, ref.fc2.weight[:, rows]),
@@ -492,6 +515,7 @@ def main() -> int:
     res: dict = {"rank": pg.rank, "world_size": pg.world_size}
     res["tp"] = run_tp(pg, pair)
     res["dpxtp"] = hybrid_case(pg)
+    res["fsdpxtp"] = hybrid_case(pg, "fsdp")
     res["dpxpp"] = {f"{name}/M{M}": dp_pp_case(pg, cls, M)
                     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)) for M in (1, 2, 4)}
     res["ddp_two_forwards"] = ddp_two_forwards_error(pg)

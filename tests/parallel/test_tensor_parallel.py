@@ -88,11 +88,24 @@ def test_data_parallel_across_tensor_parallel_replicas_on_a_mesh_matches_one_pro
         assert r["shape"] == [2, 2] and r["size"] == 4      # -1 resolved from the world size
         assert r["moved"] > 0.01, r                          # 3 steps changed the weights
         close(r["rel"])                                      # every slice: one process's
+        assert r["norm_rel"] < TOL, r   # rtxnet.parallel.clip_grad_norm_: the whole model's norm
         e = r["errors"]
         assert "shape((3, 2))" in e["product"] and "6 ranks" in e["product"] and "size(4)" in e["product"], e
         assert "not a multiple of 3" in e["not_multiple"], e
         assert "('dp', 'dp')" in e["names"], e
         assert "'pp'" in e["dim"] and "['dp', 'tp']" in e["dim"], e
+
+
+def test_fsdp_across_tensor_parallel_replicas_clips_by_the_whole_models_norm(tmp_path_factory):
+    # Before: FSDP's clip_grad_norm_ summed the norm over its (data-parallel) group only, so each
+    # tensor-parallel rank clipped by its own slices' norm (1.9e-4 off one process, a tester's
+    # find). Every step here is clipped to half the one-process norm.
+    for r in mp_launch.results(tmp_path_factory):
+        f = r["fsdpxtp"]
+        assert f["coordinate"] == r["dpxtp"]["coordinate"], f
+        assert f["moved"] > 0.01, f
+        assert f["norm_rel"] < TOL, f
+        close(f["rel"])
 
 
 def test_ddp_replicated_pipeline_stages_match_one_process_for_every_micro_batch_count(tmp_path_factory):
