@@ -4,7 +4,9 @@
 every request and hands pushes to a callback. :class:`ControlServer` (coordinator side) yields
 ``(identity, message)`` pairs and disconnect notices: it maps each connection's file descriptor
 (``zmq.SRCFD`` of received frames) to the sender's routing id, so a ZeroMQ ``EVENT_DISCONNECTED``
-names the agent whose process went away. Sockets close with ``linger=0``. A ZeroMQ context is
+names the agent whose process went away. (A descriptor is reused as soon as its connection
+closes: before a frame gives its descriptor a new owner, the disconnects already reported are
+taken, so a late notice for the old connection never names the new one.) Sockets close with ``linger=0``. A ZeroMQ context is
 bound to the process that made it: using it after ``fork()`` raises :class:`ClosedError`.
 """
 
@@ -384,6 +386,8 @@ class ControlServer:
             self._sock.close(0)
             raise ConnectError(f"cannot bind {bind!r}: {exc}") from exc
         self._monitor = monitor_socket(self._sock, zmq.EVENT_DISCONNECTED)
+        # the same monitor socket, read without waiting (_take_disconnects)
+        self._monitor_now = zmq.Socket.shadow(self._monitor.underlying)
         self._fd_owner: dict[int, bytes] = {}
         self._queue: asyncio.Queue = asyncio.Queue()
         self._bad_log = LogBudget()
@@ -412,7 +416,13 @@ class ControlServer:
             ident_b = frames[0].bytes
             try:
                 fd = frames[-1].get(zmq.SRCFD)
-                if fd >= 0:
+                if fd >= 0 and self._fd_owner.get(fd) != ident_b:
+                    # The descriptor may be a closed connection's, reused: the notice of that
+                    # close is in the monitor already (libzmq reports it before it closes the
+                    # descriptor), maybe not yet read. Read it now, or it would arrive later and
+                    # name this sender: under a flood of short connections the daemon declared
+                    # live ranks lost (a tester's find: 6 to 8 of 60).
+                    self._take_disconnects()
                     self._fd_owner[fd] = ident_b
             except zmq.ZMQError:
                 pass
@@ -443,7 +453,22 @@ class ControlServer:
         self._queue.put_nowait(Inbound(identity, msg))
 
     async def _monitor_loop(self) -> None:
-        async for evt in _monitor_events(self._monitor):
+        while True:
+            try:
+                await self._monitor.poll(flags=zmq.POLLIN)
+                self._take_disconnects()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+
+    def _take_disconnects(self) -> None:
+        """Turn every disconnect the monitor has reported so far into a notice naming the
+        descriptor's owner (none for a connection that never sent a frame)."""
+        while True:
+            try:
+                frames = self._monitor_now.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            evt = parse_monitor_message(frames)
             if evt["event"] == zmq.EVENT_DISCONNECTED:
                 ident_b = self._fd_owner.pop(evt["value"], None)
                 if ident_b is not None:
