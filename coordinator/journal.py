@@ -815,6 +815,12 @@ class Journal:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def failed(self) -> bool:
+        """Whether a write, fsync or compaction failed past the point where the journal stays
+        usable (every call raises ``JournalError`` from then on; restart and replay)."""
+        return self._failure is not None
+
     def _check_usable(self) -> None:
         if self._state != "open":
             raise JournalError(

@@ -38,12 +38,19 @@ __all__ = ["Coordinator"]
 
 log = structlog.get_logger(__name__)
 
+COMPACT_MIN_NBYTES = 64 * 1024 * 1024   # journal bytes since the last snapshot that compact it
 _STALL_S = 0.25   # a tick this much later than due means the daemon itself did not run
 
+# What the daemon wrote itself (checksummed) is read back with room for all it may have written:
+# a record nests a request's values a few levels deeper than the request did, and a snapshot
+# holds maps of every job, key and finished job id (a snapshot of a store of 70,000 keys could
+# not be read back under the wire's 65,536 pairs a map: a tester's find). The depth is msgpack's
+# packer's own limit (511 nested levels).
+_ROOMY = {"max_depth": 512, "max_array_len": 2**31 - 1, "max_map_len": 2**31 - 1}
 # Journal records may carry key-value entries up to the control limit; give them headroom.
-_JOURNAL_LIMITS = Limits(max_message_nbytes=64 * 1024 * 1024, max_bin_len=32 * 1024 * 1024)
+_JOURNAL_LIMITS = Limits(max_message_nbytes=64 * 1024 * 1024, max_bin_len=32 * 1024 * 1024, **_ROOMY)
 # a snapshot holds every job's store (at most state.MAX_KV_NBYTES together) and members
-_SNAPSHOT_LIMITS = Limits(max_message_nbytes=256 * 1024 * 1024, max_bin_len=32 * 1024 * 1024)
+_SNAPSHOT_LIMITS = Limits(max_message_nbytes=256 * 1024 * 1024, max_bin_len=32 * 1024 * 1024, **_ROOMY)
 
 
 class Coordinator:
@@ -53,7 +60,12 @@ class Coordinator:
         bind: ZeroMQ address to bind, e.g. ``tcp://0.0.0.0:29600``; port 0 picks a free port.
         journal_dir: folder of the write-ahead journal; created if missing; replayed at start.
         tick_s: how often heartbeats and deadlines are checked, seconds.
-        snapshot_every: records after which the journal is compacted into a snapshot.
+        snapshot_every: records after which the journal is compacted into a snapshot. It is
+            also compacted once the records since the last snapshot hold
+            ``max(COMPACT_MIN_NBYTES, 4 x that snapshot's size)`` bytes: a store key rewritten
+            with 4 MiB values 60 times made a 240 MiB journal of one key, with 40 GB to go
+            before 10,000 records (a tester's find); the factor 4 bounds the time spent writing
+            snapshots to a quarter of the time spent appending.
         fsync: make journal appends durable (off only for throwaway tests).
         dead_job_ttl_s: how long a job whose every rank crashed is kept for restarted ranks.
 
@@ -70,6 +82,8 @@ class Coordinator:
         self.snapshot_every = snapshot_every
         self.dead_job_ttl_s = dead_job_ttl_s
         self.state = State()
+        self._compact_at_records = snapshot_every
+        self._compact_at_nbytes = COMPACT_MIN_NBYTES
         self.server: ControlServer | None = None
         self.address: str | None = None
         self._stop = asyncio.Event()
@@ -108,6 +122,7 @@ class Coordinator:
         """
         now = time.monotonic()
         snap, records = self.journal.open()
+        self._compact_at_nbytes = max(COMPACT_MIN_NBYTES, 4 * len(snap or b""))
         if snap:
             raw = self._replayed(snap, _SNAPSHOT_LIMITS, "the snapshot")
             self.state = self._applied(lambda: restore(raw, now), "the snapshot")
@@ -207,16 +222,41 @@ class Coordinator:
                     sends.append(act)
         if wrote:
             await self.journal.flush()  # nothing is acknowledged before it is durable
-            if self.journal.records_since_snapshot >= self.snapshot_every:
-                try:
-                    data = encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
-                except ProtocolError:
-                    log.exception("snapshot_unencodable", jobs=len(self.state.jobs))
-                else:
-                    self.journal.write_snapshot(data)
-                    log.info("journal_compacted", jobs=len(self.state.jobs))
+            if (self.journal.records_since_snapshot >= self._compact_at_records
+                    or self.journal.bytes_since_snapshot >= self._compact_at_nbytes):
+                self._compact()
         for s in sends:
             self.server.send(s.identity, s.msg)
+
+    def _compact(self) -> None:
+        """Write a snapshot of the state, which replaces the records before it. A failure that
+        leaves the journal usable (the snapshot's temporary file could not be written: a full
+        disk, a folder made read-only) is logged and tried again after as many records or
+        bytes once more; the daemon serves on, appending.
+
+        Raises:
+            JournalError: the compaction failed after its commit point (the journal refuses
+                further calls; the daemon exits 3 and a restart replays).
+        """
+        try:
+            data = encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
+        except ProtocolError:
+            log.exception("snapshot_unencodable", jobs=len(self.state.jobs))
+            return
+        try:
+            self.journal.write_snapshot(data)
+        except JournalError as exc:
+            if self.journal.failed:
+                raise
+            self._compact_at_records = self.journal.records_since_snapshot + self.snapshot_every
+            self._compact_at_nbytes = self.journal.bytes_since_snapshot + self._compact_at_nbytes
+            log.warning("journal_snapshot_skipped", error=str(exc),
+                        retry_at_records=self._compact_at_records,
+                        hint="the journal goes on growing until a snapshot can be written")
+            return
+        self._compact_at_records = self.snapshot_every
+        self._compact_at_nbytes = max(COMPACT_MIN_NBYTES, 4 * len(data))
+        log.info("journal_compacted", jobs=len(self.state.jobs), snapshot_nbytes=len(data))
 
     async def aclose(self) -> None:
         if self.server is not None:

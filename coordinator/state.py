@@ -99,7 +99,7 @@ class Job:
     # crashed); after a restart the wait starts again from the replay.
     empty_since: float | None = None
     # Not journaled: waiters are agents' open requests, which they repeat after a restart.
-    kv_waiters: list[tuple[str, int, list[str], float]] = field(default_factory=list)
+    kv_waiters: list[KvWaiter] = field(default_factory=list)
     # Not journaled: when the last step decision came and the mean time between decisions, so a
     # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
     last_commit_at: float | None = None
@@ -126,7 +126,8 @@ class State:
     # identity -> job id, for disconnects and heartbeats (identities are unique per process)
     where: dict[str, str] = field(default_factory=dict)
     # job id -> last committed step, for jobs whose every member left or was lost; a join is
-    # refused so a late or restarted rank cannot start a fresh job under the old id.
+    # refused so a late or restarted rank cannot start a fresh job under the old id. The newest
+    # MAX_FINISHED only: a coordinator serving a CI loop for months must not grow without bound.
     finished: dict[str, int] = field(default_factory=dict)
     # Configuration, not journaled: a job whose every rank crashed is kept this long for
     # restarted ranks to rejoin (with its committed step, store and checkpoint record), then
@@ -140,6 +141,20 @@ class State:
     # Not journaled: (job id, node) -> (host, pid, expiry, last renewal) of the launcher that runs
     # that node of the job (see _claim); after a restart the launchers' next renewals take them.
     claims: dict[tuple[str, int], tuple[str, int, float, float]] = field(default_factory=dict)
+    # Not journaled: identity -> the jobs where it has a kv_wait parked (for its disconnect)
+    kv_waiting: dict[str, set[str]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class KvWaiter:
+    """A ``kv_wait`` parked until its keys exist or its deadline passes; ``missing`` are the keys
+    not yet set (a set of one key wakes only the waiters missing it)."""
+
+    identity: str
+    rid: int
+    keys: list[str]
+    deadline: float
+    missing: set[str]
 
 
 @dataclass(frozen=True)
@@ -350,6 +365,8 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         for m in list(job.members.values()) + list(job.pending.values()):
             state.where.pop(m.identity, None)
         state.finished[rec["job"]] = job.committed_step
+        while len(state.finished) > MAX_FINISHED:   # the oldest ids go first
+            del state.finished[next(iter(state.finished))]
         if job.fenced:
             state.fenced_at_end[rec["job"]] = _fenced_procs(job.fenced)
             while len(state.fenced_at_end) > FENCED_AT_END_JOBS:
@@ -433,6 +450,8 @@ def restore(snap: dict[str, Any], now: float) -> State:
 
 
 MAX_JOB_ID = wire.MAX_JOB_ID
+MAX_KV_WAITERS = 4096       # kv_waits parked at once in one job
+MAX_PARKED_KEYS = 1 << 20   # keys those waits hold together
 KV_WAIT_KEYS_SHOWN = 10   # missing keys a kv_wait timeout names (then "... and N more")
 # The stores are journaled and every snapshot holds them all in one message (the server's
 # _SNAPSHOT_LIMITS): a job's store, and all of them together, stay well below that.
@@ -489,6 +508,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         for job in list(state.jobs.values()):
             _tick_job(state, job, now, actions)
     elif isinstance(event, Disconnect):
+        _drop_waits_of(state, event.identity)
         job_id = state.where.get(event.identity)
         job = state.jobs.get(job_id) if job_id else None
         if job is not None:
@@ -540,17 +560,16 @@ def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None
             job.ready_since = None
         elif job.ready_since is not None and now - job.ready_since >= job.last_call_s:
             _form(state, job, now, actions)
-    for waiter in list(job.kv_waiters):
-        ident, rid, keys, deadline = waiter
-        if now >= deadline:
-            job.kv_waiters.remove(waiter)
-            missing = [k for k in keys if k not in job.kv]
-            # the first few only: a wait on 100,000 keys must not answer with all of them
-            more = f" ... and {len(missing) - KV_WAIT_KEYS_SHOWN} more" if len(missing) > KV_WAIT_KEYS_SHOWN else ""
-            actions.append(
-                _error(ident, {"rid": rid, "job": job.job}, "RtxTimeoutError",
-                       f"kv_wait timed out; keys still missing: {missing[:KV_WAIT_KEYS_SHOWN]}{more}")
-            )
+    expired = [w for w in job.kv_waiters if now >= w.deadline]
+    _unpark(state, job, expired)
+    for waiter in expired:
+        missing = [k for k in waiter.keys if k not in job.kv]
+        # the first few only: a wait on 100,000 keys must not answer with all of them
+        more = f" ... and {len(missing) - KV_WAIT_KEYS_SHOWN} more" if len(missing) > KV_WAIT_KEYS_SHOWN else ""
+        actions.append(
+            _error(waiter.identity, {"rid": waiter.rid, "job": job.job}, "RtxTimeoutError",
+                   f"kv_wait timed out; keys still missing: {missing[:KV_WAIT_KEYS_SHOWN]}{more}")
+        )
     for step_no, waiters in list(job.commit_waiters.items()):
         for w in list(waiters):
             ident, rid, deadline = w
@@ -720,7 +739,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     elif t == "kv_set":
         _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
         actions.append(_reply(identity, msg, job))
-        _wake_kv(job, actions)
+        _wake_kv(state, job, msg["key"], actions)
     elif t == "kv_get":
         actions.append(_reply(identity, msg, job, value=job.kv.get(msg["key"])))
     elif t == "kv_wait":
@@ -732,14 +751,24 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_error(identity, msg, "ConfigError", bad))
         elif all(k in job.kv for k in keys):
             actions.append(_reply(identity, msg, job, values={k: job.kv[k] for k in keys}))
+        elif len(job.kv_waiters) >= MAX_KV_WAITERS or sum(
+                len(w.keys) for w in job.kv_waiters) + len(keys) > MAX_PARKED_KEYS:
+            # each parked wait holds its keys (a tester parked 600 waits of 50,000 keys: 2.2 GB)
+            actions.append(_error(identity, msg, "ConfigError", (
+                f"kv_wait of {len(keys)} keys: job {job.job!r} already has {len(job.kv_waiters)} "
+                f"waits open on {sum(len(w.keys) for w in job.kv_waiters)} keys; at most "
+                f"{MAX_KV_WAITERS} waits and {MAX_PARKED_KEYS} keys wait at once")))
         else:
-            job.kv_waiters.append((identity, msg["rid"], list(keys), now + float(msg["timeout_s"])))
+            waiter = KvWaiter(identity, msg["rid"], list(keys), now + float(msg["timeout_s"]),
+                              {k for k in keys if k not in job.kv})
+            job.kv_waiters.append(waiter)
+            state.kv_waiting.setdefault(identity, set()).add(job.job)
     elif t == "kv_cas":
         current = job.kv.get(msg["key"])
         if current == msg["expected"]:
             _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
             actions.append(_reply(identity, msg, job, swapped=True, value=msg["value"]))
-            _wake_kv(job, actions)
+            _wake_kv(state, job, msg["key"], actions)
         else:
             actions.append(_reply(identity, msg, job, swapped=False, value=current))
     elif t == "kv_del":
@@ -849,12 +878,44 @@ def _rewind(state: State, job: Job, identity: str, msg: dict, now: float, action
     actions.append(_reply(identity, msg, job, rewound=rewound, committed_step=job.committed_step))
 
 
-def _wake_kv(job: Job, actions: list[Action]) -> None:
-    for waiter in list(job.kv_waiters):
-        ident, rid, keys, _ = waiter
-        if all(k in job.kv for k in keys):
-            job.kv_waiters.remove(waiter)
-            actions.append(_reply_raw(job, ident, rid, values={k: job.kv[k] for k in keys}))
+def _wake_kv(state: State, job: Job, key: str, actions: list[Action]) -> None:
+    """Answer the waits that ``key``, just set, completes."""
+    done = []
+    for waiter in job.kv_waiters:
+        if key not in waiter.missing:
+            continue
+        waiter.missing.discard(key)
+        if not waiter.missing:   # (a key of it deleted since: still missing, wait on)
+            waiter.missing = {k for k in waiter.keys if k not in job.kv}
+        if not waiter.missing:
+            done.append(waiter)
+            actions.append(_reply_raw(job, waiter.identity, waiter.rid,
+                                      values={k: job.kv[k] for k in waiter.keys}))
+    _unpark(state, job, done)
+
+
+def _unpark(state: State, job: Job, gone: list[KvWaiter]) -> None:
+    """Take ``gone`` out of ``job``'s parked waits (one pass, however many)."""
+    if not gone:
+        return
+    ids = {id(w) for w in gone}
+    job.kv_waiters = [w for w in job.kv_waiters if id(w) not in ids]
+    still = {w.identity for w in job.kv_waiters}
+    for ident in {w.identity for w in gone} - still:
+        jobs = state.kv_waiting.get(ident)
+        if jobs is not None:
+            jobs.discard(job.job)
+            if not jobs:
+                del state.kv_waiting[ident]
+
+
+def _drop_waits_of(state: State, identity: str) -> None:
+    """Forget the parked ``kv_wait``s of a client whose connection closed: nobody would read
+    their answers (they held the daemon's memory after the client left: a tester's find)."""
+    for job_id in state.kv_waiting.pop(identity, set()):
+        job = state.jobs.get(job_id)
+        if job is not None:
+            job.kv_waiters = [w for w in job.kv_waiters if w.identity != identity]
 
 
 def _bad_duration(msg: dict, name: str) -> str | None:
@@ -885,6 +946,9 @@ def _commit(state: State, job: Job, identity: str, msg: dict, now: float, action
     bad = _bad_duration(msg, "timeout_s")
     if not bad and msg["step"] < 0:
         bad = f"commit: step({msg['step']}) is negative; steps count from 0"
+    if not bad:
+        bad = _not_json_like(msg.get("metadata") or {}, "commit.metadata", MAX_METADATA_NBYTES,
+                             "a commit may carry (it is journaled with the step)")
     if bad:
         actions.append(_error(identity, msg, "ConfigError", bad))
         return
@@ -978,13 +1042,10 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                       f"(0, {MAX_SECONDS:g}] and last_call_s({msg['last_call_s']}) in [0, {MAX_SECONDS:g}]")
     if not 0 < msg["pid"] < 2**31:
         return refuse("ConfigError", f"join.pid({msg['pid']}) is not a process id")
-    if _nonfinite(msg.get("info") or {}):
-        # status --json must stay JSON (no NaN or Infinity there)
-        return refuse("ConfigError", "join.info holds a NaN or infinite number")
-    info_nbytes = _nbytes(msg.get("info") or {})
-    if info_nbytes > MAX_INFO_NBYTES:
-        return refuse("ConfigError", f"join.info is {info_nbytes} bytes encoded, more than the "
-                      f"{MAX_INFO_NBYTES} a member may publish (it is in every status answer)")
+    bad = _not_json_like(msg.get("info") or {}, "join.info", MAX_INFO_NBYTES,
+                         "a member may publish (it is in every status answer)")
+    if bad:
+        return refuse("ConfigError", bad)
     rank = msg["rank"]
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
@@ -1114,16 +1175,39 @@ MAX_ENDPOINT = 512            # characters of a member's data endpoint
 STATUS_MAX_NBYTES = DEFAULT_LIMITS.max_message_nbytes // 2
 
 
-def _nonfinite(obj: Any) -> bool:
-    """Whether a NaN or infinite float sits anywhere in ``obj`` (decoded msgpack: at most 32
-    levels deep, see transport.codec)."""
-    if isinstance(obj, float):
-        return not math.isfinite(obj)
-    if isinstance(obj, dict):
-        return any(_nonfinite(v) for v in obj.values())
-    if isinstance(obj, list):
-        return any(_nonfinite(v) for v in obj)
-    return False
+MAX_METADATA_NBYTES = 64 * 1024   # a commit's metadata, encoded
+MAX_FINISHED = 100_000            # finished job ids kept (refused if used again), newest first
+# maps and lists nested in a member's info or a commit's metadata: the records, snapshots, pushes
+# and status answers that carry them nest them 5 to 7 levels further, under the wire's 32
+MAX_VALUE_DEPTH = 8
+
+
+def _not_json_like(obj: Any, what: str, max_nbytes: int, why: str) -> str | None:
+    """Why ``obj`` (a member's info, a commit's metadata) cannot be kept, or None: it must be what
+    JSON holds (maps with string keys, lists, strings, finite numbers, booleans, null), since
+    ``rtxnet status --json`` prints it; nest at most ``MAX_VALUE_DEPTH`` levels, since every
+    message and journal record that carries it nests it further (one 29 levels deep was
+    accepted, and the epoch record holding it could not be replayed: a tester's find); and encode
+    to at most ``max_nbytes``."""
+    stack = [(obj, 1)]   # (value, how many maps and lists hold it, itself included)
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_VALUE_DEPTH:
+                return f"{what} nests maps and lists deeper than {MAX_VALUE_DEPTH} levels"
+            if isinstance(v, dict):
+                key = next((k for k in v if not isinstance(k, str)), None)
+                if key is not None:
+                    return f"{what} has a key {key!r:.60} that is not a string"
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, float) and not math.isfinite(v):
+            return f"{what} holds a NaN or infinite number"   # status --json must stay JSON
+        elif isinstance(v, bytes):
+            return f"{what} holds bytes ({v!r:.40}); JSON has none: use a string"
+    nbytes = _nbytes(obj)
+    if nbytes > max_nbytes:
+        return f"{what} is {nbytes} bytes encoded, more than the {max_nbytes} {why}"
+    return None
 
 
 def _nbytes(obj: Any) -> int:

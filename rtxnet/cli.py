@@ -106,6 +106,16 @@ def _exited(proc: dict) -> str:
     return " (exited)" if gone_from_this_host(proc) else ""
 
 
+def _jsonable(obj: Any) -> Any:
+    """``obj`` with what JSON cannot hold made text: bytes and map keys that are not strings (a
+    coordinator refuses them in a member's info now; a journal from before may hold them)."""
+    if isinstance(obj, dict):
+        return {k if isinstance(k, str) else repr(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    return repr(obj) if isinstance(obj, bytes) else obj
+
+
 def _render(status: dict) -> str:
     jobs, finished = status["jobs"], status["finished"]
     lines = [] if jobs or status.get("jobs_omitted") else ["no jobs"]
@@ -123,8 +133,12 @@ def _render(status: dict) -> str:
             + (", training finished (admits no ranks)" if j.get("finished_training") else "")
         )
         for m in j["members"]:
-            topo = (m.get("info") or {}).get("topology") or {}
-            gpus = f"  {len(topo['gpus'])} GPU(s)" if topo.get("gpus") else ""
+            # info is whatever the member published: any shape (a tester's "topology": "x" was a
+            # traceback here)
+            info = m.get("info")
+            topo = info.get("topology") if isinstance(info, dict) else None
+            found = topo.get("gpus") if isinstance(topo, dict) else None
+            gpus = f"  {len(found)} GPU(s)" if isinstance(found, list) and found else ""
             waits = f"  waiting for a world of {m['waiting_for']}" if m.get("waiting_for") else ""
             lines.append(
                 f"  rank {m['rank']:>3}  {_shown(m['host'])}  pid {m['pid']:<8} heartbeat {m['heartbeat_age_s'] * 1000:7.0f} ms ago{gpus}{waits}"
@@ -152,6 +166,14 @@ _DEFAULT_COORDINATOR = "tcp://127.0.0.1:29600"   # rtxnet-coordinator's default 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # Ctrl-C while waiting for the coordinator: one line, no traceback
+        print("rtxnet: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rtxnet", description="rtxnet command-line tools")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{status,topology}")
     st = sub.add_parser("status", help="show the coordinator's jobs, members, epochs and heartbeats")
@@ -206,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             fin = [{"job": j, "state": "finished", "committed_step": s, "members": []}
                    for j, s in status["finished"].items()]
-            return _print(json.dumps(status["jobs"] + fin, indent=2))
+            return _print(json.dumps(_jsonable(status["jobs"] + fin), indent=2))
         return _print(_render(status))
     return 2  # pragma: no cover
 

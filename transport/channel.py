@@ -61,6 +61,9 @@ def check_address(address: str) -> str:
     host, sep, port = rest.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{address!r} has no HOST:PORT")
+    if host.startswith("[") != host.endswith("]") or (host.startswith("[") and ":" not in host):
+        raise ValueError(f"{address!r}: host {host!r} is not an IPv6 address in brackets "
+                         f"(tcp://[::1]:PORT)")
     if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
         raise ValueError(f"{address!r}: port {port!r} is not in 0..65535")
     return address

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -965,3 +966,63 @@ def test_init_returns_when_its_world_formed_even_if_a_peer_left_at_once(coordina
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_journal_is_compacted_by_its_bytes_and_a_failed_snapshot_leaves_the_daemon_serving(tmp_path, probes):
+    """Compaction came only every --snapshot-every records (10,000): one store key rewritten with
+    4 MiB values 60 times made a 240 MiB journal for one key (a tester's find). It now also
+    comes once the records since the last snapshot hold 64 MiB (or 4x the snapshot). A snapshot
+    that cannot be written (a read-only folder, a full disk) was exit 3; the journal is still usable then,
+    so the daemon says so and serves on."""
+    journal = tmp_path / "j"
+    c = procs.Coordinator(journal)
+    try:
+        p = probes(c.address, job="big", world_size=1)
+        p.expect("joined")
+        value = "x" * (4 << 20)
+        for i in range(20):            # 80 MiB of records: one compaction, at about 64 MiB
+            assert p.cmd("kv_set", key="k", value=f"{i}" + value[1:], timeout=30)["ok"]
+        procs.wait_until(lambda: "journal_compacted" in c.log, 10, "a compaction")
+        size = sum(f.stat().st_size for f in journal.iterdir() if f.is_file())
+        assert size < 40 << 20, (size, sorted(f.name for f in journal.iterdir()))
+        # a folder where the snapshot's temporary file goes: its open fails, for root too
+        (journal / "snapshot.bin.tmp").mkdir()
+        for i in range(20):
+            assert p.cmd("kv_set", key="k", value=f"{i}" + value[1:], timeout=30)["ok"]
+        procs.wait_until(lambda: "journal_snapshot_skipped" in c.log, 10, "a skipped snapshot")
+        assert c.proc.poll() is None
+        assert p.cmd("kv_get", key="k", timeout=30)["value"][:2] == "19"
+        (journal / "snapshot.bin.tmp").rmdir()
+        c.kill(signal.SIGKILL)
+        c.start()
+        assert p.cmd("kv_get", key="k", timeout=30)["value"][:2] == "19"
+    finally:
+        c.stop()
+
+
+def test_status_shows_members_whose_info_has_an_unexpected_shape(coordinator):
+    """A member's info is whatever its agent published: `rtxnet status` printed a traceback for a
+    "topology" that was a string or held a number of GPUs instead of a list (a tester's find)."""
+    with contextlib.ExitStack() as held:   # each member's connection stays open
+        for k, info in enumerate(({"topology": "x"}, {"topology": {"gpus": 3}},
+                                  {"topology": {"gpus": [{"uuid": "GPU-1"}]}})):
+            d = held.enter_context(procs.dealer(coordinator.address, routing_id=f"odd{k}".encode()))
+            d.send(encode(_join_msg(1, f"odd{k}", f"odd{k}", info=info, heartbeat_timeout_s=60.0)))
+            assert decode(d.recv())["rid"] == 1
+        _check_status_of_odd_info(coordinator)
+
+
+def _check_status_of_odd_info(coordinator) -> None:
+    for extra in ([], ["--json"]):
+        out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address,
+                              *extra], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.count(" GPU(s)") == 1 and "  1 GPU(s)" in out.stdout, out.stdout
+
+
+def test_status_refuses_an_ipv6_address_without_its_closing_bracket():
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", "tcp://[::1:5"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "host '[::1' is not an IPv6 address in brackets" in out.stderr, out.stderr

@@ -773,3 +773,100 @@ def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lap
     for bad in ({"ttl": -1.0}, {"ttl": float("nan")}, {"ttl": 1e9}, {"ttl": 1.0, "node": -1}, {"ttl": 1.0, "job": ""}):
         err = claim("x", 1, bad["ttl"], node=bad.get("node", 0), job=bad.get("job", "j"))
         assert err["t"] == "error" and err["error"] == "ConfigError" and "claim: job" in err["message"], err
+
+
+def test_info_and_commit_metadata_must_be_shallow_json_that_every_record_and_answer_can_carry():
+    # A join whose info nested 29 levels was accepted; the epoch record nests it 4 levels deeper,
+    # and no restart could replay the journal (a tester's find). Bytes and keys that are not
+    # strings broke `rtxnet status --json`.
+    from coordinator.state import MAX_VALUE_DEPTH
+
+    def nested(levels: int) -> dict:
+        v: dict = {}
+        for _ in range(levels - 1):
+            v = {"a": v}
+        return v
+
+    h = Harness()
+
+    def join_with(info) -> list[Send]:
+        return h.req("a", "join", job="j", identity="a", token="t", rank=None, min_ranks=1, max_ranks=1,
+                     last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1,
+                     info=info)
+
+    for info, text in ((nested(MAX_VALUE_DEPTH + 1), "join.info nests maps and lists deeper than 8 levels"),
+                       ({"a": [[[[[[[[1]]]]]]]]}, "join.info nests maps and lists deeper than 8 levels"),
+                       ({"uuid": b"\x00\x01"}, "join.info holds bytes (b'\\x00\\x01'); JSON has none: use a string"),
+                       ({"gpus": {3: "x"}}, "join.info has a key 3 that is not a string")):
+        assert [e["message"] for e in errors(join_with(info))] == [text]
+    assert not h.state.jobs
+    ok = nested(MAX_VALUE_DEPTH)
+    assert pushes(join_with(ok))["a"]["members"][0]["info"] == ok
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    for metadata, text in ((nested(MAX_VALUE_DEPTH + 1), "commit.metadata nests maps and lists deeper than 8 levels"),
+                           ({"x": "y" * 70_000}, "commit.metadata is 70008 bytes encoded, more than the 65536 a "
+                                                 "commit may carry (it is journaled with the step)")):
+        sends = h.req("a", "commit", epoch=0, identity="a", step=1, ok=True, timeout_s=5.0, metadata=metadata)
+        assert [e["message"] for e in errors(sends)] == [text]
+    sends = h.req("a", "commit", epoch=0, identity="a", step=1, ok=True, timeout_s=5.0, metadata=ok)
+    assert sends[0].msg["body"]["committed"] is True
+    # every record the state made encodes and decodes under the wire's own limits
+    from transport.codec import decode, encode
+    for rec in h.records:
+        assert decode(encode(rec)) == rec
+
+
+def test_a_snapshot_of_70000_keys_and_finished_jobs_reads_back_under_the_daemons_limits():
+    # The snapshot was decoded under the wire's 65,536 pairs a map: a store of 70,000 small keys
+    # (0.5 MB) or 66,000 finished one-rank jobs made the journal unreadable at the next restart.
+    from coordinator.server import _SNAPSHOT_LIMITS
+    from coordinator.state import MAX_FINISHED
+    from transport.codec import decode, encode
+
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    for i in range(70_000):
+        h.state.jobs["j"].kv[f"k{i}"] = b""
+    h.state.finished = {f"done{i}": i for i in range(70_000)}
+    raw = decode(encode(snapshot(h.state), limits=_SNAPSHOT_LIMITS), limits=_SNAPSHOT_LIMITS)
+    back = restore(raw, h.clock.now)
+    assert len(back.jobs["j"].kv) == 70_000 and len(back.finished) == 70_000
+    # finished ids are kept up to MAX_FINISHED, the oldest dropped first
+    h.state.finished = {f"done{i}": i for i in range(MAX_FINISHED)}
+    h.req("a", "leave", epoch=0, identity="a")
+    assert len(h.state.finished) == MAX_FINISHED
+    assert "done0" not in h.state.finished and list(h.state.finished)[-1] == "j"
+
+
+def test_parked_kv_waits_are_bounded_woken_by_their_own_keys_and_dropped_when_their_client_leaves():
+    # A tester parked 600 waits of 50,000 keys: 2.2 GB, every kv_set re-checked them all (2.2 s a
+    # set), and they stayed after the client disconnected.
+    from coordinator import state as st
+
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    job = h.state.jobs["j"]
+    assert h.req("a", "kv_wait", epoch=0, keys=["x", "y"], timeout_s=60.0) == []
+    assert h.req("b", "kv_wait", epoch=0, keys=["y"], timeout_s=60.0) == []
+    assert h.req("b", "kv_wait", epoch=0, keys=["z"], timeout_s=60.0) == []
+    assert h.state.kv_waiting == {"a": {"j"}, "b": {"j"}}
+    sends = h.req("a", "kv_set", epoch=0, key="y", value=b"1")
+    assert [(s.identity, s.msg["body"]["values"]) for s in sends if "values" in s.msg["body"]] == [("b", {"y": b"1"})]
+    h.req("a", "kv_del", epoch=0, key="y")
+    sends = h.req("a", "kv_set", epoch=0, key="x", value=b"2")   # y was deleted since: a waits on
+    assert not [s for s in sends if "values" in s.msg["body"]]
+    sends = h.req("a", "kv_set", epoch=0, key="y", value=b"3")
+    assert [(s.identity, s.msg["body"]["values"]) for s in sends if "values" in s.msg["body"]] == \
+        [("a", {"x": b"2", "y": b"3"})]
+    assert h.state.kv_waiting == {"b": {"j"}}
+    h.run(Disconnect("b"))                       # b's connection closed: its wait on z goes
+    assert not job.kv_waiters and not h.state.kv_waiting
+    keys = [f"k{i}" for i in range(st.MAX_PARKED_KEYS // 2)]
+    assert h.req("c", "kv_wait", epoch=0, keys=keys, timeout_s=60.0) == []
+    assert h.req("c", "kv_wait", epoch=0, keys=keys, timeout_s=60.0) == []
+    err = errors(h.req("c", "kv_wait", epoch=0, keys=["one more"], timeout_s=60.0))
+    assert err[0]["error"] == "ConfigError" and err[0]["message"] == (
+        f"kv_wait of 1 keys: job 'j' already has 2 waits open on {st.MAX_PARKED_KEYS} keys; at most "
+        f"{st.MAX_KV_WAITERS} waits and {st.MAX_PARKED_KEYS} keys wait at once"), err
+    h.tick(61.0)                                 # both time out, and free their place
+    assert not job.kv_waiters and not h.state.kv_waiting
