@@ -91,6 +91,7 @@ from transport.errors import (
     CollectiveMismatchError,
     ConfigError,
     PeerLostError,
+    RtxError,
 )
 
 __all__ = [
@@ -364,9 +365,15 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             strings, bools, None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
             "sampler": sampler.state_dict(), "rng": capture_rng()}``).
         pg: the :class:`rtxnet.BlockingProcessGroup`; ``None`` for a single process.
-        keep: after a successful save, rank 0 deletes all but the newest ``keep`` step folders;
-            a step :func:`latest` found corrupt in this process is not counted among them (it is
-            deleted once older than the oldest kept).
+        keep: after a successful save, rank 0 deletes all but the newest ``keep`` step folders
+            up to ``step``, the one just saved always among them; a step :func:`latest` found
+            corrupt in this process is not counted among them (it is deleted once older than the
+            oldest kept). Steps after ``step`` are the abandoned future of a run that went back
+            (resumed from an older checkpoint) and are deleted too: :func:`latest` would return
+            them. (Before, the newest ``keep`` of all were kept: a save of step 25 after steps
+            30 existed deleted the checkpoint it had just written, a tester's find.) Without
+            ``keep`` nothing is deleted, and a save below existing steps logs
+            ``checkpoint_newer_steps_remain`` naming them.
         metadata: JSON-serialisable values stored in the manifest (e.g. the loss).
         timeout_s: deadline of each collective, in seconds; ``None`` uses the group's.
 
@@ -539,13 +546,25 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
     log.info("checkpoint_saved", step=step, nbytes=nbytes, world_size=world,
              duration_ms=round(duration_ms, 1))
     if rank == 0 and keep is not None:
-        _prune(root, keep)
+        _prune(root, keep, step)
+    elif rank == 0 and (newer := [s for s in _steps(root) if s > step]):
+        log.warning("checkpoint_newer_steps_remain", step=step, newer=newer,
+                    hint="checkpoint.latest() returns the newest of them; save with keep= to "
+                         "remove them, or remove them by hand")
     if rank == 0 and pg is not None:
         # The coordinator journals the newest committed checkpoint with the job's other state, so a
         # rank that rejoins (or a whole new set of ranks) can find it when no live peer holds the
         # committed state (see rtxnet.FaultTolerance(load_checkpoint=...)).
-        pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(root.resolve()),
-                                             "world_size": world}))
+        try:
+            pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(root.resolve()),
+                                                 "world_size": world}))
+        except RtxError as exc:
+            # The save is committed on every rank (the broadcast said so); this record only
+            # helps a rank that rejoins find it. Raising here, on rank 0 alone, made the ranks
+            # disagree on the save's outcome (a tester's find: a full store).
+            log.warning("checkpoint_not_recorded", step=step, error=str(exc),
+                        hint="a rank that rejoins without a live peer will not find this step "
+                             "through the job's store; checkpoint.latest(root) still does")
     return folder
 
 
@@ -563,8 +582,10 @@ def _check_loadable(v: Any, where: str) -> None:
     Raises:
         TypeError: names the value's path and type.
     """
-    # exact types: np.float64 and np.str_ subclass float and str but a safe load refuses them
-    if type(v) in _PLAIN or isinstance(v, torch.Tensor):
+    # exact types: np.float64 and np.str_ subclass float and str but a safe load refuses them;
+    # and a tensor subclass (a custom Parameter) is refused by a safe load too (a tester's find:
+    # it was saved, then every load said "cannot be loaded safely"), so it is tried below
+    if type(v) in _PLAIN or type(v) in (torch.Tensor, torch.nn.Parameter):
         return
     if type(v) in (dict, collections.OrderedDict):
         for k, x in v.items():
@@ -618,20 +639,20 @@ def _steps(root: Path) -> list[int]:
     return sorted(out)
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, saved: int) -> None:
+    """Rank 0 after committing step ``saved``: delete the steps after it (an abandoned future)
+    and all but the newest ``keep`` complete steps up to it."""
     # a step this process found corrupt does not count among the kept (a fresh user's find: after
     # a resume past a corrupt step-300, keep=3 kept 200, the corrupt 300 and 320, and deleted the
     # intact 100); it goes with the others once older than the oldest kept
     resolved = str(root.resolve())
-    complete = [s for s in _steps(root) if (step_dir(root, s) / MANIFEST).exists()
+    complete = [s for s in _steps(root) if s <= saved and (step_dir(root, s) / MANIFEST).exists()
                 and (resolved, s) not in _CORRUPT_SEEN]
-    if len(complete) <= keep:
-        return
-    cutoff = complete[-keep]
+    cutoff = complete[-keep] if len(complete) > keep else -1
     for s in _steps(root):
-        if s < cutoff:
+        if s < cutoff or s > saved:
             shutil.rmtree(step_dir(root, s), ignore_errors=True)
-            log.info("checkpoint_pruned", step=s)
+            log.info("checkpoint_pruned", step=s, why="after the step saved" if s > saved else "older")
 
 
 # -- load -----------------------------------------------------------------------------------------

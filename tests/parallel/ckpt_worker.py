@@ -99,8 +99,8 @@ def main() -> int:
     res["stray_temps"] = sorted(p.name for p in checkpoint.step_dir(root, 3).glob(".*"))
 
     # 4. save over a complete step
-    checkpoint.save(root, 1, state(1), pg=pg, keep=2)
-    res["steps_after_keep"] = sorted(p.name for p in root.iterdir())
+    checkpoint.save(root, 1, state(1), pg=pg)   # (with keep=, step 3 would go: a later step)
+    res["steps_after_resave"] = sorted(p.name for p in root.iterdir())
 
     # 5. a NumPy array (torch.load(weights_only=True) would refuse it): refused at save time
     try:

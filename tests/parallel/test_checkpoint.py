@@ -237,6 +237,35 @@ def test_a_corrupt_step_found_by_latest_is_not_counted_among_the_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-320", "step-340", "step-360"]
 
 
+def test_a_save_below_existing_steps_keeps_itself_and_with_keep_removes_the_abandoned_future(tmp_path):
+    # A save of step 25 after 30 existed, with keep=1, deleted the checkpoint it had just written
+    # and left latest() at 30, a state the run had gone back from (a tester's find).
+    for s in (10, 20, 30):
+        checkpoint.save(tmp_path, s, {"step": s})
+    checkpoint.save(tmp_path, 22, {"step": 22})          # no keep: nothing deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-20", "step-22", "step-30"]
+    assert checkpoint.save(tmp_path, 25, {"step": 25}, keep=2).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-22", "step-25"]
+    assert checkpoint.latest(tmp_path) == 25 and checkpoint.load(tmp_path)["step"] == 25
+
+
+class _MyTensor(torch.Tensor):
+    pass
+
+
+def test_a_tensor_subclass_no_safe_load_can_read_is_refused_at_save_time_naming_the_key(tmp_path):
+    # any torch.Tensor passed the check untried: a tensor subclass was committed, and every load
+    # said "cannot be loaded safely" (a tester's find)
+    state = {"model": {"w": torch.ones(2).as_subclass(_MyTensor), "b": torch.nn.Parameter(torch.zeros(1))}}
+    with pytest.raises(CheckpointError, match=r"state\['model'\]\['w'\] is a .*_MyTensor, which a "
+                                              r"checkpoint cannot hold"):
+        checkpoint.save(tmp_path, 3, state)
+    assert checkpoint.latest(tmp_path) is None
+    state["model"]["w"] = torch.nn.Parameter(torch.ones(2))   # torch's own Parameter is fine
+    checkpoint.save(tmp_path, 3, state)
+    assert torch.equal(checkpoint.load(tmp_path, 3)["model"]["w"], torch.ones(2))
+
+
 def test_a_set_is_saved_and_loaded_as_the_readme_says(tmp_path):
     checkpoint.save(tmp_path, 1, {"tags": {"a", "b"}})
     assert checkpoint.load(tmp_path, 1)["tags"] == {"a", "b"}
