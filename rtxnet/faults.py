@@ -21,7 +21,8 @@ Where a fault fires (``at=``): ``step`` (default; at the start of step N), ``col
 the N-th collective of the rank, with ``collective=N``), ``checkpoint`` (while a checkpoint is
 written, with ``step=N`` for the checkpoint of step N or the first one), ``rendezvous`` (before the
 rank joins). ``rank=any`` picks one rank from the seed; a fault without ``rank`` fires on rank 0
-(for ``kill-coordinator``) and on every rank otherwise. Faults fire only in a rank's first
+(for ``kill-coordinator``), otherwise once, on the first rank that reaches it (each fault is
+claimed once per job in the store). Faults fire only in a rank's first
 process, so a restarted replacement does not fail again at the same step.
 
 A fault of a rank's first process that never came due there (a step fault in a script without
@@ -66,7 +67,7 @@ class Fault:
 
     index: int
     kind: str
-    rank: int | None = None  # None: every rank (rank 0 for kill-coordinator)
+    rank: int | None = None  # None: the first rank to reach it (rank 0 for kill-coordinator)
     at: str = "step"
     step: int | None = None
     collective: int | None = None
