@@ -499,8 +499,10 @@ class Agent:
         return (await self._request("kv_get", key=key))["value"]
 
     async def kv_wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
-        # The coordinator enforces timeout_s; the channel deadline adds slack for the answer.
-        body = await self._request("kv_wait", deadline_s=timeout_s + self.timeouts.request_s,
+        # The coordinator enforces timeout_s; the channel deadline adds 2 s for its answer
+        # (request_s, 10 s by default, made a wait(timeout=2) on a frozen coordinator take 12 s:
+        # a tester's find)
+        body = await self._request("kv_wait", deadline_s=timeout_s + min(2.0, self.timeouts.request_s),
                                    keys=list(keys), timeout_s=float(timeout_s))
         return body["values"]
 

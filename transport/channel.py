@@ -112,14 +112,15 @@ def process_context() -> zmq.asyncio.Context:
     return ctx
 
 
-# Requests sent again, unchanged (same request id), when the connection to the coordinator comes
-# back after a drop: a coordinator that died took those in flight with it, and the agent would
-# otherwise wait out the request's whole deadline. Each is idempotent. Not ``kv_cas``: a second
-# send can find its own first write and answer "not swapped" (two callers would both believe they
-# lost, or a retry loop would count twice). Not ``join``/``leave``/``heartbeat``: the agent repeats
-# those itself, knowing the membership.
-RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_del", "commit", "reform",
-                                 "finish", "status"})
+# Requests sent again (same request id; a ``timeout_s`` in it lowered by the time already spent,
+# so a wait does not start over) when the connection to the coordinator comes back after a drop:
+# a coordinator that died took those in flight with it, and the agent would otherwise wait out
+# the request's whole deadline. Each is idempotent. Not ``kv_cas``: a second send can find its
+# own first write and answer "not swapped" (two callers would both believe they lost, or a retry
+# loop would count twice). Not ``kv_del``, for the same reason: the second answer says the key
+# was not there (a tester's find: delete() returned False for a key it had deleted). Not
+# ``join``/``leave``/``heartbeat``: the agent repeats those itself, knowing the membership.
+RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "commit", "reform", "finish", "status"})
 
 
 async def _monitor_events(monitor: zmq.asyncio.Socket):
@@ -217,7 +218,7 @@ class ControlClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         if mtype in RESEND_ON_RECONNECT:
-            self._resend[rid] = [data, self._generation]
+            self._resend[rid] = [data, self._generation, msg, time.monotonic()]
         try:
             try:
                 await self._sock.send(data, copy=True)
@@ -267,8 +268,14 @@ class ControlClient:
                 again = [e for e in self._resend.values() if e[1] < self._generation]
                 for e in again:
                     e[1] = self._generation
+                    data, msg, sent_at = e[0], e[2], e[3]
+                    if isinstance(msg.get("timeout_s"), float):
+                        # the time left of the wait, not all of it again (a store.wait(timeout=4)
+                        # across a coordinator restart ended after 8.8 s: a tester's find)
+                        left = max(0.0, msg["timeout_s"] - (time.monotonic() - sent_at))
+                        data = encode({**msg, "timeout_s": left}, limits=self._limits)
                     try:
-                        await self._sock.send(e[0], copy=True)
+                        await self._sock.send(data, copy=True)
                     except zmq.ZMQError:
                         return
                 if again:

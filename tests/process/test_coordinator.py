@@ -1026,3 +1026,31 @@ def test_status_refuses_an_ipv6_address_without_its_closing_bracket():
     out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", "tcp://[::1:5"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "host '[::1' is not an IPv6 address in brackets" in out.stderr, out.stderr
+
+
+@pytest.mark.exclusive   # measures how long a wait takes
+def test_a_store_wait_keeps_its_deadline_across_a_coordinator_restart_and_a_frozen_coordinator(coordinator, probes):
+    """A wait sent again after a coordinator restart asked for its whole timeout again
+    (wait(timeout=4) ended after 8.8 s), and on a frozen coordinator the agent waited the timeout
+    plus the 10 s request deadline (wait(timeout=2) ended after 12 s): a tester's finds."""
+    p = probes(coordinator.address, job="w", world_size=1, timeouts={**FAST, "request_s": 10.0})
+    p.expect("joined")
+    t0 = time.monotonic()
+    p.submit("kv_wait", keys=["never"], timeout=4.0)
+    time.sleep(2.5)
+    coordinator.kill(signal.SIGKILL)
+    coordinator.start()                      # same port, same journal: the wait is sent again
+    r = p.expect("result", timeout=20, cmd="kv_wait")
+    took = time.monotonic() - t0
+    assert r["error"] == "RtxTimeoutError", r
+    assert 3.9 < took < 5.5, took            # before: 2.5 s + 4 s again
+    coordinator.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        p.submit("kv_wait", keys=["never"], timeout=2.0)
+        r = p.expect("result", timeout=20, cmd="kv_wait")
+        took = time.monotonic() - t0
+    finally:
+        coordinator.proc.send_signal(signal.SIGCONT)
+    assert r["error"] == "RtxTimeoutError" and "no answer within 4 s" in r["message"], r
+    assert took < 4.9, took                  # before: 2 s + the 10 s request deadline
