@@ -174,6 +174,20 @@ def check_out_folder(out: Path) -> str | None:
 OUT_LOCK = ".train_digits.lock"   # in --out: the job id of the run writing there
 
 
+def this_run() -> str:
+    """What names this run in ``--out``'s lock: its job id, and the address of its coordinator
+    when its launcher started that coordinator for it (``RTXNET_COORDINATOR_PID`` set: the
+    address is then this launch's alone, and stays the same through the coordinator's restarts).
+    By job id alone, two launches given one ``--job`` each with a coordinator of its own took one
+    ``--out`` together, and the second deleted the first's live checkpoints (a tester's find).
+    Ranks of several hosts (``--nnodes``) share a ``--coordinator`` they did not start, and are
+    named by their job id."""
+    job = os.environ.get("RTXNET_JOB") or "default"
+    if os.environ.get("RTXNET_COORDINATOR_PID") and os.environ.get("RTXNET_COORDINATOR"):
+        return f"{job} (coordinator {os.environ['RTXNET_COORDINATOR']})"
+    return job
+
+
 def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | None, str | None]:
     """Share folder ``out`` with the other ranks of job ``job`` and keep other runs out: two runs
     writing one ``--out`` at once would interleave their checkpoints and metrics.
@@ -420,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_digits: {why}", file=sys.stderr)
         return 2
     # held until this process exits
-    _out_lock, why = claim_out_folder(out, os.environ.get("RTXNET_JOB") or "default")
+    _out_lock, why = claim_out_folder(out, this_run())
     if why is not None:
         print(f"train_digits: {why}", file=sys.stderr)
         return 2

@@ -262,6 +262,20 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_the_ranks_of_one_run_share
     os.close(later)
 
 
+def test_two_launches_given_one_job_id_each_with_its_own_coordinator_are_two_runs(monkeypatch):
+    # By job id alone the second launch took the first's --out and deleted its live checkpoints
+    # (a tester's find: two `rtxnet-run --job samejob` on one --out)
+    td = _train_digits_module()
+    monkeypatch.setenv("RTXNET_JOB", "samejob")
+    monkeypatch.setenv("RTXNET_COORDINATOR", "tcp://127.0.0.1:4001")
+    monkeypatch.setenv("RTXNET_COORDINATOR_PID", "123")
+    first = td.this_run()
+    monkeypatch.setenv("RTXNET_COORDINATOR", "tcp://127.0.0.1:4002")
+    assert td.this_run() != first and first == "samejob (coordinator tcp://127.0.0.1:4001)"
+    monkeypatch.delenv("RTXNET_COORDINATOR_PID")      # a --coordinator shared by several hosts
+    assert td.this_run() == "samejob"
+
+
 @pytest.mark.timeout(90)
 def test_a_fresh_run_removes_an_earlier_runs_checkpoints_and_keeps_its_own(tmp_path):
     # Before: an earlier run's step-350 outlived this run's pruning (keep=3 keeps the newest),
