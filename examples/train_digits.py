@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         """One synchronous data-parallel step; returns the global mean loss and the global
         number of samples."""
         b = state.sampler.next_batch()
-        idx = torch.from_numpy(b.indices).to(device)
+        idx = torch.tensor(b.indices, device=device)   # (a copy: the indices are read-only)
         state.optimizer.zero_grad(set_to_none=True)
         # Sum over this rank's samples / the step's global count: summed over ranks, this is the
         # mean loss of the global batch. A rank with no samples (the last, short batch of an

@@ -40,7 +40,8 @@ class StepBatch:
 
     Attributes:
         indices: this rank's sample indices, int64, shape ``[local_n]`` (may be empty when the
-            last batch of an epoch has fewer samples than ranks).
+            last batch of an epoch has fewer samples than ranks); a read-only view of the
+            epoch's order (``.copy()`` it to edit).
         global_n: samples of this step over all ranks; scale a mean loss by
             ``len(indices) / global_n`` and sum gradients for exact equivalence with one process.
         epoch: the data epoch these samples belong to.
@@ -87,6 +88,8 @@ class ElasticDistributedSampler:
         self.num_samples = _pos_int("num_samples", num_samples)
         self.global_batch = _pos_int("global_batch", global_batch)
         self.seed = _pos_int("seed", seed, zero=True)
+        if self.seed >= 2**63:   # saved in states as an int64 (a torch checkpoint, FaultTolerance)
+            raise ConfigError(f"seed({seed!r}) must be an integer in 0..2**63-1")
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         if drop_last and global_batch > num_samples:
@@ -128,7 +131,11 @@ class ElasticDistributedSampler:
                 perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
             else:
                 perm = np.arange(self.num_samples)
-            self._perm, self._perm_epoch = perm.astype(np.int64), epoch
+            perm = perm.astype(np.int64)
+            # read-only: a batch's indices are views of it, and an edit of them in place changed
+            # the order of the epoch, of a step redone after a rollback too (a tester's find)
+            perm.flags.writeable = False
+            self._perm, self._perm_epoch = perm, epoch
         return self._perm
 
     @property
@@ -179,13 +186,22 @@ class ElasticDistributedSampler:
             ConfigError: the saved settings differ from this sampler's (names the value), or the
                 position is out of range.
         """
+        if not isinstance(state, dict):
+            raise ConfigError(f"sampler state must be a dict from state_dict(), got {type(state).__name__}")
+        missing = [k for k in ("epoch", "consumed") if k not in state]
+        if missing:
+            raise ConfigError(f"sampler state has no {' and no '.join(map(repr, missing))}: "
+                              f"not a state_dict() of ElasticDistributedSampler ({sorted(state)!r:.200})")
         for key in ("num_samples", "seed", "global_batch", "shuffle", "drop_last"):
             mine = int(getattr(self, key))
-            theirs = int(state.get(key, mine))
-            if theirs != mine:
-                raise ConfigError(f"sampler state has {key}={theirs}, this sampler has {key}={mine}")
-        epoch = _pos_int("epoch", int(state["epoch"]), zero=True)
-        consumed = _pos_int("consumed", int(state["consumed"]), zero=True)
+            theirs = state.get(key, mine)
+            if isinstance(theirs, float) or not isinstance(theirs, int | np.integer | bool):
+                raise ConfigError(f"sampler state has {key}={theirs!r}: not an integer")
+            if int(theirs) != mine:
+                raise ConfigError(f"sampler state has {key}={int(theirs)}, this sampler has {key}={mine}")
+        # (int() of 1.7 or "1" or True took them as positions before: a tester's find)
+        epoch = _pos_int("epoch", state["epoch"], zero=True)
+        consumed = _pos_int("consumed", state["consumed"], zero=True)
         if consumed > self.num_samples:
             raise ConfigError(f"consumed({consumed}) > num_samples({self.num_samples})")
         self.epoch, self.consumed = epoch, consumed

@@ -127,7 +127,7 @@ def equivalence_sum_uneven(pg, steps=4, B=10):
         LOSS(ref(xb), yb).backward()
         ref_opt.step()
         b = sampler.next_batch()
-        idx = torch.from_numpy(b.indices)
+        idx = torch.tensor(b.indices)
         opt.zero_grad()
         (LOSS(ddp(x[idx]), y[idx]) * b.loss_weight).backward()
         opt.step()
@@ -256,7 +256,7 @@ def fault(pg, steps=5, B=12):
                 die.step = s
             sampler.set_world(pg.rank, pg.world_size)
             b = sampler.next_batch()
-            idx = torch.from_numpy(b.indices)
+            idx = torch.tensor(b.indices)
             opt.zero_grad()
             try:
                 loss = LOSS(ddp(x[idx]), y[idx]) * b.loss_weight

@@ -274,7 +274,7 @@ def sum_adam(pg, steps=4, B=10):
         ref_opt.zero_grad()
         LOSS(ref(xb), yb).backward()
         b = sampler.next_batch()
-        idx = torch.from_numpy(b.indices)
+        idx = torch.tensor(b.indices)
         opt.zero_grad()
         (LOSS(fsdp(x[idx]), y[idx]) * b.loss_weight).backward()
         g_rel = max(g_rel, grad_rel(fsdp, ref))
@@ -459,7 +459,7 @@ def fault(pg, steps=4, B=12):
         while True:
             sampler.set_world(pg.rank, pg.world_size)
             b = sampler.next_batch()
-            idx = torch.from_numpy(b.indices)
+            idx = torch.tensor(b.indices)
             opt.zero_grad()
             try:
                 out = fsdp(x[idx])

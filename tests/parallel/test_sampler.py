@@ -86,3 +86,27 @@ def test_loss_weight_and_bad_values_are_named():
     other = ElasticDistributedSampler(11, 10)
     with pytest.raises(ValueError, match="num_samples=10, this sampler has num_samples=11"):
         other.load_state_dict(s.state_dict())
+
+
+def test_a_batchs_indices_cannot_change_the_order_and_odd_states_and_seeds_are_named():
+    # a tester's finds: an edit of a batch's indices in place changed the epoch's order (for a
+    # step redone after a rollback too); epoch=1.7, "1" or True loaded as positions; a state
+    # without "consumed" was a bare KeyError; a seed >= 2**64 failed later, in FaultTolerance
+    s = ElasticDistributedSampler(20, 4, seed=3)
+    before = s.peek().indices.copy()
+    b = s.peek()
+    with pytest.raises(ValueError, match="read-only"):
+        b.indices[0] = 99
+    assert np.array_equal(s.peek().indices, before)
+    good = s.state_dict()
+    for key, bad in (("epoch", 1.7), ("epoch", "1"), ("epoch", True), ("consumed", -4)):
+        with pytest.raises(ValueError, match=rf"{key}\({bad!r}\) must be an integer >= 0"):
+            s.load_state_dict({**good, key: bad})
+    with pytest.raises(ValueError, match=r"sampler state has seed=3.0: not an integer"):
+        s.load_state_dict({**good, "seed": 3.0})
+    with pytest.raises(ValueError, match=r"sampler state has no 'consumed': not a state_dict\(\)"):
+        s.load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match=r"seed\(18446744073709551616\) must be an integer in 0..2\*\*63-1"):
+        ElasticDistributedSampler(20, 4, seed=2**64)
+    s.load_state_dict(good)
+    assert np.array_equal(s.peek().indices, before)
