@@ -495,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
                     pass
                 return 2
             resumed_from = state.step
+            # the job's store names the checkpoint to restore from if every rank dies before
+            # this run's first save
+            checkpoint.record(ckpt_dir, resume_step, pg=pg)
             log.info("resumed", step=state.step, checkpoint=resume_step)
             if state.step >= args.steps and pg.rank == 0:
                 log.warning("nothing_to_train", step=state.step, steps=args.steps,

@@ -102,6 +102,7 @@ __all__ = [
     "load",
     "load_all",
     "read_manifest",
+    "record",
     "restore_rng",
     "save",
     "step_dir",
@@ -556,8 +557,7 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
         # rank that rejoins (or a whole new set of ranks) can find it when no live peer holds the
         # committed state (see rtxnet.FaultTolerance(load_checkpoint=...)).
         try:
-            pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(root.resolve()),
-                                                 "world_size": world}))
+            _record(pg, root, step, world)
         except RtxError as exc:
             # The save is committed on every rank (the broadcast said so); this record only
             # helps a rank that rejoins find it. Raising here, on rank 0 alone, made the ranks
@@ -566,6 +566,27 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
                         hint="a rank that rejoins without a live peer will not find this step "
                              "through the job's store; checkpoint.latest(root) still does")
     return folder
+
+
+def _record(pg: Any, root: Path, step: int, world: int) -> None:
+    pg.store.set(LATEST_KEY, json.dumps({"step": step, "root": str(root.resolve()), "world_size": world}))
+
+
+def record(root: str | os.PathLike, step: int, *, pg: Any) -> None:
+    """Tell the job's store that committed checkpoint ``step`` of ``root`` is the job's newest, as
+    :func:`save` does after it commits one: call it after resuming from a checkpoint (every rank
+    may call it; rank 0 writes). :class:`rtxnet.FaultTolerance` restores from the recorded
+    checkpoint when no live rank holds the committed state (every rank died); without a record,
+    a resumed run whose every rank died before its first save went on from its live state's
+    nothing and said "no checkpoint recorded" (a tester's find).
+
+    Raises:
+        CheckpointError, CheckpointCorruptError: ``step`` of ``root`` has no valid manifest.
+        RtxError: the store refused the record (a full store; names it).
+    """
+    m = read_manifest(root, step)
+    if pg.rank == 0:
+        _record(pg, Path(root), step, int(m["world_size"]))
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))

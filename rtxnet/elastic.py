@@ -951,7 +951,10 @@ class FaultTolerance:
         # The checkpoint of step N holds N completed steps (0..N-1): the state to run step N
         # from, as a training loop saves it before step N (and as ``start_step`` takes it).
         held = int(info["step"]) - 1
-        if held <= best:
+        # (held == best: the live ranks' newest state may be that very checkpoint, loaded when
+        # they started (a --resume run whose every rank died before it saved): loaded again on
+        # every rank, it is a restore, not a loss; the loss was reported before, a tester's find)
+        if held < best:
             log.warning("committed_state_lost", job_committed_step=job_committed, best_live_step=best,
                         reason=f"the newest checkpoint (step {info['step']}) is no newer than the "
                                f"live ranks' state")

@@ -446,3 +446,19 @@ def test_a_relaunch_asking_fewer_steps_than_the_restored_checkpoint_trains_none(
     assert re.search(r"nothing_to_train .*step=20 steps=15", again["stderr"]), again["stderr"][-3000:]
     assert "train_step" not in again["stderr"], again["stderr"][-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-20"]
+
+
+@pytest.mark.timeout(200)
+def test_a_resumed_run_whose_every_rank_dies_before_it_saves_restores_the_checkpoint_it_resumed_from(tmp_path):
+    # The checkpoint a --resume run started from was not recorded in the job's store: when both
+    # ranks died before the run's first save, FaultTolerance found no checkpoint and reported 5
+    # committed steps lost, where the replacements did go on from that checkpoint (a tester's find).
+    out = tmp_path / "out"
+    first = train(out, nproc=2, script_args=("--steps", "30", "--checkpoint-every", "10"))
+    assert first["rc"] == 0, first["stderr"][-3000:]
+    again = train(out, "--max-restarts", "1", "--faults", "kill:rank=0:step=35;kill:rank=1:step=35", nproc=2,
+                  script_args=("--steps", "45", "--checkpoint-every", "10", "--resume"))
+    assert again["rc"] == 0, again["stderr"][-3000:]
+    assert re.search(r"recovery: failure at step 35 \(no live rank held committed step 34\): restored the "
+                     r"checkpoint of step 30 ", again["stdout"]), again["stdout"][-3000:]
+    assert "committed_state_lost" not in again["stdout"] + again["stderr"]
