@@ -144,7 +144,8 @@ class Store:
         """
         if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
-        keys = [self._k(keys)] if isinstance(keys, str) else [self._k(k) for k in keys]
+        # (bytes would be taken as a sequence of ints: "got int (100)" for b"d", a tester's find)
+        keys = [self._k(keys)] if isinstance(keys, str | bytes | bytearray) else [self._k(k) for k in keys]
         return await self._agent.kv_wait(keys, float(timeout) if timeout is not None else self._agent.timeouts.op_s)
 
     async def compare_set(self, key: str, expected: bytes | str | None, value: bytes | str) -> tuple[bool, bytes | None]:
