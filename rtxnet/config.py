@@ -218,3 +218,30 @@ def int_in(lo: int, hi: int):
 
     parse.__name__ = f"int in {lo}..{hi}"
     return parse
+
+
+def ints_in(lo: int, hi: int):
+    """An ``argparse`` type: a comma-separated list of integers, each in ``lo..hi`` (``--worlds
+    1,2,4``); anything else is refused naming the value (argparse turns it into exit code 2)."""
+    import argparse
+
+    one = int_in(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [one(part.strip()) for part in text.split(",")]
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+    parse.__name__ = f"comma-separated ints in {lo}..{hi}"
+    return parse
+
+
+def existing_folder(text: str) -> Path:
+    """An ``argparse`` type: a folder that exists (``--dir``); refused naming it otherwise."""
+    import argparse
+
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    return path

@@ -372,7 +372,11 @@ class ControlServer:
         # flood of 60 MB frames, buffered in full at 4x, stalled the loop for seconds); smaller
         # oversize messages get a ProtocolError answer from the codec instead.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_nbytes)
-        self._sock.setsockopt(zmq.SNDHWM, 100000)
+        # Replies queued for one agent: a live agent reads its answers as they come, and keeps a
+        # few requests open at a time; one that stopped reading holds the daemon's memory with
+        # what is queued for it (a tester's client sent 60-byte kv_gets of a 15 MiB value and
+        # never read: 3 GB after 210). Past this the replies to it are dropped.
+        self._sock.setsockopt(zmq.SNDHWM, 1000)
         self._sock.setsockopt(zmq.RCVHWM, 100000)
         if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])
             self._sock.setsockopt(zmq.IPV6, 1)

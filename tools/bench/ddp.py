@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rtxnet.config import int_in, output_file
+from rtxnet.config import int_in, ints_in, output_file
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUP = 3
@@ -155,7 +155,7 @@ def run_config(impl: str, n: int, args: argparse.Namespace, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=output_file, help="write the rows here")
-    p.add_argument("--worlds", default="1,2,4",
+    p.add_argument("--worlds", type=ints_in(1, 1024), default=[1, 2, 4],
                    help="comma-separated world sizes (default 1,2,4; scaling_eff needs 1 among them)")
     p.add_argument("--steps", type=int_in(1, 10**6), default=20,
                    help="timed steps per measurement, after 3 warm-up steps (default 20)")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = args.worlds
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in worlds:

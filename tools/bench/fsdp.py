@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rtxnet.config import int_in, output_file
+from rtxnet.config import int_in, ints_in, output_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=output_file, default=None,
                     help="write width, depth and every rank's figures here as JSON")
-    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    ap.add_argument("--worlds", type=ints_in(1, 1024), default=[2, 4], help="comma-separated world sizes (default 2,4)")
     ap.add_argument("--width", type=int_in(1, 65536), default=512,
                     help="in and out features of each Linear of the MLP (default 512)")
     ap.add_argument("--depth", type=int_in(1, 1000), default=4, help="Linear layers of the MLP (default 4)")
@@ -101,7 +101,7 @@ def main() -> int:
         worker(a.worker, a.width, a.depth)
         return 0
     rows = []
-    for w in (int(v) for v in a.worlds.split(",")):
+    for w in a.worlds:
         with tempfile.TemporaryDirectory() as d:
             cmd = [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(w), __file__,
                    "--worker", d, "--width", str(a.width), "--depth", str(a.depth)]

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:   # run as a script: tools.bench.report
     sys.path.insert(0, str(ROOT))
 
 from coordinator.journal import Journal  # noqa: E402
-from rtxnet.config import int_in, output_file  # noqa: E402
+from rtxnet.config import existing_folder, int_in, output_file  # noqa: E402
 from tools.bench.report import print_rows, write_rows  # noqa: E402
 
 __all__ = ["bench_journal"]
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     import structlog
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=".", help="folder on the disk to measure (default: .)")
+    parser.add_argument("--dir", type=existing_folder, default=".", help="folder on the disk to measure (default: .)")
     parser.add_argument("--records", type=int_in(1, 10**8), default=20000, help="records per mode")
     parser.add_argument("--record-nbytes", type=int_in(1, 64 * 2**20), default=100, help="payload bytes per record")
     parser.add_argument("--writers", type=int_in(1, 10**4), default=64, help="concurrent group-commit writers")

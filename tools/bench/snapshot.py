@@ -21,7 +21,7 @@ sleeps 10 ms at a time, as the agent's heartbeat loop wakes (every 0.2 s by defa
   copies before; with a 2 s heartbeat timeout, a hold that long gets a rank declared lost).
 
 ``max_stall_ms`` is the longest the sleeping thread waited beyond its 10 ms: the time the copy
-kept it from running. Each figure is the median of ``--repeat`` runs.
+kept it from running. Each figure is the median of ``--repeat`` runs, after one warm-up run.
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ class _Stalls:
 
 
 def _timed(fn, repeat: int) -> tuple[float, float]:
-    """Median seconds of ``fn()`` and median worst stall (seconds) over ``repeat`` runs."""
+    """Median seconds of ``fn()`` and median worst stall (seconds) over ``repeat`` runs, after one
+    untimed warm-up run (the first touches fresh pages: with ``--repeat 1`` the anchor took
+    0.012 to 0.396 s in three runs, a fresh user's find)."""
+    fn()   # warm-up, its result dropped at once
     secs, stalls = [], []
     for _ in range(repeat):
         with _Stalls() as st:
