@@ -214,7 +214,20 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
         remaining = total - offset
         torn_reason = ""
         if remaining < FRAME_HEADER_NBYTES:
-            torn_reason = "header_cut_short"
+            head = view[offset:].tobytes()
+            if head.count(0) == remaining:
+                torn_reason = "zero_filled_tail"
+            elif head[0] == MAGIC and (remaining < 2 or head[1] == VERSION):
+                torn_reason = "header_cut_short"   # an append's first bytes: the marker
+            else:
+                # not the start of a record (a tester's find: "hello" after the last record was
+                # dropped as a torn tail)
+                raise JournalCorruptError(
+                    f"journal {path}: {remaining} bytes after the last record at offset {offset} "
+                    f"are not the start of a record ({head[:8].hex()})",
+                    path=path,
+                    offset=offset,
+                )
         else:
             magic, version, length, crc, header_crc = _HEADER.unpack_from(view, offset)
             header_ok = (
@@ -227,6 +240,14 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
                 # anything else in a header is damage, not an interrupted append.
                 if view[offset:].tobytes().count(0) == remaining:
                     torn_reason = "zero_filled_tail"
+                elif magic == MAGIC and version != VERSION:
+                    raise JournalCorruptError(
+                        f"journal {path}: the record at offset {offset} is of journal format "
+                        f"version {version}; this coordinator reads version {VERSION} (written by "
+                        f"another version of rtxnet: run that one, or move the folder aside)",
+                        path=path,
+                        offset=offset,
+                    )
                 else:
                     raise JournalCorruptError(
                         f"journal {path}: bad record header at offset {offset} "

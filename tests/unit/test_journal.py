@@ -805,3 +805,30 @@ def test_a_second_process_cannot_open_a_journal_in_use(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=30,
                          cwd=Path(__file__).resolve().parents[2])
     assert "JournalError" not in out.stdout and out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("tail", [b"hello", b"\x00\x01garbage!!!x", b"\xa5\x07"])
+def test_bytes_after_the_last_record_that_cannot_start_one_are_corruption_not_a_torn_tail(tmp_path, tail):
+    # They were dropped as a torn tail ("header_cut_short") and truncated away, though the README
+    # says bytes that are not the start of a record stop the daemon (a tester's find)
+    records = [b"one", b"two"]
+    write_journal(tmp_path, records)
+    seg = segment(tmp_path, 1)
+    size = seg.stat().st_size
+    seg.write_bytes(seg.read_bytes() + tail)
+    with pytest.raises(JournalCorruptError, match=rf"{len(tail)} bytes after the last record at offset {size} "
+                                                  r"are not the start of a record") as ei:
+        Journal(tmp_path).open()
+    assert ei.value.offset == size and seg.stat().st_size == size + len(tail)   # nothing cut
+
+
+def test_a_record_of_another_journal_version_is_named_as_such(tmp_path):
+    # it said only "bad record header ... version=2, header crc mismatch=False" (a tester's find)
+    write_journal(tmp_path, [b"one", b"two"])
+    seg = segment(tmp_path, 1)
+    data = bytearray(seg.read_bytes())
+    data[1] = 2                      # the first record's version byte
+    seg.write_bytes(bytes(data))
+    with pytest.raises(JournalCorruptError, match=r"the record at offset 0 is of journal format version 2; "
+                                                  r"this coordinator reads version 1"):
+        Journal(tmp_path).open()
