@@ -13,6 +13,7 @@ bound to the process that made it: using it after ``fork()`` raises :class:`Clos
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -372,11 +373,14 @@ class ControlServer:
         # flood of 60 MB frames, buffered in full at 4x, stalled the loop for seconds); smaller
         # oversize messages get a ProtocolError answer from the codec instead.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * limits.max_message_nbytes)
-        # Replies queued for one agent: a live agent reads its answers as they come, and keeps a
-        # few requests open at a time; one that stopped reading holds the daemon's memory with
-        # what is queued for it (a tester's client sent 60-byte kv_gets of a 15 MiB value and
-        # never read: 3 GB after 210). Past this the replies to it are dropped.
-        self._sock.setsockopt(zmq.SNDHWM, 1000)
+        # Replies for one client: at most SEND_PIPE_MESSAGES in ZeroMQ's queue (a 17 MiB reply
+        # each, at worst); the rest wait in this server's backlog for that client, up to
+        # BACKLOG_MAX_NBYTES, sent on as the client reads (see send_raw). A client that never
+        # reads held the daemon's memory with whatever it asked for (60-byte kv_gets of a 15 MiB
+        # value: 3 GB after 210, a tester's find); a client sending thousands of requests at
+        # once gets every answer (with a plain message limit of 1000, 1003 of 3000 were lost).
+        self._sock.setsockopt(zmq.SNDHWM, SEND_PIPE_MESSAGES)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue says EAGAIN, not drop
         self._sock.setsockopt(zmq.RCVHWM, 100000)
         if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])
             self._sock.setsockopt(zmq.IPV6, 1)
@@ -403,6 +407,13 @@ class ControlServer:
         # the same monitor socket, read without waiting (_take_disconnects)
         self._monitor_now = zmq.Socket.shadow(self._monitor.underlying)
         self._fd_owner: dict[int, bytes] = {}
+        # routing id -> the descriptor of its newest connection: a disconnect of an older one
+        # (a client that reconnected under the same id, ROUTER_HANDOVER) is not its disconnect
+        self._ident_fd: dict[bytes, int] = {}
+        self._backlog: dict[bytes, collections.deque[bytes]] = {}
+        self._backlog_nbytes: dict[bytes, int] = {}
+        self._drainer: asyncio.Task | None = None
+        self._drop_log = LogBudget()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._bad_log = LogBudget()
         loop = asyncio.get_running_loop()
@@ -430,14 +441,17 @@ class ControlServer:
             ident_b = frames[0].bytes
             try:
                 fd = frames[-1].get(zmq.SRCFD)
-                if fd >= 0 and self._fd_owner.get(fd) != ident_b:
-                    # The descriptor may be a closed connection's, reused: the notice of that
-                    # close is in the monitor already (libzmq reports it before it closes the
-                    # descriptor), maybe not yet read. Read it now, or it would arrive later and
-                    # name this sender: under a flood of short connections the daemon declared
-                    # live ranks lost (a tester's find: 6 to 8 of 60).
-                    self._take_disconnects()
+                # The descriptor may be a closed connection's, reused (by another client, or by
+                # this one coming back under its id): the notice of that close is in the monitor
+                # already (libzmq reports it before it closes the descriptor), maybe not yet
+                # read. Read it now, before this frame, or it would arrive later and name this
+                # sender: under a flood of short connections the daemon declared live ranks lost
+                # (6 to 8 of 60), and a wait sent again on a new connection was dropped by the
+                # old one's close (testers' finds).
+                self._take_disconnects()
+                if fd >= 0:
                     self._fd_owner[fd] = ident_b
+                    self._ident_fd[ident_b] = fd
             except zmq.ZMQError:
                 pass
             # surrogateescape: any routing id (ZeroMQ makes binary ones) maps to a str and back.
@@ -484,8 +498,14 @@ class ControlServer:
                 return
             evt = parse_monitor_message(frames)
             if evt["event"] == zmq.EVENT_DISCONNECTED:
-                ident_b = self._fd_owner.pop(evt["value"], None)
-                if ident_b is not None:
+                fd = evt["value"]
+                ident_b = self._fd_owner.pop(fd, None)
+                # only the client's newest connection: one that came back under the same id
+                # before its old connection's close was seen is still there (its wait, sent
+                # again, was dropped by the old close: a tester's find)
+                if ident_b is not None and self._ident_fd.get(ident_b) == fd:
+                    del self._ident_fd[ident_b]
+                    self._drop_backlog(ident_b)
                     self._queue.put_nowait(Disconnected(ident_b.decode("utf-8", "surrogateescape")))
 
     def send(self, identity: str, msg: dict[str, Any]) -> None:
@@ -498,16 +518,86 @@ class ControlServer:
         except RtxError as exc:
             log.error("reply_unencodable", error=str(exc), type=msg.get("t"))
             data = encode(wire.make("error", rid=msg.get("rid", 0), error="ProtocolError", message=str(exc)))
+        backlog = self._backlog.get(ident_b)
+        if backlog is not None:          # keep the order: behind what waits already
+            self._hold(ident_b, data)
+            self._flush(ident_b)
+            return
+        if self._send_now(ident_b, data) == "full":
+            self._backlog[ident_b] = collections.deque()
+            self._backlog_nbytes[ident_b] = 0
+            self._hold(ident_b, data)
+            if self._drainer is None or self._drainer.done():
+                self._drainer = asyncio.get_running_loop().create_task(self._drain(), name="control-server-drain")
+
+    def _send_now(self, ident_b: bytes, data: bytes) -> str:
+        """Hand one message to ZeroMQ without waiting: "sent", "full" (the client's queue holds
+        SEND_PIPE_MESSAGES) or "gone" (no such client: dropped)."""
         try:
             fut = self._sock.send_multipart([ident_b, data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("send_failed", error=str(exc))
+            exc_or_none: BaseException | None = exc
+        else:
+            if not fut.done():           # (a non-blocking send completes at once)
+                fut.add_done_callback(_log_send_failure)
+                return "sent"
+            exc_or_none = fut.exception()
+        if exc_or_none is None:
+            return "sent"
+        if isinstance(exc_or_none, zmq.Again):
+            return "full"
+        if not (isinstance(exc_or_none, zmq.ZMQError) and exc_or_none.errno == zmq.EHOSTUNREACH):
+            log.warning("send_failed", error=str(exc_or_none))
+        return "gone"
+
+    def _hold(self, ident_b: bytes, data: bytes) -> None:
+        """Queue ``data`` in the client's backlog, or drop it (logged, within a budget) when the
+        backlog is full: the client has not read its answers for a while."""
+        held = self._backlog_nbytes[ident_b]
+        if held + len(data) > BACKLOG_MAX_NBYTES or len(self._backlog[ident_b]) >= BACKLOG_MAX_MESSAGES:
+            ok, dropped = self._drop_log.allow()
+            if ok:
+                log.warning("reply_dropped", identity=_short(repr(ident_b)), queued_nbytes=held,
+                            why="the client does not read its answers", suppressed_before=dropped)
             return
-        fut.add_done_callback(_log_send_failure)
+        self._backlog[ident_b].append(data)
+        self._backlog_nbytes[ident_b] = held + len(data)
+
+    def _flush(self, ident_b: bytes) -> bool:
+        """Send on what the client's backlog holds, as far as its queue takes; whether any went."""
+        q = self._backlog[ident_b]
+        moved = False
+        while q:
+            outcome = self._send_now(ident_b, q[0])
+            if outcome == "full":
+                return moved
+            if outcome == "gone":
+                break
+            self._backlog_nbytes[ident_b] -= len(q.popleft())
+            moved = True
+        self._drop_backlog(ident_b)
+        return moved
+
+    def _drop_backlog(self, ident_b: bytes) -> None:
+        self._backlog.pop(ident_b, None)
+        self._backlog_nbytes.pop(ident_b, None)
+
+    async def _drain(self) -> None:
+        """While some client's answers wait: try again, every millisecond while they move, backing
+        off to every 50 ms while none does (a client that does not read)."""
+        pause = 0.001
+        while self._backlog:
+            await asyncio.sleep(pause)
+            moved = False
+            for ident_b in list(self._backlog):
+                moved = self._flush(ident_b) or moved
+            pause = 0.001 if moved else min(2 * pause, 0.05)
 
     async def aclose(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self._drainer is not None:
+            self._drainer.cancel()
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
@@ -549,6 +639,10 @@ def _ipc_in_use(address: str) -> str | None:
             return None
     return f"a process already listens on {path} (Address already in use)"
 
+
+SEND_PIPE_MESSAGES = 16                 # replies ZeroMQ queues for one client
+BACKLOG_MAX_NBYTES = 64 * 1024 * 1024   # and this server holds for it beyond those
+BACKLOG_MAX_MESSAGES = 100_000
 
 NOTHING_LISTENS = "nothing is listening"   # how nobody_there's answer for a refused connect begins
 
