@@ -451,7 +451,7 @@ def restore(snap: dict[str, Any], now: float) -> State:
 
 MAX_JOB_ID = wire.MAX_JOB_ID
 MAX_KV_WAITERS = 4096       # kv_waits parked at once in one job
-MAX_PARKED_KEYS = 1 << 20   # keys those waits hold together
+MAX_PARKED_KEYS = wire.MAX_WAIT_KEYS   # keys those waits hold together
 KV_WAIT_KEYS_SHOWN = 10   # missing keys a kv_wait timeout names (then "... and N more")
 # The stores are journaled and every snapshot holds them all in one message (the server's
 # _SNAPSHOT_LIMITS): a job's store, and all of them together, stay well below that.
@@ -1177,33 +1177,15 @@ STATUS_MAX_NBYTES = DEFAULT_LIMITS.max_message_nbytes // 2
 
 MAX_METADATA_NBYTES = 64 * 1024   # a commit's metadata, encoded
 MAX_FINISHED = 100_000            # finished job ids kept (refused if used again), newest first
-# maps and lists nested in a member's info or a commit's metadata: the records, snapshots, pushes
-# and status answers that carry them nest them 5 to 7 levels further, under the wire's 32
-MAX_VALUE_DEPTH = 8
+MAX_VALUE_DEPTH = wire.MAX_VALUE_DEPTH
 
 
 def _not_json_like(obj: Any, what: str, max_nbytes: int, why: str) -> str | None:
-    """Why ``obj`` (a member's info, a commit's metadata) cannot be kept, or None: it must be what
-    JSON holds (maps with string keys, lists, strings, finite numbers, booleans, null), since
-    ``rtxnet status --json`` prints it; nest at most ``MAX_VALUE_DEPTH`` levels, since every
-    message and journal record that carries it nests it further (one 29 levels deep was
-    accepted, and the epoch record holding it could not be replayed: a tester's find); and encode
-    to at most ``max_nbytes``."""
-    stack = [(obj, 1)]   # (value, how many maps and lists hold it, itself included)
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict | list):
-            if depth > MAX_VALUE_DEPTH:
-                return f"{what} nests maps and lists deeper than {MAX_VALUE_DEPTH} levels"
-            if isinstance(v, dict):
-                key = next((k for k in v if not isinstance(k, str)), None)
-                if key is not None:
-                    return f"{what} has a key {key!r:.60} that is not a string"
-            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
-        elif isinstance(v, float) and not math.isfinite(v):
-            return f"{what} holds a NaN or infinite number"   # status --json must stay JSON
-        elif isinstance(v, bytes):
-            return f"{what} holds bytes ({v!r:.40}); JSON has none: use a string"
+    """Why ``obj`` (a member's info, a commit's metadata) cannot be kept, or None: not JSON-like
+    (``wire.json_like_problem``), or encoded larger than ``max_nbytes``."""
+    bad = wire.json_like_problem(obj, what)
+    if bad:
+        return bad
     nbytes = _nbytes(obj)
     if nbytes > max_nbytes:
         return f"{what} is {nbytes} bytes encoded, more than the {max_nbytes} {why}"

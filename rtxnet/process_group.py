@@ -139,13 +139,16 @@ class Store:
 
         Raises:
             RtxTimeoutError: some key is still missing after ``timeout`` seconds (names them).
-            ConfigError: ``timeout`` is not a finite number of seconds > 0 (names it).
+            ConfigError: ``timeout`` is not a finite number of seconds > 0 (names it); more than
+                2**20 keys; the job has 4,096 waits open, or 2**20 keys waited on, already.
             TypeError: a key is not a str.
         """
         if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
         # (bytes would be taken as a sequence of ints: "got int (100)" for b"d", a tester's find)
         keys = [self._k(keys)] if isinstance(keys, str | bytes | bytearray) else [self._k(k) for k in keys]
+        if len(keys) > wire.MAX_WAIT_KEYS:   # (the wire's list limit: a ProtocolError before)
+            raise ConfigError(f"store.wait of {len(keys)} keys: at most {wire.MAX_WAIT_KEYS} keys wait at once")
         return await self._agent.kv_wait(keys, float(timeout) if timeout is not None else self._agent.timeouts.op_s)
 
     async def compare_set(self, key: str, expected: bytes | str | None, value: bytes | str) -> tuple[bool, bytes | None]:
@@ -321,7 +324,8 @@ class ProcessGroup:
 
         Raises:
             ConfigError: ``step`` is not an int in 0..2**63-1 (a bool is refused), ``ok`` not a bool,
-                ``metadata`` not a dict; names the value.
+                ``metadata`` not a dict of what JSON holds (string keys, finite numbers, no
+                bytes or sets), nested at most 8 levels, at most 64 KiB encoded; names the value.
             RtxTimeoutError: not every member voted within ``timeout`` seconds (default op timeout).
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 2**63:
@@ -330,6 +334,9 @@ class ProcessGroup:
             raise ConfigError(f"commit: ok({ok!r}) must be a bool")
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"commit: metadata({metadata!r:.80}) must be a dict")
+        # (a set, a tuple key or 2**64 was a ProtocolError of the encoder naming nothing)
+        if metadata is not None and (bad := wire.json_like_problem(metadata, "commit.metadata")):
+            raise ConfigError(bad)
         body = await self._agent.commit(step, ok=ok, metadata=metadata,
                                         timeout_s=timeout if timeout is not None else self.timeouts.op_s)
         return bool(body["committed"])
@@ -520,6 +527,12 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
     if timeouts is not None and not isinstance(timeouts, Timeouts):
         raise ConfigError(f"timeouts must be an rtxnet.Timeouts, got {timeouts!r} ({type(timeouts).__name__})")
     timeouts = timeouts or Timeouts.from_env()
+    if info is not None:
+        # (a str was a ValueError from dict() deep in the agent, naming nothing: a fresh user's find)
+        if not isinstance(info, dict):
+            raise ConfigError(f"info({info!r:.60}) must be a dict (published in the job's status)")
+        if bad := wire.json_like_problem(info, "info"):
+            raise ConfigError(bad)
     if info is None:
         from .topology import agent_info
 
@@ -613,11 +626,14 @@ class connect:  # noqa: N801 - used like a function: `await connect()` / `async 
         min_ranks, max_ranks: rendezvous bounds.
         last_call_s: seconds to wait for more ranks once ``min_ranks`` are present.
         timeouts: :class:`Timeouts`; default from ``RTXNET_*`` variables.
+        bind_host: the address this rank's data sockets listen on; default ``RTXNET_BIND_HOST``.
+        info: what this rank publishes in the job's status (default: its topology and launch
+            rank): a dict of what JSON holds, nested at most 8 levels, at most 16 KiB encoded.
 
     Raises:
         ConfigError: missing, mistyped or contradictory settings, a ``bind_host`` /
-            ``RTXNET_BIND_HOST`` this host cannot listen on, bounds other than the running job's
-            (names the values).
+            ``RTXNET_BIND_HOST`` this host cannot listen on, bounds other than the running job's,
+            an ``info`` that is not such a dict (names the values).
         RendezvousError: the coordinator refused the join (duplicate rank, job full, wrong token).
         RendezvousTimeout: the world did not form, or reach ``min_ranks``, within
             ``timeouts.rendezvous_s``.

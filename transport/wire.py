@@ -243,3 +243,46 @@ def validate(msg: Any) -> dict[str, Any]:
 def make(mtype: str, *, rid: int = 0, job: str = "", epoch: int = -1, **fields: Any) -> dict[str, Any]:
     """Build a message dict of type ``mtype`` with the header filled in (not validated)."""
     return {"v": PROTOCOL_VERSION, "t": mtype, "rid": rid, "job": job, "epoch": epoch, **fields}
+
+
+# Maps and lists nested in a member's info or a commit's metadata: the records, snapshots, pushes
+# and status answers that carry them nest them 5 to 7 levels further, under the codec's 32.
+MAX_VALUE_DEPTH = 8
+MAX_WAIT_KEYS = 1 << 20   # keys of one kv_wait (the codec's longest list), and of a job's waits
+
+
+def json_like_problem(obj: Any, what: str) -> str | None:
+    """Why ``obj`` (a rank's published info, a commit's metadata) is not a value the coordinator
+    keeps, or None. It must be what JSON holds, since ``rtxnet status --json`` prints it: maps with
+    string keys, lists (tuples count as lists), strings, integers of 64 bits, finite floats,
+    booleans and None; and nest at most ``MAX_VALUE_DEPTH`` maps and lists, since every message and
+    journal record that carries it nests it further (one 29 levels deep was accepted, and the
+    epoch record holding it could not be replayed: a tester's find). Checked by the agent before
+    sending and by the coordinator at the door (which also bounds the size)."""
+    import math
+
+    stack = [(obj, 1)]   # (value, how many maps and lists hold it, itself included)
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            if depth > MAX_VALUE_DEPTH:
+                return f"{what} nests maps and lists deeper than {MAX_VALUE_DEPTH} levels"
+            if isinstance(v, dict):
+                key = next((k for k in v if not isinstance(k, str)), None)
+                if key is not None:
+                    return f"{what} has a key {key!r:.60} that is not a string"
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return f"{what} holds a NaN or infinite number"
+        elif isinstance(v, bool) or v is None or isinstance(v, str):
+            pass
+        elif isinstance(v, int):
+            if not -(2**63) <= v < 2**64:
+                return f"{what} holds the integer {v!r:.40}, outside 64 bits"
+        elif isinstance(v, bytes):
+            return f"{what} holds bytes ({v!r:.40}); JSON has none: use a string"
+        else:
+            return (f"{what} holds a {type(v).__name__} ({v!r:.40}); it may hold dicts with string "
+                    f"keys, lists, strings, numbers, booleans and None")
+    return None

@@ -255,6 +255,28 @@ def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coor
             pg.store.set("k", "v\udc80")
         pg.store.set("k", b"v")      # the group goes on
         assert pg.store.get("k") == b"v"
+        with pytest.raises(TypeError, match=r"store keys are str, got bytes \(b'd'\)"):
+            pg.store.wait(b"d", timeout=1)          # was "got int (100)": bytes iterated
+        with pytest.raises(rtxnet.ConfigError, match=r"store.wait of 1048577 keys: at most 1048576"):
+            pg.store.wait([f"k{i}" for i in range(2**20 + 1)], timeout=1)   # was a ProtocolError
+
+
+def test_info_and_commit_metadata_that_json_cannot_hold_are_refused_naming_them(coordinator):
+    # a fresh user's finds: info="hello" was a ValueError from dict() deep in the agent; a set,
+    # a tuple key or 2**64 in a commit's metadata was the encoder's ProtocolError naming nothing
+    for info, says in (("hello", r"info\('hello'\) must be a dict"),
+                       ({"s": {1}}, r"info holds a set \(\{1\}\)"),
+                       ({(1, 2): 3}, r"info has a key \(1, 2\) that is not a string")):
+        with pytest.raises(rtxnet.ConfigError, match=says):
+            rtxnet.init(coordinator.address, job="bad-info", world_size=1, info=info)
+    with rtxnet.init(coordinator.address, job="bad-meta", world_size=1, info={"t": [1, 2.5, None]}) as pg:
+        for metadata, says in (({"s": {1}}, r"commit.metadata holds a set"),
+                               ({(1, 2): 3}, r"commit.metadata has a key \(1, 2\) that is not a string"),
+                               ({"n": 2**64}, r"commit.metadata holds the integer 18446744073709551616, outside 64 bits"),
+                               ({"x": b"1"}, r"commit.metadata holds bytes")):
+            with pytest.raises(rtxnet.ConfigError, match=says):
+                pg.commit(1, metadata)
+        assert pg.commit(1, {"loss": 0.5, "tags": ("a", "b")}) is True   # a tuple is a list
 
 
 class State:
