@@ -592,8 +592,9 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
         timeout_s: as :class:`ColumnParallelLinear`.
 
     Raises:
-        ConfigError: a name that is not an ``nn.Linear`` submodule, or the hidden size (``up``'s
-            out_features) not divisible by the group size; names them.
+        ConfigError: a name that is not an ``nn.Linear`` submodule, ``down``'s in_features other
+            than ``up``'s out_features (names swapped), or the hidden size (``up``'s out_features)
+            not divisible by the group size; names them.
     """
     layers = {}
     for role, name in (("up", up), ("down", down)):
@@ -604,6 +605,12 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
         if not isinstance(sub, torch.nn.Linear):
             raise ConfigError(f"shard_mlp: {role}({name!r}) is a {type(sub).__name__}, not an nn.Linear")
         layers[role] = sub
+    if layers["up"].out_features != layers["down"].in_features:
+        # (names swapped, or not one MLP: it failed only at the first forward, naming neither)
+        raise ConfigError(
+            f"shard_mlp: up({up!r}) has out_features({layers['up'].out_features}) and down({down!r}) "
+            f"in_features({layers['down'].in_features}): down must take what up gives (are the "
+            f"names swapped?)")
     col = ColumnParallelLinear.from_linear(layers["up"], pg, gather_output=False, timeout_s=timeout_s)
     row = RowParallelLinear.from_linear(layers["down"], pg, input_is_parallel=True, timeout_s=timeout_s)
     for name, new in ((up, col), (down, row)):

@@ -164,6 +164,7 @@ def tp_case(pg, tag: str) -> dict:
         "column_input_dim": error_of(lambda: c(torch.zeros(2, D_IN + 1))),
         "row_input_dim": error_of(lambda: rw(torch.zeros(2, D_H))),
         "shard_mlp_name": error_of(lambda: shard_mlp(MLP(), pg, up="fc1", down="nope")),
+        "shard_mlp_swapped": error_of(lambda: shard_mlp(MLP(), pg, up="fc2", down="fc1")),
     }
     return {f"{tag}/{k}": v for k, v in res.items()}
 

@@ -70,6 +70,10 @@ def test_bad_sizes_and_inputs_are_refused_naming_the_values(tp):
         assert e["row_input_dim"] == (
             "ValueError: RowParallelLinear: input last dimension(8) != in_features/W(2)")
         assert e["shard_mlp_name"].startswith("ConfigError: shard_mlp: down('nope') is not a submodule")
+        # (accepted, then a ValueError at the first forward naming neither: a fresh user's find)
+        assert e["shard_mlp_swapped"] == ("ConfigError: shard_mlp: up('fc2') has out_features(5) and "
+                                          "down('fc1') in_features(6): down must take what up gives "
+                                          "(are the names swapped?)"), e
         assert r["w2/errors"]["column_out_features"].endswith("out_features(9) is not divisible "
                                                               "by the tensor-parallel group size(2)")
 
