@@ -5,9 +5,12 @@ every request and hands pushes to a callback. :class:`ControlServer` (coordinato
 ``(identity, message)`` pairs and disconnect notices: it maps each connection's file descriptor
 (``zmq.SRCFD`` of received frames) to the sender's routing id, so a ZeroMQ ``EVENT_DISCONNECTED``
 names the agent whose process went away. (A descriptor is reused as soon as its connection
-closes: before a frame gives its descriptor a new owner, the disconnects already reported are
-taken, so a late notice for the old connection never names the new one.) Sockets close with ``linger=0``. A ZeroMQ context is
-bound to the process that made it: using it after ``fork()`` raises :class:`ClosedError`.
+closes: before each frame the disconnects already reported are taken, so a late notice for the
+old connection never names the new one; and a client's disconnect counts only for its newest
+connection.) Replies go out without waiting: past ZeroMQ's queue of 16 for a client they wait in
+a backlog of that client, at most 64 MiB, sent on as it reads. Sockets close with ``linger=0``. A
+ZeroMQ context is bound to the process that made it: using it after ``fork()`` raises
+:class:`ClosedError`.
 """
 
 from __future__ import annotations
