@@ -651,10 +651,25 @@ NOTHING_LISTENS = "nothing is listening"   # how nobody_there's answer for a ref
 
 
 def nobody_there(address: str) -> str | None:
-    """Why ``tcp://HOST:PORT`` did not answer, when a plain TCP connect can tell: nothing listens
-    there (refused), or the host cannot be reached. None when something accepts connections (a
-    coordinator that is busy, stopped, or another program)."""
+    """Why ``tcp://HOST:PORT`` or ``ipc://PATH`` did not answer, when a plain connect can tell:
+    nothing listens there (refused, or no socket file at PATH), or the host cannot be reached.
+    None when something accepts connections (a coordinator that is busy, stopped, or another
+    program), and for an abstract ``ipc://@NAME``."""
     from urllib.parse import urlsplit
+
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        # (it waited out the whole timeout without a word: a tester's find)
+        path = address[len("ipc://"):]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            try:
+                s.connect(path)
+                return None
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                what = "no socket file" if isinstance(exc, FileNotFoundError) else "a stale socket file"
+                return f"{NOTHING_LISTENS} at {path} ({what}): is the coordinator running there?"
+            except OSError as exc:
+                return f"{path} cannot be reached: {exc.strerror or exc}"
 
     try:
         u = urlsplit(address)

@@ -1054,3 +1054,13 @@ def test_a_store_wait_keeps_its_deadline_across_a_coordinator_restart_and_a_froz
         coordinator.proc.send_signal(signal.SIGCONT)
     assert r["error"] == "RtxTimeoutError" and "no answer within 4 s" in r["message"], r
     assert took < 4.9, took                  # before: 2 s + the 10 s request deadline
+
+
+def test_status_of_an_ipc_address_nothing_listens_at_says_so_at_once(tmp_path):
+    # it waited out the whole timeout and said only "no answer" (a tester's find)
+    sock = tmp_path / "none.sock"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", f"ipc://{sock}",
+                          "--timeout", "20"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=procs.env())
+    assert out.returncode == 1 and f"nothing is listening at {sock} (no socket file)" in out.stderr, out
+    assert time.monotonic() - t0 < 10, out.stderr
