@@ -100,6 +100,7 @@ class Job:
     empty_since: float | None = None
     # Not journaled: waiters are agents' open requests, which they repeat after a restart.
     kv_waiters: list[KvWaiter] = field(default_factory=list)
+    kv_parked_keys: int = 0   # keys the parked waits hold together (each counted per wait)
     # Not journaled: when the last step decision came and the mean time between decisions, so a
     # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
     last_commit_at: float | None = None
@@ -751,17 +752,17 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_error(identity, msg, "ConfigError", bad))
         elif all(k in job.kv for k in keys):
             actions.append(_reply(identity, msg, job, values={k: job.kv[k] for k in keys}))
-        elif len(job.kv_waiters) >= MAX_KV_WAITERS or sum(
-                len(w.keys) for w in job.kv_waiters) + len(keys) > MAX_PARKED_KEYS:
+        elif len(job.kv_waiters) >= MAX_KV_WAITERS or job.kv_parked_keys + len(keys) > MAX_PARKED_KEYS:
             # each parked wait holds its keys (a tester parked 600 waits of 50,000 keys: 2.2 GB)
             actions.append(_error(identity, msg, "ConfigError", (
                 f"kv_wait of {len(keys)} keys: job {job.job!r} already has {len(job.kv_waiters)} "
-                f"waits open on {sum(len(w.keys) for w in job.kv_waiters)} keys; at most "
+                f"waits open on {job.kv_parked_keys} keys; at most "
                 f"{MAX_KV_WAITERS} waits and {MAX_PARKED_KEYS} keys wait at once")))
         else:
             waiter = KvWaiter(identity, msg["rid"], list(keys), now + float(msg["timeout_s"]),
                               {k for k in keys if k not in job.kv})
             job.kv_waiters.append(waiter)
+            job.kv_parked_keys += len(waiter.keys)
             state.kv_waiting.setdefault(identity, set()).add(job.job)
     elif t == "kv_cas":
         current = job.kv.get(msg["key"])
@@ -900,6 +901,7 @@ def _unpark(state: State, job: Job, gone: list[KvWaiter]) -> None:
         return
     ids = {id(w) for w in gone}
     job.kv_waiters = [w for w in job.kv_waiters if id(w) not in ids]
+    job.kv_parked_keys -= sum(len(w.keys) for w in gone)
     still = {w.identity for w in job.kv_waiters}
     for ident in {w.identity for w in gone} - still:
         jobs = state.kv_waiting.get(ident)
@@ -916,6 +918,7 @@ def _drop_waits_of(state: State, identity: str) -> None:
         job = state.jobs.get(job_id)
         if job is not None:
             job.kv_waiters = [w for w in job.kv_waiters if w.identity != identity]
+            job.kv_parked_keys = sum(len(w.keys) for w in job.kv_waiters)
 
 
 def _bad_duration(msg: dict, name: str) -> str | None:

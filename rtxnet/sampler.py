@@ -195,7 +195,7 @@ class ElasticDistributedSampler:
         for key in ("num_samples", "seed", "global_batch", "shuffle", "drop_last"):
             mine = int(getattr(self, key))
             theirs = state.get(key, mine)
-            if isinstance(theirs, float) or not isinstance(theirs, int | np.integer | bool):
+            if not isinstance(theirs, int | np.integer):   # (bool is an int)
                 raise ConfigError(f"sampler state has {key}={theirs!r}: not an integer")
             if int(theirs) != mine:
                 raise ConfigError(f"sampler state has {key}={int(theirs)}, this sampler has {key}={mine}")

@@ -59,6 +59,7 @@ Message types and their meaning:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import ProtocolError
@@ -259,8 +260,6 @@ def json_like_problem(obj: Any, what: str) -> str | None:
     journal record that carries it nests it further (one 29 levels deep was accepted, and the
     epoch record holding it could not be replayed: a tester's find). Checked by the agent before
     sending and by the coordinator at the door (which also bounds the size)."""
-    import math
-
     stack = [(obj, 1)]   # (value, how many maps and lists hold it, itself included)
     while stack:
         v, depth = stack.pop()

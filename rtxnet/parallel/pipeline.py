@@ -81,9 +81,8 @@ from transport.errors import (
     TransportError,
 )
 
-from ._world import StepWorld
+from ._world import StepWorld, group_size
 from .ddp import DistributedDataParallel
-from .tensor import group_size
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "MAX_NDIM"]
 

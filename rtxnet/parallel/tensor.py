@@ -72,17 +72,13 @@ from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import ConfigError
 
+from ._world import group_size
+
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_mlp", "copy_to_parallel",
            "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
            "clip_grad_norm_", "tp_group_of"]
 
 log = structlog.get_logger(__name__)
-
-
-def group_size(pg: Any) -> int:
-    """Ranks in ``pg``: ``world_size`` of a process group, ``size`` of a subgroup (``new_group``)."""
-    ws = getattr(pg, "world_size", None)
-    return int(ws if ws is not None else pg.size)
 
 
 def _kw(timeout_s: float | None) -> dict[str, float]:
