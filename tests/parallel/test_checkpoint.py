@@ -249,6 +249,46 @@ def test_a_save_below_existing_steps_keeps_itself_and_with_keep_removes_the_aban
     assert checkpoint.latest(tmp_path) == 25 and checkpoint.load(tmp_path)["step"] == 25
 
 
+def _kill_mid_save(root, step):
+    """A process saving a 256 MiB shard of ``step`` under ``root``, SIGKILLed by its pid once its
+    temporary shard file exists; returns the files the killed save left in the step folder."""
+    code = ("import sys, torch; from rtxnet import checkpoint; "
+            "checkpoint.save(sys.argv[1], int(sys.argv[2]), {'w': torch.ones(64 << 20)})")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(step)], env=procs.env(), cwd=ROOT)
+    try:
+        folder = root / f"step-{step}"
+        procs.wait_until(lambda: folder.is_dir() and any(p.name.startswith(".rank-0") for p in folder.iterdir()),
+                         60, "the save's temporary shard")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_what_killed_saves_left_is_removed_once_a_later_step_commits(tmp_path):
+    # Before, a save SIGKILLed mid-write left its temporary shard (as large as the shard) for
+    # good, and a first save of a step so killed left its folder, unless that very step was saved
+    # again (a tester's find).
+    checkpoint.save(tmp_path, 1, {"w": torch.zeros(4)})
+    left_resave = _kill_mid_save(tmp_path, 1)                 # a re-save of a committed step
+    left_first = _kill_mid_save(tmp_path, 2)                  # a first save, never committed
+    assert "manifest.json" in left_resave and any(".tmp-" in n for n in left_resave), left_resave
+    assert "manifest.json" not in left_first and any(".tmp-" in n for n in left_first), left_first
+    (tmp_path / "step-5").mkdir()                             # not rtxnet's: stays
+    (tmp_path / "step-5" / "notes.txt").write_text("mine")
+    assert checkpoint.latest(tmp_path) == 1
+    checkpoint.save(tmp_path, 3, {"w": torch.ones(4)})        # without keep
+    assert sorted(p.name for p in (tmp_path / "step-1").iterdir()) == ["manifest.json", "rank-0.pt"]
+    assert torch.equal(checkpoint.load(tmp_path, 1)["w"], torch.zeros(4))
+    assert not (tmp_path / "step-2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3", "step-5"]
+    assert (tmp_path / "step-5" / "notes.txt").read_text() == "mine"
+
+
 class _MyTensor(torch.Tensor):
     pass
 
