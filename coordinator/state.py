@@ -1078,7 +1078,8 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                             f"max_ranks({max_r}) was refused")
         return refuse("ConfigError", f"job {job_id!r} has min_ranks({job.min_ranks}) max_ranks({job.max_ranks}), "
                       f"but this rank ({ident}) asks for min_ranks({min_r}) max_ranks({max_r}): start every rank "
-                      f"of a job with the same bounds (RTXNET_WORLD_SIZE, RTXNET_MIN_RANKS, RTXNET_MAX_RANKS)")
+                      f"of a job with the same bounds (RTXNET_WORLD_SIZE, RTXNET_MIN_RANKS, RTXNET_MAX_RANKS; "
+                      f"under rtxnet-run, the same --nnodes, --nproc and --min-ranks on every node)")
     other = state.where.get(ident)
     if other is not None and other != job_id:
         return refuse("RendezvousError", f"identity {ident!r} already belongs to job {other!r}")
