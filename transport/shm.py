@@ -1,28 +1,37 @@
 """Shared-memory segments for same-host payloads, with cleanup that survives crashes.
 
 A segment is a file under ``/dev/shm`` mapped with ``mmap`` (no ``multiprocessing.shared_memory``,
-so no resource tracker process). Its name embeds the owner's pid::
+so no resource tracker process). Its name embeds the owner's pid and a random part drawn once per
+process (two ranks in containers that share ``/dev/shm`` but not their PID namespace can both be
+pid 1: a tester's find, their names collided)::
 
-    rtxnet-<job>-<pid>-<counter>
+    rtxnet-<job>-<pid>-<8 hex digits>-<counter>
 
 Lifetime, so that nothing leaks even when a process is SIGKILLed:
 
-1. the owner creates and maps it (pages populated at once, so the first collective does not pay
-   page faults);
+1. the owner creates it, reserves its pages (``posix_fallocate``: a ``/dev/shm`` too small for it
+   is an ``OSError`` here, where a sparse file was a SIGBUS at the first write past the room,
+   Docker's 64 MiB default being the usual case), maps it (small ones populated at once, so the
+   first collective does not pay page faults), and holds a shared ``flock`` on it;
 2. peers map it by name when the owner announces it;
-3. once every peer has mapped it the owner unlinks the file (:meth:`Segment.unlink`); the memory
-   lives on in the mappings and is freed by the kernel when the last one goes, crash or not;
-4. a crash between 1 and 3 leaves a file whose pid is dead: :func:`reap_dead_segments`, run by
-   every engine at start, removes it.
+3. once every peer has mapped it the owner unlinks the file (:meth:`Segment.unlink`) and drops
+   its lock; the memory lives on in the mappings and is freed by the kernel when the last one
+   goes, crash or not;
+4. a crash between 1 and 3 leaves a file nobody holds a lock on: :func:`reap_dead_segments`, run
+   by every engine at start, removes it. The lock, not the pid, says whether the owner lives:
+   a process in another PID namespace sees other pids (a reaper there removed live segments
+   before their peers had mapped them, a tester's find).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import re
+import secrets
 
-import psutil
 import structlog
 
 __all__ = ["SHM_DIR", "Segment", "PeerSegment", "segment_name", "reap_dead_segments", "list_segments",
@@ -32,7 +41,7 @@ log = structlog.get_logger(__name__)
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "rtxnet-"
-_NAME_RE = re.compile(r"^rtxnet-([A-Za-z0-9_]{0,64})-(\d+)-(\d+)$")
+_NAME_RE = re.compile(r"^rtxnet-([A-Za-z0-9_]{0,64})-(\d+)-([0-9a-f]{8})-(\d+)$")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 # Larger mappings are faulted in by their first use instead: populating 512 MiB at once held the
 # event loop of the rank that made it for ~0.5 s (the copy that touches the pages runs off it).
@@ -47,9 +56,21 @@ def _safe_job(job: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", job)[:64]
 
 
+_nonce: tuple[int, str] = (-1, "")
+
+
+def _process_nonce() -> str:
+    """8 random hex digits, drawn once per process (again after a fork)."""
+    global _nonce
+    if _nonce[0] != os.getpid():
+        _nonce = (os.getpid(), secrets.token_hex(4))
+    return _nonce[1]
+
+
 def segment_name(job: str, pid: int, counter: int) -> str:
-    """The file name of segment ``counter`` of process ``pid`` in ``job``."""
-    return f"{_PREFIX}{_safe_job(job)}-{pid}-{counter}"
+    """The file name of segment ``counter`` of process ``pid`` in ``job`` (with this process's
+    random part)."""
+    return f"{_PREFIX}{_safe_job(job)}-{pid}-{_process_nonce()}-{counter}"
 
 
 def list_segments(pid: int | None = None) -> list[str]:
@@ -82,17 +103,28 @@ def remove_segments(pid: int) -> list[str]:
 
 
 def reap_dead_segments() -> list[str]:
-    """Unlink segments whose owner pid is no longer alive; returns the names removed."""
+    """Unlink segments no process holds (their owner's lock is gone: it died before unlinking
+    them); returns the names removed. Works across PID namespaces that share ``/dev/shm``, where
+    the pid in a name means nothing. (An owner that finds its new file reaped between creating
+    and locking it makes another: see :class:`Segment`.)"""
     removed = []
     for name in list_segments():
-        pid = int(_NAME_RE.match(name).group(2))  # type: ignore[union-attr]
-        if pid == os.getpid() or psutil.pid_exists(pid):
-            continue
+        path = os.path.join(SHM_DIR, name)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue           # gone meanwhile, or not ours to read
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue       # its owner holds it: alive
+            os.unlink(path)
             removed.append(name)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
     if removed:
         log.info("shm_reaped", segments=len(removed))
     return removed
@@ -111,31 +143,69 @@ class Segment:
         self.name = name
         self.nbytes = nbytes
         self._path = os.path.join(SHM_DIR, name)
-        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = _create_locked(self._path)
         try:
             os.ftruncate(fd, max(nbytes, 1))
+            _reserve(fd, max(nbytes, 1))
             self._mm = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED | _populate(nbytes))
         except BaseException:
             os.close(fd)
             os.unlink(self._path)
             raise
-        os.close(fd)
+        self._fd: int | None = fd
         self.buf = memoryview(self._mm)
         self.linked = True
 
     def unlink(self) -> None:
-        """Remove the file; mappings (ours and peers') stay valid."""
+        """Remove the file and drop its lock; mappings (ours and peers') stay valid."""
         if self.linked:
             self.linked = False
             try:
                 os.unlink(self._path)
             except FileNotFoundError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def close(self) -> None:
         """Unlink and unmap. Unmapping is skipped while arrays still view the memory."""
         self.unlink()
         _close_map(self)
+
+
+def _create_locked(path: str) -> int:
+    """Create ``path`` (``O_EXCL``) and take a shared ``flock`` on it, held until the owner
+    unlinks it; a reaper that took the file between the two (it was not locked yet) unlinked it,
+    so the file is made again."""
+    for _ in range(100):
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise OSError(errno.EAGAIN, f"{path} was removed as soon as it was made, 100 times")
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the file's pages now (tmpfs: zeroed pages charged to it).
+
+    Raises:
+        OSError: ``ENOSPC`` naming ``/dev/shm``'s free and total bytes when it has no room.
+    """
+    if not hasattr(os, "posix_fallocate"):     # not Linux: pages come at first touch
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        st = os.statvfs(SHM_DIR)
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} has no room for a segment of {nbytes} bytes "
+                      f"({st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes free)") from None
 
 
 class PeerSegment:

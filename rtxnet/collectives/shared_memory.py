@@ -58,7 +58,16 @@ class ShmState:
             if self.seg is not None:
                 self.retired.append(self.seg)
             cap = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-            self.seg = Segment(self.engine._next_segment_name(), 2 * cap)
+            try:
+                self.seg = Segment(self.engine._next_segment_name(), 2 * cap)
+            except OSError as exc:
+                # raised before this rank's hello: the peers are told by the group's abort
+                raise CollectiveError(
+                    f"cannot make this rank's shared-memory segment for a {nbytes}-byte "
+                    f"operation: {exc.strerror or exc}; give /dev/shm more room (a container's "
+                    f"is 64 MiB by default: docker run --shm-size, a Kubernetes emptyDir of "
+                    f"medium Memory) or set RTXNET_SHM=0 to move same-host payloads over TCP"
+                ) from exc
             self.slot_nbytes = cap
             self.parity = 0
             self.announced.append((self.seg, seq))
