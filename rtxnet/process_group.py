@@ -738,7 +738,10 @@ def _on_caller_stream(coro: Any, args: tuple, kwargs: dict) -> Any:
     ``pg.all_reduce(x)`` under ``with torch.cuda.stream(s):`` waits for ``s``'s work on ``x``."""
     from .collectives.gpu.arrays import CALLER_STREAM, caller_stream
 
-    stream = caller_stream(args, kwargs)
+    try:
+        stream = caller_stream(args, kwargs)
+    except Exception:  # noqa: BLE001 - no CuPy, no driver: the call itself refuses the array,
+        return coro    # telling the peers (raised here, it left them waiting out their deadline)
     if stream is None:
         return coro
 

@@ -405,7 +405,7 @@ def _error_from_abort(h: DataHeader, name: str, group) -> RtxError:
     meta = h.meta if isinstance(h.meta, list) and len(h.meta) == 3 else ["RtxError", "?", []]
     cls, msg, ranks = meta
     ranks = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
-    if cls in ("ValueError", "TypeError"):   # that rank refused its call (a bad argument)
+    if cls in ("ValueError", "TypeError", "ConfigError"):   # that rank refused its call (a bad argument)
         return CollectiveRefusedError(
             f"rank {h.src} refused its call matching this {name} (group {group.gid!r}, seq {h.seq}): "
             f"{cls}: {msg} (every rank's call failed before any data moved: the group is still in "

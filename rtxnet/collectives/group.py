@@ -50,7 +50,7 @@ from rtxnet.collectives.arrays import Buffer, copy_pairs, off_loop
 from rtxnet.collectives.arrays import payload_view as _view
 from rtxnet.collectives.doubling import recursive_doubling_all_reduce
 from rtxnet.collectives.engine import Engine, Op
-from rtxnet.collectives.gpu import is_gpu_array
+from rtxnet.collectives.gpu import cupy_available, is_gpu_array
 from rtxnet.collectives.reduce_ops import (
     ReduceOp,
     acc_dtype,
@@ -72,6 +72,7 @@ from transport.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeout,
+    ConfigError,
     LinkBrokenError,
     PeerLostError,
     RtxError,
@@ -247,6 +248,13 @@ class Group:
         """The group's :class:`rtxnet.collectives.gpu.backend.GpuGroup` (made on first GPU use)."""
         self._check_usable()
         if self._gpu_state is None:
+            # a ConfigError (a ValueError): refused before the call took its number, so the
+            # peers' matching call fails at once naming this rank (before, CuPy's ImportError
+            # was raised here and the peers waited out their deadline: a tester's find)
+            ok, why = cupy_available()
+            if not ok:
+                raise ConfigError(f"a CUDA array was passed on rank {self.rank} of group "
+                                  f"{self.gid!r}, but rtxnet cannot run GPU collectives here: {why}")
             from rtxnet.collectives.gpu.backend import GpuGroup
 
             self._gpu_state = GpuGroup(self)
