@@ -639,6 +639,11 @@ class Agent:
         except RtxError as exc:
             log.warning("leave_failed", error=str(exc))
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called (``close()``, or the release at interpreter exit)."""
+        return self._closed
+
     async def aclose(self, *, leave: bool = True) -> None:
         """Leave (unless ``leave`` is false), stop heartbeats, close the socket."""
         if self._closed:

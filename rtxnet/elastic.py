@@ -587,6 +587,7 @@ class FaultTolerance:
                 return self.step
             except RECOVERABLE as exc:
                 await self._recover(exc, self.step)
+                await asyncio.sleep(0)     # a retry that fails at once must not starve the loop
 
     async def _end(self, step: int) -> None:
         self.pg._pinned_world = None
@@ -698,6 +699,12 @@ class FaultTolerance:
 
     async def _recover(self, exc: BaseException, step: int) -> None:
         self.pg._pinned_world = None
+        if self.pg.agent.closed:
+            # the group was closed (close(), or the release at interpreter exit after Ctrl-C):
+            # nothing to recover, and every retry would fail at once (a breaker's find: ranks
+            # interrupted while waiting for a replacement spun, logging 190,000 lines, until
+            # rtxnet-run killed them)
+            raise exc
         now = time.monotonic()
         if self._open_failure is None:
             seen = [t for e, t in self._epoch_seen.items() if e > self._synced_epoch or e == -1]

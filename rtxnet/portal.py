@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["Portal", "Work", "result_of"]
+__all__ = ["Portal", "Work", "result_of", "wait_for"]
 
 T = TypeVar("T")
 
@@ -33,6 +33,16 @@ def result_of(future: concurrent.futures.Future, timeout: float | None = None) -
         return future.result(timeout)
     except RtxError as exc:
         raise exc.with_traceback(None)  # noqa: B904 (the same exception: its cause stays)
+
+
+def wait_for(future: concurrent.futures.Future) -> Any:
+    """:func:`result_of` ``(future)``, cancelling ``future`` (the coroutine behind it) when the
+    wait is interrupted before it is done."""
+    try:
+        return result_of(future)
+    except BaseException:
+        future.cancel()          # nothing when it is done: its own error is what is raised
+        raise
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -149,7 +159,11 @@ class Portal:
         return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        return result_of(self.submit(fn, *args, **kwargs))
+        """Run ``fn(*args, **kwargs)`` on the loop and wait for it. When the wait itself is
+        interrupted (Ctrl-C's ``KeyboardInterrupt``, any exception raised into this thread), the
+        coroutine is cancelled: left running on the loop, a guard's wait for a replacement
+        retried against a group closed at exit and starved the loop (a breaker's find)."""
+        return wait_for(self.submit(fn, *args, **kwargs))
 
     def stop(self) -> None:
         self._stopped = True

@@ -34,7 +34,7 @@ from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxT
 
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
-from .portal import Portal, Work, result_of
+from .portal import Portal, Work, wait_for
 
 __all__ = ["ProcessGroup", "BlockingProcessGroup", "Store", "connect", "init"]
 
@@ -725,7 +725,7 @@ def _blocking(portal: Portal, fn: Any) -> Any:
         fut = portal.submit(lambda: result)
         if async_op:
             return Work(fut)
-        return _wrap(portal, result_of(fut))   # split() returns a group: it gets the blocking face
+        return _wrap(portal, wait_for(fut))   # split() returns a group: it gets the blocking face
 
     call.__name__ = getattr(fn, "__name__", "call")
     call.__doc__ = getattr(fn, "__doc__", None)

@@ -1799,3 +1799,60 @@ def _gone(pid: int) -> bool:
     from rtxnet.topology import gone_from_this_host, host_id
 
     return gone_from_this_host({"host": host_id(), "pid": pid})
+
+
+WAIT_FOR_REPLACEMENT = textwrap.dedent("""
+    import os, time
+    import numpy as np
+    if os.environ.get("RTXNET_RESTART_COUNT", "0") != "0":
+        time.sleep(60)          # a replacement slow to start
+    import rtxnet
+
+    class S:
+        def __init__(self):
+            self.x = np.zeros(4)
+        def state_dict(self):
+            return {"x": self.x}
+        def load_state_dict(self, d):
+            self.x = d["x"].copy()
+
+    pg = rtxnet.init()
+    st = S()
+    ft = rtxnet.FaultTolerance(pg, st)
+    while ft.step < 1000:
+        with ft.guard() as step:
+            if step == 5 and pg.rank == 0 and os.environ.get("RTXNET_RESTART_COUNT", "0") == "0":
+                os._exit(1)
+            c = np.ones(4)
+            pg.all_reduce(c)
+            st.x += c
+            time.sleep(0.02)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_survivors_wait_for_a_replacement_ends_every_rank_at_once(tmp_path):
+    # Before, the KeyboardInterrupt left the guard's wait running on rtxnet's loop; at exit the
+    # group closed under it, and every retry failed at once: the two survivors spun for the
+    # whole --grace, logging ~190,000 state_load_refused lines, and were SIGKILLed (137), not
+    # 130 (a breaker's find).
+    script = tmp_path / "ft.py"
+    script.write_text(WAIT_FOR_REPLACEMENT)
+    sent: list[float] = []
+
+    def on_line(line: str, launcher: subprocess.Popen) -> None:
+        if "restart 1/1" in line and not sent:
+            time.sleep(2)                      # the survivors wait in the guard for the world
+            sent.append(time.monotonic())
+            launcher.send_signal(signal.SIGINT)
+
+    rc, lines = _launch_watching_stderr(["--nproc", "3", "--max-restarts", "1", "--grace", "20",
+                                         str(script)], on_line)
+    took = time.monotonic() - sent[0]
+    text = "".join(lines)
+    assert rc == 130, text[-4000:]
+    assert took < 6, (took, text[-4000:])
+    assert "killing it" not in text, text[-4000:]
+    for r in range(3):
+        assert f"[rtxnet-run] rank {r} exited with code 130" in text, text[-4000:]
+    assert text.count("state_load_refused") < 10, text[-4000:]
