@@ -141,7 +141,8 @@ class State:
     fenced_at_end: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # Not journaled: (job id, node) -> (host, pid, expiry, last renewal) of the launcher that runs
     # that node of the job (see _claim); after a restart the launchers' next renewals take them.
-    claims: dict[tuple[str, int], tuple[str, int, float, float]] = field(default_factory=dict)
+    # (job, node) -> (host, pid, expires, renewed, (min_ranks, max_ranks) or None)
+    claims: dict[tuple[str, int], tuple[str, int, float, float, tuple[int, int] | None]] = field(default_factory=dict)
     # Not journaled: identity -> the jobs where it has a kv_wait parked (for its disconnect)
     kv_waiting: dict[str, set[str]] = field(default_factory=dict)
 
@@ -229,15 +230,39 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
     found gone (a launcher killed and started again on its host need not wait for the claim to
     lapse); taken over only when not renewed for ``CLAIM_STALE_S``. A refusal tells
     ``renewed_s``, the seconds since the holder's last renewal. Not journaled: a restarted
-    coordinator holds none until the launchers renew them."""
+    coordinator holds none until the launchers renew them.
+
+    ``min_ranks``/``max_ranks``: the world the launch's ranks will ask for (its ``--nnodes`` x
+    ``--nproc``, ``--min-ranks``). A claim whose bounds differ from another node's live claim
+    of the job, or from the job's own, is refused with ``{"held": False, "conflict": {"node",
+    "host", "pid", "min_ranks", "max_ranks"}}`` (node -1: the job itself): two hosts of one job
+    started at once with different ``--nproc`` each had ranks refused, and whichever joined
+    first set the size (a breaker's find)."""
     job_id, node, ttl = msg["job"], msg["node"], msg["ttl_s"]
     if not job_id or len(job_id) > MAX_JOB_ID or not 0 <= node < 1 << 20 or not 0 <= ttl <= MAX_CLAIM_TTL_S:
         actions.append(_error(identity, msg, "ConfigError", f"claim: job {job_id[:40]!r} node {node} ttl_s "
                               f"{ttl!r}: need a job id of 1..{MAX_JOB_ID} characters, a node in "
                               f"0..{(1 << 20) - 1} and ttl_s in [0, {MAX_CLAIM_TTL_S:g}]"))
         return
+    bounds = (msg["min_ranks"], msg["max_ranks"]) if "min_ranks" in msg and "max_ranks" in msg else None
+    if bounds is not None and not 1 <= bounds[0] <= bounds[1] <= 1 << 20:
+        actions.append(_error(identity, msg, "ConfigError", f"claim: min_ranks({bounds[0]!r}) "
+                              f"max_ranks({bounds[1]!r}): need 1 <= min_ranks <= max_ranks <= {1 << 20}"))
+        return
     key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
     held = state.claims.get(key)
+    if bounds is not None and ttl > 0:
+        job = state.jobs.get(job_id)
+        if job is not None and (job.min_ranks, job.max_ranks) != bounds:
+            actions.append(_reply(identity, msg, None, held=False, conflict={
+                "node": -1, "host": "", "pid": 0, "min_ranks": job.min_ranks, "max_ranks": job.max_ranks}))
+            return
+        for (j, k), other in state.claims.items():
+            if j == job_id and k != node and other[2] > now and other[4] is not None and other[4] != bounds:
+                actions.append(_reply(identity, msg, None, held=False, conflict={
+                    "node": k, "host": other[0], "pid": other[1],
+                    "min_ranks": other[4][0], "max_ranks": other[4][1]}))
+                return
     taken_over = (held is not None and held[0] == me[0] and held[1] == msg.get("replaces")
                   and now - held[3] >= CLAIM_STALE_S)
     if held is not None and held[2] > now and held[:2] != me and not taken_over:
@@ -255,7 +280,8 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
                 actions.append(_error(identity, msg, "ConfigError", f"claim: {MAX_CLAIMS} launches hold "
                                       f"claims already; try again later"))
                 return
-        state.claims[key] = (*me, now + ttl, now)
+        kept = held[4] if held is not None and held[:2] == me else None
+        state.claims[key] = (*me, now + ttl, now, bounds if bounds is not None else kept)
     actions.append(_reply(identity, msg, None, held=True))
 
 

@@ -349,6 +349,7 @@ class Launcher:
         self.first_failure: tuple[float, int] | None = None
         self.error_dir: str | None = None        # the ranks' error files (rtxnet.errorfile)
         self._claimed: str | None = None          # the job id this launcher claimed (_probe)
+        self._bounds: tuple[int, int] | None = None  # the (min_ranks, max_ranks) it claimed for
         self._stopped_at: float | None = None    # time.time() of _stop_if_below_min_ranks
         self.stop_signal: str | None = None   # SIGINT/SIGTERM the launcher got and forwarded
         self._stop_signal_at = 0.0             # when (time.monotonic())
@@ -625,19 +626,21 @@ class Launcher:
         from .topology import gone_from_this_host
 
         a = self.args
-        await _probe_coordinator(self.address, job, alone=a.nnodes == 1,
-                                 bounds=(a.min_ranks or self.total, self.total),
+        bounds = (a.min_ranks or self.total, self.total)
+        await _probe_coordinator(self.address, job, alone=a.nnodes == 1, bounds=bounds,
                                  ranks=[s.rank for s in self.slots])
         if not job:
             return
         try:
-            body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S)
+            body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S, bounds=bounds)
             by = body.get("by") or {}
-            if not body.get("held") and gone_from_this_host(by):   # its launcher was killed: taken over
-                # once it has gone unrenewed for CLAIM_STALE_S (a pid gone from this /proc may
-                # still run in another PID namespace of this host name, renewing)
+            if not body.get("held") and not body.get("conflict") and gone_from_this_host(by):
+                # its launcher was killed: taken over once it has gone unrenewed for
+                # CLAIM_STALE_S (a pid gone from this /proc may still run in another PID
+                # namespace of this host name, renewing)
                 await asyncio.sleep(max(0.0, CLAIM_STALE_S + 0.2 - float(by.get("renewed_s") or 0)))
-                body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S, replaces=by["pid"])
+                body = await _claim(self.address, job, a.node_rank, _CLAIM_TTL_S, replaces=by["pid"],
+                                    bounds=bounds)
                 if body.get("held"):
                     _say(f"job {job!r}: took over the claim of rtxnet-run pid {by['pid']}, which is gone")
         except RtxTimeoutError:   # it answered the probe: frozen or starved since; two launches
@@ -648,6 +651,16 @@ class Launcher:
         except RtxError as exc:   # refused (a coordinator without claims): said, and gone on
             _say(f"could not claim job {job!r} at the coordinator ({exc}); going on without")
             return
+        if not body.get("held") and body.get("conflict"):
+            c = body["conflict"]
+            who = ("was begun" if c.get("node") == -1 else
+                   f"is being launched on node {c.get('node')} by rtxnet-run pid {c.get('pid')} on "
+                   f"{_shown(str(c.get('host')))}")
+            raise JobIdTaken(
+                f"job {job!r} on the coordinator at {self.address} {who} for "
+                f"{_bounds_text(int(c['min_ranks']), int(c['max_ranks']))}; this launch asks for "
+                f"{_bounds_text(*bounds)}: every host of a job needs the same --nnodes, --nproc "
+                f"and --min-ranks (or give a new --job); no rank was started")
         if not body.get("held"):
             by = body.get("by") or {}
             node = f" (node {a.node_rank})" if a.nnodes > 1 else ""
@@ -656,7 +669,7 @@ class Launcher:
                 f"rtxnet-run pid {by.get('pid')} on {_shown(str(by.get('host')))}: one rtxnet-run per "
                 f"job id (several hosts: --nnodes/--node-rank on each); give a new --job (a "
                 f"launcher that died gives its claim up within {_CLAIM_TTL_S:g} s); no rank was started")
-        self._claimed = job
+        self._claimed, self._bounds = job, bounds
 
     async def _keep_claim(self) -> None:
         """Renew this launcher's claim (see _probe) every ``_CLAIM_RENEW_S`` while it runs; a
@@ -670,10 +683,10 @@ class Launcher:
             await asyncio.sleep(_CLAIM_RENEW_S)
             try:
                 body = await _claim(self.address, self._claimed, self.args.node_rank, _CLAIM_TTL_S,
-                                    timeout_s=_CLAIM_RENEW_S)
+                                    timeout_s=_CLAIM_RENEW_S, bounds=self._bounds)
             except RtxError:
                 continue
-            if not body.get("held") and not told:   # it lapsed (this launcher was frozen) and went
+            if not body.get("held") and not body.get("conflict") and not told:   # it lapsed (this launcher was frozen) and went
                 by = body.get("by") or {}
                 _say(f"job {self._claimed!r}: this launcher's claim lapsed and rtxnet-run pid "
                      f"{by.get('pid')} on {_shown(str(by.get('host')))} holds it now (was this "
@@ -1226,10 +1239,12 @@ class JobIdTaken(RuntimeError):
 
 
 async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: float = _PROBE_S,
-                 replaces: int | None = None) -> dict:
+                 replaces: int | None = None, bounds: tuple[int, int] | None = None) -> dict:
     """Ask the coordinator at ``address`` for node ``node`` of job id ``job`` for ``ttl_s``
     seconds (0: give it back; ``replaces``: the pid of a launcher of this host, gone, whose claim
-    to take over); its answer, ``{"held": bool[, "by": {"host", "pid", "left_s"}]}``.
+    to take over; ``bounds``: the (min_ranks, max_ranks) this launch's ranks ask for); its
+    answer, ``{"held": bool[, "by": {"host", "pid", "left_s"}][, "conflict": {"node", "host",
+    "pid", "min_ranks", "max_ranks"}]}``.
 
     Raises:
         RtxError: no answer within ``timeout_s``, or a refusal.
@@ -1237,7 +1252,9 @@ async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: flo
     from .cli import _ask
     from .topology import host_id
 
-    extra = {} if replaces is None else {"replaces": replaces}
+    extra: dict[str, int] = {} if replaces is None else {"replaces": replaces}
+    if bounds is not None:
+        extra.update(min_ranks=bounds[0], max_ranks=bounds[1])
     return await _ask(address, "claim", timeout_s, job, node=node, host=host_id(), pid=os.getpid(),
                       ttl_s=ttl_s, **extra)
 

@@ -161,9 +161,10 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
     "status": {},
     # a launcher (rtxnet-run) takes job id ``job`` for its node for ttl_s seconds, renewed while
     # it runs; ttl_s 0 gives it back; replaces: the pid of a launcher of the same host that is
-    # gone, whose claim this one takes over (coordinator.state._claim)
+    # gone, whose claim this one takes over; min_ranks/max_ranks: the world its ranks will ask
+    # for, refused when another node's live claim of the job asks for another (coordinator.state._claim)
     "claim": {"node": (int, True), "host": (str, True), "pid": (int, True), "ttl_s": (_Num, True),
-              "replaces": (int, False)},
+              "replaces": (int, False), "min_ranks": (int, False), "max_ranks": (int, False)},
     # --- answers ---------------------------------------------------------------------------------
     "reply": {"ok": (bool, True), "body": (dict, True)},
     "error": {"error": (str, True), "message": (str, True)},

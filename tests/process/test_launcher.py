@@ -904,6 +904,38 @@ def test_a_host_launched_with_other_bounds_or_a_node_rank_twice_is_refused_befor
         first.communicate(timeout=30)
 
 
+def test_hosts_started_together_with_other_bounds_are_refused_before_any_rank_starts(tmp_path, coordinator):
+    # A breaker's find: with both launches started at once (no rank of either had joined yet),
+    # the bounds check above saw nothing; each node's ranks were refused at join, whichever
+    # joined first set the job's size, and the correctly launched node could be the one blamed.
+    # The launchers' claims now carry the world their ranks will ask for.
+    script = tmp_path / "late.py"
+    script.write_text("import time\ntime.sleep(30)\nimport rtxnet\npg = rtxnet.init()\npg.close()\n")
+    node = ["--nnodes", "2", "--coordinator", coordinator.address, "--job", "mnt", str(script)]
+    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--node-rank", "0", "--nproc", "2", *node],
+                             env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stderr:          # claimed by then; its ranks sleep before init
+            if "starting ranks 0..1 of 4" in line:
+                break
+        other = run(["--node-rank", "1", "--nproc", "3", *node])
+        assert other.returncode == 2, other.stderr[-3000:]
+        assert re.search(
+            rf"rtxnet-run: job 'mnt' on the coordinator at {re.escape(coordinator.address)} is being "
+            rf"launched on node 0 by rtxnet-run pid {first.pid} on .* for a world of 4 ranks; this "
+            rf"launch asks for a world of 6 ranks: every host of a job needs the same --nnodes, --nproc "
+            rf"and --min-ranks \(or give a new --job\); no rank was started", other.stderr), other.stderr
+        assert "[rank" not in other.stdout + other.stderr and "Traceback" not in other.stderr
+        # the same bounds are welcome
+        from rtxnet.launcher import _claim
+
+        assert asyncio.run(_claim(coordinator.address, "mnt", 1, 1.0, bounds=(4, 4))) == {"held": True}
+        assert asyncio.run(_claim(coordinator.address, "mnt", 1, 0, bounds=(4, 4))) == {"held": True}
+    finally:
+        first.terminate()   # forwarded to its ranks
+        first.communicate(timeout=30)
+
+
 def test_a_coordinator_that_answers_gets_the_ranks(tmp_path, coordinator):
     script = tmp_path / "marks.py"
     script.write_text(MARKS_START)
