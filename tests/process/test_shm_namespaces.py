@@ -8,7 +8,6 @@ is pid 1) and is skipped, saying why, where this user may not create namespaces.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
