@@ -345,9 +345,21 @@ class Agent:
         """Send ``mtype`` with this agent's job, token and epoch (``epoch`` names another)."""
         if self._closed or self._client is None:
             raise ClosedError("agent is closed" if self._closed else "agent has not joined")
-        return await self._client.request(mtype, job=self.job, epoch=self.epoch if epoch is None else epoch,
-                                          deadline_s=deadline_s or self.timeouts.request_s,
-                                          **{"token": self.token, **fields})
+        try:
+            return await self._client.request(mtype, job=self.job, epoch=self.epoch if epoch is None else epoch,
+                                              deadline_s=deadline_s or self.timeouts.request_s,
+                                              **{"token": self.token, **fields})
+        except RtxTimeoutError as exc:
+            since = self._unreachable_since
+            if since is None:
+                raise
+            # why, as far as this rank can tell (a tester's find: a coordinator that kept exiting
+            # on a full journal disk read as a bare "no answer within 10 s")
+            silent = asyncio.get_running_loop().time() - since
+            raise RtxTimeoutError(
+                f"{exc}; the coordinator has answered none of this rank's heartbeats either for "
+                f"{silent:.0f} s: it is down, frozen or restarting (its log says why; rtxnet-run "
+                f"restarts the one it started), or this rank is cut off from it") from None
 
     async def _on_push(self, msg: dict[str, Any]) -> None:
         if msg["job"] != self.job:
