@@ -41,9 +41,40 @@ def _address(text: str) -> str:
     from transport.channel import check_address
 
     try:
-        return check_address(text)
+        address = check_address(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host != "*" and not _bindable_host(host):
+            # before the journal is touched (ZeroMQ said only "No such device": a fresh user's find)
+            raise argparse.ArgumentTypeError(
+                f"cannot bind {text!r}: host {host!r} is neither an IP address, '*', an interface "
+                f"of this machine nor a name that resolves")
+    return address
+
+
+def _bindable_host(host: str) -> bool:
+    """Whether ZeroMQ can bind on ``host``: an IP address, a network interface's name, or a name
+    that resolves (ZeroMQ then binds its address)."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        if host in {name for _, name in socket.if_nameindex()}:
+            return True
+    except OSError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except (OSError, UnicodeError):
+        return False
 
 
 def _checked(cast, kind: str, ok, rule: str):

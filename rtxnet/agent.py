@@ -146,6 +146,10 @@ class Agent:
         self._closed = False
         self._leaving = False
         self._admissions = 0  # memberships accepted so far (a rejoin waits for the next one)
+        # this process's first admission was into a job that had formed without it (a
+        # replacement, a rank that came after the last call): its peers are training, not
+        # building their models (see rtxnet.parallel._world.joined_running)
+        self.joined_running = False
         # of those, the ones of at least min_ranks ranks (init returns once one came)
         self.reached_min_ranks = 0
         # bumped at every admission and fence: a heartbeat answer computed before a push that
@@ -383,6 +387,8 @@ class Agent:
         self._joining = False
         self.fenced = False
         self._admissions += 1
+        if self._admissions == 1:
+            self.joined_running = msg["reason"] != "formed"
         if msg["world_size"] >= self.min_ranks:
             self.reached_min_ranks += 1
         self._standing += 1

@@ -714,6 +714,10 @@ class _BlockingProxy:
         target = getattr(self._obj, name)
         return _blocking(self._portal, target) if callable(target) else target
 
+    def __dir__(self) -> list[str]:
+        # the wrapped object's names (help() and tab completion listed none: a fresh user's find)
+        return sorted(set(dir(self._obj)) | set(object.__dir__(self)))
+
 
 def _blocking(portal: Portal, fn: Any) -> Any:
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
@@ -729,6 +733,7 @@ def _blocking(portal: Portal, fn: Any) -> Any:
 
     call.__name__ = getattr(fn, "__name__", "call")
     call.__doc__ = getattr(fn, "__doc__", None)
+    call.__wrapped__ = fn    # inspect.signature / help() show the method's own arguments
     return call
 
 

@@ -26,6 +26,32 @@ def group_size(pg: Any) -> int:
     return int(pg.size if ws is None else ws)
 
 
+def joined_running(pg: Any) -> bool:
+    """Whether this process joined its job after the job had formed (a replacement started by
+    ``rtxnet-run --max-restarts``, a rank that came after ``--min-ranks``' last call): its peers
+    are training, so a collective at model construction (``init_sync``) would meet theirs of a
+    training step or of ``FaultTolerance``'s sync, not its like."""
+    agent = getattr(getattr(pg, "async_pg", pg), "agent", None)
+    return bool(getattr(agent, "joined_running", False))
+
+
+def skip_init_sync(pg: Any, wrapper: str) -> bool:
+    """``init_sync`` on a rank that :func:`joined_running`: skipped, with a warning (a fresh
+    user's find: the README's FSDP example, built with the default ``init_sync=True``, ended the
+    job when a replacement broadcast at construction while the others synced). The state comes
+    from the peers: ``FaultTolerance`` syncs it at the replacement's first step."""
+    if not joined_running(pg):
+        return False
+    import structlog
+
+    structlog.get_logger(__name__).warning(
+        "init_sync_skipped", wrapper=wrapper,
+        why="this rank joined a running job (a replacement or a late rank): its peers are "
+            "training, not building the model; FaultTolerance syncs the state at its first step "
+            "(pass init_sync=False to say so)")
+    return True
+
+
 class StepWorld:
     """The world group of the current step of ``pg`` (a process group, blocking or async, or a
     subgroup: a subgroup belongs to one epoch already and is used as it is)."""

@@ -87,6 +87,7 @@ from ._world import (
     check_still_frozen,
     graph_task,
     group_size,
+    skip_init_sync,
 )
 
 __all__ = ["DistributedDataParallel", "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_MB"]
@@ -272,7 +273,7 @@ class DistributedDataParallel(torch.nn.Module):
         # (a gradient of a parameter from another, nested one: reentrant checkpointing)
         self._backward_task: int | None = None
         self.last_comm_wait_s = 0.0
-        if init_sync:
+        if init_sync and not skip_init_sync(self._pg, "DDP"):
             check_same_layout(self.module, self._pg, "DDP", list(self._names.values()))
             self.broadcast_parameters(src=0)
         log.info("ddp_ready", params=len(named), buckets=len(self._buckets), device=str(self.device),

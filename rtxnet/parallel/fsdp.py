@@ -118,6 +118,7 @@ from ._world import (
     graph_task,
     group_size,
     layout_digest,
+    skip_init_sync,
 )
 from .tensor import NormParts, check_clip_args, scale_grads, tp_group_of_attr
 
@@ -375,6 +376,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._unit_groups: list[list[_FlatGroup]] = [[g for g in self._groups if g.unit == u]
                                                      for u in range(len(unit_names))]
         self._step_world.begin()
+        init_sync = init_sync and not skip_init_sync(self._pg, "FSDP")
         if init_sync:
             with self._step_world.pinned():
                 check_same_layout(module, self._pg, "FSDP",

@@ -12,7 +12,8 @@ single-process reference on the whole global batch and writes ``OUT_DIR/rank<r>.
 ``memory``: ``FaultTolerance(sharded_state=True)``: each rank also holds its ring predecessor's
 committed shards, so the new world reshards the committed state of the step before the failure
 from memory (no checkpoint loaded, one step lost). ``memory-nockpt``: the same, saving no
-checkpoint. ``checkpoint-corrupt``: as ``checkpoint``, but rank 0 flips a byte of rank 1's
+checkpoint. ``memory-initsync``: as ``memory``, built with the default ``init_sync=True``, which
+a replacement skips by itself. ``checkpoint-corrupt``: as ``checkpoint``, but rank 0 flips a byte of rank 1's
 shard of the newest checkpoint (step 8) at step 9: the new world falls back to step 4.
 """
 
@@ -46,8 +47,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B * steps, 6, generator=g)
     y = x.sum(1, keepdim=True).sin()
-    # init_sync=False: a replacement must not broadcast while the others sync (same seed anyway)
-    model = FullyShardedDataParallel(make_net(), pg, init_sync=False)
+    # init_sync=False: a replacement must not broadcast while the others sync (same seed anyway);
+    # "memory-initsync" leaves the default, which the replacement skips by itself
+    model = FullyShardedDataParallel(make_net(), pg, init_sync=mode == "memory-initsync")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     state = FSDPState(model, opt)   # load_state_dicts: every saved rank's shards, resharded

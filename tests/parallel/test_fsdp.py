@@ -150,7 +150,8 @@ def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
 
 
 @pytest.mark.parametrize("mode, after", [("checkpoint", "shrunk"), ("memory", "replaced"),
-                                         ("memory", "shrunk"), ("checkpoint-corrupt", "shrunk")])
+                                         ("memory", "shrunk"), ("checkpoint-corrupt", "shrunk"),
+                                         ("memory-initsync", "replaced")])
 def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
     # Rank 1 dies at step 10; its shards are gone with it, the survivor's own cannot be rolled
     # back in a world of 1 (FSDP refuses them). "checkpoint": the new world loads checkpoint 8,
@@ -160,7 +161,10 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
     # replacement, 2 ranks from the survivor's two; shrunk, 3 ranks to 2, rank 1's shards from
     # its ring successor (old rank 2). The parameters still equal one process (SGD with
     # momentum). Before: the survivor crashed on the refused roll-back; alone, it could not load
-    # the checkpoint of 2 ranks at all.
+    # the checkpoint of 2 ranks at all. "memory-initsync": the wrapper built with the default
+    # init_sync=True, which the replacement skips (init_sync_skipped); before, its broadcast at
+    # construction met the others' sync and the job ended (a fresh user's find, following the
+    # README's FSDP example).
     nproc = 3 if (mode, after) == ("memory", "shrunk") else 2
     world = nproc if after == "replaced" else nproc - 1
     opts = ["--max-restarts", "1"] if after == "replaced" else ["--min-ranks", str(nproc - 1)]
@@ -180,9 +184,11 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     # checkpoint-corrupt: step 8's shard of rank 1 is corrupt, every rank falls back to step 4
     # (before: CheckpointCorruptError ended the job)
-    lost = {"memory": "steps lost: 1", "checkpoint": "steps lost: 3", "checkpoint-corrupt": "steps lost: 7"}[mode]
+    lost = {"memory": "steps lost: 1", "memory-initsync": "steps lost: 1", "checkpoint": "steps lost: 3",
+            "checkpoint-corrupt": "steps lost: 7"}[mode]
     assert [line for line in res[0]["report"] if "steps lost" in line][-1].endswith(lost), res[0]["report"]
-    if mode == "memory":
+    assert ("init_sync_skipped" in proc.stderr) == (mode == "memory-initsync"), proc.stderr[-5000:]
+    if mode.startswith("memory"):
         assert "restored_from_checkpoint" not in proc.stderr and "state_resharded" in proc.stderr
         if nproc == 3:   # old ranks 0 and 2 from themselves (now 0 and 1), old rank 1 from old 2
             assert "sources={0: 0, 1: 1, 2: 1}" in proc.stderr, proc.stderr[-5000:]

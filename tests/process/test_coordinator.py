@@ -511,6 +511,9 @@ def test_a_timeout_that_is_not_a_deadline_gets_an_error_answer_naming_it(coordin
     (["--dead-job-ttl", "-5"], "argument --dead-job-ttl: '-5' is not a finite, positive number of seconds"),
     (["--bind", "tcp://127.0.0.1:70000"], "argument --bind: 'tcp://127.0.0.1:70000': port '70000' is not in 0..65535"),
     (["--journal", ""], "argument --journal: '' is not a folder name (empty)"),
+    # was exit 4 with ZeroMQ's "No such device", after the journal was made (a fresh user's find)
+    (["--bind", "tcp://nosuchhost.invalid:0"], "argument --bind: cannot bind 'tcp://nosuchhost.invalid:0': "
+     "host 'nosuchhost.invalid' is neither an IP address, '*', an interface of this machine nor a name that resolves"),
     (["--journal-owner", "1"], "argument --journal-owner: only applies with --remove-journal-on-stop"),
 ])
 def test_daemon_arguments_are_argparse_errors_naming_the_value(tmp_path, args, text):

@@ -43,19 +43,21 @@ _RANK = textwrap.dedent("""
             out.append([type(exc).__name__, str(exc), time.monotonic() - t0])
 
     out = []
+    # (each rank's number is read at the start: once its peer has left, the rank left is 0)
     if sys.argv[2] == "blocking":
         pg = rtxnet.init()
-        record(out, lambda: pg.all_reduce(arg(pg.rank), timeout=20))
+        rank = pg.rank
+        record(out, lambda: pg.all_reduce(arg(rank), timeout=20))
         y = np.ones(4, np.float32)
         pg.all_reduce(y, timeout=20)                  # the group is still in step
         out.append(float(y[0]))
-        rank = pg.rank
         pg.close()
     else:
         async def main():
             pg = await rtxnet.connect()
+            rank = pg.rank
             async def call():
-                await pg.all_reduce(arg(pg.rank), timeout=20)
+                await pg.all_reduce(arg(rank), timeout=20)
             t0 = time.monotonic()
             try:
                 await call()
@@ -66,7 +68,7 @@ _RANK = textwrap.dedent("""
             await pg.all_reduce(y, timeout=20)
             out.append(float(y[0]))
             await pg.close()
-            return pg.rank
+            return rank
         rank = asyncio.run(main())
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(out, f)

@@ -42,8 +42,9 @@ _SMALL_SHM_RANK = textwrap.dedent("""
     import numpy as np
     import rtxnet
     pg = rtxnet.init()
+    rank = pg.rank      # read now: once its peer has left, the rank left is 0
     out = {}
-    x = np.full(3 << 20, pg.rank + 1.0, np.float32)    # 12 MiB: a 24 MiB segment on rank 0
+    x = np.full(3 << 20, rank + 1.0, np.float32)    # 12 MiB: a 24 MiB segment on rank 0
     t0 = time.monotonic()
     try:
         pg.broadcast(x, src=0, timeout=30)
@@ -51,10 +52,10 @@ _SMALL_SHM_RANK = textwrap.dedent("""
     except Exception as exc:
         out["big"] = [type(exc).__name__, str(exc)]
     out["big_s"] = time.monotonic() - t0
-    y = np.full(256, pg.rank + 1.0, np.float32)          # below the shared-memory size: TCP
+    y = np.full(256, rank + 1.0, np.float32)          # below the shared-memory size: TCP
     pg.all_reduce(y, timeout=30)
     out["small"] = float(y[0])
-    with open(f"{sys.argv[1]}/rank{pg.rank}.json", "w") as f:
+    with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(out, f)
     pg.close()
 """)

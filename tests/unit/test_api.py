@@ -232,6 +232,19 @@ def test_a_child_forked_after_init_is_refused_at_its_first_call(coordinator):
         assert x.tolist() == [1.0, 1.0]
 
 
+def test_the_blocking_facade_shows_the_methods_and_their_arguments(coordinator):
+    # a fresh user's find: dir(pg.store) listed no method and help(pg.store.get) showed only
+    # (*args, **kwargs)
+    import inspect
+
+    with rtxnet.init(coordinator.address, job="introspect", world_size=1) as pg:
+        assert {"get", "set", "wait", "compare_set", "delete"} <= set(dir(pg.store))
+        assert list(inspect.signature(pg.store.get).parameters) == ["key"]
+        assert list(inspect.signature(pg.store.wait).parameters) == ["keys", "timeout"]
+        assert "None when the key is absent" in pg.store.get.__doc__
+        assert pg.store.get("absent") is None
+
+
 def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coordinator):
     # a fresh user's finds: store.set(None, ...) was an AttributeError from the encoder, and
     # broadcast(x, src=True) broadcast from rank 1
