@@ -241,6 +241,11 @@ class FaultTolerance:
         # "blobs": {rank in that world: blob}} (its own and its ring predecessor's); None before
         # the first sync
         self._ring: dict[str, Any] | None = None
+        # sharded_state: the ring this rank held before a sync replaced it with the new world's,
+        # when both hold the same committed step; kept until the next commit. A rank lost during
+        # that sync's own ring exchange leaves some ranks with the new ring and some with the
+        # old, neither complete alone: the next sync may take this one (a breaker's find)
+        self._ring_kept: dict[str, Any] | None = None
         self._same_step_failures: dict[int, int] = {}
         self._evictions: dict[int, int] = {}   # step -> evictions this rank asked for in it
         self._snapshot = pack_state(state.state_dict())
@@ -631,6 +636,7 @@ class FaultTolerance:
             if pending is not None:
                 self._snapshot = pending[m.rank]
                 self._ring = {"step": step, "epoch": epoch, "world": m.world_size, "blobs": pending}
+                self._ring_kept = None
             else:
                 # the last snapshot's memory is written over when nothing else reads it (it was
                 # not sent since: _broadcast_bytes drops _reusable) and the layout is the same
@@ -904,6 +910,7 @@ class FaultTolerance:
             if not oks.all():
                 best = await self._fall_back_to_checkpoint(np.flatnonzero(oks == 0).tolist(), src,
                                                             job_committed, world)
+        await _faults.apoint("sync", pg=pg, step=best + 1)   # fault injection: "during the re-form"
         await self._rewind_job(best, job_committed)
         self._synced(best, epoch, rank, world, src)
 
@@ -1097,18 +1104,18 @@ class FaultTolerance:
         load the newest checkpoint when some rank's state is gone. Returns the committed step."""
         pg = self.pg
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
-        ring = self._ring
+        ring, kept = self._ring, self._ring_kept
         if ring is None:     # a fresh process: its state as built, nothing committed
             layout = getattr(self.state, "sharded_layout", None)
             built_rank, built_world = layout() if callable(layout) else self._built
             mine = [0, self.committed_step, -1, built_world, built_rank, -1]
         else:
-            own = next(iter(ring["blobs"]))
-            pred = next((k for k in ring["blobs"] if k != own), -1)
-            mine = [1, ring["step"], ring["epoch"], ring["world"], own, pred]
-        rows = np.zeros((world, 6), dtype=np.int64)
-        await pg.all_gather(rows, np.array(mine, dtype=np.int64))
-        fresh = not rows[:, 0].any()
+            mine = self._ring_row(ring)
+        mine += self._ring_row(kept) if kept is not None else [0, -1, -1, 0, -1, -1]
+        both = np.zeros((world, 12), dtype=np.int64)
+        await pg.all_gather(both, np.array(mine, dtype=np.int64))
+        rows = both[:, :6]
+        fresh = not both[:, 0].any() and not both[:, 6].any()
         covered, holders = False, {}
         if fresh:
             # Every state as built, laid out for the world it was built in. Ranks that joined
@@ -1130,21 +1137,12 @@ class FaultTolerance:
             old_world = int(rows[at_best[0], 3])
             holders = {}
             for q in at_best:
-                holders.setdefault(int(rows[q, 4]), q)
+                holders.setdefault(int(rows[q, 4]), (q, 0))
             covered = True
         else:
-            best = int(rows[rows[:, 0] == 1, 1].max())
-            at_best = [q for q in range(world) if rows[q, 0] and rows[q, 1] == best]
-            e0 = rows[at_best[0], 2]
-            at_best = [q for q in at_best if rows[q, 2] == e0]
-            old_world = int(rows[at_best[0], 3])
-            for col in (4, 5):       # owners first, then ring successors
-                for q in at_best:
-                    if rows[q, col] >= 0:
-                        holders.setdefault(int(rows[q, col]), q)
-            covered = all(k in holders for k in range(old_world))
+            best, old_world, holders, covered, at_best = self._choose_ring(both)
         in_place = covered and old_world == world and len(at_best) == world and all(
-            rows[q, 4] == q for q in range(world))
+            holders.get(q) == (q, 0) for q in range(world))
         source = "in place" if in_place else "ring"
         if best < job_committed or not covered and not fresh:
             restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
@@ -1162,22 +1160,66 @@ class FaultTolerance:
                     f"committed step {best}) is gone: each rank's state lives on that rank and its "
                     f"ring successor, and both were lost; no checkpoint can replace it "
                     f"({self._no_checkpoint_why()})")
+        used = None     # the ring, on this rank, that the state came from
         if source == "ring":
             blobs = []
             for k in range(old_world):
-                src = holders[k]
-                own = ring["blobs"].get(k) if ring is not None else self._snapshot  # (fresh)
+                src, slot = holders[k]
+                held = ring if slot == 0 else kept
+                used = held if src == rank else used
+                own = held["blobs"].get(k) if held is not None else self._snapshot  # (fresh)
                 blobs.append(await self._broadcast_bytes(own if src == rank else None, src))
             # off the loop, as :meth:`_pack`
             await asyncio.to_thread(lambda: self.state.load_state_dicts([unpack_state(b) for b in blobs]))
             log.warning("state_resharded", step=best, saved_world_size=old_world, world_size=world,
-                     sources={k: holders[k] for k in range(old_world)})
+                     sources={k: holders[k][0] for k in range(old_world)})
+        await _faults.apoint("sync", pg=pg, step=best + 1)   # fault injection: "during the re-form"
         if source != "in place" or ring is None:
             # a new world, a checkpoint or the first sync: this world's ring of the committed state
             blobs = await self._ring_exchange(rank, world)
+            # the ring the state came from stays until the next commit (see _ring_kept)
+            self._ring_kept = next((r for r in (used, ring, kept) if r is not None and source == "ring"
+                                    and r["step"] == best), None)
             self._snapshot = blobs[rank]
             self._ring = {"step": best, "epoch": epoch, "world": world, "blobs": blobs}
+        else:
+            self._ring_kept = None
         return best
+
+    @staticmethod
+    def _ring_row(ring: dict[str, Any]) -> list[int]:
+        """``[1, step, epoch, world, owner, predecessor]`` of a ring this rank holds (its own
+        blob's rank and its predecessor's, -1 when a world of one has none)."""
+        own = next(iter(ring["blobs"]))
+        pred = next((k for k in ring["blobs"] if k != own), -1)
+        return [1, ring["step"], ring["epoch"], ring["world"], own, pred]
+
+    @staticmethod
+    def _choose_ring(both: np.ndarray) -> tuple[int, int, dict[int, tuple[int, int]], bool, list[int]]:
+        """Which committed ring the sync takes, from every rank's two ring rows (``both``: the
+        ring each holds and the one it kept, see :meth:`_ring_row`): the newest committed step,
+        and of the rings holding it (one per epoch they were made in) the newest that is complete
+        here, its every rank's state held by its owner or its ring successor; else the newest.
+        Returns ``(step, its world size, {rank of that world: (holder, slot)}, complete, the
+        ranks holding that ring)``; slot 0 is a rank's ring, 1 the one it kept."""
+        entries = [(q, slot, both[q, 6 * slot:6 * slot + 6]) for q in range(both.shape[0])
+                   for slot in (0, 1) if both[q, 6 * slot]]
+        best = int(max(row[1] for _, _, row in entries))
+        choice = None
+        for e0 in sorted({int(row[2]) for _, _, row in entries if row[1] == best}, reverse=True):
+            group = [(q, slot, row) for q, slot, row in entries if row[1] == best and row[2] == e0]
+            old_world = int(group[0][2][3])
+            holders: dict[int, tuple[int, int]] = {}
+            for col in (4, 5):       # owners first, then ring successors
+                for q, slot, row in group:
+                    if row[col] >= 0:
+                        holders.setdefault(int(row[col]), (q, slot))
+            covered = all(k in holders for k in range(old_world))
+            found = (best, old_world, holders, covered, sorted({q for q, _, _ in group}))
+            if covered:
+                return found
+            choice = choice or found
+        return choice
 
     async def _fall_back_to_checkpoint(self, refused: list[int], src: int, job_committed: int,
                                        world: int) -> int:
@@ -1419,4 +1461,6 @@ def _fault_where(at: str, step: int | None, collective: int | None) -> str:
         return f" while the checkpoint of step {step} was written"
     if at == "collective" and collective is not None:
         return f" before its collective {collective}"
+    if at == "sync" and step is not None:
+        return f" in the state's sync before step {step}"
     return "" if step is None else f" at step {step}"

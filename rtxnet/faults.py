@@ -19,8 +19,10 @@ ranks, so they may look alike), and ``seed`` once per plan.
 
 Where a fault fires (``at=``): ``step`` (default; at the start of step N), ``collective`` (before
 the N-th collective of the rank, with ``collective=N``), ``checkpoint`` (while a checkpoint is
-written, with ``step=N`` for the checkpoint of step N or the first one), ``rendezvous`` (before the
-rank joins). ``rank=any`` picks one rank from the seed; a fault without ``rank`` fires on rank 0
+written, with ``step=N`` for the checkpoint of step N or the first one), ``sync`` (in
+``FaultTolerance``'s sync of the state after a membership change, once the state is synced and
+before the new world's ring copy of ``sharded_state``, with ``step=N`` for the sync before step N
+or the first one: a second failure during a recovery), ``rendezvous`` (before the rank joins). ``rank=any`` picks one rank from the seed; a fault without ``rank`` fires on rank 0
 (for ``kill-coordinator``), otherwise once, on the first rank that reaches it (each fault is
 claimed once per job in the store). Faults fire only in a rank's first
 process, so a restarted replacement does not fail again at the same step.
@@ -56,7 +58,7 @@ __all__ = ["Fault", "parse_plan", "Injector"]
 log = structlog.get_logger(__name__)
 
 KINDS = ("kill", "pause", "drop-heartbeats", "delay", "partition", "kill-coordinator")
-POINTS = ("step", "collective", "checkpoint", "rendezvous")
+POINTS = ("step", "collective", "checkpoint", "sync", "rendezvous")
 _INT_FIELDS = {"step", "collective", "seed"}
 _FLOAT_FIELDS = {"seconds", "ms", "after"}
 
@@ -192,7 +194,7 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             args["at"] = "collective"
         at = args.get("at", "step")
         if kind in ("kill", "pause", "partition", "kill-coordinator") and at == "step" and "step" not in args:
-            raise ValueError(f"{part!r}: {kind} needs step=N (or at=collective/checkpoint/rendezvous)")
+            raise ValueError(f"{part!r}: {kind} needs step=N (or at=collective/checkpoint/sync/rendezvous)")
         if at == "collective" and "collective" not in args:
             raise ValueError(f"{part!r}: at=collective needs collective=N")
         if kind in ("pause", "partition") and "seconds" not in args:
@@ -288,7 +290,7 @@ class Injector:
                 continue  # time-based, see timed()
             if at == "step" and f.step is not None and step != f.step:
                 continue
-            if at == "checkpoint" and f.step is not None and step != f.step:
+            if at in ("checkpoint", "sync") and f.step is not None and step != f.step:
                 continue
             if at == "collective" and f.collective != self.collectives:
                 continue
@@ -344,6 +346,10 @@ class Injector:
                     f"({len(self.checkpoints)} written)")
         if f.at == "rendezvous":
             return "this process never reached the rendezvous"
+        if f.at == "sync":
+            which = "" if f.step is None else f" before step {f.step}"
+            return (f"no rtxnet.FaultTolerance sync{which} ran in this process (at=sync fires in "
+                    f"the state's sync after a membership change)")
         if self.last_step is None:
             return ("no rtxnet.FaultTolerance step ran in this process (at=step faults fire at "
                     "the start of its steps; a script without it can use at=collective)")
@@ -401,7 +407,7 @@ def dump(rec: dict[str, Any]) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------
-# Named fault points outside the training loop (collective, checkpoint, rendezvous).
+# Named fault points outside the training loop (collective, checkpoint, sync, rendezvous).
 
 _CURRENT: list[Injector | None] = []
 # Records of faults that fired where no store existed yet (``at=rendezvous``, before the join);

@@ -200,6 +200,29 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
     assert proc.returncode == (0 if after == "replaced" else 137), proc.stderr[-3000:]
 
 
+@pytest.mark.timeout(150)
+def test_a_second_rank_lost_during_the_re_form_costs_no_committed_state(tmp_path):
+    # 4 ranks, no checkpoint: rank 2 dies at step 6; during the sync that follows, once the
+    # state is resharded for the world of 3, rank 0 dies before that world's ring copy (the
+    # at=sync fault point). Old ranks 0 and 2 were no ring neighbours: the two left reshard the
+    # committed state of step 5 again, for 2 ranks, and end equal to one process. (Where such a
+    # loss cuts the ring copy short on some ranks only, the ring a sync took its state from is
+    # kept until the next commit: tests/unit/test_sharded_rings.py.)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "2",
+         "--faults", "kill:rank=2:step=6; kill:rank=0:at=sync:step=6",
+         str(Path(__file__).parent / "fsdp_ft_worker.py"), str(tmp_path), "10", "memory-nockpt"],
+        capture_output=True, text=True, timeout=130, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
+    res = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(res) == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "fault_injected" in proc.stderr and "at=sync" in proc.stderr, proc.stderr[-6000:]
+    for r in res:
+        assert r["steps"] == 10 and r["world_size"] == 2 and r["rel"] < TOL, r
+        assert "state_lost" not in r["events"], r
+    assert "is gone" not in proc.stderr and "state_lost" not in proc.stderr, proc.stderr[-6000:]
+    assert proc.returncode == 137, proc.stderr[-3000:]     # the killed ranks' code
+
+
 def test_sharded_state_lost_with_every_rank_is_reported_and_training_starts_again(tmp_path):
     # Both ranks die at step 10 and no checkpoint was saved: nobody holds the committed shards
     # (sharded_state=True keeps them on their owner and its ring successor, both gone). The

@@ -134,3 +134,15 @@ def test_a_bad_plan_in_the_environment_is_a_config_error_naming_it(monkeypatch):
     with pytest.raises(ConfigError, match="RTXNET_FAULTS="):
         Injector.from_env()
 
+
+
+def test_a_sync_fault_fires_at_the_sync_before_its_step_and_is_named_when_it_never_came():
+    inj = Injector("kill:rank=0:at=sync:step=6")
+    assert inj.due("sync", rank=0, world_size=3, step=0) == []      # the first sync: not step 6
+    assert inj.unreached(rank=0, world_size=3) == [
+        "fault 'kill:rank=0:at=sync:step=6' was not injected: no rtxnet.FaultTolerance sync "
+        "before step 6 ran in this process (at=sync fires in the state's sync after a "
+        "membership change)"]
+    (f,) = inj.due("sync", rank=0, world_size=3, step=6)
+    assert f.at == "sync" and f.step == 6
+    assert inj.due("sync", rank=0, world_size=3, step=6) == []      # once
