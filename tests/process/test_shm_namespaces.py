@@ -119,7 +119,8 @@ def test_a_reaper_in_another_pid_namespace_removes_only_segments_nobody_holds():
                            capture_output=True, text=True, timeout=60, env=procs.env(), cwd=ROOT)
         assert p.returncode == 0, p.stderr[-3000:]
         removed = json.loads(p.stdout.strip().splitlines()[-1])
-        assert dead_name in removed and live_name not in removed, removed
+        # (the dead one may have gone to another engine's reaper first: tests run side by side)
+        assert live_name not in removed, removed
         assert live_name in shm.list_segments() and dead_name not in shm.list_segments()
     finally:
         for q in (live, dead):
