@@ -873,16 +873,23 @@ def test_two_launches_of_one_job_id_started_together_one_is_refused_before_any_r
     assert asyncio.run(_claim(coordinator.address, "dual", 0, 1.0)) == {"held": True}
 
 
+def _node_0_of_two(tmp_path, coordinator, job: str, script_text: str) -> tuple[subprocess.Popen, list[str]]:
+    """rtxnet-run as node 0 of 2 (``--nproc 2``) of ``job`` running ``script_text``, and the
+    arguments every node of that launch shares (``--node-rank`` and ``--nproc`` apart)."""
+    script = tmp_path / f"{job}.py"
+    script.write_text(script_text)
+    node = ["--nnodes", "2", "--coordinator", coordinator.address, "--job", job, str(script)]
+    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--node-rank", "0", "--nproc", "2", *node],
+                             env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return first, node
+
+
 def test_a_host_launched_with_other_bounds_or_a_node_rank_twice_is_refused_before_any_rank_starts(
         tmp_path, coordinator):
     # a fresh user's find: each rank of such a launch died with a traceback ("job 'mn2' has
     # min_ranks(4) ... asks for min_ranks(6) (RTXNET_WORLD_SIZE ...)", or "rank 0 ... is
     # already claimed"), and the other host's launcher blamed "ranks 3, 4, 5 failed for good"
-    script = tmp_path / "holds.py"
-    script.write_text("import rtxnet\npg = rtxnet.init()\npg.close()\n")
-    node = ["--nnodes", "2", "--coordinator", coordinator.address, "--job", "mn", str(script)]
-    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--node-rank", "0", "--nproc", "2", *node],
-                             env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, node = _node_0_of_two(tmp_path, coordinator, "mn", "import rtxnet\npg = rtxnet.init()\npg.close()\n")
     try:
         wait_until(lambda: any(j["job"] == "mn" and j["pending"] == 2
                                for j in procs.coordinator_jobs(coordinator.address)),
@@ -909,11 +916,8 @@ def test_hosts_started_together_with_other_bounds_are_refused_before_any_rank_st
     # the bounds check above saw nothing; each node's ranks were refused at join, whichever
     # joined first set the job's size, and the correctly launched node could be the one blamed.
     # The launchers' claims now carry the world their ranks will ask for.
-    script = tmp_path / "late.py"
-    script.write_text("import time\ntime.sleep(30)\nimport rtxnet\npg = rtxnet.init()\npg.close()\n")
-    node = ["--nnodes", "2", "--coordinator", coordinator.address, "--job", "mnt", str(script)]
-    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--node-rank", "0", "--nproc", "2", *node],
-                             env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, node = _node_0_of_two(tmp_path, coordinator, "mnt",
+                                 "import time\ntime.sleep(30)\nimport rtxnet\npg = rtxnet.init()\npg.close()\n")
     try:
         for line in first.stderr:          # claimed by then; its ranks sleep before init
             if "starting ranks 0..1 of 4" in line:
