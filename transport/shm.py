@@ -89,16 +89,12 @@ def list_segments(pid: int | None = None) -> list[str]:
 
 def remove_segments(pid: int) -> list[str]:
     """Unlink every segment of process ``pid`` (which must have exited: its own mappings stay
-    valid, but a peer could not map one again); returns the names removed. ``rtxnet-run`` calls
-    it for each rank process that ends, so a rank killed or stopped by a signal mid-operation
-    leaves nothing in ``/dev/shm`` (its segments can be a GiB each)."""
-    removed = []
-    for name in list_segments(pid):
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
+    valid, but a peer could not map one again) that no process holds; returns the names removed.
+    ``rtxnet-run`` calls it for each rank process that ends, so a rank killed or stopped by a
+    signal mid-operation leaves nothing in ``/dev/shm`` (its segments can be a GiB each). A
+    segment with that pid in its name held by a live process is another PID namespace's (a
+    container sharing ``/dev/shm``) and stays (a tester's find: they were removed)."""
+    removed = [name for name in list_segments(pid) if _unlink_unheld(name)]
     return removed
 
 
@@ -107,27 +103,30 @@ def reap_dead_segments() -> list[str]:
     them); returns the names removed. Works across PID namespaces that share ``/dev/shm``, where
     the pid in a name means nothing. (An owner that finds its new file reaped between creating
     and locking it makes another: see :class:`Segment`.)"""
-    removed = []
-    for name in list_segments():
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue           # gone meanwhile, or not ours to read
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue       # its owner holds it: alive
-            os.unlink(path)
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
+    removed = [name for name in list_segments() if _unlink_unheld(name)]
     if removed:
         log.info("shm_reaped", segments=len(removed))
     return removed
+
+
+def _unlink_unheld(name: str) -> bool:
+    """Unlink segment ``name`` unless a process holds its lock; whether it was removed."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False           # gone meanwhile, or not ours to read
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False       # its owner holds it: alive
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class Segment:

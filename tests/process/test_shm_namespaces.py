@@ -146,3 +146,19 @@ def test_processes_that_are_both_pid_1_name_their_segments_apart():
     (pid_a, a), (pid_b, b) = got
     assert pid_a == pid_b == 1
     assert a != b and a.startswith("rtxnet-pidns-1-") and b.startswith("rtxnet-pidns-1-"), (a, b)
+
+
+def test_the_launchers_cleanup_by_pid_leaves_a_segment_a_live_process_holds():
+    # rtxnet-run removes what an exited rank left by the pid in the segments' names; a live
+    # process of another PID namespace sharing /dev/shm (a container of the same pod) may have
+    # that pid too, and its live segments were removed (a tester's find). Here the holder is
+    # alive when its pid's segments are cleaned up: they stay, and go once it is dead.
+    live, name = _holder("hold")
+    try:
+        assert shm.remove_segments(live.pid) == []
+        assert name in shm.list_segments()
+    finally:
+        live.kill()
+        live.wait()
+    shm.remove_segments(live.pid)
+    assert name not in shm.list_segments()
