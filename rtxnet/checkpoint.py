@@ -373,10 +373,10 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             (resumed from an older checkpoint) and are deleted too: :func:`latest` would return
             them. (Before, the newest ``keep`` of all were kept: a save of step 25 after steps
             30 existed deleted the checkpoint it had just written, a tester's find.) Without
-            ``keep`` no committed step is deleted, and a save below existing steps logs
-            ``checkpoint_newer_steps_remain`` naming them. With or without it, what killed saves
-            of earlier steps left (temporary files, a step folder that never got its manifest,
-            shards a manifest does not list) is removed.
+            ``keep`` no committed step is deleted, and a save below existing committed steps
+            logs ``checkpoint_newer_steps_remain`` naming them. With or without it, what killed
+            saves left (temporary files, a step folder that never got its manifest, shards a
+            manifest of an earlier step does not list) is removed.
         metadata: JSON-serialisable values stored in the manifest (e.g. the loss).
         timeout_s: deadline of each collective, in seconds; ``None`` uses the group's.
 
@@ -549,10 +549,11 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
     log.info("checkpoint_saved", step=step, nbytes=nbytes, world_size=world,
              duration_ms=round(duration_ms, 1))
     if rank == 0:
-        _sweep_older(root, step)
+        _sweep_killed_saves(root, step)
     if rank == 0 and keep is not None:
         _prune(root, keep, step)
-    elif rank == 0 and (newer := [s for s in _steps(root) if s > step]):
+    elif rank == 0 and (newer := [s for s in _steps(root) if s > step
+                                  and (step_dir(root, s) / MANIFEST).exists()]):
         log.warning("checkpoint_newer_steps_remain", step=step, newer=newer,
                     hint="checkpoint.latest() returns the newest of them; save with keep= to "
                          "remove them, or remove them by hand")
@@ -653,18 +654,21 @@ def _remove_leftovers(folder: Path, listed: set[str]) -> None:
             log.warning("checkpoint_leftover_kept", path=str(p), error=str(exc))
 
 
-def _sweep_older(root: Path, saved: int) -> None:
-    """Rank 0 after committing step ``saved``: what killed saves of earlier steps left (a rank
-    SIGKILLed mid-write leaves its temporary file; a re-save of a committed step killed before
-    its commit leaves unlisted shards) goes: in a committed step's folder the files its manifest
-    does not list, and a step folder with no manifest (a first save that never committed)
-    entirely, once only names this module writes are in it. A folder with a manifest that cannot
-    be read is left as it is (:func:`latest` reports it)."""
+def _sweep_killed_saves(root: Path, saved: int) -> None:
+    """Rank 0 after committing step ``saved``: what killed saves left (a rank SIGKILLed mid-write
+    leaves its temporary file; a re-save of a committed step killed before its commit leaves
+    unlisted shards) goes: in the folder of a committed step before ``saved`` the files its
+    manifest does not list, and a step folder with no manifest (a first save that never
+    committed, before or after ``saved``) entirely, once only names this module writes are in
+    it. A folder with a manifest that cannot be read is left as it is (:func:`latest` reports
+    it); committed steps after ``saved`` are for ``keep`` to remove."""
     for s in _steps(root):
-        if s >= saved:
-            break
+        if s == saved:
+            continue
         folder = step_dir(root, s)
         if (folder / MANIFEST).exists():
+            if s > saved:
+                continue
             try:
                 listed = set(read_manifest(root, s)["shards"])
             except CheckpointError:

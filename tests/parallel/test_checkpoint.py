@@ -276,6 +276,7 @@ def test_what_killed_saves_left_is_removed_once_a_later_step_commits(tmp_path):
     checkpoint.save(tmp_path, 1, {"w": torch.zeros(4)})
     left_resave = _kill_mid_save(tmp_path, 1)                 # a re-save of a committed step
     left_first = _kill_mid_save(tmp_path, 2)                  # a first save, never committed
+    _kill_mid_save(tmp_path, 50)                              # another, of a later step
     assert "manifest.json" in left_resave and any(".tmp-" in n for n in left_resave), left_resave
     assert "manifest.json" not in left_first and any(".tmp-" in n for n in left_first), left_first
     (tmp_path / "step-5").mkdir()                             # not rtxnet's: stays
@@ -284,7 +285,7 @@ def test_what_killed_saves_left_is_removed_once_a_later_step_commits(tmp_path):
     checkpoint.save(tmp_path, 3, {"w": torch.ones(4)})        # without keep
     assert sorted(p.name for p in (tmp_path / "step-1").iterdir()) == ["manifest.json", "rank-0.pt"]
     assert torch.equal(checkpoint.load(tmp_path, 1)["w"], torch.zeros(4))
-    assert not (tmp_path / "step-2").exists()
+    assert not (tmp_path / "step-2").exists() and not (tmp_path / "step-50").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3", "step-5"]
     assert (tmp_path / "step-5" / "notes.txt").read_text() == "mine"
 
