@@ -1129,11 +1129,19 @@ class FaultTolerance:
             at_best = next((qs for w0, qs in sorted(built.items(), key=lambda kv: (kv[0] != world, -kv[0]))
                             if {int(rows[q, 4]) for q in qs} >= set(range(w0))), None)
             if at_best is None:
+                # (a tester's find: with a rank lost before the first sync had copied its shards,
+                # this said only "start the ranks together", and they had been)
+                gone = {w0: sorted(set(range(w0)) - {int(rows[q, 4]) for q in qs})
+                        for w0, qs in built.items()}
                 raise RtxError(
                     f"no training has committed yet and the ranks' states as built are laid out "
                     f"for different worlds, none of them complete here (world size and rank of "
-                    f"each rank's layout: {rows[:, 3:5].tolist()}); start the ranks together, or "
-                    f"load a checkpoint on every rank before FaultTolerance")
+                    f"each rank's layout: {rows[:, 3:5].tolist()}; missing: "
+                    f"{', '.join(f'ranks {v} of the world of {w0}' for w0, v in gone.items() if v)}): "
+                    f"a rank lost before the first sync had copied its state to its ring successor "
+                    f"took its shards as built with it (start the job again), or ranks started "
+                    f"apart built for different worlds (start them together, or load a checkpoint "
+                    f"on every rank before FaultTolerance)")
             old_world = int(rows[at_best[0], 3])
             holders = {}
             for q in at_best:
@@ -1155,11 +1163,14 @@ class FaultTolerance:
                 self._state_lost(epoch, world, job_committed, best)
             else:
                 lost = sorted(set(range(old_world)) - set(holders))
-                raise RtxError(
-                    f"the committed state of ranks {lost} (of the world of {old_world} that "
-                    f"committed step {best}) is gone: each rank's state lives on that rank and its "
-                    f"ring successor, and both were lost; no checkpoint can replace it "
-                    f"({self._no_checkpoint_why()})")
+                what = (f"the committed state of ranks {lost} (of the world of {old_world} that "
+                        f"committed step {best}) is gone: each rank's state lives on that rank and "
+                        f"its ring successor, and both were lost" if best >= 0 else
+                        f"no training has committed yet, and the state as built of ranks {lost} (of "
+                        f"the world of {old_world}) is gone: a rank was lost during the first sync, "
+                        f"before every rank's state had reached its ring successor (start the job "
+                        f"again)")
+                raise RtxError(f"{what}; no checkpoint can replace it ({self._no_checkpoint_why()})")
         used = None     # the ring, on this rank, that the state came from
         if source == "ring":
             blobs = []

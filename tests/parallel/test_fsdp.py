@@ -223,6 +223,21 @@ def test_a_second_rank_lost_during_the_re_form_costs_no_committed_state(tmp_path
     assert proc.returncode == 137, proc.stderr[-3000:]     # the killed ranks' code
 
 
+def test_a_rank_lost_in_the_first_sync_ends_the_job_saying_why(tmp_path):
+    # The README's limit: before the first sync has copied each rank's shards as built to its
+    # ring successor, a lost rank takes them with it. Before, the survivors said "start the
+    # ranks together" (they had been: a tester's find); now they name the missing ranks and why.
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2",
+         "--faults", "kill:rank=1:at=sync",
+         str(Path(__file__).parent / "fsdp_ft_worker.py"), str(tmp_path), "6", "memory-nockpt"],
+        capture_output=True, text=True, timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
+    assert proc.returncode != 0, proc.stderr[-5000:]
+    assert "no training has committed yet" in proc.stderr, proc.stderr[-5000:]
+    assert "start the job again" in proc.stderr, proc.stderr[-5000:]
+    assert not list(tmp_path.glob("rank*.json"))
+
+
 def test_sharded_state_lost_with_every_rank_is_reported_and_training_starts_again(tmp_path):
     # Both ranks die at step 10 and no checkpoint was saved: nobody holds the committed shards
     # (sharded_state=True keeps them on their owner and its ring successor, both gone). The
