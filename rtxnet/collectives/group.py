@@ -36,6 +36,7 @@ Algorithms (``algorithm=`` per call, ``Group.algorithm`` per group, else chosen 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 from collections.abc import Sequence
@@ -71,6 +72,7 @@ from transport.errors import (
     ClosedError,
     CollectiveError,
     CollectiveMismatchError,
+    CollectiveRefusedError,
     CollectiveTimeout,
     ConfigError,
     LinkBrokenError,
@@ -879,10 +881,30 @@ class Group:
             epoch ended. CollectiveTimeout: a large message was not taken before the deadline
             (``exc.ranks == [dst's world rank]``).
         """
-        if is_gpu_array(tensor):
-            self._check_root("send", dst)
-            return await self._gpu().send(tensor, dst, tag, timeout)
-        await self._send_host(tensor, dst, tag, timeout)
+        try:
+            if is_gpu_array(tensor):
+                self._check_root("send", dst)
+                return await self._gpu().send(tensor, dst, tag, timeout)
+            await self._send_host(tensor, dst, tag, timeout)
+        except (ValueError, TypeError) as exc:
+            self._refuse_send(dst, tag, exc)
+            raise
+
+    def _refuse_send(self, dst, tag, exc: BaseException) -> None:
+        """This rank refused its send (a bad argument): tell ``dst``, whose matching recv then
+        fails at once with ``CollectiveRefusedError`` (it waited out its deadline, and a group
+        whose ranks then went on to a collective was out of step: a tester's find). Nothing is
+        sent when ``dst`` or ``tag`` is itself what was refused, or the group is over."""
+        try:
+            dst = self._check_root("send", dst)
+            _check_tag(tag)
+        except ValueError:
+            return
+        if dst == self.rank or self._dead is not None or self.engine.fenced is not None:
+            return
+        with contextlib.suppress(Exception):   # best effort: the refusal itself is raised here
+            self.engine._send(self.ranks[dst], Kind.P2P, self.gid, 0, int(tag),
+                              [_REFUSED, f"{type(exc).__name__}: {exc}"[:2000]], None)
 
     async def _send_host(self, tensor, dst: int, tag: int, timeout: float | None) -> None:
         dst = self._check_root("send", dst)
@@ -943,6 +965,10 @@ class Group:
         me_w, src_w = self.ranks[self.rank], self.ranks[src]
         if not (isinstance(meta, list) and len(meta) == 2):
             raise CollectiveError(f"recv: malformed message from rank {src_w}")
+        if meta[0] == _REFUSED:
+            raise CollectiveRefusedError(
+                f"rank {src_w} refused its send matching this recv (tag {tag}): {meta[1]}",
+                rank=src_w, reason=str(meta[1]))
         for i, fname in enumerate(("dtype", "shape")):
             if meta[i] != mine[i]:
                 raise CollectiveMismatchError(
@@ -1357,6 +1383,10 @@ def _check_label(label) -> None:
     signature every rank checks)."""
     if label is not None and not (isinstance(label, str) and len(label) <= 256):
         raise ValueError(f"label must be None or a str of at most 256 characters, got {label!r:.80}")
+
+
+# the dtype field of a P2P message that says its send was refused (see Group._refuse_send)
+_REFUSED = "!refused"
 
 
 def _check_tag(tag) -> None:

@@ -269,3 +269,36 @@ def test_a_call_one_rank_refuses_fails_the_others_at_once_and_the_group_goes_on(
     assert "-1" in mine["reduce"][0] and "'soon'" in mine["barrier"][0], mine
     assert "1.5" in mine["split"][0] and "list" in mine["all_reduce of a list"][0], mine
     assert all(out["after"] == 3.0 for out in res), res
+
+
+async def a_send_refused(engine):
+    """Rank 0 refuses its own sends (an array of objects; a timeout of "soon"); rank 1's matching
+    recv fails at once with a CollectiveRefusedError quoting it, and the pair goes on."""
+    g = engine.world
+    if g.rank == 0:
+        return await outcomes(g, {
+            "dtype": lambda: g.send(np.array([object()] * 4), 1, tag=3, timeout=20),
+            "timeout": lambda: g.send(np.ones(4), 1, tag=4, timeout="soon"),
+            "next": lambda: g.send(np.full(4, 7.0), 1, tag=5, timeout=20)})
+    got = np.zeros(4)
+    out = await outcomes(g, {
+        "dtype": lambda: g.recv(np.zeros(4), 0, tag=3, timeout=20),
+        "timeout": lambda: g.recv(np.zeros(4), 0, tag=4, timeout=20),
+        "next": lambda: g.recv(got, 0, tag=5, timeout=20)})
+    return out | {"got": got.tolist()}
+
+
+def test_a_send_refused_on_its_rank_fails_the_matching_recv_at_once():
+    # Before, the receiver waited out its deadline (20 s here), and ranks that then went on to a
+    # collective were out of step (a tester's find, a CUDA array sent where CuPy is missing).
+    res = run_world(2, a_send_refused)
+    for name in ("dtype", "timeout"):
+        err, took = res[0][name]
+        assert err.startswith("ValueError: "), (name, err)
+        theirs, their_took = res[1][name]
+        assert theirs.startswith(f"CollectiveRefusedError: rank 0 refused its send matching this "
+                                 f"recv (tag {3 if name == 'dtype' else 4}): ValueError: "), theirs
+        assert err.split(": ", 1)[1] in theirs and res[1]["refused_by"][name] == 0, (err, theirs)
+        assert their_took < 10, their_took
+    assert res[0]["next"][0] == res[1]["next"][0] == "no error" and res[1]["got"] == [7.0] * 4
+    assert res[0]["after"] == res[1]["after"] == 2.0
