@@ -411,6 +411,26 @@ def test_torch_tensors_numpy_cannot_view_are_refused_by_name():
         as_numpy(torch.eye(3).to_sparse())
 
 
+class _InCudaMemory:
+    """A DLPack producer that says it lives in CUDA memory, as a CuPy array or torch CUDA tensor."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None):
+        raise BufferError("not a real array")
+
+
+@pytest.mark.timeout(60)
+def test_a_cuda_array_among_cpu_arrays_is_named_as_such():
+    # (it said only "cannot view _InCudaMemory as a CPU array: not a real array": a tester's find)
+    from rtxnet.collectives.arrays import as_numpy
+
+    with pytest.raises(ValueError, match=r"a _InCudaMemory in CUDA memory among the CPU arrays of this "
+                                         r"call: pass every array of a call on one device"):
+        as_numpy(_InCudaMemory())
+
+
 async def matrix_on_one_rank(engine):
     g = engine.world
     r = g.rank
