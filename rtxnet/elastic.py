@@ -237,6 +237,14 @@ class FaultTolerance:
             raise ConfigError(f"sharded_state=True needs state.load_state_dicts(states), which "
                               f"{type(state).__name__} lacks: it loads every committed rank's state "
                               "(in rank order, any world size) into this rank's")
+        # sharded_state: a state that can give every rank's state as built (FSDPState) keeps it
+        # until the first commit: a rank lost before its shards reached its ring successor then
+        # costs nothing (before, the job ended: a tester's find)
+        self._built_held = False
+        if self.sharded_state and all(callable(getattr(state, f, None)) for f in
+                                      ("hold_built", "holds_built", "built_state_dicts")):
+            state.hold_built(True)
+            self._built_held = bool(state.holds_built())
         # sharded_state: the committed states this rank holds, {"step", "epoch", "world",
         # "blobs": {rank in that world: blob}} (its own and its ring predecessor's); None before
         # the first sync
@@ -637,6 +645,9 @@ class FaultTolerance:
                 self._snapshot = pending[m.rank]
                 self._ring = {"step": step, "epoch": epoch, "world": m.world_size, "blobs": pending}
                 self._ring_kept = None
+                if self._built_held:    # a committed step: the state as built is not needed
+                    self._built_held = False
+                    self.state.hold_built(False)
             else:
                 # the last snapshot's memory is written over when nothing else reads it (it was
                 # not sent since: _broadcast_bytes drops _reusable) and the layout is the same
@@ -1112,10 +1123,14 @@ class FaultTolerance:
         else:
             mine = self._ring_row(ring)
         mine += self._ring_row(kept) if kept is not None else [0, -1, -1, 0, -1, -1]
-        both = np.zeros((world, 12), dtype=np.int64)
+        mine.append(int(self._built_held))
+        both = np.zeros((world, 13), dtype=np.int64)
         await pg.all_gather(both, np.array(mine, dtype=np.int64))
         rows = both[:, :6]
         fresh = not both[:, 0].any() and not both[:, 6].any()
+        # nothing committed and every rank holds the state as built: a layout or ring left
+        # incomplete by a lost rank is rebuilt from it instead of ending the job
+        rebuildable = job_committed < 0 and bool(both[:, 12].all())
         covered, holders = False, {}
         if fresh:
             # Every state as built, laid out for the world it was built in. Ranks that joined
@@ -1128,6 +1143,8 @@ class FaultTolerance:
                 built.setdefault(int(rows[q, 3]), []).append(q)
             at_best = next((qs for w0, qs in sorted(built.items(), key=lambda kv: (kv[0] != world, -kv[0]))
                             if {int(rows[q, 4]) for q in qs} >= set(range(w0))), None)
+            if at_best is None and rebuildable:
+                return await self._rebuild_as_built(rank, world, epoch)
             if at_best is None:
                 # (a tester's find: with a rank lost before the first sync had copied its shards,
                 # this said only "start the ranks together", and they had been)
@@ -1152,6 +1169,8 @@ class FaultTolerance:
         in_place = covered and old_world == world and len(at_best) == world and all(
             holders.get(q) == (q, 0) for q in range(world))
         source = "in place" if in_place else "ring"
+        if not covered and not fresh and best < 0 and rebuildable:
+            return await self._rebuild_as_built(rank, world, epoch)
         if best < job_committed or not covered and not fresh:
             restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
             if restored is not None:
@@ -1196,6 +1215,21 @@ class FaultTolerance:
         else:
             self._ring_kept = None
         return best
+
+    async def _rebuild_as_built(self, rank: int, world: int, epoch: int) -> int:
+        """Nothing committed, and the states as built are not all here (a rank lost before the
+        first sync had copied its shards to its ring successor): every rank loads every rank's
+        state as built (``state.built_state_dicts()``, the same on every rank), resharded for
+        this world, and makes this world's ring. Returns -1 (nothing committed)."""
+        states = self.state.built_state_dicts()
+        await asyncio.to_thread(lambda: self.state.load_state_dicts(states))
+        log.warning("state_rebuilt_as_built", built_world_size=len(states), world_size=world,
+                    why="a rank was lost before the first sync had copied its state")
+        blobs = await self._ring_exchange(rank, world)
+        self._ring_kept = None
+        self._snapshot = blobs[rank]
+        self._ring = {"step": -1, "epoch": epoch, "world": world, "blobs": blobs}
+        return -1
 
     @staticmethod
     def _ring_row(ring: dict[str, Any]) -> list[int]:

@@ -382,11 +382,16 @@ class FullyShardedDataParallel(torch.nn.Module):
                 check_same_layout(module, self._pg, "FSDP",
                                   [n for n, p in module.named_parameters() if p.requires_grad], **self._kw)
             self._broadcast_replicated()
+        # every rank's flat parameters as built (world size, {flat name: padded full tensor}),
+        # until the first forward, or, held by FaultTolerance(sharded_state=True) through
+        # FSDPState.hold_built, until its first commit: see built_sharded_state_dicts
+        built: dict[str, torch.Tensor] = {}
         for g in self._groups:
             full = g.flatten([getattr(s.owners[0][0], s.owners[0][1]) for s in g.slots], self.world_size)
             if init_sync and self.world_size > 1:
                 with self._step_world.pinned():
                     self._pg.broadcast(full, src=0, **self._kw)
+            built[g.name] = full
             S = g.shard_numel(self.world_size)
             g.shard = torch.nn.Parameter(full[self.rank * S:(self.rank + 1) * S].clone())
             for s in g.slots:
@@ -396,6 +401,8 @@ class FullyShardedDataParallel(torch.nn.Module):
             self.register_parameter(g.name, g.shard)
 
         self._frozen = list(module.named_parameters())   # the trainable ones were taken out
+        self._built: tuple[int, dict[str, torch.Tensor]] | None = (self.world_size, built)
+        self._hold_built = False
         for g in self._groups:
             g.owner = weakref.ref(self)
         mods = dict(module.named_modules())
@@ -474,6 +481,8 @@ class FullyShardedDataParallel(torch.nn.Module):
                 forward.
         """
         check_still_frozen(self._frozen, "FullyShardedDataParallel")
+        if self._built is not None and not self._hold_built:
+            self._built = None          # (a full model's memory: see built_sharded_state_dicts)
         if self._backward_open:
             self.reset()     # the previous backward failed half way
         # Every collective of this forward and its backward goes to one world group, the one
@@ -918,6 +927,36 @@ class FullyShardedDataParallel(torch.nn.Module):
                 "shards": {g.name: g.shard.detach().clone() for g in self._groups},
                 "replicated": {k: v.detach().clone() for k, v in self._replicated().items()}}
 
+    def built_sharded_state_dicts(self) -> list[dict[str, Any]] | None:
+        """What :meth:`sharded_state_dict` returned, or would have, on **every** rank of the world
+        the wrapper was built in, right after it was built (rank ``q``'s shards sliced from this
+        rank's flat parameters as built: equal on every rank built from the same seed); the
+        replicated state is this rank's now. ``None`` once released: the flat parameters as
+        built (a whole model's memory) are kept until the first forward, or while held
+        (:meth:`hold_built`, which ``FaultTolerance(sharded_state=True)`` asks for through
+        :class:`FSDPState` until its first commit, so a rank lost before any rank's shards were
+        copied to another takes nothing with it)."""
+        if self._built is None:
+            return None
+        world, built = self._built
+        rep = {k: v.detach().clone() for k, v in self._replicated().items()}
+        out = []
+        for q in range(world):
+            shards = {}
+            for g in self._groups:
+                S = g.shard_numel(world)
+                shards[g.name] = built[g.name][q * S:(q + 1) * S].clone()
+            out.append({"format": FSDP_STATE_FORMAT, "world_size": world, "rank": q,
+                        "layout": self._layout(), "shards": shards, "replicated": rep})
+        return out
+
+    def hold_built(self, hold: bool = True) -> None:
+        """Keep the flat parameters as built past the first forward (``hold``), or release them
+        now (``False``); see :meth:`built_sharded_state_dicts`."""
+        self._hold_built = bool(hold)
+        if not hold:
+            self._built = None
+
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Load what :meth:`sharded_state_dict` returned on this rank, in place (not a
         collective).
@@ -1129,6 +1168,25 @@ class FSDPState:
         wrapped in, until a load reshards them): what ``FaultTolerance(sharded_state=True)``
         compares across ranks before the first commit."""
         return self.model.rank, self.model.world_size
+
+    def hold_built(self, hold: bool = True) -> None:
+        """:meth:`FullyShardedDataParallel.hold_built`."""
+        self.model.hold_built(hold)
+
+    def holds_built(self) -> bool:
+        """Whether :meth:`built_state_dicts` can still answer (not released)."""
+        return self.model._built is not None
+
+    def built_state_dicts(self) -> list[dict[str, Any]] | None:
+        """Every rank's :meth:`state_dict` as the model was built, before any step (the model's
+        :meth:`FullyShardedDataParallel.built_sharded_state_dicts`, the optimizer without state,
+        step 0), for :meth:`load_state_dicts`; ``None`` once the model released them."""
+        models = self.model.built_sharded_state_dicts()
+        if models is None:
+            return None
+        opt = self.optimizer.state_dict()
+        fresh = {"state": {}, "param_groups": opt["param_groups"]}
+        return [{"model": m, "optimizer": fresh, "step": 0} for m in models]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This rank's own state, at the world size and rank it was taken in, in place.
