@@ -428,6 +428,12 @@ class _P2PWaiter:
         self.handle = handle
 
 
+class _P2PDiscard:
+    """A recv refused on this rank, in line with the recvs waiting for the same sender and tag:
+    the message that reaches it is dropped (see :meth:`Engine._p2p_discard`)."""
+    __slots__ = ()
+
+
 class Engine:
     """The collective engine of one process. Create it with :meth:`create`."""
 
@@ -607,7 +613,8 @@ class Engine:
         return True
 
     def _in_flight(self) -> bool:
-        return bool(self._running) or any(self._p2p_waiters.values())
+        return bool(self._running) or any(not isinstance(w, _P2PDiscard) for dq in self._p2p_waiters.values()
+                                          for w in dq)
 
     def _apply_deferred(self) -> None:
         """Enter the view held by :meth:`set_view` (its operations finished, or its grace is
@@ -659,6 +666,8 @@ class Engine:
             op.fail(exc)
         for dq in self._p2p_waiters.values():
             for w in dq:
+                if isinstance(w, _P2PDiscard):
+                    continue
                 if not w.future.done():
                     w.future.set_exception(exc)
                 w.handle.cancel()
@@ -691,11 +700,18 @@ class Engine:
         if self._closed is not None:
             raise self._closed
         v = self.view
+        ep = self._data_ep.get(world_rank)
+        if ep is None:
+            # the view changed under an operation of the old one (a peer evicted): an RtxError,
+            # which the callers handle (a bare KeyError from an abort ended a rank: a fresh
+            # user's find)
+            raise ClosedError(f"rank {world_rank} has no data endpoint in epoch {v.epoch} (it is "
+                              f"no longer a member)")
         header = encode_header(DataHeader(v.job, v.epoch, gid, seq, v.rank, kind, step, meta))
         if payload is not None and isinstance(payload, np.ndarray):
             # as bytes: some dtypes (bfloat16) cannot export a buffer of their own
             payload = payload.reshape(-1).view(np.uint8)
-        return self._mesh.send(self._data_ep[world_rank], header, payload)
+        return self._mesh.send(ep, header, payload)
 
     def bulk_ok(self, group) -> bool:
         """Whether every member of ``group`` has a bulk stream (same answer on every member)."""
@@ -733,6 +749,8 @@ class Engine:
             waiters = self._p2p_waiters.get(key)
             if waiters:
                 w = waiters.popleft()
+                if isinstance(w, _P2PDiscard):
+                    return          # the refused recv's message
                 w.handle.cancel()
                 w.future.set_result((h.meta, payload))
                 self._apply_when_idle()
@@ -807,6 +825,20 @@ class Engine:
                 self._send(op.group.ranks[g], Kind.ABORT, op.group.gid, op.seq, 0, meta, None)
             except RtxError:
                 return
+
+    def _p2p_discard(self, gid: str, src_world: int, tag: int) -> None:
+        """A recv refused on this rank (a bad argument) still takes its message, the next one
+        from ``src_world`` with ``tag`` after those the recvs posted before it take: later recvs
+        stay paired with later sends (before, the next recv got the refused one's message, and
+        every later one the message before its own: a fresh user's find)."""
+        key = (gid, src_world, tag)
+        msgs = self._p2p_msgs.get(key)
+        if msgs:
+            msgs.popleft()
+            if not msgs:
+                del self._p2p_msgs[key]
+            return
+        self._p2p_waiters.setdefault(key, deque()).append(_P2PDiscard())
 
     async def _p2p_recv(self, gid: str, src_world: int, tag: int, timeout_s: float):
         await self.wait_not_held()

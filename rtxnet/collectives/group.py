@@ -947,10 +947,27 @@ class Group:
             CollectiveTimeout: nothing arrived in time (``exc.ranks == [src's world rank]``).
             ClosedError/PeerLostError: the group's epoch ended (a rank was lost, for instance).
         """
-        if is_gpu_array(tensor):
-            self._check_root("recv", src)
-            return await self._gpu().recv(tensor, src, tag, timeout)
-        return await self._recv_host(tensor, src, tag, timeout)
+        try:
+            if is_gpu_array(tensor):
+                self._check_root("recv", src)
+                return await self._gpu().recv(tensor, src, tag, timeout)
+            return await self._recv_host(tensor, src, tag, timeout)
+        except (ValueError, TypeError):
+            if not isinstance(tensor, (list, tuple)) and not is_gpu_array(tensor):
+                self._refuse_recv(src, tag)
+            raise
+
+    def _refuse_recv(self, src, tag) -> None:
+        """This rank refused its recv before taking a message (a bad argument): the message
+        it would have taken is dropped (:meth:`Engine._p2p_discard`), so the next recv from
+        ``src`` gets the next send's."""
+        try:
+            src = self._check_root("recv", src)
+            _check_tag(tag)
+        except ValueError:
+            return
+        if src != self.rank and self._dead is None and self.engine.fenced is None:
+            self.engine._p2p_discard(self.gid, self.ranks[src], int(tag))
 
     async def _recv_host(self, tensor, src: int, tag: int, timeout: float | None) -> int:
         src = self._check_root("recv", src)

@@ -302,3 +302,39 @@ def test_a_send_refused_on_its_rank_fails_the_matching_recv_at_once():
         assert their_took < 10, their_took
     assert res[0]["next"][0] == res[1]["next"][0] == "no error" and res[1]["got"] == [7.0] * 4
     assert res[0]["after"] == res[1]["after"] == 2.0
+
+
+async def a_recv_refused(engine):
+    """Rank 1 refuses its first recv (a timeout of "soon"), once before rank 0's send arrived
+    (tag 1) and once after (tag 2); its next recvs of each tag get the next sends' data."""
+    g = engine.world
+    if g.rank == 0:
+        await g.send(np.full(4, 1.0), 1, tag=2)
+        await g.barrier(timeout=20)
+        await g.send(np.full(4, 1.0), 1, tag=1)
+        for tag in (1, 2):
+            await g.send(np.full(4, 2.0), 1, tag=tag)
+        await g.barrier(timeout=20)
+        return None
+    errors = []
+    await g.barrier(timeout=20)                      # tag 2's first message is here by now
+    for tag in (1, 2):
+        try:
+            await g.recv(np.zeros(4), 0, tag=tag, timeout="soon")
+        except ValueError as exc:
+            errors.append(str(exc))
+    got = {}
+    for tag in (1, 2):
+        x = np.zeros(4)
+        await g.recv(x, 0, tag=tag, timeout=20)
+        got[tag] = x.tolist()
+    await g.barrier(timeout=20)
+    return errors, got
+
+
+def test_a_recv_refused_on_its_rank_takes_its_message_so_the_next_recv_gets_the_next():
+    # Before, the refused recv left its message queued: every later recv got the message before
+    # its own, with no error (a fresh user's find).
+    _, (errors, got) = run_world(2, a_recv_refused)
+    assert len(errors) == 2 and all("timeout must be a positive number of seconds" in e for e in errors), errors
+    assert got == {1: [2.0] * 4, 2: [2.0] * 4}, got
