@@ -251,7 +251,8 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
         return
     key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
     held = state.claims.get(key)
-    if bounds is not None and ttl > 0:
+    renewal = held is not None and held[:2] == me and held[4] == bounds
+    if bounds is not None and ttl > 0 and not renewal:   # (a renewal was checked when made)
         job = state.jobs.get(job_id)
         if job is not None and (job.min_ranks, job.max_ranks) != bounds:
             actions.append(_reply(identity, msg, None, held=False, conflict={

@@ -549,6 +549,7 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
     log.info("checkpoint_saved", step=step, nbytes=nbytes, world_size=world,
              duration_ms=round(duration_ms, 1))
     if rank == 0:
+        _SWEPT.discard((str(root.resolve()), step))
         _sweep_killed_saves(root, step)
     if rank == 0 and keep is not None:
         _prune(root, keep, step)
@@ -654,6 +655,12 @@ def _remove_leftovers(folder: Path, listed: set[str]) -> None:
             log.warning("checkpoint_leftover_kept", path=str(p), error=str(exc))
 
 
+# (resolved root, step) of committed step folders this process swept clean: a save after them
+# skips them (a run without keep= would read every older manifest at every save). A step saved
+# again is forgotten here (_save), so its leftovers are looked for once more.
+_SWEPT: set[tuple[str, int]] = set()
+
+
 def _sweep_killed_saves(root: Path, saved: int) -> None:
     """Rank 0 after committing step ``saved``: what killed saves left (a rank SIGKILLed mid-write
     leaves its temporary file; a re-save of a committed step killed before its commit leaves
@@ -662,8 +669,9 @@ def _sweep_killed_saves(root: Path, saved: int) -> None:
     committed, before or after ``saved``) entirely, once only names this module writes are in
     it. A folder with a manifest that cannot be read is left as it is (:func:`latest` reports
     it); committed steps after ``saved`` are for ``keep`` to remove."""
+    resolved = str(root.resolve())
     for s in _steps(root):
-        if s == saved:
+        if s == saved or (resolved, s) in _SWEPT:
             continue
         folder = step_dir(root, s)
         if (folder / MANIFEST).exists():
@@ -674,6 +682,7 @@ def _sweep_killed_saves(root: Path, saved: int) -> None:
             except CheckpointError:
                 continue
             _remove_leftovers(folder, listed)
+            _SWEPT.add((resolved, s))   # committed and clean: not read again at every save
             continue
         _remove_leftovers(folder, set())
         with contextlib.suppress(OSError):

@@ -1208,8 +1208,8 @@ class FaultTolerance:
             # a new world, a checkpoint or the first sync: this world's ring of the committed state
             blobs = await self._ring_exchange(rank, world)
             # the ring the state came from stays until the next commit (see _ring_kept)
-            self._ring_kept = next((r for r in (used, ring, kept) if r is not None and source == "ring"
-                                    and r["step"] == best), None)
+            self._ring_kept = None if source != "ring" else next(
+                (r for r in (used, ring, kept) if r is not None and r["step"] == best), None)
             self._snapshot = blobs[rank]
             self._ring = {"step": best, "epoch": epoch, "world": world, "blobs": blobs}
         else:

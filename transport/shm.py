@@ -94,8 +94,7 @@ def remove_segments(pid: int) -> list[str]:
     signal mid-operation leaves nothing in ``/dev/shm`` (its segments can be a GiB each). A
     segment with that pid in its name held by a live process is another PID namespace's (a
     container sharing ``/dev/shm``) and stays (a tester's find: they were removed)."""
-    removed = [name for name in list_segments(pid) if _unlink_unheld(name)]
-    return removed
+    return [name for name in list_segments(pid) if _unlink_unheld(name)]
 
 
 def reap_dead_segments() -> list[str]:

@@ -895,16 +895,24 @@ class Group:
         fails at once with ``CollectiveRefusedError`` (it waited out its deadline, and a group
         whose ranks then went on to a collective was out of step: a tester's find). Nothing is
         sent when ``dst`` or ``tag`` is itself what was refused, or the group is over."""
-        try:
-            dst = self._check_root("send", dst)
-            _check_tag(tag)
-        except ValueError:
-            return
-        if dst == self.rank or self._dead is not None or self.engine.fenced is not None:
+        peer = self._p2p_peer(dst, tag)
+        if peer is None:
             return
         with contextlib.suppress(Exception):   # best effort: the refusal itself is raised here
-            self.engine._send(self.ranks[dst], Kind.P2P, self.gid, 0, int(tag),
+            self.engine._send(peer, Kind.P2P, self.gid, 0, int(tag),
                               [_REFUSED, f"{type(exc).__name__}: {exc}"[:2000]], None)
+
+    def _p2p_peer(self, peer, tag) -> int | None:
+        """The world rank of group rank ``peer`` for a refused send or recv's notice, or None when
+        ``peer`` or ``tag`` is itself what was refused (or this rank), or the group is over."""
+        try:
+            peer = self._check_root("p2p", peer)
+            _check_tag(tag)
+        except ValueError:
+            return None
+        if peer == self.rank or self._dead is not None or self.engine.fenced is not None:
+            return None
+        return self.ranks[peer]
 
     async def _send_host(self, tensor, dst: int, tag: int, timeout: float | None) -> None:
         dst = self._check_root("send", dst)
@@ -953,7 +961,7 @@ class Group:
                 return await self._gpu().recv(tensor, src, tag, timeout)
             return await self._recv_host(tensor, src, tag, timeout)
         except (ValueError, TypeError):
-            if not isinstance(tensor, (list, tuple)) and not is_gpu_array(tensor):
+            if not is_gpu_array(tensor):    # (GPU point-to-point has its own protocol)
                 self._refuse_recv(src, tag)
             raise
 
@@ -961,13 +969,9 @@ class Group:
         """This rank refused its recv before taking a message (a bad argument): the message
         it would have taken is dropped (:meth:`Engine._p2p_discard`), so the next recv from
         ``src`` gets the next send's."""
-        try:
-            src = self._check_root("recv", src)
-            _check_tag(tag)
-        except ValueError:
-            return
-        if src != self.rank and self._dead is None and self.engine.fenced is None:
-            self.engine._p2p_discard(self.gid, self.ranks[src], int(tag))
+        peer = self._p2p_peer(src, tag)
+        if peer is not None:
+            self.engine._p2p_discard(self.gid, peer, int(tag))
 
     async def _recv_host(self, tensor, src: int, tag: int, timeout: float | None) -> int:
         src = self._check_root("recv", src)

@@ -14,10 +14,13 @@ import contextlib
 import hashlib
 from typing import Any
 
+import structlog
 import torch
 
 from rtxnet.collectives.reduce_ops import SUPPORTED_DTYPES
 from transport.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 
 def group_size(pg: Any) -> int:
@@ -42,9 +45,7 @@ def skip_init_sync(pg: Any, wrapper: str) -> bool:
     from the peers: ``FaultTolerance`` syncs it at the replacement's first step."""
     if not joined_running(pg):
         return False
-    import structlog
-
-    structlog.get_logger(__name__).warning(
+    log.warning(
         "init_sync_skipped", wrapper=wrapper,
         why="this rank joined a running job (a replacement or a late rank): its peers are "
             "training, not building the model; FaultTolerance syncs the state at its first step "

@@ -940,6 +940,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             return None
         world, built = self._built
         rep = {k: v.detach().clone() for k, v in self._replicated().items()}
+        layout = self._layout()
         out = []
         for q in range(world):
             shards = {}
@@ -947,7 +948,7 @@ class FullyShardedDataParallel(torch.nn.Module):
                 S = g.shard_numel(world)
                 shards[g.name] = built[g.name][q * S:(q + 1) * S].clone()
             out.append({"format": FSDP_STATE_FORMAT, "world_size": world, "rank": q,
-                        "layout": self._layout(), "shards": shards, "replicated": rep})
+                        "layout": layout, "shards": shards, "replicated": rep})
         return out
 
     def hold_built(self, hold: bool = True) -> None:
