@@ -1841,6 +1841,7 @@ WAIT_FOR_REPLACEMENT = textwrap.dedent("""
     import os, time
     import numpy as np
     if os.environ.get("RTXNET_RESTART_COUNT", "0") != "0":
+        open(__file__ + ".slow", "w").close()   # (the test waits for it)
         time.sleep(60)          # a replacement slow to start
     import rtxnet
 
@@ -1875,15 +1876,24 @@ def test_ctrl_c_while_the_survivors_wait_for_a_replacement_ends_every_rank_at_on
     script = tmp_path / "ft.py"
     script.write_text(WAIT_FOR_REPLACEMENT)
     sent: list[float] = []
+    waiting: set[str] = set()
+
+    slow = Path(str(script) + ".slow")
 
     def on_line(line: str, launcher: subprocess.Popen) -> None:
-        if "restart 1/1" in line and not sent:
-            time.sleep(2)                      # the survivors wait in the guard for the world
+        # once both survivors say they wait in the guard for the world and the replacement is in
+        # its slow start (a signal in its restart pause, or its interpreter's start-up, would
+        # end it otherwise than the test is about)
+        if "waiting_for_ranks" in line and line.startswith("[rank"):
+            waiting.add(line.split("]", 1)[0])
+        if len(waiting) == 2 and not sent:
+            procs.wait_until(slow.exists, 30, "the replacement of rank 0 in its slow start")
             sent.append(time.monotonic())
             launcher.send_signal(signal.SIGINT)
 
+    # (RTXNET_LOG_LEVEL=info: the ranks' waiting_for_ranks lines, which the signal waits for)
     rc, lines = _launch_watching_stderr(["--nproc", "3", "--max-restarts", "1", "--grace", "20",
-                                         str(script)], on_line)
+                                         str(script)], on_line, env=procs.env(RTXNET_LOG_LEVEL="info"))
     took = time.monotonic() - sent[0]
     text = "".join(lines)
     assert rc == 130, text[-4000:]
