@@ -961,8 +961,8 @@ class Group:
                 return await self._gpu().recv(tensor, src, tag, timeout)
             return await self._recv_host(tensor, src, tag, timeout)
         except (ValueError, TypeError):
-            if not is_gpu_array(tensor):    # (GPU point-to-point has its own protocol)
-                self._refuse_recv(src, tag)
+            # (GPU point-to-point moves through host memory: the same messages, the same drop)
+            self._refuse_recv(src, tag)
             raise
 
     def _refuse_recv(self, src, tag) -> None:

@@ -43,6 +43,24 @@ _RANK = textwrap.dedent("""
             out.append([type(exc).__name__, str(exc), time.monotonic() - t0])
 
     out = []
+    if sys.argv[2] == "p2p":
+        # rank 0's first recv is refused (a CUDA array): it still takes rank 1's first message
+        # (dropped), so its next recv gets the second one
+        pg = rtxnet.init()
+        rank = pg.rank
+        if rank == 1:
+            pg.send(np.full(4, 1.0, np.float32), dst=0)
+            pg.send(np.full(4, 2.0, np.float32), dst=0)
+        else:
+            record(out, lambda: pg.recv(arg(rank), src=1, timeout=20))
+            y = np.zeros(4, np.float32)
+            pg.recv(y, src=1, timeout=20)
+            out.append(float(y[0]))
+        pg.barrier(timeout=20)
+        pg.close()
+        with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+            json.dump(out, f)
+        sys.exit(0)
     # (each rank's number is read at the start: once its peer has left, the rank left is 0)
     if sys.argv[2] == "blocking":
         pg = rtxnet.init()
@@ -94,3 +112,18 @@ def test_a_cuda_array_without_cupy_is_refused_and_the_peers_are_told_at_once(tmp
     assert kind1 == "CollectiveRefusedError" and "rank 0 refused" in msg1, msg1
     assert took1 < 10, took1
     assert sum0 == sum1 == 2.0
+
+
+def test_a_recv_into_a_cuda_array_refused_without_cupy_still_takes_its_message(tmp_path):
+    # GPU point-to-point moves through host memory, as CPU arrays' does: a refused recv drops
+    # the message it would have taken, so the next recv gets the next send's (before, a GPU
+    # recv refused on its rank left its message queued for the next recv, silently)
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    p = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script),
+                        str(tmp_path), "p2p"], capture_output=True, text=True, timeout=100,
+                       env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    (kind, msg, _), second = json.loads((tmp_path / "rank0.json").read_text())
+    assert kind == "ConfigError" and "rtxnet cannot run GPU collectives here" in msg, msg
+    assert second == 2.0
