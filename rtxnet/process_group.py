@@ -472,7 +472,7 @@ def _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, l
                 max_ranks=max_ranks, last_call_s=last_call_s, replacement=replacement)
 
 
-async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
+async def _make_engine(timeouts: Timeouts, bind_host: str | None, key: str | None = None) -> Any:
     try:
         from .collectives import Engine
     except ImportError:  # the data plane is optional for control-only use
@@ -485,7 +485,7 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None) -> Any:
     import zmq
 
     try:
-        engine = await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm)
+        engine = await Engine.create(bind_host=host, default_timeout_s=timeouts.op_s, shm=shm, key=key)
     except (OSError, ValueError, zmq.ZMQError) as exc:
         where = "bind_host" if bind_host else "RTXNET_BIND_HOST"
         raise ConfigError(f"{where}={host!r}: this rank cannot listen there ({exc}); give an "
@@ -550,7 +550,10 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
         from .collectives.reduce_ops import bfloat16
 
         bfloat16()
-    engine = await _make_engine(timeouts, bind_host)
+    from transport.peer import data_key
+
+    # with a token, the ranks' data ports admit only the job's ranks (see transport.peer)
+    engine = await _make_engine(timeouts, bind_host, data_key(settings["job"], settings["token"]))
     agent = Agent(timeouts=timeouts, endpoint=engine.endpoint if engine else "", info=info, **settings)
     from . import faults
 

@@ -25,12 +25,23 @@ with the buffer.
 
 The ring all-reduce's large blocks bypass this mesh: they go over the plain TCP streams of
 :mod:`transport.bulk`, received in place (its wire format is documented there).
+
+With a job token (``RTXNET_TOKEN``) the mesh admits only connections that prove the job's data
+key (:func:`data_key`, an HMAC of the job id under the token): ZeroMQ's PLAIN mechanism, checked
+by a ZAP handler (pyzmq's ``ThreadAuthenticator``) once per connection, before ZeroMQ accepts any
+message on it. A client that knows a rank's data port but not the token cannot deliver a message
+(a forged point-to-point message was taken as a peer's data, and a 600 MB frame was buffered
+whole before its header was refused: a tester's finds). PLAIN sends the key in the clear, as the
+control plane sends the token (see the README's trust paragraph); without a token any client that
+reaches the port is admitted, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
+import hmac
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,13 +52,26 @@ import zmq
 from transport.errors import ClosedError, ProtocolError
 
 __all__ = ["DATA_VERSION", "ZERO_COPY_MIN_NBYTES", "Kind", "DataHeader", "encode_header",
-           "decode_header", "PeerMesh"]
+           "decode_header", "PeerMesh", "data_key"]
 
 log = structlog.get_logger(__name__)
 
 DATA_VERSION = 1
 ZERO_COPY_MIN_NBYTES = 64 * 1024
 MAX_HEADER_NBYTES = 1 << 20
+
+
+_ZAP_DOMAIN = "rtxnet-data"
+_ZAP_USER = "rtxnet"
+
+
+def data_key(job: str, token: str) -> str | None:
+    """The key a job's ranks prove to each other's data ports: 64 hex digits, HMAC-SHA256 of the
+    job id under the job's token (so the token itself never travels on the data plane, and one
+    token gives every job its own key); None without a token (no check)."""
+    if not token:
+        return None
+    return hmac.new(token.encode(), b"rtxnet-data\0" + job.encode(), hashlib.sha256).hexdigest()
 
 
 class Kind(enum.IntEnum):
@@ -114,14 +138,27 @@ class PeerMesh:
         bind_host: interface for the ROUTER; the port is picked at random.
         handler: called in the event loop for every valid incoming message with the header, the
             payload as a ``memoryview`` (or ``None``) and the frame that owns it.
+        key: the job's data key (:func:`data_key`): connections to this mesh must prove it, and
+            this mesh proves it to its peers; None: no check.
     """
 
-    def __init__(self, bind_host: str, handler: Handler):
+    def __init__(self, bind_host: str, handler: Handler, key: str | None = None):
         self._ctx = zmq.Context()
+        self._key = key
+        self._auth = None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.RCVBUF, 4 << 20)
+        if key is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            # the ZAP handler answers before the ROUTER accepts any connection (it binds next)
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_plain(domain=_ZAP_DOMAIN, passwords={_ZAP_USER: key})
+            self._router.plain_server = True
+            self._router.zap_domain = _ZAP_DOMAIN.encode()
         port = self._router.bind_to_random_port(f"tcp://{bind_host}")
         self.endpoint = f"tcp://{bind_host}:{port}"
         self._dealers: dict[str, zmq.Socket] = {}
@@ -160,6 +197,9 @@ class PeerMesh:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.SNDBUF, 4 << 20)
+            if self._key is not None:
+                s.plain_username = _ZAP_USER.encode()
+                s.plain_password = self._key.encode()
             s.connect(endpoint)
             self._dealers[endpoint] = s
 
@@ -219,7 +259,14 @@ class PeerMesh:
             s.close(linger=0)
         self._dealers.clear()
         self._router.close(linger=0)
+        self._stop_auth()
         self._ctx.term()
+
+    def _stop_auth(self) -> None:
+        # before the context's term, which waits for the ZAP handler's socket
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     async def aclose(self, linger_s: float) -> None:
         """Close, giving the messages still queued for peers up to ``linger_s`` seconds to leave
@@ -237,6 +284,7 @@ class PeerMesh:
             for s in dealers:
                 s.close(linger=ms)
             router.close(linger=0)
+            self._stop_auth()
             ctx.term()
 
         await asyncio.to_thread(finish)

@@ -437,7 +437,8 @@ class _P2PDiscard:
 class Engine:
     """The collective engine of one process. Create it with :meth:`create`."""
 
-    def __init__(self, *, bind_host: str, default_timeout_s: float, shm: bool, bulk: bool = True):
+    def __init__(self, *, bind_host: str, default_timeout_s: float, shm: bool, bulk: bool = True,
+                 key: str | None = None):
         self._partitioned_until = 0.0  # fault injection, see partition()
         if default_timeout_s <= 0:
             raise ConfigError(f"default_timeout_s({default_timeout_s}) must be > 0")
@@ -455,11 +456,11 @@ class Engine:
         # the job's key-value store (rtxnet.process_group.Store), set by the process group; None
         # for a bare engine, where NCCL unique ids go through the group's own messages instead
         self.kv = None
-        self._mesh = PeerMesh(bind_host, self._on_message)
+        self._mesh = PeerMesh(bind_host, self._on_message, key)
         self._bulk = None
         if bulk and bulk_mod.AVAILABLE:
             try:
-                self._bulk = bulk_mod.BulkLinks(bind_host)
+                self._bulk = bulk_mod.BulkLinks(bind_host, key)
             except OSError as exc:   # e.g. a bind host the plain socket API cannot use
                 log.warning("bulk_links_unavailable", bind_host=bind_host, error=str(exc))
         self.endpoint = self._mesh.endpoint
@@ -487,16 +488,18 @@ class Engine:
 
     @classmethod
     async def create(cls, *, bind_host: str = "127.0.0.1", default_timeout_s: float = 30.0,
-                     shm: bool = True, bulk: bool = True) -> Engine:
+                     shm: bool = True, bulk: bool = True, key: str | None = None) -> Engine:
         """Bind the data socket on a free port and start receiving.
 
         With ``bulk`` (Linux only) also listen on a second port for the ring's bulk streams and
-        advertise it in ``endpoint`` as ``tcp://host:port?bulk=port2``. Also removes
+        advertise it in ``endpoint`` as ``tcp://host:port?bulk=port2``. With ``key`` (the job's
+        :func:`transport.peer.data_key`) both admit only peers that prove it. Also removes
         shared-memory segments left by dead processes on this host.
         """
         if shm:
             shm_mod.reap_dead_segments()
-        self = cls(bind_host=bind_host, default_timeout_s=default_timeout_s, shm=shm, bulk=bulk)
+        self = cls(bind_host=bind_host, default_timeout_s=default_timeout_s, shm=shm, bulk=bulk,
+                   key=key)
         self._mesh.start()
         if self._bulk is not None:
             self._bulk.start()
