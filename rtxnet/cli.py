@@ -225,11 +225,21 @@ def _main(argv: list[str] | None = None) -> int:
             why = nobody_there(args.coordinator) if isinstance(exc, RtxTimeoutError) else None
             print(f"rtxnet status: {exc}{f' ({why})' if why else ''}", file=sys.stderr)
             return 1
-        if args.json:
-            fin = [{"job": j, "state": "finished", "committed_step": s, "members": []}
-                   for j, s in status["finished"].items()]
-            return _print(json.dumps(_jsonable(status["jobs"] + fin), indent=2))
-        return _print(_render(status))
+        try:
+            if args.json:
+                fin = [{"job": j, "state": "finished", "committed_step": s, "members": []}
+                       for j, s in status["finished"].items()]
+                text = json.dumps(_jsonable(status["jobs"] + fin), indent=2)
+            else:
+                text = _render(status)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # a reply of another shape (another version's coordinator, or not rtxnet's): one
+            # line, not a traceback (a tester's find: KeyError: 'jobs')
+            print(f"rtxnet status: the answer of {args.coordinator} is not a status this rtxnet "
+                  f"can read ({type(exc).__name__}: {str(exc)[:200]}); is it an rtxnet "
+                  f"coordinator of the same version?", file=sys.stderr)
+            return 1
+        return _print(text)
     return 2  # pragma: no cover
 
 

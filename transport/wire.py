@@ -97,6 +97,9 @@ MAX_HOST_BYTES = 128   # bytes (UTF-8) of a rank's host name (join refuses a lon
 # snapshot of the journal holds them all); the coordinator refuses a kv_set past either with a
 # ConfigError, and the agent refuses one item above the first before sending it
 MAX_JOB_KV_NBYTES = 16 * 1024 * 1024
+# A store key's UTF-8 bytes: one str of a control message (transport.codec's max_str_len);
+# refused by the client naming the key, where a longer one failed the coordinator's decode
+MAX_KEY_NBYTES = 1024 * 1024
 MAX_KV_NBYTES = 48 * 1024 * 1024
 
 # Field spec: name -> (python type or tuple of types, required).

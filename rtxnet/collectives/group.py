@@ -327,7 +327,8 @@ class Group:
 
     def _check_root(self, name: str, root: int) -> int:
         if isinstance(root, bool) or not (isinstance(root, (int, np.integer)) and 0 <= int(root) < self.size):
-            raise ValueError(f"{name}: rank {root!r} not in group of size {self.size}")
+            raise ValueError(f"{name}: rank {root!r} ({type(root).__name__}) is not a rank of this "
+                             f"group of size {self.size} (an int in 0..{self.size - 1})")
         return int(root)
 
     async def _collective(self, name: str, timeout: float | None, body):

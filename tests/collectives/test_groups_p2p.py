@@ -265,7 +265,7 @@ def test_a_call_one_rank_refuses_fails_the_others_at_once_and_the_group_goes_on(
             assert err.split(": ", 1)[1] in theirs, (r, name, theirs, err)     # quoted
             assert their_took < 10, (r, name, their_took)
     assert "AVG of integer" in mine["all_reduce"][0] or "AVG" in mine["all_reduce"][0], mine
-    assert "rank 7 not in group of size 3" in mine["broadcast"][0], mine
+    assert "rank 7 (int) is not a rank of this group of size 3 (an int in 0..2)" in mine["broadcast"][0], mine
     assert "-1" in mine["reduce"][0] and "'soon'" in mine["barrier"][0], mine
     assert "1.5" in mine["split"][0] and "list" in mine["all_reduce of a list"][0], mine
     assert all(out["after"] == 3.0 for out in res), res

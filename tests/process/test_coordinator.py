@@ -1070,3 +1070,39 @@ def test_status_of_an_ipc_address_nothing_listens_at_says_so_at_once(tmp_path):
                           "--timeout", "20"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=procs.env())
     assert out.returncode == 1 and f"nothing is listening at {sock} (no socket file)" in out.stderr, out
     assert time.monotonic() - t0 < 10, out.stderr
+
+
+@pytest.mark.parametrize("body", [{}, {"jobs": "nope"}, {"jobs": [{"job": "j", "members": "x"}], "finished": 3}],
+                         ids=["empty", "jobs-a-str", "ill-typed"])
+def test_status_from_a_server_answering_another_shape_is_one_line(body):
+    # A tester's find: a server that answers status with another shape (another version's
+    # coordinator, or none of rtxnet's) ended `rtxnet status` in a traceback (KeyError: 'jobs').
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer():
+        if router.poll(20_000):
+            ident, raw = router.recv_multipart()[:2]
+            req = decode(raw)
+            router.send_multipart([ident, encode({"v": wire.PROTOCOL_VERSION, "t": "reply", "rid": req["rid"],
+                                                  "job": "", "epoch": 0, "ok": True, "body": body})])
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        addr = f"tcp://127.0.0.1:{port}"
+        out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", addr,
+                              "--timeout", "10"], capture_output=True, text=True, timeout=30)
+    finally:
+        t.join(25)
+        router.close(0)
+        ctx.term()
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"rtxnet status: the answer of {addr} is not a status this rtxnet can read"), out.stderr

@@ -137,6 +137,17 @@ def test_blocking_split_and_new_group_return_blocking_groups(coordinator, caplog
                                                      r"bytes with the key, more than the 16777216 bytes a "
                                                      r"job's store may hold"):
             pg.store.set("big", b"x" * (17 << 20))
+        # a key past one control message's str (a ProtocolError from the coordinator's decode
+        # before) and a compare-and-set's oversize expected value (named as the value of key ''
+        # before) are named as what they are (a tester's finds)
+        with pytest.raises(rtxnet.ConfigError, match=r"store key 'kkkk.*is 2097152 bytes of UTF-8, "
+                                                     r"more than the 1048576 a key may have"):
+            pg.store.set("k" * (2 << 20), b"v")
+        with pytest.raises(rtxnet.ConfigError, match=r"key 'cas' with an expected value of 17825792 bytes"):
+            pg.store.compare_set("cas", b"x" * (17 << 20), b"3")
+        pg.store.set("k" * 1000, b"v")      # a long key within the bound
+        assert pg.store.get("k" * 1000) == b"v"
+        pg.store.delete("k" * 1000)
         # a value of 8-16 MiB was a ProtocolError "exceeds max_bin_len(8388608)" (a tester's
         # find): one value may fill the job's store, and one answer carries it all
         pg.store.set("a", b"a" * (15 << 20))
@@ -256,7 +267,7 @@ def test_store_keys_of_another_type_and_a_bool_root_are_refused_naming_them(coor
                      lambda: pg.store.compare_set(1.5, None, b"x")):
             with pytest.raises(TypeError, match=r"store keys are str, got (NoneType|int|bytes|float)"):
                 call()
-        with pytest.raises(ValueError, match=r"broadcast: rank True not in group of size 1"):
+        with pytest.raises(ValueError, match=r"broadcast: rank True \(bool\) is not a rank of this group of size 1 \(an int in 0..0\)"):
             pg.broadcast(np.ones(2), True)
         # a lone surrogate (os.fsdecode of bytes that are not UTF-8) was a raw UnicodeEncodeError
         for call in (lambda: pg.store.set("a\udc80", b"x"), lambda: pg.store.get("\udc80"),
