@@ -13,7 +13,8 @@ A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=va
 Durations are finite numbers: ``seconds`` (``S``, ``Ss`` or ``Nms``) above 0 and at most 3600,
 ``ms`` (``N`` or ``Nms``) above 0 and at most 3 600 000, ``after`` (seconds from the rank's start,
 written like ``seconds``) in 0..3600. The hour's bound keeps a pause's resume helper, which sleeps
-for the pause, from outliving a rank that died while paused by more than that. Each field may be
+for the pause where pidfds are missing, from outliving a rank that died while paused by more
+than that (with pidfds it ends with the rank). Each field may be
 given once per fault, each fault once per plan (two ``rank=any`` faults may pick different
 ranks, so they may look alike), and ``seed`` once per plan.
 
@@ -367,12 +368,7 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "pause":
             # A separate process wakes us: a stopped process cannot.
-            # f.seconds is finite and at most MAX_FAULT_S (parse_plan), so the helper ends within
-            # that time even when this rank dies meanwhile; fixed-point, as some sleeps take no
-            # exponent.
-            subprocess.Popen(["/bin/sh", "-c", f"sleep {f.seconds:.6f}; kill -CONT {os.getpid()}"],
-                             start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _start_resumer(f.seconds)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.kind == "delay":
             time.sleep((f.ms or 0) / 1000)
@@ -392,6 +388,45 @@ class Injector:
                 os.kill(self.coordinator_pid, signal.SIGKILL)
             except ProcessLookupError:
                 log.warning("fault_skipped", fault=f.text, index=f.index, reason="coordinator already gone")
+
+
+# The resume helper of a pause: waits on a pidfd of the paused rank until the pause's end (a
+# CLOCK_MONOTONIC time, shared by every process of the host), then sends it SIGCONT through that
+# pidfd; ends at once when the rank exits first. A pid-based `sleep; kill -CONT pid` outlived a
+# rank killed while paused, then signalled whatever process had its pid by then (a fresh user's
+# find: helpers left running after the run).
+_RESUMER = ("import os, select, signal, sys, time\n"
+            "fd, end = int(sys.argv[1]), float(sys.argv[2])\n"
+            "while True:\n"
+            "    left = end - time.monotonic()\n"
+            "    if select.select([fd], [], [], max(0.0, left))[0]:\n"
+            "        sys.exit(0)\n"          # the rank exited: nothing to resume
+            "    if left <= 0:\n"
+            "        break\n"
+            "try:\n"
+            "    signal.pidfd_send_signal(fd, signal.SIGCONT)\n"
+            "except ProcessLookupError:\n"
+            "    pass\n")
+
+
+def _start_resumer(seconds: float) -> subprocess.Popen:
+    """Start the process that sends this process SIGCONT ``seconds`` from now (or ends with it).
+    Where pidfds are missing (not Linux 5.3+), a shell's ``sleep; kill -CONT``: ``seconds`` is
+    finite and at most MAX_FAULT_S (parse_plan), so it ends within that time even when this rank
+    dies meanwhile (fixed-point, as some sleeps take no exponent)."""
+    end = time.monotonic() + seconds
+    quiet = dict(start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds:.6f}; kill -CONT {os.getpid()}"],
+                                **quiet)
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _RESUMER, str(fd), repr(end)],
+                         pass_fds=(fd,), **quiet)
+    finally:
+        os.close(fd)
 
 
 def label(f: Fault, faults: list[Fault]) -> str:

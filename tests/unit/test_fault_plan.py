@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
 
+import procs
 import pytest
 
 from rtxnet import faults
@@ -78,17 +82,27 @@ def test_units_of_durations():
         parse_plan("delay:rank=0:ms=2s")
 
 
-def test_the_pause_helper_sleeps_for_the_pause_in_fixed_point(monkeypatch):
-    """The helper is ``sleep S; kill -CONT pid`` with S finite, bounded and written without an
-    exponent (some ``sleep`` programs refuse ``1e-05``)."""
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "no-pidfd"])
+def test_the_pause_helper_waits_on_a_pidfd_else_sleeps_in_fixed_point(monkeypatch, pidfd):
+    """With pidfds the helper waits on one of this process (its fd passed on) until the pause's
+    end; without, it is ``sleep S; kill -CONT pid`` with S finite, bounded and written without
+    an exponent (some ``sleep`` programs refuse ``1e-05``)."""
     started, sent = [], []
     monkeypatch.setattr(faults.subprocess, "Popen", lambda cmd, **kw: started.append((cmd, kw)))
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    if not pidfd:
+        monkeypatch.delattr(faults.os, "pidfd_open")
     inj = Injector("pause:rank=0:step=1:seconds=0.00001")
     (f,) = inj.due("step", rank=0, world_size=1, step=1)
+    t0 = time.monotonic()
     inj.act(f)
     (cmd, kw), = started
-    assert cmd[:2] == ["/bin/sh", "-c"] and cmd[2].startswith("sleep 0.000010; kill -CONT ")
+    if pidfd:
+        assert cmd[0] == sys.executable and "pidfd_send_signal" in cmd[4], cmd
+        assert len(kw["pass_fds"]) == 1 and cmd[5] == str(kw["pass_fds"][0])
+        assert t0 < float(cmd[6]) < time.monotonic() + 0.00001      # the pause's end
+    else:
+        assert cmd[:2] == ["/bin/sh", "-c"] and cmd[2].startswith("sleep 0.000010; kill -CONT ")
     assert kw["start_new_session"] is True
     assert sent == [(faults.os.getpid(), signal.SIGSTOP)]
 
@@ -146,3 +160,64 @@ def test_a_sync_fault_fires_at_the_sync_before_its_step_and_is_named_when_it_nev
     (f,) = inj.due("sync", rank=0, world_size=3, step=6)
     assert f.at == "sync" and f.step == 6
     assert inj.due("sync", rank=0, world_size=3, step=6) == []      # once
+
+
+_PAUSED = """
+import os, signal, sys, time
+from rtxnet.faults import _start_resumer
+helper = _start_resumer(float(sys.argv[1]))
+print(helper.pid, flush=True)
+t0 = time.monotonic()
+os.kill(os.getpid(), signal.SIGSTOP)
+print(f"{time.monotonic() - t0:.3f}", flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_pause_resumes_its_rank_after_its_seconds():
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-c", _PAUSED, "0.5"], capture_output=True, text=True,
+                       timeout=30, env=procs.env())
+    assert p.returncode == 0, p.stderr
+    paused = float(p.stdout.split()[1])
+    assert 0.4 < paused < 5, paused
+
+
+@pytest.mark.timeout(60)
+def test_a_pause_helper_ends_with_a_rank_killed_while_paused():
+    # A fresh user's find: the `sleep; kill -CONT pid` helper of a paused rank that was killed
+    # meanwhile ran on for the whole pause, then signalled whatever process had that pid
+    import signal
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", _PAUSED, "60"], stdout=subprocess.PIPE, text=True,
+                         env=procs.env())
+    helper = -1
+    try:
+        helper = int(p.stdout.readline())
+        deadline = time.monotonic() + 20
+        while open(f"/proc/{p.pid}/stat").read().split(")")[1].split()[0] != "T":   # stopped
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert _alive(helper)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 5
+        while _alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(helper), "the resume helper outlived its rank"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if helper > 0 and _alive(helper):
+            os.kill(helper, signal.SIGKILL)
