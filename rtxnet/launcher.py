@@ -1656,6 +1656,16 @@ def _environment_errors() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import structlog
+
+    if not structlog.is_configured():
+        # the launcher's own control client logs (a request resent to a frozen coordinator):
+        # to stderr, warnings and up as the ranks' default, not structlog's default of stdout
+        # among the ranks' lines (a fresh user's find)
+        from transport.logconfig import LOG_LEVELS, configure_logging
+
+        level = os.environ.get("RTXNET_LOG_LEVEL", "warning").lower()
+        configure_logging(level=level if level in LOG_LEVELS else "warning")
     try:
         return _main(argv)
     except KeyboardInterrupt:   # Ctrl-C before the launcher's own handler was installed
