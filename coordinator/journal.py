@@ -33,7 +33,9 @@ segment ``L`` runs in this order, and a crash between any two steps replays to t
 
 A torn final record (a kill or power cut during an append: header or payload cut short by EOF,
 a payload CRC mismatch on the very last frame, or an all-zero tail) is dropped, logged as
-``journal_torn_tail`` and truncated away. Anything else that fails its checks raises
+``journal_torn_tail`` and truncated away; the bytes of a complete last frame failing its CRC
+are kept first as ``torn-<generation>-<offset>.bin`` in the folder (a bit flipped in an
+acknowledged record looks the same as a power cut during an append). Anything else that fails its checks raises
 :class:`~transport.errors.JournalCorruptError` with the file and the byte offset of the bad frame;
 the header's own CRC makes sure a corrupt length field is never mistaken for a torn tail.
 
@@ -290,6 +292,24 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
     return scan
 
 
+def _write_file_durably(path: Path, data: bytes, fsync: bool) -> None:
+    """Write ``data`` to a new file ``path`` (replacing one of that name), fsynced with its
+    folder when ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if fsync:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
 def _write_all(fd: int, data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
@@ -473,12 +493,21 @@ class Journal:
             # Everything checked: from here on the directory is repaired in place.
             if torn is not None:
                 path, scan = torn
+                kept = None
+                if scan.torn_reason == "crc_mismatch_last_record":
+                    # A complete record failing its CRC: a power cut during its append, or a bit
+                    # flipped in a record acknowledged long ago, which look the same; its bytes
+                    # are kept beside the journal before the tail is dropped (a tester's find:
+                    # the evidence was truncated away with only a log line)
+                    kept = self._dir / f"torn-{live[-1][0]}-{scan.torn_offset}.bin"
+                    _write_file_durably(kept, path.read_bytes()[scan.torn_offset:], self._fsync)
                 log.warning(
                     "journal_torn_tail",
                     path=str(path),
                     offset=scan.torn_offset,
                     nbytes=scan.torn_nbytes,
                     reason=scan.torn_reason,
+                    **({"kept": str(kept)} if kept else {}),
                 )
                 with open(path, "r+b") as f:
                     f.truncate(scan.valid_nbytes)
