@@ -1603,7 +1603,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds a rank the coordinator declared lost may keep running (frozen, "
                         f"hung) while the job needs it before it is killed, to be restarted "
                         f"(default {FROZEN_GRACE_S:g}; a rank that wakes within it rejoins by itself)")
-    p.add_argument("script", help="the Python script each rank runs")
+    # (optional to argparse, checked in _main: else a missing script was reported as "the
+    # following arguments are required: script, script_args", the latter optional: a fresh
+    # user's find)
+    p.add_argument("script", nargs="?", help="the Python script each rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
 
@@ -1674,7 +1677,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.script is None:
+        parser.error("no script given: rtxnet-run [options] script.py [script arguments]")
     errors = []
     if not 1 <= args.nproc <= MAX_NPROC:
         errors.append(f"--nproc must be in 1..{MAX_NPROC}, got {args.nproc}")

@@ -1902,3 +1902,13 @@ def test_ctrl_c_while_the_survivors_wait_for_a_replacement_ends_every_rank_at_on
     for r in range(3):
         assert f"[rtxnet-run] rank {r} exited with code 130" in text, text[-4000:]
     assert text.count("state_load_refused") < 10, text[-4000:]
+
+
+def test_no_script_is_named_as_such():
+    # a fresh user's find: "the following arguments are required: script, script_args" (the
+    # script's arguments are optional)
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2"], capture_output=True,
+                         text=True, timeout=60, env=procs.env(), cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().endswith("error: no script given: rtxnet-run [options] script.py [script arguments]")
+    assert "script_args" not in out.stderr
