@@ -1126,8 +1126,8 @@ class Launcher:
                        f"says why" if _code(rc) == 3 else "its log says why")
                 _say(f"coordinator exited with code {_code(rc)} again: {restarts} restarts in "
                      f"{now - failing_since:.0f} s did not keep it up ({why}); not restarting it "
-                     f"again: the ranks stop with CoordinatorLostError within their coordinator_s "
-                     f"({give_up_s:g} s)")
+                     f"again: the ranks stop with CoordinatorLostError within their coordinator timeout "
+                     f"(RTXNET_COORDINATOR_TIMEOUT, {give_up_s:g} s)")
                 return
             else:
                 _say(f"coordinator exited with code {_code(rc)} {now - started:.1f} s after it "
@@ -1200,8 +1200,8 @@ class Launcher:
                         and proc.returncode is None and not (self.stopping or self.done)):
                     _say(f"coordinator (pid {proc.pid}, {_proc_state(proc.pid)}) has answered "
                          f"nothing for {silent:.1f} s; killing it to restart it from its "
-                         f"journal before the ranks give up on it (their coordinator_s, "
-                         f"{coordinator_s:g} s)")
+                         f"journal before the ranks give up on it (their coordinator timeout, "
+                         f"RTXNET_COORDINATOR_TIMEOUT, {coordinator_s:g} s)")
                     proc.kill()
                     since = math.inf   # watched again once its successor answers
                     continue

@@ -584,7 +584,7 @@ def test_faultrun_summary_lists_every_crash_restart_and_loss_in_the_output():
         "tcp://127.0.0.1:1 with journal /j in 0.1 s",
         "[rtxnet-run] coordinator exited with code 3 again: 9 restarts in 31 s did not keep it up (exit "
         "code 3: its journal /j cannot be written or read; its log says why); not restarting it again: "
-        "the ranks stop with CoordinatorLostError within their coordinator_s (30 s)",
+        "the ranks stop with CoordinatorLostError within their coordinator timeout (RTXNET_COORDINATOR_TIMEOUT, 30 s)",
         "[rtxnet-run] rank 2 exited with code 1 (ValueError: bad (input)); restart 2/2 in 0.2 s (its "
         "process lived 0.3 s)",
         "[rtxnet-run] rank 3 exited with code 1; restart 1/2 in 0.1 s (its process lived 0.0 s; a rank "

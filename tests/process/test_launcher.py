@@ -1138,7 +1138,7 @@ def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_g
     (gave_up,) = [x for x in lines if "not restarting it again" in x]
     assert gave_up.startswith("[rtxnet-run] coordinator exited with code 137 again: "), gave_up
     assert "did not keep it up (its log says why); not restarting it again: the ranks stop with " \
-        "CoordinatorLostError within their coordinator_s (4 s)" in gave_up, gave_up
+        "CoordinatorLostError within their coordinator timeout (RTXNET_COORDINATOR_TIMEOUT, 4 s)" in gave_up, gave_up
     restarts = text.count("restarting it on ")
     assert 3 <= restarts <= 10 and len(killed) == restarts + 1, (restarts, killed, text[-4000:])
     pauses = [float(x.rsplit(" in ", 1)[1].split(" s")[0]) for x in lines if "after it started; restarting" in x]
