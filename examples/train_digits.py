@@ -229,9 +229,17 @@ def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | No
     holder = os.pread(fd, 1024, 0).decode(errors="replace")
     if holder != job:
         os.close(fd)
-        return None, (f"--out {str(out)!r} is in use by another run (job {holder!r}) that is still "
-                      f"running; give another --out, or wait for that run to end")
+        # (the holder as written: "job-a", or "job-a (coordinator tcp://...)"; quoting it whole
+        # put the coordinator inside the job id's quotes: a fresh user's find)
+        return None, (f"--out {str(out)!r} is in use by another run ({_shown_holder(holder)}) that "
+                      f"is still running; give another --out, or wait for that run to end")
     return fd, None
+
+
+def _shown_holder(holder: str) -> str:
+    """``job 'job-a'``, with `` (coordinator ADDR)`` outside the quotes when the lock names one."""
+    job, sep, rest = holder.partition(" (coordinator ")
+    return f"job {job!r}" + (f" (coordinator {rest}" if sep else "")
 
 
 def remove_earlier_checkpoints(ckpt_dir: Path) -> None:

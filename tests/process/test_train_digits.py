@@ -250,6 +250,16 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_the_ranks_of_one_run_share
         assert td.claim_out_folder(out, "job-b") == (None, (
             f"--out {str(out)!r} is in use by another run (job 'job-a') that is still running; give "
             f"another --out, or wait for that run to end"))
+        # a launch's own coordinator is named outside the job id's quotes
+        other = tmp_path / "other"
+        other.mkdir()
+        held, why = td.claim_out_folder(other, "job-c (coordinator tcp://127.0.0.1:5)")
+        try:
+            assert td.claim_out_folder(other, "job-d")[1].startswith(
+                f"--out {str(other)!r} is in use by another run (job 'job-c' (coordinator "
+                f"tcp://127.0.0.1:5)) that is still running")
+        finally:
+            os.close(held)
         monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)     # refused before joining
         monkeypatch.setenv("RTXNET_JOB", "job-b")
         assert td.main(["--out", str(out)]) == 2
