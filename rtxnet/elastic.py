@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
@@ -68,7 +69,7 @@ from .faults import Injector
 from .process_group import BlockingProcessGroup, ProcessGroup
 from .statesync import pack_state, unpack_state
 
-__all__ = ["FaultTolerance", "Stateful", "RECOVERABLE"]
+__all__ = ["FaultTolerance", "Stateful", "RECOVERABLE", "note_rank_specific"]
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +83,50 @@ RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
 # come a moment before this rank hears the decision: not a skip)
 SKIP_POLL_S = 0.25
 SKIP_AFTER_S = 1.0
+
+
+# Objects of this process (tensor-parallel layers) that hold state differing between the ranks of
+# a group -> (that group, what to call them in an error). Weak: a layer the user dropped no
+# longer counts. FaultTolerance without sharded_state reads it: replicated-state recovery hands
+# one rank's state to every rank, which loads a rank-specific slice into the wrong rank silently
+# (a tester's find: a tensor-parallel MLP ended 0.6 off a fault-free run, exit code 0).
+_RANK_SPECIFIC: weakref.WeakKeyDictionary[Any, tuple[Any, str]] = weakref.WeakKeyDictionary()
+
+
+def note_rank_specific(obj: Any, group: Any, what: str) -> None:
+    """Record that ``obj`` (kept weakly) holds state that differs on each rank of ``group`` (a
+    process group or subgroup: ``world_size`` or ``size``), named ``what`` in errors.
+    :class:`FaultTolerance` without ``sharded_state`` then refuses this process's state when
+    ``group`` has more than one rank. Tensor-parallel layers call it when built; a pipeline
+    stage or user module whose state is rank-specific may too."""
+    _RANK_SPECIFIC[obj] = (group, what)
+
+
+def rank_specific_state() -> list[str]:
+    """What :func:`note_rank_specific` recorded and still lives, where its group has more than
+    one rank: one ``"<what> over N ranks"`` per distinct description, in order of record."""
+    seen: dict[str, None] = {}
+    for group, what in list(_RANK_SPECIFIC.values()):
+        size = getattr(group, "world_size", None)
+        size = getattr(group, "size", 1) if size is None else size
+        if int(size) > 1:
+            seen.setdefault(f"{what} over {int(size)} ranks")
+    return list(seen)
+
+
+def _refuse_rank_specific(where: str) -> None:
+    """``ConfigError`` when this process holds rank-specific state (:func:`note_rank_specific`)
+    and FaultTolerance replicates state (no ``sharded_state``)."""
+    held = rank_specific_state()
+    if held:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ConfigError(
+            f"FaultTolerance{where}: this rank holds state that differs per rank ({shown}), and "
+            f"without sharded_state=True a recovery gives every rank one rank's state (a "
+            f"replacement would load another rank's slices and train on silently wrong weights); "
+            f"pass FaultTolerance(sharded_state=True) and give the state load_state_dicts(states) "
+            f"that loads states[pg.rank] (tensor or pipeline parallel over the whole world) or "
+            f"reshards (see the README, 'Tensor and pipeline parallelism')")
 
 
 class Stateful(Protocol):
@@ -129,13 +174,17 @@ class FaultTolerance:
             epoch mends.
         sharded_state: the state differs per rank (FSDP shards, tensor-parallel slices), so no
             single rank can hand it to the others. Each rank then also keeps its ring
-            predecessor's committed state (rank ``r`` holds rank ``r - 1``'s, mod the world size),
-            sent peer to peer before every vote, so one lost rank (or any lost ranks that are not
-            ring neighbours) costs at most the step that failed, as with replicated state. After
+            predecessor's committed state (the ring alternates hosts, else rank ``r`` holds rank
+            ``r - 1``'s, mod the world size: :meth:`_ring_order`), sent peer to peer before every
+            vote, so one lost rank or host (or any lost ranks that are not ring neighbours)
+            costs at most the step that failed, as with replicated state; until the next commit
+            after a re-form, two ranks of the new world keep each state it handed out, so a
+            second loss during the re-form costs no more. After
             a membership change every rank receives every committed rank's state and calls
             ``state.load_state_dicts(states)`` (``states[q]``: the state of rank ``q`` of the world
             that committed, any world size: reshard there; FSDP's ``load_sharded_state_dicts``).
-            When two neighbours are lost, the newest checkpoint is loaded instead. Before the
+            When two neighbours are lost, the newest checkpoint is loaded instead. Tensor-parallel
+            layers need it (without it: ``ConfigError``). Before the
             first commit the states as built are compared: ``state.sharded_layout()``, when the
             state has it (``FSDPState``), gives ``(rank, world_size)`` of its layout (else the
             world when this object was made), and a rank that joined after the others built
@@ -148,7 +197,10 @@ class FaultTolerance:
             ``load_state_dict``, ``min_world_size`` < 1, below the group's ``min_ranks`` or above
             its ``max_ranks``, ``rejoin_window_s`` / ``commit_timeout_s`` not a finite positive
             number, ``load_checkpoint`` not callable, a mistyped int (names the value); with
-            ``sharded_state``, a state without ``load_state_dicts``.
+            ``sharded_state``, a state without ``load_state_dicts``; without it, a process
+            holding rank-specific state (tensor-parallel layers over more than one rank, or
+            whatever :func:`note_rank_specific` recorded; names them), here or, for layers built
+            later, from ``guard``/``aguard`` at the next sync.
         RendezvousError (from ``guard``/``aguard``): the world stayed below ``min_world_size``
             for ``rejoin_window_s`` after a loss (no replacement came).
     """
@@ -233,6 +285,8 @@ class FaultTolerance:
         self._delay_acts: dict[int, list[float]] = {}
         self.load_checkpoint = load_checkpoint
         self.sharded_state = bool(sharded_state)
+        if not self.sharded_state:
+            _refuse_rank_specific("")
         if self.sharded_state and not callable(getattr(state, "load_state_dicts", None)):
             raise ConfigError(f"sharded_state=True needs state.load_state_dicts(states), which "
                               f"{type(state).__name__} lacks: it loads every committed rank's state "
@@ -614,7 +668,7 @@ class FaultTolerance:
             # before the vote: if the step commits, the predecessor's state of it is here already
             try:
                 self.pg._pinned_world = self.pg.engine.world if self.pg.engine is not None else None
-                pending = await self._ring_exchange(m.rank, m.world_size)
+                pending = await self._ring_exchange(m.rank, m.world_size, self._hosts(m.world_size, m))
             except RECOVERABLE as exc:
                 await self._recover(exc, step)
                 return
@@ -886,6 +940,8 @@ class FaultTolerance:
             await self._rewind_job(best, job_committed)
             self._synced(best, epoch, rank, world, "sharded")
             return
+        # (layers built after FaultTolerance was: refused before one rank's state is handed on)
+        _refuse_rank_specific(" (at the sync of a new epoch)")
         mine = np.array([self.committed_step if self._holds_state else -1], dtype=np.int64)
         steps = np.zeros(world, dtype=np.int64)
         await pg.all_gather(steps, mine)
@@ -1094,13 +1150,58 @@ class FaultTolerance:
         await self.pg.broadcast(buf, src)
         return data if data is not None else buf
 
-    async def _ring_exchange(self, rank: int, world: int) -> dict[int, Any]:
+    def _hosts(self, world: int, m: Any = None) -> list[str]:
+        """The host of each rank of the world of membership ``m`` (default the current one; the
+        same on every rank; ``""`` where unknown)."""
+        m = self.pg.membership if m is None else m
+        members = getattr(m, "members", None) or {}
+        return [str((members.get(q) or {}).get("host") or "") for q in range(world)]
+
+    @staticmethod
+    def _ring_order(hosts: list[str]) -> list[int]:
+        """The ring of ``sharded_state`` over ranks ``0..len(hosts)-1`` (``hosts[q]``: rank
+        ``q``'s host): each rank's state is kept by the next rank of this order. The hosts take
+        turns (one rank of each, in order of their lowest rank), so each rank's successor is on
+        another host wherever the other hosts have ranks left: a lost host then leaves every
+        state on a live rank. Before, the successor was ``rank + 1``, on the same host for all
+        but a host's last rank, and losing a host ended the job (a tester's find). One host:
+        ``0, 1, ..., W-1``, as before."""
+        by_host: dict[str, list[int]] = {}
+        for q, h in enumerate(hosts):
+            by_host.setdefault(h, []).append(q)
+        cols = list(by_host.values())
+        return [qs[i] for i in range(max(map(len, cols), default=0)) for qs in cols if i < len(qs)]
+
+    @classmethod
+    def _ring_neighbours(cls, rank: int, hosts: list[str]) -> tuple[int, int]:
+        """``(successor, predecessor)`` of ``rank`` in :meth:`_ring_order`."""
+        order = cls._ring_order(hosts)
+        i = order.index(rank)
+        return order[(i + 1) % len(order)], order[(i - 1) % len(order)]
+
+    @classmethod
+    def _kept_after_sync(cls, old_world: int, hosts: list[str], rank: int) -> list[int]:
+        """The ranks of the world of ``old_world`` whose committed states rank ``rank`` of the
+        new world (``hosts``, one per rank) keeps after a sync that gave every rank all of them:
+        old rank ``k`` stays on the new rank at position ``k mod W`` of :meth:`_ring_order` and on
+        its successor there (another host where there is one), so each lives on two ranks of the
+        new world (one when ``W`` is 1), about ``2 * old_world / W`` states per rank. Before,
+        every rank dropped them once loaded, and a rank lost before the new world's own ring
+        copy was made ended the job when it held the only copy of a lost neighbour's state (a
+        tester's find)."""
+        order = cls._ring_order(hosts)
+        w = len(order)
+        return [k for k in range(old_world)
+                if rank in (order[k % w], order[(k % w + 1) % w])]
+
+    async def _ring_exchange(self, rank: int, world: int, hosts: list[str] | None = None) -> dict[int, Any]:
         """Send this rank's state to its ring successor and take its predecessor's (sharded
-        state); returns ``{rank: own blob, predecessor: its blob}``."""
+        state; :meth:`_ring_order` over ``hosts``, default the current membership's); returns
+        ``{rank: own blob, predecessor: its blob}``."""
         own = await self._pack()
         if world == 1:
             return {rank: own}
-        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        nxt, prv = self._ring_neighbours(rank, hosts if hosts is not None else self._hosts(world))
         n_in = np.zeros(1, dtype=np.int64)
         await asyncio.gather(self.pg.send(np.array([len(own)], dtype=np.int64), nxt, tag=_RING_TAG),
                              self.pg.recv(n_in, prv, tag=_RING_TAG))
@@ -1123,9 +1224,17 @@ class FaultTolerance:
         else:
             mine = self._ring_row(ring)
         mine += self._ring_row(kept) if kept is not None else [0, -1, -1, 0, -1, -1]
-        mine.append(int(self._built_held))
-        both = np.zeros((world, 13), dtype=np.int64)
+        more = list(kept["blobs"])[2:] if kept is not None else []
+        mine += [int(self._built_held), len(more)]
+        both = np.zeros((world, 14), dtype=np.int64)
         await pg.all_gather(both, np.array(mine, dtype=np.int64))
+        # the kept rings' further ranks (a kept ring may hold more than two: _kept_after_sync),
+        # in a second round only when some rank has any
+        extra = None
+        n_more = int(both[:, 13].max())
+        if n_more:
+            extra = np.full((world, n_more), -1, dtype=np.int64)
+            await pg.all_gather(extra, np.array(more + [-1] * (n_more - len(more)), dtype=np.int64))
         rows = both[:, :6]
         fresh = not both[:, 0].any() and not both[:, 6].any()
         # nothing committed and every rank holds the state as built: a layout or ring left
@@ -1150,6 +1259,19 @@ class FaultTolerance:
                 # this said only "start the ranks together", and they had been)
                 gone = {w0: sorted(set(range(w0)) - {int(rows[q, 4]) for q in qs})
                         for w0, qs in built.items()}
+                if len(built) == 1:
+                    # every rank built for one world: some of its ranks' states are missing, no
+                    # world differs (before, this said "different worlds" all the same: a
+                    # tester's find, a pipeline job with one rank killed in its first sync)
+                    (w0, missing), = gone.items()
+                    raise RtxError(
+                        f"no training has committed yet and the states as built of ranks "
+                        f"{missing} of the world of {w0} are gone (world size and rank of each "
+                        f"rank's layout: {rows[:, 3:5].tolist()}): a rank was lost in the first "
+                        f"sync before its state reached its ring successor. A state that keeps "
+                        f"every rank's state as built until the first commit (hold_built(on), "
+                        f"holds_built(), built_state_dicts(): FSDPState has them) is rebuilt "
+                        f"instead; else start the job again")
                 raise RtxError(
                     f"no training has committed yet and the ranks' states as built are laid out "
                     f"for different worlds, none of them complete here (world size and rank of "
@@ -1165,7 +1287,7 @@ class FaultTolerance:
                 holders.setdefault(int(rows[q, 4]), (q, 0))
             covered = True
         else:
-            best, old_world, holders, covered, at_best = self._choose_ring(both)
+            best, old_world, holders, covered, at_best = self._choose_ring(both, extra)
         in_place = covered and old_world == world and len(at_best) == world and all(
             holders.get(q) == (q, 0) for q in range(world))
         source = "in place" if in_place else "ring"
@@ -1190,26 +1312,35 @@ class FaultTolerance:
                         f"before every rank's state had reached its ring successor (start the job "
                         f"again)")
                 raise RtxError(f"{what}; no checkpoint can replace it ({self._no_checkpoint_why()})")
-        used = None     # the ring, on this rank, that the state came from
         if source == "ring":
             blobs = []
             for k in range(old_world):
                 src, slot = holders[k]
                 held = ring if slot == 0 else kept
-                used = held if src == rank else used
                 own = held["blobs"].get(k) if held is not None else self._snapshot  # (fresh)
                 blobs.append(await self._broadcast_bytes(own if src == rank else None, src))
             # off the loop, as :meth:`_pack`
             await asyncio.to_thread(lambda: self.state.load_state_dicts([unpack_state(b) for b in blobs]))
             log.warning("state_resharded", step=best, saved_world_size=old_world, world_size=world,
                      sources={k: holders[k][0] for k in range(old_world)})
+            if not fresh:
+                # Until the next commit this rank keeps some of the states it took (two ranks of
+                # this world keep each: _kept_after_sync), as the ring they came from: a rank
+                # lost before this world's ring copy below is made, or during it, leaves them
+                # on a live rank (see _ring_kept)
+                q0, slot0 = holders[0]
+                self._ring_kept = {
+                    "step": best, "epoch": int(both[q0, 6 * slot0 + 2]), "world": old_world,
+                    "blobs": {k: blobs[k] for k in self._kept_after_sync(old_world, self._hosts(world), rank)}}
+                if not self._ring_kept["blobs"]:
+                    self._ring_kept = None
+            del blobs
         await _faults.apoint("sync", pg=pg, step=best + 1)   # fault injection: "during the re-form"
         if source != "in place" or ring is None:
             # a new world, a checkpoint or the first sync: this world's ring of the committed state
             blobs = await self._ring_exchange(rank, world)
-            # the ring the state came from stays until the next commit (see _ring_kept)
-            self._ring_kept = None if source != "ring" else next(
-                (r for r in (used, ring, kept) if r is not None and r["step"] == best), None)
+            if source != "ring":    # (a ring sync set the one it keeps above)
+                self._ring_kept = None
             self._snapshot = blobs[rank]
             self._ring = {"step": best, "epoch": epoch, "world": world, "blobs": blobs}
         else:
@@ -1234,17 +1365,21 @@ class FaultTolerance:
     @staticmethod
     def _ring_row(ring: dict[str, Any]) -> list[int]:
         """``[1, step, epoch, world, owner, predecessor]`` of a ring this rank holds (its own
-        blob's rank and its predecessor's, -1 when a world of one has none)."""
+        blob's rank and its predecessor's, -1 when a world of one has none; of a kept ring, the
+        first two ranks it holds, the rest sent apart: :meth:`_sync_sharded`)."""
         own = next(iter(ring["blobs"]))
         pred = next((k for k in ring["blobs"] if k != own), -1)
         return [1, ring["step"], ring["epoch"], ring["world"], own, pred]
 
     @staticmethod
-    def _choose_ring(both: np.ndarray) -> tuple[int, int, dict[int, tuple[int, int]], bool, list[int]]:
+    def _choose_ring(both: np.ndarray, extra: np.ndarray | None = None,
+                     ) -> tuple[int, int, dict[int, tuple[int, int]], bool, list[int]]:
         """Which committed ring the sync takes, from every rank's two ring rows (``both``: the
-        ring each holds and the one it kept, see :meth:`_ring_row`): the newest committed step,
+        ring each holds and the one it kept, see :meth:`_ring_row`; ``extra[q]``: the further
+        ranks rank ``q``'s kept ring holds, -1 padded, or None): the newest committed step,
         and of the rings holding it (one per epoch they were made in) the newest that is complete
-        here, its every rank's state held by its owner or its ring successor; else the newest.
+        here, its every rank's state held by some live rank (its owner first); else the newest.
+        A row names the ranks it holds, so any ring order (:meth:`_ring_order`) works.
         Returns ``(step, its world size, {rank of that world: (holder, slot)}, complete, the
         ranks holding that ring)``; slot 0 is a rank's ring, 1 the one it kept."""
         entries = [(q, slot, both[q, 6 * slot:6 * slot + 6]) for q in range(both.shape[0])
@@ -1255,10 +1390,16 @@ class FaultTolerance:
             group = [(q, slot, row) for q, slot, row in entries if row[1] == best and row[2] == e0]
             old_world = int(group[0][2][3])
             holders: dict[int, tuple[int, int]] = {}
-            for col in (4, 5):       # owners first, then ring successors
+            # owners first (a state in place is not sent), then ring successors, then kept rings
+            for want, col in ((0, 4), (0, 5), (1, 4), (1, 5)):
                 for q, slot, row in group:
-                    if row[col] >= 0:
+                    if slot == want and row[col] >= 0:
                         holders.setdefault(int(row[col]), (q, slot))
+            for q, slot, _ in group:    # then a kept ring's further states
+                if slot == 1 and extra is not None:
+                    for k in extra[q].tolist():
+                        if k >= 0:
+                            holders.setdefault(int(k), (q, slot))
             covered = all(k in holders for k in range(old_world))
             found = (best, old_world, holders, covered, sorted({q for q, _, _ in group}))
             if covered:

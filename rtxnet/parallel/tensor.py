@@ -55,7 +55,9 @@ a timeout raises :class:`~transport.errors.PeerLostError` or
 :class:`~transport.errors.CollectiveTimeout` from ``forward`` or from ``loss.backward()`` (autograd
 re-raises an error of a custom Function's backward unchanged). The shards are fixed when the layer
 is built: a layer whose group no longer has the size it was built for raises ``ConfigError`` at
-its next forward (rebuild it from the full weights, e.g. from a checkpoint).
+its next forward (rebuild it from the full weights, e.g. from a checkpoint). Each rank's slices
+are its own: :class:`rtxnet.FaultTolerance` refuses them (``ConfigError``) unless given
+``sharded_state=True``, as a recovery without it hands one rank's state to every rank.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import torch.nn.functional as F
 
 from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
+from rtxnet.elastic import note_rank_specific
 from transport.errors import ConfigError
 
 from ._world import group_size
@@ -229,6 +232,9 @@ class _ParallelLinear(torch.nn.Module):
         self.world_size = group_size(pg)
         self.rank = int(pg.rank)
         self.timeout_s = timeout_s
+        # its slices differ per rank: FaultTolerance without sharded_state would hand one rank's
+        # to another after a failure, so it refuses them (rtxnet.elastic.note_rank_specific)
+        note_rank_specific(self, pg, f"tensor-parallel {type(self).__name__}")
 
     def _sharded_names(self) -> tuple[str, ...]:
         return ("weight", "bias")
