@@ -622,7 +622,10 @@ class FaultTolerance:
                                             "added": list(membership.added),
                                             "added_launch": None if None in added else added,
                                             "world_size": membership.world_size})
-            for old in [e for e in self._launch_of if e < epoch - 1]:
+            # (the epoch the last sync was in stays: a failure in it names its late ranks by
+            # launch rank when it closes, epochs later after an eviction: late_launch was None
+            # while lost_launch was known, a fresh user's find)
+            for old in [e for e in self._launch_of if e < epoch - 1 and e != self._synced_epoch]:
                 del self._launch_of[old]
 
     def _note_launch_ranks(self, membership) -> None:

@@ -899,6 +899,11 @@ def test_a_rank_hung_with_its_heartbeats_going_is_evicted_and_the_others_finish(
     assert proc.returncode == 137, proc.stderr[-4000:]
     assert re.search(r"\[rank[02]\].*evicting_late_ranks .*launch_ranks=\[1\]", proc.stderr), proc.stderr[-4000:]
     assert "[rank1]" in proc.stderr and "reason='declared lost; epoch" in proc.stderr
+    # the failure names its late rank by launch rank too, epochs after it began (a fresh user's
+    # find: late=[1] late_launch=None, the epoch's launch ranks forgotten by then)
+    recovered = [ln for ln in proc.stderr.splitlines() if "] recovered " in ln or " recovered  " in ln]
+    assert recovered and all("late_launch=[1]" in ln for ln in recovered if "late=[1]" in ln), recovered
+    assert any("late=[1]" in ln for ln in recovered), recovered
     results = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("final-*.json"))]
     assert len(results) == 2 and all(r["sha256"] == reference(20, 1024) for r in results), results
     assert took < 28, took      # not after the 30 s delay
