@@ -244,6 +244,11 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
                               f"{ttl!r}: need a job id of 1..{MAX_JOB_ID} characters, a node in "
                               f"0..{(1 << 20) - 1} and ttl_s in [0, {MAX_CLAIM_TTL_S:g}]"))
         return
+    if not msg["host"] or not 0 < msg["pid"] < 1 << 31:
+        # (a tester's find: host '' and pid -1 were held as a launcher's claim)
+        actions.append(_error(identity, msg, "ConfigError", f"claim: host {msg['host'][:40]!r} pid "
+                              f"{msg['pid']!r}: need a host name and a process id > 0"))
+        return
     bounds = (msg["min_ranks"], msg["max_ranks"]) if "min_ranks" in msg and "max_ranks" in msg else None
     if bounds is not None and not 1 <= bounds[0] <= bounds[1] <= 1 << 20:
         actions.append(_error(identity, msg, "ConfigError", f"claim: min_ranks({bounds[0]!r}) "

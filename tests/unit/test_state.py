@@ -773,6 +773,11 @@ def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lap
     for bad in ({"ttl": -1.0}, {"ttl": float("nan")}, {"ttl": 1e9}, {"ttl": 1.0, "node": -1}, {"ttl": 1.0, "job": ""}):
         err = claim("x", 1, bad["ttl"], node=bad.get("node", 0), job=bad.get("job", "j"))
         assert err["t"] == "error" and err["error"] == "ConfigError" and "claim: job" in err["message"], err
+    # a claim names its launcher: a host and a pid (host '' and pid -1 were held: a tester's find)
+    for host, pid in (("", 5), ("h", -1), ("h", 0)):
+        (s,) = h.req("y", "claim", job="z", node=0, host=host, pid=pid, ttl_s=1.0)
+        assert s.msg["t"] == "error" and s.msg["error"] == "ConfigError", s.msg
+        assert f"claim: host {host!r} pid {pid}: need a host name and a process id > 0" == s.msg["message"]
 
 
 def test_info_and_commit_metadata_must_be_shallow_json_that_every_record_and_answer_can_carry():
