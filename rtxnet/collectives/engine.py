@@ -402,7 +402,8 @@ def _hashable(v):
 
 
 def _error_from_abort(h: DataHeader, name: str, group) -> RtxError:
-    meta = h.meta if isinstance(h.meta, list) and len(h.meta) == 3 else ["RtxError", "?", []]
+    meta = h.meta if isinstance(h.meta, list) and len(h.meta) == 3 else [
+        "RtxError", f"a malformed abort message ({str(h.meta)[:80]}), not one rtxnet sends", []]
     cls, msg, ranks = meta
     ranks = [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else []
     if cls in ("ValueError", "TypeError", "ConfigError"):   # that rank refused its call (a bad argument)
