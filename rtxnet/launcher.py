@@ -93,6 +93,10 @@ FENCED_GRACE_S = 5.0
 # world to grow or it has restarts left, before rtxnet-run kills it (_watch_frozen); longer than
 # a pause a rank wakes from by itself and rejoins (fault-injected pauses, a long GC)
 FROZEN_GRACE_S = 10.0
+# A rank that is already ending when rtxnet-run stops the job (declared lost by the coordinator:
+# it closed its connection at exit) gets this long to end by itself before SIGTERM
+# (_stop_ranks): the ranks release their group at exit within 5 s (AT_EXIT_RELEASE_S).
+ENDING_GRACE_S = 5.0
 
 
 @dataclass
@@ -364,6 +368,7 @@ class Launcher:
         self._exited_0: list[_Slot] = []     # ranks that exited 0 while others still ran
         self._exits_0_watch: asyncio.Future | None = None
         self._respawns: set[asyncio.Future] = set()   # restarts waiting out their pause
+        self._stops: set[asyncio.Future] = set()      # _stop_ranks of a stop under way
         # process groups of ended ranks with processes left in them: their SIGKILL (_end_leftovers)
         self._leftovers: dict[int, asyncio.TimerHandle] = {}
         # told each rank's process group, ends them if this launcher dies (rtxnet/_groupguard.py)
@@ -532,8 +537,6 @@ class Launcher:
         running = [s for s in self.slots if s.proc is not None and s.returncode is None]
         if not running:
             return
-        # a rank that has exited by itself but whose exit is still queued is not named as stopped
-        named = [s.rank for s in running if s.proc.returncode is None]
         why = []
         if lost:
             why.append(f"{_ranks(lost)} failed for good (--max-restarts {a.max_restarts})")
@@ -543,16 +546,56 @@ class Launcher:
             if ranks:
                 why.append(f"{_ranks(ranks)} failed for good on node {node} (its launcher said "
                            f"so through the job's store)")
-        stopping = (f"stopping {_ranks(named)} (SIGTERM, SIGKILL after {a.grace:g} s)" if named
-                    else "stopping the job")
-        _say(f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
-             f"than --min-ranks {min_ranks}; {stopping}")
+        head = (f"{'; '.join(why)}: {left} rank{'' if left == 1 else 's'} left, fewer "
+                f"than --min-ranks {min_ranks}")
         self.stopping = True   # (the property: wakes restarts waiting out their pause)
         self._stopped_at = time.time()
         for s in running:
             s.stopped = True
-            _stop(s.proc, signal.SIGTERM)
+        task = asyncio.ensure_future(self._stop_ranks(running, head))
+        self._stops.add(task)
+        task.add_done_callback(self._stops.discard)
         asyncio.get_running_loop().call_later(a.grace, self._kill_all)
+
+    async def _stop_ranks(self, slots: list[_Slot], head: str) -> None:
+        """Say why (``head``) and whom rtxnet-run stops, then SIGTERM (and SIGCONT) ``slots``'
+        process groups, for a stop (``_stop_if_below_min_ranks``). A rank already ending by
+        itself is spared: one the coordinator declared lost (its connection closed, as a process
+        that returned or called ``sys.exit`` closes it at exit, before it ends) whose process is
+        not frozen (SIGSTOP) gets up to ``ENDING_GRACE_S`` (at most half of --grace) to end
+        first, and its own exit code stands; SIGTERM only if it still runs then (hung). Before, such a rank (``sys.exit(0)``
+        mid-training) was sometimes SIGTERMed while it ended, by the stop its own leaving caused
+        (the others' ``PeerLostError``), and reported as "stopped by rtxnet-run (143/137)", at
+        other times as "exited 0" (a tester's find): its exit and the others' raced to the
+        launcher. The coordinator declares it lost before the others fail (they fail because of
+        it), so the answer does not depend on that race."""
+        pids: set[int] = set()
+        if any(s.proc.returncode is None for s in slots):
+            _, pids = await self._fenced_pids()
+        ending = [s for s in slots if s.proc.returncode is None and s.proc.pid in pids
+                  and _proc_state(s.proc.pid) not in ("stopped", "tracing-stop")]
+        # a rank that has exited by itself but whose exit is still queued is not named as stopped
+        named = [s.rank for s in slots if s.proc.returncode is None and s not in ending]
+        stopping = (f"stopping {_ranks(named)} (SIGTERM, SIGKILL after {self.args.grace:g} s)"
+                    if named else "stopping the job")
+        # SIGTERM to a hung one still comes well before --grace's SIGKILL
+        wait_s = min(ENDING_GRACE_S, self.args.grace / 2)
+        if ending:
+            stopping += (f"; {_ranks([s.rank for s in ending])} already ending by "
+                         f"{'itself' if len(ending) == 1 else 'themselves'} (declared lost: "
+                         f"connection closed) get{'s' if len(ending) == 1 else ''} up to "
+                         f"{wait_s:g} s before SIGTERM")
+        _say(f"{head}; {stopping}")
+        for s in slots:
+            if s not in ending:
+                _stop(s.proc, signal.SIGTERM)
+        if not ending:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(s.proc.wait() for s in ending)), wait_s)
+        for s in ending:
+            if s.proc.returncode is None:   # declared lost but alive: hung, not ending
+                _stop(s.proc, signal.SIGTERM)
 
     async def _share_failures(self) -> None:
         """--nnodes > 1: every ``_NODES_POLL_S``, write this node's ranks that failed for good to
@@ -806,7 +849,7 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_failures_after_the_end()
         finally:
-            for task in (sharing, frozen, claim, self._exits_0_watch, *self._respawns):
+            for task in (sharing, frozen, claim, self._exits_0_watch, *self._respawns, *self._stops):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)

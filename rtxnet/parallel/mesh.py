@@ -18,7 +18,10 @@ Hybrid data x tensor parallelism::
 
 **Epochs.** The subgroups belong to the epoch the mesh was built in: after a membership change
 their collectives raise ``PeerLostError``. Build a new mesh for the new world (with ``-1`` in the
-data-parallel dimension, the same code fits any world size that the other dimensions divide).
+data-parallel dimension, the same code fits any world size that the other dimensions divide),
+e.g. in ``FaultTolerance``'s ``on_world(rank, world_size)`` hook, which runs on every rank after
+each sync. Building the same mesh again in the same epoch returns the same subgroups, so the
+hook may rebuild unconditionally, also on a replacement that built its mesh at start.
 """
 
 from __future__ import annotations
@@ -33,12 +36,21 @@ from ._world import group_size
 
 __all__ = ["DeviceMesh"]
 
+# attribute of a process group (or subgroup) holding ``(epoch, {(shape, dim_names): groups})``:
+# the subgroups of the meshes built on it in that epoch
+_BUILT = "_rtxnet_meshes"
+
 
 class DeviceMesh:
     """The ranks of ``pg`` as a grid of ``shape``, one subgroup per named dimension.
 
     Building it creates the subgroups (``pg.new_group``, no communication); every rank of ``pg``
-    must build the same meshes in the same order, as with ``new_group``.
+    must build the same meshes in the same order, as with ``new_group``, except that a mesh of
+    the same ``shape`` and ``dim_names`` built again on ``pg`` in the same epoch takes the
+    subgroups of the first one (no new groups): building it at start and again in a recovery
+    hook (``FaultTolerance``'s ``on_world``) gives a replacement, which does both in the epoch
+    it joined, the groups of the survivors, which rebuild once in that epoch. A new epoch makes
+    new subgroups.
 
     Args:
         pg: a :class:`rtxnet.BlockingProcessGroup` (``rtxnet.init()``) or a subgroup of one.
@@ -89,7 +101,18 @@ class DeviceMesh:
         # a subgroup's new_group takes world ranks: map grid positions (group ranks) to them
         ranks = getattr(pg, "ranks", None) if getattr(pg, "world_size", None) is None else None
         self._coord = _unravel(self._rank, self.shape)
-        self._groups: dict[str, Any] = {}
+        # A mesh of this layout built on ``pg`` earlier in this epoch: take its subgroups. Ids of
+        # new_group count the groups of one rank set made in the epoch, so a replacement that
+        # built its mesh at start and again in FaultTolerance's on_world, in the epoch where the
+        # survivors rebuilt theirs once, ran '2,3#1' against their '2,3#0' and its first step
+        # waited out the whole op timeout (a tester's find).
+        built = vars(pg).get(_BUILT)
+        key = (self.shape, self.dim_names)
+        if built is not None and built[0] == self.epoch and key in built[1] and all(
+                getattr(g, "_dead", None) is None for g in built[1][key].values()):
+            self._groups: dict[str, Any] = dict(built[1][key])
+            return
+        self._groups = {}
         for d, name in enumerate(self.dim_names):
             members = []
             for i in range(self.shape[d]):
@@ -98,6 +121,14 @@ class DeviceMesh:
                 g = _ravel(c, self.shape)
                 members.append(ranks[g] if ranks is not None else g)
             self._groups[name] = pg.new_group(members)
+        # keyed by the subgroups' own epoch: the world may have moved on since pg.epoch was read
+        made_in = getattr(next(iter(self._groups.values())), "epoch", self.epoch)
+        if made_in != self.epoch:
+            self.epoch = made_in
+        if built is None or built[0] != made_in:
+            built = (made_in, {})
+            vars(pg)[_BUILT] = built
+        built[1][key] = dict(self._groups)
 
     def _dim(self, name: str) -> int:
         if name not in self.dim_names:

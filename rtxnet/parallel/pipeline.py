@@ -51,6 +51,15 @@ sees the bad value (stage 0 checks the input, the last stage the target), and th
 then fail at once with ``ConfigError`` (see the wire above). After a failure the step's gradients are
 partial: zero them before retrying. The number of stages is fixed at construction: a stage whose
 group no longer has ``S`` ranks raises ``ConfigError`` at the next step (re-partition the model).
+So is the stage index: after a membership change the world's ranks are renumbered while its size
+may stay the same (a replacement took the lost rank's place), and a stage built on the world
+before it is then stage ``s`` on a process that is rank ``r != s`` now. Its next step fails at
+once with ``ConfigError`` on every stage, naming the stage and its rank (the stale stage tells the
+ranks next to its new rank, and the closing all_reduce carries it to the rest): rebuild every
+stage after a membership change, as stage ``pg.rank``. Before, such a stage sent to itself or to
+the wrong stage, and the step failed 20 s later with ``ValueError: recv from self``, which
+``FaultTolerance`` does not retry (a tester's find). A subgroup belongs to one epoch and keeps
+its numbering: its collectives raise ``PeerLostError`` after a membership change instead.
 
 **Replicated stages.** A stage whose module is a :class:`~rtxnet.parallel.DistributedDataParallel`
 (data parallel across pipeline replicas, e.g. on a :class:`~rtxnet.parallel.DeviceMesh`) runs its
@@ -98,6 +107,10 @@ _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 # Message kinds (low bits of the tag).
 _FWD_HEADER, _FWD_DATA, _BWD_GRAD = 0, 1, 2
 _ABORT = -2   # header dtype code: the stage named in header[1] failed the step (see _abort)
+# header[2] of an abort: the process of rank header[1] holds stage header[3], built before a
+# membership change renumbered the ranks (PipelineStage._abort_stale)
+_STALE = 2
+_STALE_BASE = 1 << 31   # _agree's stale flag: (rank + 1) * _STALE_BASE + stage
 _MAX_MICRO = 1 << 20
 
 
@@ -138,6 +151,11 @@ class PipelineStage:
         self.stage_index = int(pg.rank)
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == size - 1
+        # each rank holds its own stage: FaultTolerance without sharded_state would hand one
+        # rank's state to another after a failure, so it refuses a process holding one
+        from rtxnet.elastic import note_rank_specific
+
+        note_rank_specific(self, pg, "pipeline stage")
 
     def _next_step_no(self) -> int:
         """The number of this step in the tags: pipeline steps run on this group object in its
@@ -157,7 +175,9 @@ class PipelineStage:
         return self.module.parameters()
 
     def check_world(self) -> None:
-        """Raises ``ConfigError`` when the group no longer has ``num_stages`` ranks."""
+        """Raises ``ConfigError`` when the group no longer has ``num_stages`` ranks. (A group
+        of the same size whose ranks were renumbered fails the step on every stage instead:
+        see the module notes.)"""
         now = group_size(self._pg)
         if now != self.num_stages:
             raise ConfigError(f"pipeline built for {self.num_stages} stages; its group now has "
@@ -198,6 +218,24 @@ class PipelineStage:
         self._best_effort(self.stage_index - 1, torch.zeros(0, dtype=torch.bool),
                           _tag(step, m, _BWD_GRAD))
 
+    def _rank_in(self, world: StepWorld) -> int:
+        """This process's rank in the step's group now (the world group the step began in, or
+        the subgroup), which a membership change may have moved away from ``stage_index``."""
+        return int(world.world.rank if world.world is not None else self._pg.rank)
+
+    def _abort_stale(self, step: int, rank: int) -> None:
+        """This stage was built as stage ``stage_index`` but its process is rank ``rank`` now:
+        tell the ranks next to ``rank`` (not to the stage's index: that may be this very rank),
+        in place of what each waits for first from it, so that they fail the step at once and
+        meet this stage in the closing agreement (best effort)."""
+        size = group_size(self._pg)
+        if rank + 1 < size:
+            header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
+            header[0], header[1], header[2], header[3] = _ABORT, rank, _STALE, self.stage_index
+            self._best_effort(rank + 1, header, _tag(step, 0, _FWD_HEADER))
+        if rank > 0:
+            self._best_effort(rank - 1, torch.zeros(0, dtype=torch.bool), _tag(step, 0, _BWD_GRAD))
+
     def _best_effort(self, dst: int, t: torch.Tensor, tag: int) -> None:
         try:
             self._pg.send(t, dst, tag, timeout=5.0)
@@ -210,6 +248,13 @@ class PipelineStage:
         header = torch.empty(3 + MAX_NDIM, dtype=torch.int64)
         self._pg.recv(header, src, _tag(step, m, _FWD_HEADER), **kw)
         code, needs_grad, ndim = (int(v) for v in header[:3])
+        if code == _ABORT and int(header[2]) == _STALE:
+            # rank header[1] holds a stage built for an older numbering: pass it on as it came
+            if not self.is_last:
+                self._best_effort(self.stage_index + 1, header, _tag(step, m, _FWD_HEADER))
+            exc = _stale(int(header[3]), int(header[1]), here=self.stage_index)
+            exc.pipeline_abort_passed_on = True
+            raise exc
         if code == _ABORT:
             # an earlier stage failed the step: pass it on, fail now instead of at the deadline
             origin, refused_input = int(header[1]), int(header[2]) == 1
@@ -246,6 +291,20 @@ def _aborted(message: str) -> ConfigError:
     """The error of a stage told that another stage failed the step (it passed it on already)."""
     exc = ConfigError(message)
     exc.pipeline_abort_passed_on = True
+    return exc
+
+
+def _stale(stage: int, rank: int, *, here: int | None = None) -> ConfigError:
+    """The error of a step run with a stage built before a membership change renumbered the
+    ranks (``stage`` runs on rank ``rank`` now); ``here``: the stage that raises it, when it is
+    another one. Attributes ``stage_index`` and ``rank`` name the stale stage."""
+    where = "" if here is None or here == stage else f" (stage {here} fails this step too)"
+    exc = ConfigError(
+        f"pipeline stage {stage} runs on rank {rank} of its group: it was built before a "
+        f"membership change renumbered the ranks (stage s must run on rank s){where}; rebuild "
+        f"every PipelineStage and its schedule after a membership change, as stage pg.rank "
+        f"(e.g. in FaultTolerance's on_world)")
+    exc.stage_index, exc.rank = stage, rank
     return exc
 
 
@@ -319,9 +378,11 @@ class PipelineSchedule:
         Raises:
             ConfigError: a missing input (stage 0) or target (last stage), a batch not divisible
                 by ``M`` (names both), a stage output that is not one tensor of a carried dtype,
-                a group whose size changed, or another stage failed the step with an error of its
-                own (names that stage, or says it was a later one; raised at once, not at the
-                deadline).
+                a group whose size changed, a stage (this one or another) built before a
+                membership change renumbered the ranks (on every stage, at once; names that
+                stage and its rank, ``exc.stage_index`` and ``exc.rank``), or another stage failed
+                the step with an error of its own (names that stage, or says it was a later one;
+                raised at once, not at the deadline).
             Exception: whatever this stage's module or ``loss_fn`` raised (every other stage
                 raises ``ConfigError`` naming this stage, at once).
             PeerLostError: a stage was lost during the step.
@@ -335,12 +396,17 @@ class PipelineSchedule:
         # so their tags stay aligned for the next step.
         step_no = st._next_step_no()
         st.check_world()
+        world = StepWorld(st._pg)      # every send/recv of the step in the world it began in
+        world.begin()
+        rank = st._rank_in(world)
         M = self.n_microbatches
         # a refused input or target is this stage's failure of the step like any other: the
         # neighbours are told (below) and every stage takes part in the closing agreement
         failure: Exception | None = None
         xs, ts = [], []
         try:
+            if rank != st.stage_index:
+                raise _stale(st.stage_index, rank)
             if not torch.is_grad_enabled():
                 # forward and backward: under no_grad the last stage's backward failed with
                 # torch's "element 0 of tensors does not require grad" (a tester's find)
@@ -358,10 +424,11 @@ class PipelineSchedule:
         self._losses = []
         self._outputs = []
         self._xs, self._ts, self._step_no = xs, ts, step_no
-        if failure is not None:
+        if rank != st.stage_index:
+            with world.pinned():
+                st._abort_stale(step_no, rank)
+        elif failure is not None:
             self._abort_neighbours(failure, refused_input=True)
-        world = StepWorld(st._pg)      # every send/recv of the step in the world it began in
-        world.begin()
         # A stage replicated by DistributedDataParallel: its micro-batches' gradients accumulate
         # locally and are reduced once, after the last backward (a DDP backward synchronises only
         # one forward's gradient; the others' would stay on each replica)
@@ -380,7 +447,7 @@ class PipelineSchedule:
                         ddp.sync_gradients()
                     except Exception as exc:
                         failure = exc
-                self._agree(failure)
+                self._agree(failure, rank)
         except BaseException as exc:
             log.warning("pipeline_step_failed", stage=st.stage_index, step=step_no,
                         error=type(exc).__name__, detail=str(exc))
@@ -398,24 +465,37 @@ class PipelineSchedule:
     def _run(self, M: int) -> None:
         raise NotImplementedError
 
-    def _agree(self, failure: Exception | None) -> None:
-        """End the step with the same outcome on every stage: one all_reduce (MAX) of a flag over
-        the pipeline group, so a stage that finished its part (the last stage, when a stage before
-        it fails in its backward) learns that the step failed elsewhere. Raises ``failure`` when
-        there is one; ``ConfigError`` naming the failing stage when only another stage failed.
-        A lost peer or a timeout is raised at once: the group cannot agree, and every stage meets
-        it by itself."""
+    def _agree(self, failure: Exception | None, rank: int) -> None:
+        """End the step with the same outcome on every stage: one all_reduce (MAX) of two flags
+        over the pipeline group, so a stage that finished its part (the last stage, when a stage
+        before it fails in its backward) learns that the step failed elsewhere, and every stage
+        learns of a stage built before the ranks were renumbered (``rank`` is this process's rank
+        in the step's group). Raises ``failure`` when there is one of this stage's own;
+        ``ConfigError`` naming the stale stage and its rank when there is one; else ``failure``
+        (an abort passed on), or ``ConfigError`` naming the failing stage when only another stage
+        failed. A lost peer or a timeout is raised at once: the group cannot agree, and every
+        stage meets it by itself."""
         if isinstance(failure, TransportError | RtxTimeoutError):
             raise failure
         st = self.stage
+        stale = rank != st.stage_index
         own = failure is not None and not getattr(failure, "pipeline_abort_passed_on", False)
-        flag = torch.tensor([st.stage_index + 1 if own else 0], dtype=torch.int64)
+        # [failing stage + 1, the stale stage's (rank + 1) * 2**31 + stage]: MAX keeps one
+        # stale stage's pair whole
+        flag = torch.tensor([st.stage_index + 1 if own and not stale else 0,
+                             (rank + 1) * _STALE_BASE + st.stage_index if stale else 0],
+                            dtype=torch.int64)
         try:
             st._pg.all_reduce(flag, op=ReduceOp.MAX, **_kw(self.timeout_s))
         except Exception:
             if failure is not None:
                 raise failure from None
             raise
+        if own:
+            raise failure
+        if int(flag[1]) > 0:
+            r, s = divmod(int(flag[1]), _STALE_BASE)
+            raise _stale(s, r - 1, here=st.stage_index) from failure
         if failure is not None:
             raise failure
         if int(flag[0]) > 0:

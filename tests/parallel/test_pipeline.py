@@ -150,6 +150,41 @@ def test_a_pipeline_on_the_same_group_works_again_after_a_replacement_joins(tmp_
     assert abs(res["pipeline"] - res["one_process"]) <= 1e-5 * abs(res["one_process"]), res
 
 
+def test_a_stage_built_before_the_ranks_were_renumbered_fails_the_step_at_once_on_every_rank(tmp_path):
+    # After a loss and a replacement the world has 3 ranks again, but the survivors' stages 1
+    # and 2 run on ranks 0 and 1. Before, only the size was checked: stage 1 on rank 0 sent to
+    # itself ("pipeline_abort_not_sent ... send to self"), and 20 s later every rank raised
+    # ValueError("recv from self") or a timeout, which FaultTolerance does not retry.
+    import json
+    import subprocess
+    import sys
+
+    import procs
+
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "1",
+                           str(mp_launch.ROOT / "tests/parallel/pp_stale_worker.py"), str(tmp_path), "1f1b"],
+                          capture_output=True, text=True, timeout=100, env=procs.env(), cwd=mp_launch.ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
+           for p in tmp_path.glob("stale.*.json")}
+    assert sorted(got) == [0, 1, 2], got
+    assert [got[r]["stage"] for r in range(3)] == [1, 2, 2], got     # the replacement's is new
+    # a stale stage names itself; the replacement's, fine itself, names the stale one next to it
+    named = {0: (1, 0), 1: (2, 1), 2: (2, 1)}
+    for r, g in got.items():
+        stage, rank = named[r]
+        assert g["error"] == "ConfigError", g
+        assert g["message"].startswith(f"pipeline stage {stage} runs on rank {rank} of its group: it "
+                                       f"was built before a membership change renumbered the ranks"), g
+        assert "rebuild every PipelineStage" in g["message"], g
+        assert g["attrs"] == [stage, rank], g
+        assert g["seconds"] < 10, g            # at once, not at the 20 s deadline
+    assert "send to self" not in proc.stderr
+    # rebuilt as stage pg.rank, the same group goes on
+    res = json.loads((tmp_path / "loss.json").read_text())
+    assert abs(res["pipeline"] - res["one_process"]) <= 1e-5 * abs(res["one_process"]), res
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_stage_failing_in_its_backward_fails_the_step_on_every_stage_the_last_included(pp, schedule):
     # GPipe's last stage had returned its loss as if the step went well while stage 2 raised

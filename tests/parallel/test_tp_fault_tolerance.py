@@ -61,6 +61,22 @@ def test_tensor_parallel_layers_are_refused_without_sharded_state(coordinator):
         del keep
 
 
+def test_a_pipeline_stage_is_refused_without_sharded_state(coordinator):
+    # each rank of a pipeline holds its own stage: as tensor-parallel slices, never replicated
+    import torch
+
+    from rtxnet.parallel import PipelineStage
+
+    stage = PipelineStage(torch.nn.Linear(4, 4), _TwoRanks())
+    with rtxnet.init(coordinator.address, job="pp-refused", world_size=1) as pg:
+        with pytest.raises(ConfigError, match=r"pipeline stage over 2 ranks.*sharded_state=True"):
+            rtxnet.FaultTolerance(pg, _State(), faults=None)
+        rtxnet.FaultTolerance(pg, _State(), faults=None, sharded_state=True).finish()
+        del stage
+        gc.collect()
+        rtxnet.FaultTolerance(pg, _State(), faults=None).finish()
+
+
 def _launch(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rtxnet.launcher", *args], capture_output=True, text=True,
                           timeout=timeout, env=procs.env(RTXNET_LAST_CALL="30", **env), cwd=ROOT)
