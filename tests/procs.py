@@ -94,6 +94,15 @@ class LateLaunch:
         return getattr(self._pg, name)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def env(**extra: str) -> dict[str, str]:
     """This process's environment for a child: the repository first on ``PYTHONPATH``, whatever
     was there kept (the GPU host brings packages that way), plus ``extra``."""

@@ -63,20 +63,31 @@ def main() -> int:
             sched.step(x if stage.is_first else None, y if stage.is_last else None)
         except rtxnet.RtxError:
             pass
-        deadline = time.monotonic() + 60
-        while pg.world_size < 3:          # the replacement joins the running job
-            if time.monotonic() > deadline:
-                raise SystemExit("no replacement within 60 s")
-            time.sleep(0.05)
-    stage = PipelineStage(part(pg.rank), pg)     # same group object, a new epoch
+        wait_for_replacement(pg)
+    last_step(pg, out, launch, "pp-rejoin")     # same group object, a new epoch
+    return 0
+
+
+def wait_for_replacement(pg, world: int = 3) -> None:
+    """Wait (up to 60 s) until the replacement has joined the running job."""
+    deadline = time.monotonic() + 60
+    while pg.world_size < world:
+        if time.monotonic() > deadline:
+            raise SystemExit("no replacement within 60 s")
+        time.sleep(0.05)
+
+
+def last_step(pg, out: Path, launch: int, tag: str, schedule=ScheduleGPipe) -> None:
+    """Build this rank's stage as stage ``pg.rank`` and run one step on batch 5; the last stage
+    writes its loss and one process's to ``out/loss.json``; then leave with the others."""
+    stage = PipelineStage(part(pg.rank), pg)
     x, y = batch(5)
-    loss = ScheduleGPipe(stage, 3, LOSS, timeout_s=20).step(x if stage.is_first else None,
-                                                             y if stage.is_last else None)
+    loss = schedule(stage, 3, LOSS, timeout_s=20).step(x if stage.is_first else None,
+                                                        y if stage.is_last else None)
     if stage.is_last:
         (out / "loss.json").write_text(json.dumps({"pipeline": float(loss),
                                                    "one_process": float(LOSS(model()(x), y))}))
-    leave_together(pg, "pp-rejoin", launch, timeout_s=60)
-    return 0
+    leave_together(pg, tag, launch, timeout_s=60)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ failure cases; it ends with rank 3 dying while rank 2 waits for it.
 
 from __future__ import annotations
 
+import re
+
 import mp_launch
 import pytest
 
@@ -168,11 +170,16 @@ def test_a_stage_built_before_the_ranks_were_renumbered_fails_the_step_at_once_o
     got = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
            for p in tmp_path.glob("stale.*.json")}
     assert sorted(got) == [0, 1, 2], got
+    # (the replacement joins once the survivors were renumbered 0, 1: pp_stale_worker.py)
     assert [got[r]["stage"] for r in range(3)] == [1, 2, 2], got     # the replacement's is new
-    # a stale stage names itself; the replacement's, fine itself, names the stale one next to it
-    named = {0: (1, 0), 1: (2, 1), 2: (2, 1)}
+    stale = {(g["stage"], r) for r, g in got.items() if g["stage"] != r}
+    assert stale, got
+    # a stale stage names itself; a stage fine itself names a stale one
     for r, g in got.items():
-        stage, rank = named[r]
+        m = re.match(r"pipeline stage (\d+) runs on rank (\d+) ", g.get("message") or "")
+        assert m, g
+        stage, rank = int(m[1]), int(m[2])
+        assert (stage, rank) == (g["stage"], r) if g["stage"] != r else (stage, rank) in stale, (g, stale)
         assert g["error"] == "ConfigError", g
         assert g["message"].startswith(f"pipeline stage {stage} runs on rank {rank} of its group: it "
                                        f"was built before a membership change renumbered the ranks"), g

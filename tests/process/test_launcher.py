@@ -655,14 +655,6 @@ SLEEPER = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
@@ -681,7 +673,7 @@ def test_ranks_and_coordinator_end_when_the_launcher_is_killed(tmp_path):
         assert len(pids) == 3, pids            # two ranks and the coordinator
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
-        wait_until(lambda: not any(_alive(p) for p in pids), 10,
+        wait_until(lambda: not any(procs.alive(p) for p in pids), 10,
                    f"ranks and coordinator {pids} ended after rtxnet-run was killed")
         # the temporary journal goes with the coordinator's clean stop
         text = (tmp_path / "launcher.log").read_text()

@@ -173,14 +173,6 @@ print(f"{time.monotonic() - t0:.3f}", flush=True)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(60)
 def test_a_pause_resumes_its_rank_after_its_seconds():
     import subprocess
@@ -208,16 +200,16 @@ def test_a_pause_helper_ends_with_a_rank_killed_while_paused():
         while open(f"/proc/{p.pid}/stat").read().split(")")[1].split()[0] != "T":   # stopped
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert _alive(helper)
+        assert procs.alive(helper)
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 5
-        while _alive(helper) and time.monotonic() < deadline:
+        while procs.alive(helper) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not _alive(helper), "the resume helper outlived its rank"
+        assert not procs.alive(helper), "the resume helper outlived its rank"
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-        if helper > 0 and _alive(helper):
+        if helper > 0 and procs.alive(helper):
             os.kill(helper, signal.SIGKILL)
