@@ -152,6 +152,10 @@ _LAST_LINE = 300   # bytes of a rank's last line on stderr kept to name a failur
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read without progress
 _DRAIN_ALONE_S = 10.0   # the same when it left no process in its group (see _watch)
 _NODES_POLL_S = 1.0   # --nnodes > 1: how often the nodes' failed-for-good ranks are compared
+# --nnodes > 1: how long a node whose ranks have all ended, some with exit code 0, keeps asking
+# the coordinator whether the job still needed them (the others waiting for the world to grow
+# show that within a second or two of the loss; a job that ends in order finishes at once)
+_NODE_LAST_LOOK_S = 10.0
 # A coordinator this launcher restarted that dies again within _COORD_STABLE_S of its start is
 # failing (its journal cannot be written or read: exit code 3): it is restarted after a pause
 # doubling from _COORD_PAUSE_S to _COORD_PAUSE_MAX_S, and no more once it has been failing for
@@ -821,7 +825,9 @@ class Launcher:
                     continue
                 slot.returncode = code
                 running -= 1
-                if code == 0 and running and not self.stopping:
+                # (several nodes: the others may still need this node's ranks when its last
+                # one exits; _watch_exits_0 takes a last look then, see _NODE_LAST_LOOK_S)
+                if code == 0 and (running or a.nnodes > 1) and not self.stopping:
                     self._exited_0.append(slot)
                     if self._exits_0_watch is None:
                         self._exits_0_watch = asyncio.ensure_future(self._watch_exits_0())
@@ -844,6 +850,14 @@ class Launcher:
                         # (after training, the others may still finish what runs after it: an
                         # evaluation, writing results; nobody waits for replacements any more)
                         self._stop_if_below_min_ranks()
+            if a.nnodes > 1 and self._exits_0_watch is not None:
+                # this node's ranks have all ended, some with 0: whether the job still needed
+                # them is for the watch to tell (published by _share_failures as this node's
+                # last word); before, a node whose only rank returned before rtxnet.init ended
+                # with 0 and said nothing, and the other nodes waited out their rendezvous (a
+                # fresh user's find)
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(self._exits_0_watch), _NODE_LAST_LOOK_S + 2)
             if self.stop_signal is None:
                 await self._last_look_at_exits_0()
             if self.first_failure is not None and self.stop_signal is None:
@@ -921,13 +935,25 @@ class Launcher:
         fault-tolerant job mid-training (``finish()`` not called) while the others trained on
         without it (a world still at --min-ranks: the job's committed step moved past the one
         seen when it was gone) is named once, without changing the exit code (when the others
-        trained on for less than the launcher took to look, it cannot tell, and says nothing). Left alone: a
+        trained on for less than the launcher took to look, it cannot tell, and says nothing).
+        With other nodes (--nnodes), it goes on for up to ``_NODE_LAST_LOOK_S`` after this
+        node's last rank ended, and what it found is this node's last word in the job's store
+        (:meth:`_share_failures`), which the other nodes' launchers read. Left alone: a
         script that never calls ``rtxnet.init`` (its job never appears), one without
         ``FaultTolerance`` (no step is committed) and one whose ranks all end after the last
         step without ``finish()`` (no step is committed after the first one left)."""
         from transport.errors import RtxError
 
-        while not self.stopping and any(s.proc is not None and s.returncode is None for s in self.slots):
+        last_look = math.inf
+        while not self.stopping:
+            if not any(s.proc is not None and s.returncode is None for s in self.slots):
+                # none of this node's ranks runs: with other nodes, look for a while longer (their
+                # ranks may wait for these), else stop looking
+                if self.args.nnodes == 1:
+                    return
+                last_look = min(last_look, time.monotonic() + _NODE_LAST_LOOK_S)
+                if time.monotonic() > last_look:
+                    return
             try:
                 st = await self._job_status(_FINISHED_PROBE_S)
             except RtxError:

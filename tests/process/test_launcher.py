@@ -1934,3 +1934,31 @@ def test_no_script_is_named_as_such():
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().endswith("error: no script given: rtxnet-run [options] script.py [script arguments]")
     assert "script_args" not in out.stderr
+
+
+def test_a_node_whose_only_rank_exits_0_before_init_stops_the_other_node(tmp_path, coordinator):
+    # A fresh user's find: with --nnodes 2 --nproc 1, node 1's rank returned before rtxnet.init;
+    # its launcher ended with 0 and said nothing, and node 0's rank waited out its rendezvous
+    # (300 s). Node 1's launcher now looks a while longer and leaves its word in the job's store.
+    script = tmp_path / "one_leaves.py"
+    script.write_text("import os, sys, rtxnet\nif os.environ['RTXNET_RANK'] == '1':\n    sys.exit(0)\n"
+                      "pg = rtxnet.init()\npg.close()\n")
+    node = ["--nnodes", "2", "--nproc", "1", "--coordinator", coordinator.address, "--job", "leaves",
+            str(script)]
+    t0 = time.monotonic()
+    first = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--node-rank", "0", *node],
+                             env=procs.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(j["job"] == "leaves" for j in procs.coordinator_jobs(coordinator.address)),
+                   30, "node 0's rank in job 'leaves''s rendezvous")
+        other = run(["--node-rank", "1", *node], timeout=60)
+        assert other.returncode == 0, other.stderr[-3000:]
+        assert "rank 1 exited with code 0 before job leaves formed" in other.stderr, other.stderr[-3000:]
+        _, err0 = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert "rank 1 failed for good on node 1 (its launcher said so through the job's store)" in err0, err0[-3000:]
+    assert first.returncode != 0, err0[-3000:]
+    assert time.monotonic() - t0 < 40
