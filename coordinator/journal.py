@@ -499,7 +499,13 @@ class Journal:
                     # flipped in a record acknowledged long ago, which look the same; its bytes
                     # are kept beside the journal before the tail is dropped (a tester's find:
                     # the evidence was truncated away with only a log line)
+                    # (never over an earlier one: after the truncation the next append lands at
+                    # the same offset, and a crash loop tore it there again: a tester's find)
                     kept = self._dir / f"torn-{live[-1][0]}-{scan.torn_offset}.bin"
+                    n = 1
+                    while kept.exists():
+                        n += 1
+                        kept = self._dir / f"torn-{live[-1][0]}-{scan.torn_offset}-{n}.bin"
                     _write_file_durably(kept, path.read_bytes()[scan.torn_offset:], self._fsync)
                 log.warning(
                     "journal_torn_tail",

@@ -329,6 +329,22 @@ def test_crc_mismatch_on_the_last_record_is_a_torn_tail(tmp_path: Path) -> None:
     kept = tmp_path / f"torn-1-{torn['offset']}.bin"
     assert torn["kept"] == str(kept) and kept.read_bytes() == bytes(data[torn["offset"]:])
     assert reopen(tmp_path) == (None, RECORDS[:-1])    # a folder holding it opens again
+    # torn again at the same offset (a crash loop): the first one's bytes stay, the second's
+    # are kept beside them
+    j = Journal(tmp_path)
+    j.open()
+    j.append(b"the next record")
+    j.flush_sync()
+    j.close()
+    again = bytearray(seg.read_bytes())
+    again[-1] ^= 0xFF
+    seg.write_bytes(bytes(again))
+    with structlog.testing.capture_logs() as logs:
+        reopen(tmp_path)
+    (torn2,) = [e for e in logs if e["event"] == "journal_torn_tail"]
+    second = tmp_path / f"torn-1-{torn['offset']}-2.bin"
+    assert torn2["kept"] == str(second) and second.read_bytes() == bytes(again[torn["offset"]:])
+    assert kept.read_bytes() == bytes(data[torn["offset"]:])
 
 
 def test_zero_filled_tail_is_a_torn_tail(tmp_path: Path) -> None:

@@ -875,3 +875,15 @@ def test_parked_kv_waits_are_bounded_woken_by_their_own_keys_and_dropped_when_th
         f"{st.MAX_KV_WAITERS} waits and {st.MAX_PARKED_KEYS} keys wait at once"), err
     h.tick(61.0)                                 # both time out, and free their place
     assert not job.kv_waiters and not h.state.kv_waiting
+
+
+def test_a_kv_wait_timeout_shortens_long_keys_to_fit_one_answer():
+    # a tester's find: two missing keys of 600 KB each were quoted whole, and the answer, past
+    # one message's str, was dropped by the client ("no answer within 4 s")
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    keys = ["x" * 600_000, "y" * 600_000]
+    assert h.req("a", "kv_wait", epoch=0, keys=keys, timeout_s=0.5) == []
+    (err,) = errors(h.tick(0.6))
+    assert err["message"] == (f"kv_wait timed out; keys still missing: ['{'x' * 200}... (600000 characters)', "
+                              f"'{'y' * 200}... (600000 characters)']")
