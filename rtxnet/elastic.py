@@ -1291,6 +1291,17 @@ class FaultTolerance:
             covered = True
         else:
             best, old_world, holders, covered, at_best = self._choose_ring(both, extra)
+            if not covered and best < 0:
+                # Nothing committed, and the first sync's ring copy failed on some ranks (a rank
+                # lost during it): a rank that holds no ring still holds its own state as built,
+                # in the ring's layout. Before, only rings counted, and a live rank whose copy
+                # had not gone round was named as gone with the lost one (a fresh user's find:
+                # "ranks [2, 3]", rank 3 alive).
+                for q in range(world):
+                    if not rows[q, 0] and rows[q, 3] == old_world and 0 <= rows[q, 4] < old_world:
+                        holders.setdefault(int(rows[q, 4]), (q, 0))
+                covered = all(k in holders for k in range(old_world))
+                at_best = sorted(set(at_best) | {q for q, _ in holders.values()})
         in_place = covered and old_world == world and len(at_best) == world and all(
             holders.get(q) == (q, 0) for q in range(world))
         source = "in place" if in_place else "ring"

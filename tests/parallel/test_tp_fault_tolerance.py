@@ -149,3 +149,13 @@ def test_a_rank_lost_in_the_first_sync_is_named_as_missing_from_its_world(tmp_pa
         pytest.skip("the replacement was numbered as the rank it replaced")
     assert "the states as built of ranks [0] of the world of 2 are gone" in proc.stderr, proc.stderr[-5000:]
     assert "different worlds" not in proc.stderr, proc.stderr[-5000:]
+
+
+def test_a_rank_lost_in_the_first_sync_names_it_alone_when_others_hold_their_own_state(tmp_path):
+    # 4 ranks, rank 2 dies in the first sync before the ring copy: rank 3 (its copy never went
+    # round: its predecessor was the dead rank) still holds its own state as built. Before, only
+    # rings counted, and the message named "ranks [2, 3]" as gone (a fresh user's find).
+    proc = _launch(["--nproc", "4", "--min-ranks", "3", "--faults", "kill:rank=2:at=sync",
+                    str(HERE / "tp_ft_worker.py"), str(tmp_path), "6", "sharded"], 120)
+    assert proc.returncode != 0, proc.stderr[-5000:]
+    assert "the state as built of ranks [2] (of the world of 4) is gone" in proc.stderr, proc.stderr[-5000:]
