@@ -142,7 +142,7 @@ class State:
     # Not journaled: (job id, node) -> (host, pid, expiry, last renewal) of the launcher that runs
     # that node of the job (see _claim); after a restart the launchers' next renewals take them.
     # (job, node) -> (host, pid, expires, renewed, (min_ranks, max_ranks) or None)
-    claims: dict[tuple[str, int], tuple[str, int, float, float, tuple[int, int] | None]] = field(default_factory=dict)
+    claims: dict[tuple[str, int], tuple[str, int, float, float, tuple[int, int] | None, str]] = field(default_factory=dict)
     # Not journaled: identity -> the jobs where it has a kv_wait parked (for its disconnect)
     kv_waiting: dict[str, set[str]] = field(default_factory=dict)
 
@@ -254,11 +254,20 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
         actions.append(_error(identity, msg, "ConfigError", f"claim: min_ranks({bounds[0]!r}) "
                               f"max_ranks({bounds[1]!r}): need 1 <= min_ranks <= max_ranks <= {1 << 20}"))
         return
+    # A claim comes with the job's token, as every request of a job: refused when the job, or
+    # another node's live claim of it, has another (a tester's find: a launcher without the
+    # token held a node of a token-protected job, and the right launcher was refused)
+    token = msg.get("token", "")
+    job = state.jobs.get(job_id)
+    theirs = [other[5] for (j, k), other in state.claims.items()
+              if j == job_id and k != node and other[2] > now]
+    if (job.token if job is not None else next(iter(theirs), token)) != token:
+        actions.append(_error(identity, msg, "RendezvousError", f"claim: wrong token for job {job_id!r}"))
+        return
     key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
     held = state.claims.get(key)
     renewal = held is not None and held[:2] == me and held[4] == bounds
     if bounds is not None and ttl > 0 and not renewal:   # (a renewal was checked when made)
-        job = state.jobs.get(job_id)
         if job is not None and (job.min_ranks, job.max_ranks) != bounds:
             actions.append(_reply(identity, msg, None, held=False, conflict={
                 "node": -1, "host": "", "pid": 0, "min_ranks": job.min_ranks, "max_ranks": job.max_ranks}))
@@ -287,7 +296,7 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
                                       f"claims already; try again later"))
                 return
         kept = held[4] if held is not None and held[:2] == me else None
-        state.claims[key] = (*me, now + ttl, now, bounds if bounds is not None else kept)
+        state.claims[key] = (*me, now + ttl, now, bounds if bounds is not None else kept, token)
     actions.append(_reply(identity, msg, None, held=True))
 
 

@@ -667,7 +667,7 @@ class Launcher:
         """_probe_coordinator with what this launch's ranks will ask for, then claim this node
         of ``job`` at the coordinator (kept by _keep_claim): the probe sees another launch only
         once one of its ranks has joined, the claim from that launch's start."""
-        from transport.errors import RtxError, RtxTimeoutError
+        from transport.errors import RendezvousError, RtxError, RtxTimeoutError
 
         from .cli import _shown
         from .topology import gone_from_this_host
@@ -695,6 +695,10 @@ class Launcher:
             raise RuntimeError(f"the coordinator at {self.address} did not answer this launcher's "
                                f"claim on job {job!r} within {_PROBE_S:g} s (frozen or overloaded?); "
                                f"no rank was started") from None
+        except RendezvousError as exc:   # another token than the job's (or its other nodes')
+            raise JobIdTaken(f"the coordinator at {self.address} refused this launch's claim on job "
+                             f"{job!r} ({exc}): RTXNET_TOKEN must be the job's on every node; no "
+                             f"rank was started") from None
         except RtxError as exc:   # refused (a coordinator without claims): said, and gone on
             _say(f"could not claim job {job!r} at the coordinator ({exc}); going on without")
             return
@@ -1325,7 +1329,7 @@ async def _claim(address: str, job: str, node: int, ttl_s: float, timeout_s: flo
     if bounds is not None:
         extra.update(min_ranks=bounds[0], max_ranks=bounds[1])
     return await _ask(address, "claim", timeout_s, job, node=node, host=host_id(), pid=os.getpid(),
-                      ttl_s=ttl_s, **extra)
+                      ttl_s=ttl_s, token=os.environ.get("RTXNET_TOKEN", ""), **extra)
 
 
 async def _probe_coordinator(address: str, job: str | None, *, alone: bool = True,

@@ -773,6 +773,18 @@ def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lap
     for bad in ({"ttl": -1.0}, {"ttl": float("nan")}, {"ttl": 1e9}, {"ttl": 1.0, "node": -1}, {"ttl": 1.0, "job": ""}):
         err = claim("x", 1, bad["ttl"], node=bad.get("node", 0), job=bad.get("job", "j"))
         assert err["t"] == "error" and err["error"] == "ConfigError" and "claim: job" in err["message"], err
+    # a claim carries the job's token: another than the job's, or than another node's live
+    # claim's, is refused (a launcher without the token held a node of a token-protected job:
+    # a fresh user's find)
+    (s,) = h.req("t1", "claim", job="tk", node=0, host="h", pid=51, ttl_s=10.0, token="right")
+    assert s.msg["body"] == {"held": True}
+    (s,) = h.req("t2", "claim", job="tk", node=1, host="h", pid=52, ttl_s=10.0, token="wrong")
+    assert s.msg["t"] == "error" and s.msg["message"] == "claim: wrong token for job 'tk'", s.msg
+    (s,) = h.req("t3", "claim", job="tk", node=1, host="h", pid=53, ttl_s=10.0, token="right")
+    assert s.msg["body"] == {"held": True}
+    h.join("tj", job="tj", token="t", min_ranks=2, max_ranks=2)
+    (s,) = h.req("t4", "claim", job="tj", node=0, host="h", pid=54, ttl_s=10.0, token="")   # no token
+    assert s.msg["t"] == "error" and s.msg["message"] == "claim: wrong token for job 'tj'", s.msg
     # a claim names its launcher: a host and a pid (host '' and pid -1 were held: a tester's find)
     for host, pid in (("", 5), ("h", -1), ("h", 0)):
         (s,) = h.req("y", "claim", job="z", node=0, host=host, pid=pid, ttl_s=1.0)
