@@ -220,6 +220,14 @@ MAX_CLAIM_TTL_S = 600.0
 CLAIM_STALE_S = wire.CLAIM_STALE_S
 
 
+def _token_refused(job_id: str, given: str) -> str:
+    """Why a request of job ``job_id`` carrying token ``given`` was refused (never the tokens)."""
+    if not given:
+        # (a fresh user's find: a rank with no token at all was told its token was wrong)
+        return f"no token given for job {job_id!r}, which has one: set RTXNET_TOKEN (or token=) to the job's"
+    return f"wrong token for job {job_id!r}"
+
+
 def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     """A launcher takes node ``node`` of job id ``msg["job"]`` for ``ttl_s`` seconds (renewing
     its own claim), so a second launch of that node is refused before it starts any rank (a
@@ -1116,7 +1124,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                                  "last_call_s": float(msg["last_call_s"]), "heartbeat_timeout_s": float(msg["heartbeat_timeout_s"])}, now)
         job = state.jobs[job_id]
     if msg["token"] != job.token:
-        return refuse("RendezvousError", f"wrong token for job {job_id!r}")
+        return refuse("RendezvousError", _token_refused(job_id, msg["token"]))
     if (min_r, max_r) != (job.min_ranks, job.max_ranks):
         # the ranks waiting for it hear of it too (their "rendezvous_waiting" lines), instead of
         # waiting out their rendezvous timeout for a rank that will never come

@@ -121,6 +121,8 @@ def test_wrong_token_and_bad_bounds_refused():
     h = Harness()
     h.join("a", token="x", min_ranks=2, max_ranks=3)
     assert "wrong token" in errors(h.join("b", token="y", min_ranks=2, max_ranks=3))[0]["message"]
+    assert errors(h.join("b", token="", min_ranks=2, max_ranks=3))[0]["message"] == (
+        "no token given for job 'j', which has one: set RTXNET_TOKEN (or token=) to the job's")
     err = errors(h.join("c", job="k", min_ranks=3, max_ranks=2))[0]
     assert err["error"] == "ConfigError" and "min_ranks(3)" in err["message"]
     err = errors(h.join("d", job="k", rank=7, min_ranks=1, max_ranks=2))[0]
