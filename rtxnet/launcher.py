@@ -1784,8 +1784,10 @@ def _main(argv: list[str] | None) -> int:
     elif not 0 <= args.node_rank < args.nnodes:
         errors.append(f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}")
     elif args.nnodes > 1 and (args.coordinator is None or args.job is None):
-        errors.append(f"--nnodes {args.nnodes} needs --coordinator ADDR (an rtxnet-coordinator every "
-                      f"node reaches) and --job ID, the same on every node")
+        # only what is missing (a fresh user's find: it asked for --coordinator when given)
+        need = [w for w, v in (("--coordinator ADDR (an rtxnet-coordinator every node reaches)",
+                                args.coordinator), ("--job ID", args.job)) if v is None]
+        errors.append(f"--nnodes {args.nnodes} needs {' and '.join(need)}, the same on every node")
     if args.bind_host is not None:
         bad = _bind_host_error(args.bind_host)
         if bad:

@@ -603,6 +603,9 @@ def test_more_arguments_are_checked(tmp_path):
     for args, text in [
         (["--nnodes", "2"], "--nnodes 2 needs --coordinator ADDR (an rtxnet-coordinator every node "
                             "reaches) and --job ID, the same on every node"),
+        (["--nnodes", "2", "--coordinator", "tcp://127.0.0.1:1"], "--nnodes 2 needs --job ID, the same on every node"),
+        (["--nnodes", "2", "--job", "j"], "--nnodes 2 needs --coordinator ADDR (an rtxnet-coordinator every node "
+                                          "reaches), the same on every node"),
         (["--nnodes", "0"], "--nnodes must be in 1..1024, got 0"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in 0..1 (--nnodes 2), got 2"),
         (["--nnodes", "2", "--min-ranks", "5"], "--min-ranks must be in 1..nnodes*nproc(4), got 5"),
