@@ -988,6 +988,8 @@ class Launcher:
                     if slot.exit_step is None:
                         slot.exit_step = job["committed_step"]
                 self._note_trained_on_without(job["committed_step"], job["world_size"])
+            if last_look < math.inf and all(s.left_early for s in self._exited_0):
+                return      # (this node's last word is said: nothing more to look for)
             await asyncio.sleep(1.0)
 
     async def _fenced_pids(self) -> tuple[dict | None, set[int]]:
