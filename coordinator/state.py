@@ -266,22 +266,23 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
     # another node's live claim of it, has another (a tester's find: a launcher without the
     # token held a node of a token-protected job, and the right launcher was refused)
     token = msg.get("token", "")
-    job = state.jobs.get(job_id)
-    theirs = [other[5] for (j, k), other in state.claims.items()
-              if j == job_id and k != node and other[2] > now]
-    if (job.token if job is not None else next(iter(theirs), token)) != token:
-        actions.append(_error(identity, msg, "RendezvousError", f"claim: wrong token for job {job_id!r}"))
-        return
     key, me = (job_id, node), (msg["host"][:MAX_JOB_ID], msg["pid"])
     held = state.claims.get(key)
-    renewal = held is not None and held[:2] == me and held[4] == bounds
-    if bounds is not None and ttl > 0 and not renewal:   # (a renewal was checked when made)
+    # a renewal (same launcher, bounds and token) was checked when made: no scan of every claim
+    renewal = held is not None and held[:2] == me and held[4] == bounds and held[5] == token
+    job = state.jobs.get(job_id)
+    others = [] if renewal else [(k, other) for (j, k), other in state.claims.items()
+                                 if j == job_id and k != node and other[2] > now]
+    if (job.token if job is not None else next((other[5] for _, other in others), token)) != token:
+        actions.append(_error(identity, msg, "RendezvousError", f"claim: wrong token for job {job_id!r}"))
+        return
+    if bounds is not None and ttl > 0 and not renewal:
         if job is not None and (job.min_ranks, job.max_ranks) != bounds:
             actions.append(_reply(identity, msg, None, held=False, conflict={
                 "node": -1, "host": "", "pid": 0, "min_ranks": job.min_ranks, "max_ranks": job.max_ranks}))
             return
-        for (j, k), other in state.claims.items():
-            if j == job_id and k != node and other[2] > now and other[4] is not None and other[4] != bounds:
+        for k, other in others:
+            if other[4] is not None and other[4] != bounds:
                 actions.append(_reply(identity, msg, None, held=False, conflict={
                     "node": k, "host": other[0], "pid": other[1],
                     "min_ranks": other[4][0], "max_ranks": other[4][1]}))
