@@ -303,11 +303,7 @@ def _write_file_durably(path: Path, data: bytes, fsync: bool) -> None:
     finally:
         os.close(fd)
     if fsync:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(path.parent)
 
 
 def _write_all(fd: int, data: bytes | bytearray) -> None:
