@@ -170,8 +170,8 @@ def test_a_stage_built_before_the_ranks_were_renumbered_fails_the_step_at_once_o
     got = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
            for p in tmp_path.glob("stale.*.json")}
     assert sorted(got) == [0, 1, 2], got
-    # (the replacement joins once the survivors were renumbered 0, 1: pp_stale_worker.py)
-    assert [got[r]["stage"] for r in range(3)] == [1, 2, 2], got     # the replacement's is new
+    # (the replacement joins once the survivors were renumbered 0, 1 (pp_stale_worker.py); the
+    # world of 3 it joins may number them 0, 1 or 0, 2: either way a survivor's stage is stale)
     stale = {(g["stage"], r) for r, g in got.items() if g["stage"] != r}
     assert stale, got
     # a stale stage names itself; a stage fine itself names a stale one
