@@ -175,71 +175,31 @@ OUT_LOCK = ".train_digits.lock"   # in --out: the job id of the run writing ther
 
 
 def this_run() -> str:
-    """What names this run in ``--out``'s lock: its job id, and the address of its coordinator
-    when its launcher started that coordinator for it (``RTXNET_COORDINATOR_PID`` set: the
-    address is then this launch's alone, and stays the same through the coordinator's restarts).
-    By job id alone, two launches given one ``--job`` each with a coordinator of its own took one
-    ``--out`` together, and the second deleted the first's live checkpoints (a tester's find).
-    Ranks of several hosts (``--nnodes``) share a ``--coordinator`` they did not start, and are
-    named by their job id."""
-    job = os.environ.get("RTXNET_JOB") or "default"
-    if os.environ.get("RTXNET_COORDINATOR_PID") and os.environ.get("RTXNET_COORDINATOR"):
-        return f"{job} (coordinator {os.environ['RTXNET_COORDINATOR']})"
-    return job
+    """What names this run in ``--out``'s lock: :func:`rtxnet.checkpoint.run_id` (its job id, and
+    its coordinator's address when its launcher started that coordinator for it)."""
+    return checkpoint.run_id()
 
 
 def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | None, str | None]:
-    """Share folder ``out`` with the other ranks of job ``job`` and keep other runs out: two runs
-    writing one ``--out`` at once would interleave their checkpoints and metrics.
-
-    The first rank takes an exclusive ``flock`` on ``out/.train_digits.lock``, writes its job id
-    there and turns the lock into a shared one; a rank that finds it held reads the id (a shared
-    lock, waiting up to ``wait_s`` seconds while another rank writes it) and joins in if it is its
-    own. The kernel drops a process's lock when it exits, however it ends, so a run that is over,
-    or killed, leaves nothing to clean up; replacements and ``--resume`` get the folder again.
-    (Turning the exclusive lock into a shared one is not atomic: a second run starting in that
-    instant may write its id in between; every rank reads the id under its shared lock, so the
-    run whose id is there keeps the folder and every rank of the other is refused.)
+    """Share folder ``out`` with the other ranks of run ``job`` and keep other runs out (two runs
+    writing one ``--out`` at once would interleave their checkpoints and metrics):
+    :func:`rtxnet.checkpoint.claim_folder` on ``out/.train_digits.lock``, held until this process
+    exits.
 
     Returns:
         ``(fd, None)``: the lock's descriptor, to keep open while the rank runs; or ``(None, why)``
         with one line naming the job of the run that holds ``out``.
     """
-    import fcntl
-
-    fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:       # another rank, of this run or of another, holds it
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:   # held exclusively: its holder is writing its id
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    return None, (f"--out {str(out)!r} is locked by another process for more than "
-                                  f"{wait_s:g} s ({out / OUT_LOCK}); give another --out")
-                time.sleep(0.05)
-    else:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, job.encode(), 0)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    holder = os.pread(fd, 1024, 0).decode(errors="replace")
-    if holder != job:
-        os.close(fd)
-        # (the holder as written: "job-a", or "job-a (coordinator tcp://...)"; quoting it whole
-        # put the coordinator inside the job id's quotes: a fresh user's find)
-        return None, (f"--out {str(out)!r} is in use by another run ({_shown_holder(holder)}) that "
-                      f"is still running; give another --out, or wait for that run to end")
-    return fd, None
-
-
-def _shown_holder(holder: str) -> str:
-    """``job 'job-a'``, with `` (coordinator ADDR)`` outside the quotes when the lock names one."""
-    job, sep, rest = holder.partition(" (coordinator ")
-    return f"job {job!r}" + (f" (coordinator {rest}" if sep else "")
+    fd, holder = checkpoint.claim_folder(out, job, lock_name=OUT_LOCK, wait_s=wait_s)
+    if fd is not None:
+        return fd, None
+    if holder.startswith("a process that held"):
+        return None, (f"--out {str(out)!r} is locked by another process for more than {wait_s:g} s "
+                      f"({out / OUT_LOCK}); give another --out")
+    # (the holder as written: "job-a", or "job-a (coordinator tcp://...)"; quoting it whole
+    # put the coordinator inside the job id's quotes: a fresh user's find)
+    return None, (f"--out {str(out)!r} is in use by another run ({checkpoint.shown_holder(holder)}) "
+                  f"that is still running; give another --out, or wait for that run to end")
 
 
 def remove_earlier_checkpoints(ckpt_dir: Path) -> None:

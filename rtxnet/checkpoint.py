@@ -12,7 +12,11 @@ world (it pins the world group it began in, :meth:`rtxnet.ProcessGroup.pinned`),
 on every rank of the group:
 
 1. the ranks exchange the step and the root (its resolved absolute path) with one ``all_gather``
-   and refuse, on every rank and before anything is written, when they differ;
+   and refuse, on every rank and before anything is written, when they differ; then every rank
+   holds the root for its run (a shared ``flock`` on ``root/.rtxnet-checkpoint.lock`` naming the
+   job, :func:`claim_folder`, kept until the process exits) and a second ``all_gather`` refuses,
+   on every rank, when another run holds it (two jobs saving into one root replaced each other's
+   steps and removed each other's shards: a tester's find);
 2. every rank serialises its state into a file of a temporary name (``torch.save`` to a file,
    which writes tensors' bytes with the GIL released, so the agent's heartbeats go on however
    large the shard; its SHA-256 taken on the way), fsyncs it, renames it to
@@ -51,7 +55,9 @@ Loading at another world size: :func:`load` returns the shard of ``rank`` if the
 one, else rank 0's. Data-parallel state (model, optimizer, step, sampler position) is replicated,
 so any shard serves; per-rank RNG streams of ranks that did not exist are rank 0's, which a script
 may re-seed with its rank. Sharded state (FSDP) needs every rank's shard: :func:`load_all` returns
-them in rank order, for ``FullyShardedDataParallel.load_sharded_state_dicts``.
+them in rank order, for ``FullyShardedDataParallel.load_sharded_state_dicts``. State that
+differs per rank and is not resharded (tensor-parallel layers, pipeline stages) is refused by
+:func:`load` at another world size with a ``ConfigError``.
 
 Errors (from the tree in ``transport/errors.py``)::
 
@@ -97,14 +103,18 @@ from transport.errors import (
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
+    "ROOT_LOCK",
     "capture_rng",
+    "claim_folder",
     "latest",
     "load",
     "load_all",
     "read_manifest",
     "record",
     "restore_rng",
+    "run_id",
     "save",
+    "shown_holder",
     "step_dir",
     "verify",
 ]
@@ -276,6 +286,16 @@ def _save_world(pg: Any) -> tuple[Any, int, int, int | None]:
     return world, int(world.rank), int(world.size), int(world.epoch)
 
 
+def _shown_error(err: BaseException, path: Path) -> str:
+    """``err`` in one line, naming ``path`` when it is an ``OSError`` naming no file (a full disk
+    met by the shard's writes: "rank 0: OSError: [Errno 28] No space left on device" said
+    nowhere where, a tester's find)."""
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, OSError) and not err.filename:
+        text += f" (writing {path})"
+    return text
+
+
 def _pack_status(ok: bool, nbytes: int, digest: bytes, name: str, msg: str) -> np.ndarray:
     a = np.zeros(_STATUS_NBYTES, np.uint8)
     n = name.encode("ascii")[:_NAME_MAX]
@@ -305,9 +325,121 @@ def _root_key(root_abs: str) -> int:
                           "little") >> 1
 
 
+ROOT_LOCK = ".rtxnet-checkpoint.lock"   # in a checkpoint root: the run that saves there
+_HELD: dict[str, tuple[int, str]] = {}  # resolved root -> (lock's descriptor, run) held by this process
+
+
+def run_id(job: str | None = None) -> str:
+    """What names this process's run in a folder lock (:func:`claim_folder`): its job id (``job``,
+    else ``RTXNET_JOB``, else ``"default"``), and the address of its coordinator when its
+    launcher started that coordinator for it (``RTXNET_COORDINATOR_PID`` set: the address is then
+    that launch's alone, and stays the same through the coordinator's restarts). By job id alone,
+    two launches given one ``--job`` each with a coordinator of its own took one folder together
+    (a tester's find). Ranks of several hosts (``--nnodes``) share a coordinator they did not
+    start, and are named by their job id."""
+    job = job or os.environ.get("RTXNET_JOB") or "default"
+    if os.environ.get("RTXNET_COORDINATOR_PID") and os.environ.get("RTXNET_COORDINATOR"):
+        return f"{job} (coordinator {os.environ['RTXNET_COORDINATOR']})"
+    return job
+
+
+def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_LOCK,
+                 wait_s: float = 5.0) -> tuple[int | None, str | None]:
+    """Share ``folder`` with the other processes of run ``run`` (:func:`run_id`) and keep other
+    runs out: two runs writing one folder at once interleave their files (two jobs saving into one
+    checkpoint root replaced each other's steps, and one's failed save removed the shard the other
+    had just committed: a tester's find).
+
+    The first process takes an exclusive ``flock`` on ``folder/lock_name``, writes ``run`` there
+    and turns the lock into a shared one; a process that finds it held reads the run (under a
+    shared lock, waiting up to ``wait_s`` seconds while another process writes it) and joins in if
+    it is its own. The kernel drops a process's lock when it exits, however it ends, so a run that
+    is over, or killed, leaves nothing to clean up; its replacements and a resumed run get the
+    folder again. (Turning the exclusive lock into a shared one is not atomic: a second run
+    starting in that instant may write its id in between; every process reads the id under its
+    shared lock, so the run whose id is there keeps the folder and the other is refused.) Across
+    hosts the lock holds where the shared file system implements ``flock`` (NFS does, as POSIX
+    locks).
+
+    Returns:
+        ``(fd, None)``: the lock's descriptor, to keep open while the process runs (closing it
+        gives this process's share up); or ``(None, holder)``: the run that holds the folder, as
+        it wrote itself (or a line saying the lock stayed exclusive for ``wait_s`` seconds).
+
+    Raises:
+        OSError: the lock file cannot be opened or locked (the folder is missing or read-only, or
+            the file system has no ``flock``).
+    """
+    import fcntl
+
+    fd = os.open(Path(folder) / lock_name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:       # another process, of this run or of another, holds it
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:   # held exclusively: its holder is writing its id
+                    if time.monotonic() > deadline:
+                        os.close(fd)
+                        return None, (f"a process that held {Path(folder) / lock_name} exclusively "
+                                      f"for more than {wait_s:g} s")
+                    time.sleep(0.05)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, run.encode(), 0)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        holder = os.pread(fd, 1024, 0).decode(errors="replace")
+    except BaseException:
+        os.close(fd)
+        raise
+    if holder != run:
+        os.close(fd)
+        return None, holder
+    return fd, None
+
+
+def shown_holder(holder: str) -> str:
+    """``job 'job-a'``, with `` (coordinator ADDR)`` outside the quotes when ``holder`` (a
+    :func:`run_id`) names one."""
+    job, sep, rest = holder.partition(" (coordinator ")
+    return f"job {job!r}" + (f" (coordinator {rest}" if sep else "")
+
+
+def _claim_root(root: Path, pg: Any) -> str | None:
+    """Hold ``root`` for this process's run (once per process and root; kept until it exits).
+    Returns None, or the holder of the root when another run holds it. A root that cannot be
+    created or locked (read-only, no ``flock``) is not refused here: the save's writes report the
+    first, and the second saves without the lock (logged once)."""
+    key = str(root.resolve())
+    run = run_id(getattr(pg, "job", None) if pg is not None else None)
+    held = _HELD.get(key)
+    if held is not None and held[1] == run:
+        return None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, holder = claim_folder(root, run)
+    except OSError as exc:
+        if held is None:
+            _HELD[key] = (-1, run)
+            log.warning("checkpoint_root_not_locked", root=key, error=str(exc),
+                        hint="another run saving into this root would not be refused")
+        return None
+    if fd is None:
+        return holder
+    if held is not None and held[0] >= 0:
+        os.close(held[0])
+    _HELD[key] = (fd, run)
+    return None
+
+
 def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | None) -> None:
-    """Phase 1: every rank saves the same step into the same root, or none writes anything (a
-    shard in another step's or another root's folder would leave no loadable set)."""
+    """Phase 1: every rank saves the same step into the same root, held by this run, or none
+    writes anything (a shard in another step's or another root's folder would leave no loadable
+    set)."""
     got = np.zeros(2 * world, np.int64)
     pg.all_gather(got, np.array([step, _root_key(root_abs)], np.int64), **_kw(timeout_s))
     steps, keys = got[0::2], got[1::2]
@@ -328,6 +460,24 @@ def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | Non
             f"checkpoint.save of step {step}: the ranks passed different roots {roots}: every "
             f"rank of the group saves into the same folder (one path, shared by the ranks); "
             f"nothing was written", field="root", values=roots)
+    # the root is held by this run on every rank (it is created here, once the roots agree)
+    holder = _claim_root(Path(root_abs), pg)
+    claimed = np.zeros(world, np.int64)
+    pg.all_gather(claimed, np.array([holder is None], np.int64), **_kw(timeout_s))
+    refused = [k for k, v in enumerate(claimed.tolist()) if not v]
+    if refused:
+        if holder is None:   # the holder as the refused ranks read it, from the shared folder
+            with contextlib.suppress(OSError):
+                holder = (Path(root_abs) / ROOT_LOCK).read_text(errors="replace")[:1024]
+        raise _in_use(step, root_abs, holder, refused)
+
+
+def _in_use(step: int, root_abs: str, holder: str | None, ranks: list[int]) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint.save of step {step}: {root_abs} is in use by another run "
+        f"({shown_holder(holder) if holder else 'unknown'}) that is still running (rank(s) {ranks} "
+        f"found {ROOT_LOCK} there held); one run saves into a checkpoint folder at a time: give "
+        f"another root, or wait for that run to end; nothing was written", step=step, ranks=ranks)
 
 
 def _group_broke(exc: PeerLostError | ClosedError, step: int, outcome: str) -> BaseException:
@@ -384,7 +534,9 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         The step folder.
 
     Raises:
-        CheckpointError: some rank failed to write its shard (its state is not a dict, holds a
+        CheckpointError: another run (another job, or another launch with a coordinator of its
+            own) holds ``root``: it is saving there and still running (names its job; nothing
+            written); or some rank failed to write its shard (its state is not a dict, holds a
             value no safe load could read, or the write failed), or rank 0 failed to write the
             manifest or could not see a rank's shard (a root not shared by the ranks); raised on
             every rank, ``exc.ranks`` names the failed ranks. Nothing was committed: the step is
@@ -412,11 +564,13 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
           timeout_s: float | None) -> Path:
     folder = step_dir(root, step)
     t0 = time.perf_counter()
-    if pg is not None:   # Phase 1: the same step and root on every rank
+    if pg is not None:   # Phase 1: the same step and root on every rank, held by this run
         try:
             _agree(pg, step, str(root.resolve()), world, timeout_s)
         except (PeerLostError, ClosedError) as exc:
             raise _group_broke(exc, step, "nothing was written") from exc
+    elif (holder := _claim_root(root, pg)) is not None:
+        raise _in_use(step, str(root.resolve()), holder, [0])
 
     # Phase 2: this rank's shard, under a name no committed manifest lists.
     err: BaseException | None = None
@@ -460,8 +614,7 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
         fsync_dir(folder)
     except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
         err = exc
-    mine = _pack_status(err is None, nbytes, digest, name,
-                        "" if err is None else f"{type(err).__name__}: {err}")
+    mine = _pack_status(err is None, nbytes, digest, name, "" if err is None else _shown_error(err, folder / name))
 
     # Phase 3: everyone's outcome.
     if pg is None:
@@ -482,6 +635,7 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
     # Phase 4: the commit point.
     committed = np.zeros(1, np.uint8)
     manifest_error = ""
+    outcome = np.zeros(_STATUS_NBYTES, np.uint8)   # committed, or rank 0's error in writing it
     if rank == 0 and not failed:
         shards = [s["name"] for s in statuses]
         try:
@@ -516,8 +670,14 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
             # before the broadcast: no rank starts another save of this step while files go
             _remove_leftovers(folder, set(shards))
     if pg is not None:
+        if rank == 0:
+            outcome = _pack_status(bool(committed[0]), 0, b"", "", manifest_error)
         try:
-            pg.broadcast(committed, src=0, **_kw(timeout_s))
+            # with rank 0's error: the others said only "could not write manifest.json" (a
+            # tester's find: a full disk, named on rank 0 alone)
+            pg.broadcast(outcome, src=0, **_kw(timeout_s))
+            got = _unpack_status(outcome)
+            committed[0], manifest_error = int(got["ok"]), got["error"]
         except (PeerLostError, ClosedError) as exc:
             raise _group_broke(exc, step, (
                 f"rank 0 committed it ({folder / MANIFEST} written)" if committed[0] else
@@ -738,7 +898,7 @@ def read_manifest(root: str | os.PathLike, step: int) -> dict[str, Any]:
     try:
         m = json.loads(path.read_bytes())
         _check_manifest(m, step)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, IsADirectoryError) as exc:
         raise CheckpointCorruptError(f"{path}: not a valid manifest ({exc})", path=path, step=step) from exc
     return m
 
@@ -901,6 +1061,25 @@ def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str,
     return out
 
 
+def _refuse_resharding(root: Any, step: int, saved_world: int, world: int | None, rank: int) -> None:
+    """``ConfigError`` when this process holds state that differs per rank (tensor-parallel layers,
+    pipeline stages: :func:`rtxnet.elastic.note_rank_specific`) and a checkpoint of another world
+    size would give it another rank's shard, or one of several (a tester's find: stage 0's weights
+    loaded into every stage of a larger pipeline, without an error)."""
+    from rtxnet.elastic import rank_specific_state   # (elastic imports this module)
+
+    held = rank_specific_state(min_ranks=1)
+    if held:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        now = f"this world has {world}" if world is not None else f"this is rank {rank}"
+        raise ConfigError(
+            f"checkpoint.load: step {step} of {root} was saved by {saved_world} rank(s), {now}, "
+            f"and this process holds state that differs per rank ({shown}): a shard of another "
+            f"rank would load its slices or stage silently. Resume at {saved_world} rank(s), read "
+            f"every shard with checkpoint.load_all(root, step) and reshard, or pass rank= the "
+            f"saved rank whose shard holds this rank's part")
+
+
 def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None = None,
          pg: Any = None) -> dict[str, Any]:
     """Load the shard of ``rank`` (or rank 0's, when the checkpoint had fewer ranks).
@@ -920,15 +1099,24 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or the shard's size or SHA-256 differs from the
             manifest (names the file); such a checkpoint is never loaded.
-        ConfigError: ``rank`` is not an int >= 0 (names it).
+        ConfigError: ``rank`` is not an int >= 0 (names it); or the checkpoint's world size
+            differs from ``pg``'s (checked when ``rank`` is not given), or it has no shard
+            ``rank``, while this process holds state that
+            differs per rank (tensor-parallel layers, pipeline stages), which another rank's
+            shard would fill silently wrong (names both sizes and the state).
     """
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0):
         raise ConfigError(f"checkpoint.load: rank({rank!r}) must be an int >= 0")
     step = _resolve_step(root, step)
+    # a rank given names its shard itself (a 2-D mesh resumed with fewer data-parallel ranks may
+    # take the first ranks' shards): only the world size is not checked then
+    world = int(pg.world_size) if pg is not None and rank is None else None
     if rank is None:
         rank = pg.rank if pg is not None else 0
     m = read_manifest(root, step)
     saved_world = int(m["world_size"])
+    if rank >= saved_world or (world is not None and world != saved_world):
+        _refuse_resharding(root, step, saved_world, world, rank)
     shard = rank if rank < saved_world else 0
     state = _load_shard(root, step, m, shard)
     state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": shard,

@@ -102,14 +102,15 @@ def note_rank_specific(obj: Any, group: Any, what: str) -> None:
     _RANK_SPECIFIC[obj] = (group, what)
 
 
-def rank_specific_state() -> list[str]:
-    """What :func:`note_rank_specific` recorded and still lives, where its group has more than
-    one rank: one ``"<what> over N ranks"`` per distinct description, in order of record."""
+def rank_specific_state(min_ranks: int = 2) -> list[str]:
+    """What :func:`note_rank_specific` recorded and still lives, where its group has at least
+    ``min_ranks`` ranks: one ``"<what> over N ranks"`` per distinct description, in order of
+    record."""
     seen: dict[str, None] = {}
     for group, what in list(_RANK_SPECIFIC.values()):
         size = getattr(group, "world_size", None)
         size = getattr(group, "size", 1) if size is None else size
-        if int(size) > 1:
+        if int(size) >= min_ranks:
             seen.setdefault(f"{what} over {int(size)} ranks")
     return list(seen)
 

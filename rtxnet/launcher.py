@@ -1690,7 +1690,8 @@ def _environment_errors() -> list[str]:
     """What every rank would refuse in the environment it inherits, found once, here: the
     timeouts (parsed and checked by :meth:`rtxnet.Timeouts.from_env`, as a rank's ``init`` does
     when it is given no ``Timeouts``), ``RTXNET_LAST_CALL`` (the coordinator refuses a join whose
-    ``last_call_s`` is negative or not finite), ``RTXNET_LOG_LEVEL``, ``RTXNET_HOST`` (too long
+    ``last_call_s`` is negative or not finite), ``RTXNET_LOG_LEVEL``, ``RTXNET_SHM`` and
+    ``RTXNET_LOG_JSON`` (on/off values), ``RTXNET_HOST`` (too long
     for an identity), ``RTXNET_TOKEN`` (longer than the coordinator takes) and ``RTXNET_BIND_HOST``
     (an address the ranks could not listen on)."""
     from transport.errors import ConfigError
@@ -1715,6 +1716,13 @@ def _environment_errors() -> list[str]:
     level = os.environ.get("RTXNET_LOG_LEVEL")
     if level and level.lower() not in LOG_LEVELS:
         errors.append(f"RTXNET_LOG_LEVEL={level!r} is not one of {', '.join(LOG_LEVELS)}")
+    from transport.logconfig import env_flag
+
+    for flag in ("RTXNET_SHM", "RTXNET_LOG_JSON"):
+        try:
+            env_flag(flag, False)
+        except ConfigError as exc:
+            errors.append(str(exc))
     try:
         from .topology import host_id
 

@@ -13,7 +13,7 @@ Arguments not given are read from the environment the launcher sets:
     RTXNET_WORLD_SIZE    sets min_ranks = max_ranks
     RTXNET_MIN_RANKS / RTXNET_MAX_RANKS / RTXNET_LAST_CALL
     RTXNET_BIND_HOST     IPv4 address for this rank's data socket (default 127.0.0.1)
-    RTXNET_SHM           0 disables shared memory between ranks on one host
+    RTXNET_SHM           0 (or false, no, off) disables shared memory between ranks on one host
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import structlog
 
 from transport import wire
 from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxTimeoutError
+from transport.logconfig import env_flag
 
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
@@ -176,6 +177,10 @@ class Store:
         """Remove ``key``; True if it existed.
 
         Raises:
+            RtxTimeoutError: no answer within the request deadline. A delete is never sent twice
+                (a second send would find the key gone and answer False for a key this call
+                removed), so one in flight when the coordinator dies fails this way; read the
+                key to learn what happened.
             TypeError: ``key`` is not a str.
         """
         return await self._agent.kv_del(self._k(key))
@@ -483,7 +488,7 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None, key: str | Non
     except ImportError:  # the data plane is optional for control-only use
         return None
     host = bind_host or os.environ.get("RTXNET_BIND_HOST", "127.0.0.1")
-    shm = os.environ.get("RTXNET_SHM", "1") not in ("0", "false")
+    shm = env_flag("RTXNET_SHM", True)
     ipv6 = ipv6_bind_error(host, "bind_host" if bind_host else "RTXNET_BIND_HOST")
     if ipv6:
         raise ConfigError(ipv6)

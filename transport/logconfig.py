@@ -45,16 +45,43 @@ class _Stderr:
             self.gone = True
 
 
+FLAG_VALUES = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off environment variable ``name``: ``1``, ``true``, ``yes``, ``on`` or ``0``,
+    ``false``, ``no``, ``off`` (any case, spaces around ignored); unset or empty: ``default``.
+
+    Raises:
+        ConfigError: any other value (names the variable and the value: ``RTXNET_SHM=off`` was
+            read as "on" before, as anything but ``0`` and ``false`` was, a fresh user's find).
+    """
+    from transport.errors import ConfigError
+
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return FLAG_VALUES[raw.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(FLAG_VALUES)}") from None
+
+
 def configure_logging(*, level: str | None = None, json: bool | None = None) -> None:
     """Configure structlog for this process.
 
     Args:
         level: ``debug``, ``info``, ``warning`` or ``error``; default ``RTXNET_LOG_LEVEL`` or info.
         json: JSON lines instead of the console renderer; default ``RTXNET_LOG_JSON``.
+
+    Raises:
+        ValueError: an unknown ``level``.
+        ConfigError: ``RTXNET_LOG_JSON`` is not an on/off value (:func:`env_flag`).
     """
     level = (level or os.environ.get("RTXNET_LOG_LEVEL") or "info").lower()
     if json is None:
-        json = os.environ.get("RTXNET_LOG_JSON", "") not in ("", "0", "false")
+        json = env_flag("RTXNET_LOG_JSON", False)
     lvl = getattr(logging, level.upper(), None)
     if not isinstance(lvl, int):
         raise ValueError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")

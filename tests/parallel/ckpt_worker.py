@@ -10,7 +10,10 @@ Scenarios, in order, all ranks together:
     4. saving step 1 again over its complete checkpoint succeeds;
     5. a NumPy array in the state is refused at save time;
     6. ranks asking for different steps are refused before anything is written;
-    7. ranks passing different roots (``ROOT/r<rank>``) are refused before anything is written.
+    7. ranks passing different roots (``ROOT/r<rank>``) are refused before anything is written;
+    8. ``ROOT/held``, which another run holds (the test process), is refused on every rank;
+    9. rank 0 cannot write step 40's manifest (a folder in its place): every rank names why;
+    10. with a tensor-parallel layer, loading a checkpoint of a world of one is refused.
 Each rank writes ``OUT_DIR/ckpt-rank<r>.json``.
 
     ckpt_worker.py ROOT OUT_DIR kill        (under ``--nproc 2 --min-ranks 1``)
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -37,7 +41,7 @@ import torch
 
 import rtxnet
 from rtxnet import checkpoint, faults
-from rtxnet.parallel import DistributedDataParallel
+from rtxnet.parallel import ColumnParallelLinear, DistributedDataParallel
 from rtxnet.sampler import ElasticDistributedSampler
 from tests.procs import leave_together, wait_until
 
@@ -125,6 +129,41 @@ def main() -> int:
         res["roots_mismatch"] = {"field": exc.field, "values": {str(k): v for k, v in exc.values.items()},
                                  "msg": str(exc)}
     res["after_roots_mismatch"] = sorted(p.name for p in root.iterdir())
+
+    # 8. a root another run holds (the test process, as job "other-job"): refused on every rank
+    try:
+        checkpoint.save(root / "held", 30, state(30), pg=pg)
+        res["held_by_another_run"] = "no error"
+    except checkpoint.CheckpointError as exc:
+        res["held_by_another_run"] = {"ranks": exc.ranks, "msg": str(exc)}
+    res["after_held"] = sorted(p.name for p in (root / "held").iterdir())
+
+    # 9. rank 0 cannot write the manifest (a folder stands in its place): every rank says why
+    if r == 0:
+        (checkpoint.step_dir(root, 40) / "manifest.json" / "x").mkdir(parents=True)
+    pg.barrier()
+    try:
+        checkpoint.save(root, 40, state(40), pg=pg)
+        res["manifest_unwritable"] = "no error"
+    except checkpoint.CheckpointError as exc:
+        res["manifest_unwritable"] = {"ranks": exc.ranks, "msg": str(exc)}
+    pg.barrier()
+    if r == 0:
+        res["manifest_dir_latest"] = checkpoint.latest(root)   # a folder is no manifest: skipped
+        shutil.rmtree(checkpoint.step_dir(root, 40))
+
+    # 10. a tensor-parallel layer loading a checkpoint of another world size: refused
+    if r == 0:
+        checkpoint.save(root / "w1", 1, {"tp": {"w": torch.ones(2)}})   # a world of one's
+    pg.barrier()
+    tp = ColumnParallelLinear(4, 6, pg)
+    try:
+        checkpoint.load(root / "w1", pg=pg)
+        res["tp_other_world"] = "no error"
+    except rtxnet.ConfigError as exc:
+        res["tp_other_world"] = str(exc)
+    res["tp_named_shard"] = checkpoint.load(root / "w1", rank=0)["_checkpoint"]["shard_rank"]
+    del tp
     (out / f"ckpt-rank{r}.json").write_text(json.dumps(res))
     leave_together(pg, "ckpt", r)
     return 0

@@ -34,8 +34,16 @@ def two_ranks(tmp_path_factory):
     root.mkdir()
     out.mkdir()
     env = procs.env()
-    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(WORKER), str(root), str(out)],
-                          capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    (root / "held").mkdir()
+    # another run holds ROOT/held while the job runs (scenario 8): this test process, under a
+    # job id of its own
+    fd, holder = checkpoint.claim_folder(root / "held", "other-job")
+    assert holder is None
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(WORKER), str(root), str(out)],
+                              capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    finally:
+        os.close(fd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, [json.loads(p.read_text()) for p in sorted(out.glob("ckpt-rank*.json"))]
 
@@ -201,7 +209,7 @@ def test_truncated_shard_and_garbled_manifest_are_refused(tmp_path):
 def test_keep_prunes_old_steps_and_bad_arguments_are_named(tmp_path):
     for s in range(4):
         checkpoint.save(tmp_path, s, {"step": s}, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2", "step-3"]
     with pytest.raises(ValueError, match=r"step\(-1\)"):
         checkpoint.save(tmp_path, -1, {})
     # an OverflowError from the ranks' int64 agreement before (a fresh user's find)
@@ -230,11 +238,11 @@ def test_a_corrupt_step_found_by_latest_is_not_counted_among_the_kept(tmp_path):
     shard.write_bytes(bytes(data))
     assert checkpoint.latest(tmp_path) == 200          # it finds 300 corrupt
     checkpoint.save(tmp_path, 320, {"step": 320}, keep=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-100", "step-200", "step-300", "step-320"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-100", "step-200", "step-300", "step-320"]
     checkpoint.save(tmp_path, 340, {"step": 340}, keep=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-200", "step-300", "step-320", "step-340"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-200", "step-300", "step-320", "step-340"]
     checkpoint.save(tmp_path, 360, {"step": 360}, keep=3)   # the corrupt one goes once older
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-320", "step-340", "step-360"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-320", "step-340", "step-360"]
 
 
 def test_a_save_below_existing_steps_keeps_itself_and_with_keep_removes_the_abandoned_future(tmp_path):
@@ -243,9 +251,9 @@ def test_a_save_below_existing_steps_keeps_itself_and_with_keep_removes_the_aban
     for s in (10, 20, 30):
         checkpoint.save(tmp_path, s, {"step": s})
     checkpoint.save(tmp_path, 22, {"step": 22})          # no keep: nothing deleted
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-20", "step-22", "step-30"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-10", "step-20", "step-22", "step-30"]
     assert checkpoint.save(tmp_path, 25, {"step": 25}, keep=2).is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-22", "step-25"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-22", "step-25"]
     assert checkpoint.latest(tmp_path) == 25 and checkpoint.load(tmp_path)["step"] == 25
 
 
@@ -286,7 +294,7 @@ def test_what_killed_saves_left_is_removed_once_a_later_step_commits(tmp_path):
     assert sorted(p.name for p in (tmp_path / "step-1").iterdir()) == ["manifest.json", "rank-0.pt"]
     assert torch.equal(checkpoint.load(tmp_path, 1)["w"], torch.zeros(4))
     assert not (tmp_path / "step-2").exists() and not (tmp_path / "step-50").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3", "step-5"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3", "step-5"]
     assert (tmp_path / "step-5" / "notes.txt").read_text() == "mine"
 
 
@@ -338,6 +346,45 @@ def test_ranks_passing_different_roots_are_refused_on_every_rank_naming_the_root
         assert "r0" not in r["after_roots_mismatch"] and "r1" not in r["after_roots_mismatch"], r
 
 
+def test_a_root_another_run_holds_is_refused_on_every_rank_naming_its_job(two_ranks):
+    # before, two jobs saving into one root replaced each other's steps, and one's failed save
+    # removed the shard the other had just committed (a tester's find)
+    root, res = two_ranks
+    for r in res:
+        err = r["held_by_another_run"]
+        assert err != "no error", r
+        assert err["ranks"] == [0, 1], r
+        assert f"{(root / 'held').resolve()} is in use by another run (job 'other-job')" in err["msg"], r
+        assert "nothing was written" in err["msg"], r
+        assert r["after_held"] == [checkpoint.ROOT_LOCK], r
+    # the job's own root names the job, and the coordinator its launcher started, as its holder
+    assert re.fullmatch(r"job-\w+ \(coordinator tcp://127\.0\.0\.1:\d+\)",
+                        (root / checkpoint.ROOT_LOCK).read_text())
+
+
+def test_rank_0s_manifest_error_reaches_every_rank(two_ranks):
+    # rank 1 said only "rank 0 could not write .../manifest.json" (a tester's find: a full disk
+    # named on rank 0 alone)
+    _, res = two_ranks
+    for r in res:
+        err = r["manifest_unwritable"]
+        assert err != "no error", r
+        assert err["ranks"] == [0], r
+        assert "could not write" in err["msg"] and "manifest.json: IsADirectoryError" in err["msg"], r
+    assert res[0]["manifest_dir_latest"] == 3   # step 40's folder in place of a manifest: skipped
+
+
+def test_a_checkpoint_of_another_world_is_refused_to_per_rank_state(two_ranks):
+    # before, stage 0's weights loaded into every stage of a larger pipeline without an error,
+    # and tensor-parallel slices only failed in torch's load_state_dict on a shape (a tester's find)
+    _, res = two_ranks
+    for r in res:
+        msg = r["tp_other_world"]
+        assert msg.startswith("checkpoint.load: step 1 of ") and "was saved by 1 rank(s), this world has 2" in msg, r
+        assert "tensor-parallel ColumnParallelLinear over 2 ranks" in msg and "load_all" in msg, r
+        assert r["tp_named_shard"] == 0   # a shard named with rank= loads
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 3 MiB tmpfs mounted at ``tmp_path/m`` (skips where mounting is not permitted)."""
@@ -364,6 +411,8 @@ def test_a_resave_that_fills_the_disk_keeps_the_committed_step(small_tmpfs):
     with pytest.raises(CheckpointError, match="No space left on device") as info:
         checkpoint.save(small_tmpfs, 1, {"w": torch.zeros(2 * 262144), "gen": "new"})   # 2 MiB
     assert info.value.ranks == [0]
+    # the full disk's error names the file being written (it named none: a tester's find)
+    assert f"(writing {small_tmpfs / 'step-1'}/rank-0." in str(info.value), str(info.value)
     assert checkpoint.latest(small_tmpfs) == 1
     back = checkpoint.load(small_tmpfs)
     assert torch.equal(back["w"], old["w"]) and back["gen"] == "old"

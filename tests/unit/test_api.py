@@ -83,6 +83,28 @@ def test_timeouts_from_env(monkeypatch):
         Timeouts.from_env()
 
 
+@pytest.mark.parametrize("raw, expected", [("0", False), ("off", False), (" No ", False), ("FALSE", False),
+                                           ("1", True), ("on", True), ("Yes", True), ("true", True),
+                                           ("", True), (None, True)])
+def test_on_off_variables_take_the_usual_words(monkeypatch, raw, expected):
+    # RTXNET_SHM=off was read as "on" (anything but 0 and false was: a fresh user's find)
+    from transport.logconfig import env_flag
+
+    if raw is None:
+        monkeypatch.delenv("RTXNET_SHM", raising=False)
+    else:
+        monkeypatch.setenv("RTXNET_SHM", raw)
+    assert env_flag("RTXNET_SHM", True) is expected
+
+
+def test_an_on_off_variable_with_another_word_is_named(monkeypatch):
+    from transport.logconfig import env_flag
+
+    monkeypatch.setenv("RTXNET_LOG_JSON", "maybe")
+    with pytest.raises(errors.ConfigError, match=r"RTXNET_LOG_JSON='maybe' is not one of 1, true, yes, on, 0, "):
+        env_flag("RTXNET_LOG_JSON", False)
+
+
 def test_init_without_coordinator_names_the_missing_setting(monkeypatch):
     monkeypatch.delenv("RTXNET_COORDINATOR", raising=False)
     with pytest.raises(rtxnet.ConfigError, match="RTXNET_COORDINATOR"):

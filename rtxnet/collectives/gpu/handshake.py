@@ -53,13 +53,14 @@ from rtxnet.collectives.gpu import board as board_mod
 from rtxnet.collectives.gpu.board import Board, PeerBoard
 from rtxnet.collectives.gpu.stream import poll_delay
 from transport.errors import CollectiveError
+from transport.logconfig import env_flag
 from transport.peer import Kind
 
 __all__ = ["Handshake", "make_board", "BOARD_ENV", "OFFER_IDS", "DONE_STEP"]
 
 log = structlog.get_logger(__name__)
 
-BOARD_ENV = "RTXNET_IPC_BOARD"   # "1": signal boards; anything else: every hello as a message
+BOARD_ENV = "RTXNET_IPC_BOARD"   # on (1, true, ...): signal boards; off: every hello as a message
 OFFER_IDS = 64                   # offers of this rank's kept by id (the newest)
 _PEER_OFFERS = 2 * OFFER_IDS     # each peer's kept here: more than it keeps (see the module)
 DONE_STEP = 1                    # the mailbox step of the "done" messages
@@ -70,7 +71,7 @@ def make_board(group) -> Board | None:
     """This rank's signal board for a group's new IPC state: None unless ``RTXNET_IPC_BOARD=1``,
     and when ``/dev/shm`` refuses (the group's hellos and "done"s then go as messages on every
     rank: the peers learn from the offers that this rank has none)."""
-    if os.environ.get(BOARD_ENV, "0") != "1":
+    if not env_flag(BOARD_ENV, False):
         return None
     try:
         return Board(group.engine._next_segment_name())
