@@ -123,6 +123,8 @@ class Agent:
         # bits, and the coordinator never publishes it outside the job
         self.identity = f"{self.host[:64]}/{os.getpid()}/{uuid.uuid4().hex}"
         self.membership: Membership | None = None
+        # the one before it: a listener added after a loss names the lost ranks' launch ranks
+        self.previous_membership: Membership | None = None
         self.fenced = False
         self.fence_reason = ""   # why this agent was last fenced (for the errors that follow)
         self.training_finished = False   # this agent told the coordinator so (finish)
@@ -392,6 +394,7 @@ class Agent:
         if msg["world_size"] >= self.min_ranks:
             self.reached_min_ranks += 1
         self._standing += 1
+        self.previous_membership = self.membership
         self.membership = Membership(
             job=self.job,
             epoch=msg["epoch"],

@@ -349,6 +349,11 @@ class FaultTolerance:
         self._made_in = -1
         m = self.pg.agent.membership
         if m is not None:   # the epoch this rank joined in
+            prev = getattr(self.pg.agent, "previous_membership", None)
+            if prev is not None and prev.epoch == m.epoch - 1:
+                # the lost ranks' launch ranks (a loss before this was made was reported as
+                # "rank 2", numbered in the old epoch: a fresh user's find)
+                self._note_launch_ranks(prev)
             self._note_launch_ranks(m)
             self._made_in = m.epoch
             if m.lost and m.rank not in (m.added or ()):

@@ -815,12 +815,14 @@ def test_faultrun_takes_what_was_lost_from_a_survivor_not_from_the_frozen_rank()
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path, made):
     """A world of 3 formed and rank 2 died before any step (a tester's two-node run: the other
     node's launcher was killed before step 0): the survivors trained on with 2, and each said
-    "no failure seen by this rank"; now the report names the loss."""
+    "no failure seen by this rank"; now the report names the loss, by launch rank also where the
+    survivors made their FaultTolerance ``after`` the loss was known."""
     script = tmp_path / "early_loss.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(f"MADE = {made!r}\n" + textwrap.dedent("""
         import os, signal, time
         import numpy as np
         import rtxnet
@@ -835,12 +837,15 @@ def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
 
         pg = rtxnet.init()
         state = State()
-        ft = rtxnet.FaultTolerance(pg, state, min_world_size=2)
+        if MADE == "before":
+            ft = rtxnet.FaultTolerance(pg, state, min_world_size=2)
         if os.environ["RANK"] == "2":
             os.kill(os.getpid(), signal.SIGKILL)
         deadline = time.monotonic() + 20     # until the loss is known here: then step 0
         while pg.world_size == 3 and time.monotonic() < deadline:
             time.sleep(0.02)
+        if MADE == "after":
+            ft = rtxnet.FaultTolerance(pg, state, min_world_size=2)
         while ft.step < 3:
             with ft.guard():
                 x = np.ones(4)
@@ -858,9 +863,9 @@ def test_a_rank_lost_before_the_first_step_is_in_the_report(tmp_path):
     for r in (0, 1):
         report = [line for line in proc.stdout.splitlines() if line.startswith(f"[rank{r}] recovery:")]
         assert len(report) == 1 and re.fullmatch(
-            # (launch rank 2; plain rank 2 when the loss came before FaultTolerance was made
-            # here: the launch ranks of the world before are not known then)
-            rf"\[rank{r}\] recovery: epoch \d+: (launch )?rank 2 lost before the first step: no step failed; "
+            # (launch rank 2 also when the loss came before FaultTolerance was made here: it
+            # said "rank 2", numbered in the epoch before, a fresh user's find)
+            rf"\[rank{r}\] recovery: epoch \d+: launch rank 2 lost before the first step: no step failed; "
             r"world of 2", report[0]), proc.stdout
         assert f"[rank{r}] w [6.0, 6.0, 6.0, 6.0]" in proc.stdout, proc.stdout   # 3 steps of 2 ranks
 
