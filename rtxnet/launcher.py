@@ -585,10 +585,13 @@ class Launcher:
         # SIGTERM to a hung one still comes well before --grace's SIGKILL
         wait_s = min(ENDING_GRACE_S, self.args.grace / 2)
         if ending:
-            stopping += (f"; {_ranks([s.rank for s in ending])} already ending by "
-                         f"{'itself' if len(ending) == 1 else 'themselves'} (declared lost: "
-                         f"connection closed) get{'s' if len(ending) == 1 else ''} up to "
-                         f"{wait_s:g} s before SIGTERM")
+            # (it said "(declared lost: connection closed)", which read as if the survivors had
+            # failed: a fresh user's find)
+            one = len(ending) == 1
+            stopping += (f"; {_ranks([s.rank for s in ending])} {'is' if one else 'are'} already "
+                         f"exiting ({'its connection' if one else 'their connections'} to the "
+                         f"coordinator closed) and get{'s' if one else ''} up to {wait_s:g} s to "
+                         f"end before SIGTERM")
         _say(f"{head}; {stopping}")
         for s in slots:
             if s not in ending:

@@ -213,8 +213,8 @@ def test_a_rank_that_exits_0_mid_job_and_is_still_ending_is_reported_by_its_own_
     assert "rank 1 exited 0; " in last and "stopped by rtxnet-run" not in last, last
     assert "rank 1 exited with code 143" not in out.stderr, out.stderr[-3000:]
     # (its peers, ending after their PeerLostError, may be named with it)
-    spared = re.search(r"ranks? ([\d, ]+) already ending by (itself|themselves) \(declared lost: "
-                       r"connection closed\) gets? up to 5 s before SIGTERM", out.stderr)
+    spared = re.search(r"ranks? ([\d, ]+) (is|are) already exiting \((its connection|their connections) "
+                       r"to the coordinator closed\) and gets? up to 5 s to end before SIGTERM", out.stderr)
     assert spared and "1" in spared.group(1).split(", "), out.stderr[-3000:]
 
 
