@@ -660,7 +660,8 @@ def _form(state: State, job: Job, now: float, actions: list[Action]) -> None:
         actions.append(_epoch_push(job, m.identity, [], sorted(job.members), "formed"))
 
 
-def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Action], *, reason: str) -> None:
+def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Action], *, reason: str,
+          why: str | None = None) -> None:
     ranks = sorted(set(ranks))
     lost_ids = [job.members[r].identity for r in ranks]
     survivors = [m for r, m in sorted(job.members.items()) if r not in ranks]
@@ -679,7 +680,7 @@ def _lose(state: State, job: Job, ranks: list[int], now: float, actions: list[Ac
     if reason in ("lost", "finished"):
         # A rank declared lost may still be alive (frozen, cut off): tell it, in case it hears.
         # One turned away at the end of training (_finish) is alive: it hears why.
-        why = (f"declared lost; epoch {job.epoch} formed without it" if reason == "lost" else
+        why = (f"{why or 'declared lost'}; epoch {job.epoch} formed without it" if reason == "lost" else
                f"{_finished_training(job)}; epoch {job.epoch} formed without this rank")
         for ident in lost_ids:
             actions.append(Send(ident, wire.make("fenced", job=job.job, epoch=job.epoch, reason=why)))
@@ -841,12 +842,19 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     elif t == "reform":
         member = job.member_by_identity(msg["identity"])
         evict = _evictable(job, member, msg.get("evict") or [])
+        refused = _holders_evicted(job, member, evict) if msg["epoch"] == job.epoch else None
         if member is None:
             actions.append(_not_member(identity, msg, job))
+        elif refused is not None:
+            # nothing done: the holders' own eviction of the asker (they time out waiting for it
+            # too, when the two sides cannot reach each other) is the one that stands
+            actions.append(_reply(identity, msg, job, epoch=job.epoch, evicted=[], refused=refused))
         elif msg["epoch"] == job.epoch and evict:
             # ranks late in every try of a step while the others waited: declared lost, as a
-            # frozen rank is (fenced: it rejoins if it comes back)
-            _lose(state, job, evict, now, actions, reason="lost")
+            # frozen rank is (fenced: it rejoins if it comes back, after a pause: rtxnet.elastic)
+            _lose(state, job, evict, now, actions, reason="lost",
+                  why=f"evicted: late in every try of a step while rank {member.rank} and the "
+                      f"others waited (their data ports may not reach this one)")
             actions.append(_reply(identity, msg, job, epoch=job.epoch, evicted=evict))
         elif msg["epoch"] == job.epoch:
             members = {r: m.public() for r, m in job.members.items()}
@@ -873,6 +881,23 @@ def _evictable(job: Job, member: Member | None, evict: list) -> list[int]:
             or len(job.members) - len(ranks) < job.min_ranks):
         return []
     return ranks
+
+
+def _holders_evicted(job: Job, member: Member | None, evict: list[int]) -> str | None:
+    """Why an eviction is refused, or None: one asked by a member admitted after the job's last
+    commit (which has not voted for a step yet) that names every member that took part in that
+    commit. Hosts that reach the coordinator but not each other evict each other's ranks at
+    once; if the readmitted side's eviction stood, the job went back to the steps before its
+    absence and the holders' commits were lost, each side committing in turn (a tester's find:
+    steps 120 and 121 committed, then rewound to 119, with every rank alive)."""
+    if member is None or not evict or job.committed_step < 0 or job.committed_epoch < 0:
+        return None
+    holders = {r for r, m in job.members.items() if 0 <= m.since <= job.committed_epoch}
+    if not holders or member.rank in holders or not holders <= set(evict):
+        return None
+    return (f"ranks {sorted(holders)} took part in the commit of step {job.committed_step} "
+            f"(epoch {job.committed_epoch}) and rank {member.rank}, admitted after it, did not: "
+            f"the holders of the job's committed state are not evicted by it")
 
 
 def _finished_training(job: Job) -> str:

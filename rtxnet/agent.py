@@ -607,10 +607,16 @@ class Agent:
         (declared lost, as a frozen rank is), which the coordinator does only when the members
         left are at least the job's ``min_ranks`` (else a plain reform). Returns the job's epoch
         after the request."""
+        return (await self.reform_request(reason, epoch, evict=evict))["epoch"]
+
+    async def reform_request(self, reason: str, epoch: int | None = None, *,
+                             evict: list[int] | None = None) -> dict[str, Any]:
+        """:meth:`reform`, returning the coordinator's whole answer: ``{"epoch"}``, with
+        ``"evicted"`` (the ranks it evicted) and, when it refused the eviction, ``"refused"``
+        (why: the ranks named hold the job's last committed step and this rank does not)."""
         extra = {"evict": [int(r) for r in evict]} if evict else {}
-        body = await self._request("reform", epoch=None if epoch is None else int(epoch),
+        return await self._request("reform", epoch=None if epoch is None else int(epoch),
                                    identity=self.identity, reason=reason[:500], **extra)
-        return body["epoch"]
 
     async def finish(self) -> dict[str, Any]:
         """Tell the coordinator training is over: the job admits no more ranks (see ``finish`` in

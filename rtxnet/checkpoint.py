@@ -1066,7 +1066,7 @@ def _refuse_resharding(root: Any, step: int, saved_world: int, world: int | None
     pipeline stages: :func:`rtxnet.elastic.note_rank_specific`) and a checkpoint of another world
     size would give it another rank's shard, or one of several (a tester's find: stage 0's weights
     loaded into every stage of a larger pipeline, without an error)."""
-    from rtxnet.elastic import rank_specific_state   # (elastic imports this module)
+    from rtxnet.elastic import rank_specific_state  # (elastic imports this module)
 
     held = rank_specific_state(min_ranks=1)
     if held:

@@ -83,6 +83,8 @@ RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
 # come a moment before this rank hears the decision: not a skip)
 SKIP_POLL_S = 0.25
 SKIP_AFTER_S = 1.0
+# the longest pause of an evicted rank before it rejoins (FaultTolerance._pause_if_evicted)
+REJOIN_PAUSE_MAX_S = 300.0
 
 
 # Objects of this process (tensor-parallel layers) that hold state differing between the ranks of
@@ -311,6 +313,7 @@ class FaultTolerance:
         self._ring_kept: dict[str, Any] | None = None
         self._same_step_failures: dict[int, int] = {}
         self._evictions: dict[int, int] = {}   # step -> evictions this rank asked for in it
+        self._evicted_in_row = 0   # evictions of this rank since it last took part in a commit
         self._snapshot = pack_state(state.state_dict())
         # (snapshot, its array) after a step's commit: the next commit's snapshot may be packed
         # into that array (pack_state(into=)) while self._snapshot is still that snapshot and it
@@ -647,6 +650,7 @@ class FaultTolerance:
             try:
                 agent = self.pg.agent
                 if agent.fenced:
+                    await self._pause_if_evicted()
                     log.warning("rejoining", reason="fenced")
                     await agent.join()
                 if self._synced_epoch != self.pg.epoch:
@@ -701,6 +705,7 @@ class FaultTolerance:
         if committed:
             self._same_step_failures.pop(step, None)
             self._evictions.pop(step, None)
+            self._evicted_in_row = 0
             self.committed_world = (m.epoch, m.rank, m.world_size)
             self.committed_step = step
             self.step = step + 1
@@ -819,18 +824,27 @@ class FaultTolerance:
             # moved on without it): say so instead of retrying the step into a wall.
             self.pg.agent.check_coordinator(f"step {step} failed ({type(exc).__name__})")
             evict = self._late_to_evict(exc, step)
-            self._count_failure(exc, step, give_up=not evict)
-            if evict:
+            if not evict:
+                self._count_failure(exc, step)
+                await self._ask_reform(exc, step, self._synced_epoch, evict)
+            else:
                 self._count_eviction(exc, step, evict)
-            await self._ask_reform(exc, step, self._synced_epoch, evict)
+                if await self._ask_reform(exc, step, self._synced_epoch, evict):
+                    self._count_failure(exc, step, give_up=False)
+                else:
+                    # refused (they hold the committed state, this rank does not): nobody was
+                    # evicted and no epoch opened (theirs, evicting this rank, is the one that
+                    # stands); a failure of the step as any other
+                    self._evictions[step] -= 1
+                    self._count_failure(exc, step)
         elif isinstance(exc, CollectiveTimeout) and exc.ranks and not self.pg.agent.fenced:
             # The sync of a new epoch timed out waiting for members that do not come (a rank
             # hung with its heartbeats going on): it was retried until they came, for ever for
             # one that never does. Evict them as in a step; else give up after as many tries.
             epoch = self.pg.epoch
             evict = self._late_to_evict(exc, step)
-            if evict:
-                await self._ask_reform(exc, step, epoch, evict)
+            if evict and not await self._ask_reform(exc, step, epoch, evict):
+                evict = []   # refused: they hold the committed state; they evict this rank
             self._sync_timeouts += 1
             if not evict and self._sync_timeouts > self.max_step_retries:
                 raise RtxError(
@@ -871,19 +885,44 @@ class FaultTolerance:
                 f"those may reach the coordinator but not this one's ranks (a firewall on the data "
                 f"ports, --bind-host); last error: {type(exc).__name__}: {exc}") from exc
 
-    async def _ask_reform(self, exc: BaseException, step: int, epoch: int, evict: list[int]) -> None:
+    async def _ask_reform(self, exc: BaseException, step: int, epoch: int, evict: list[int]) -> bool:
         """Ask the coordinator for a fresh epoch in place of ``epoch`` after ``exc`` failed
         ``step``, leaving out the ranks ``evict`` (numbered as in ``epoch``; said in a warning).
-        A request that fails is logged: the next failure asks again."""
+        A request that fails is logged: the next failure asks again. Returns False when the
+        coordinator refused the eviction (``evict`` hold the job's last committed step and this
+        rank, admitted after it, does not: ``eviction_refused`` in the log), else True."""
         if evict:
             log.warning("evicting_late_ranks", step=step, ranks=evict, epoch=epoch,
                         launch_ranks=self._launch_ranks(epoch, evict),
                         tries=self.evict_late_after, error=str(exc))
         try:
-            await self.pg.agent.reform(f"rank {self.pg.rank}: {type(exc).__name__}: {exc}", epoch,
-                                       evict=evict)
+            body = await self.pg.agent.reform_request(
+                f"rank {self.pg.rank}: {type(exc).__name__}: {exc}", epoch, evict=evict)
         except RtxError as exc2:
             log.warning("reform_failed", error=str(exc2))
+            return True
+        if body.get("refused"):
+            log.warning("eviction_refused", step=step, ranks=evict, epoch=epoch, why=body["refused"])
+            return False
+        return True
+
+    async def _pause_if_evicted(self) -> None:
+        """Before an evicted rank rejoins, wait: ``heartbeat_timeout_s`` after its first eviction
+        since it last took part in a commit, doubling with each one more, up to
+        ``REJOIN_PAUSE_MAX_S``. An evicted rank is alive and reaches the coordinator; when it
+        cannot reach the others' data ports (hosts cut from each other, not from the
+        coordinator), each rejoin costs them a sync that times out, and rejoining at once made
+        the job a livelock (a tester's find: about one step per 20 s, for good). A rank that
+        was only slow once rejoins after one heartbeat timeout."""
+        reason = getattr(self.pg.agent, "fence_reason", "") or ""
+        if not reason.startswith("evicted"):
+            return
+        self._evicted_in_row += 1
+        pause = min(self.pg.agent.timeouts.heartbeat_timeout_s * 2 ** (self._evicted_in_row - 1),
+                    REJOIN_PAUSE_MAX_S)
+        log.warning("rejoin_paused", seconds=round(pause, 3), evictions_in_row=self._evicted_in_row,
+                    why=reason)
+        await asyncio.sleep(pause)
 
     def _late_to_evict(self, exc: BaseException, step: int) -> list[int]:
         """The ranks (numbered as in the synced epoch) to evict after this failure of ``step``:
@@ -915,6 +954,7 @@ class FaultTolerance:
                     # declared lost while waiting (frozen, cut off): no epoch comes to a fenced
                     # rank, so join again now rather than wait out the window in a world that
                     # left it
+                    await self._pause_if_evicted()
                     log.warning("rejoining", reason="fenced while waiting for ranks")
                     await agent.join()
                     continue

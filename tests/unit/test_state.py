@@ -504,11 +504,46 @@ def test_a_reform_that_evicts_a_late_rank_declares_it_lost_and_fences_it():
     assert set(ep) == {"a", "c"} and ep["a"]["epoch"] == e + 1 and ep["a"]["reason"] == "lost", ep
     assert [ep["a"]["members"][r]["identity"] for r in range(2)] == ["a", "c"]
     fenced = pushes(out, "fenced")
-    assert set(fenced) == {"b"} and "declared lost" in fenced["b"]["reason"], fenced
+    assert set(fenced) == {"b"} and fenced["b"]["reason"].startswith("evicted: late in every try"), fenced
     assert [s.msg["body"] for s in out if s.msg["t"] == "reply"] == [{"epoch": e + 1, "evicted": [1]}]
     # the others' requests about the old epoch evict nobody more
     assert not pushes(h.req("c", "reform", epoch=e, identity="c", reason="late", evict=[1]))
     assert h.state.jobs["j"].epoch == e + 1
+
+
+def test_a_rank_admitted_after_the_last_commit_cannot_evict_its_holders():
+    # Hosts cut from each other, not from the coordinator: b evicted a, committed step 2 alone;
+    # a, readmitted, times out waiting for b and asks to evict it. Before, that stood: the job
+    # went back to a's step 1 and b's commit was lost, each side committing in turn (a tester's
+    # find). Now it is refused, with no new epoch, and b's eviction of a stands.
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=2)
+    h.join("b", min_ranks=2, max_ranks=2)
+    job = h.state.jobs["j"]
+    job.min_ranks = 1   # (as rtxnet-run --min-ranks 1 --nproc 2 would form: both, then 1 may go on)
+    e = job.epoch
+    _trained(h, epoch=e)                          # both took part in step 1's commit
+    ep = pushes(h.req("b", "reform", epoch=e, identity="b", reason="late", evict=[0]))
+    assert set(ep) == {"b"} and ep["b"]["epoch"] == e + 1, ep
+    h.req("b", "heartbeat", epoch=e + 1, identity="b")
+    h.req("b", "commit", epoch=e + 1, identity="b", step=2, ok=True, timeout_s=5.0)
+    assert (job.committed_step, job.committed_epoch) == (2, e + 1)
+    assert h.join("a", min_ranks=1, max_ranks=2)[0].msg["body"]["state"] == "pending"
+    for dt in (1.0, 1.1):      # no step decision within the 2 s window: a is admitted
+        h.clock.now += dt
+        for who in ("a", "b"):
+            h.req(who, "heartbeat", epoch=e + 1, identity=who)
+        sends = h.tick()
+    assert pushes(sends)["a"]["epoch"] == e + 2 and job.member_by_identity("a").rank == 1
+    out = h.req("a", "reform", epoch=e + 2, identity="a", reason="late", evict=[0])
+    assert not pushes(out) and not pushes(out, "fenced"), out
+    (body,) = [s.msg["body"] for s in out if s.msg["t"] == "reply"]
+    assert body["epoch"] == e + 2 and body["evicted"] == [] and body["refused"].startswith(
+        f"ranks [0] took part in the commit of step 2 (epoch {e + 1}) and rank 1, admitted after it, did not"), body
+    assert sorted(m.identity for m in job.members.values()) == ["a", "b"]
+    out = h.req("b", "reform", epoch=e + 2, identity="b", reason="late", evict=[1])
+    assert set(pushes(out)) == {"b"} and set(pushes(out, "fenced")) == {"a"}
+    assert job.committed_step == 2
 
 
 def _three_of_min_two() -> Harness:
