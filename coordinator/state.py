@@ -104,7 +104,7 @@ class Job:
     # Not journaled: when the last step decision came and the mean time between decisions, so a
     # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
     last_commit_at: float | None = None
-    last_refusal: str = ""   # the last join refused for other bounds (told to waiting ranks)
+    last_refusal: str = ""   # the last join or claim refused (other bounds, a wrong token): told to waiting ranks
     commit_period_s: float | None = None
     votes: dict[int, dict[int, bool]] = field(default_factory=dict)  # step -> rank -> ok
     commit_waiters: dict[int, list[tuple[str, int, float]]] = field(default_factory=dict)
@@ -274,7 +274,13 @@ def _claim(state: State, identity: str, msg: dict, now: float, actions: list[Act
     others = [] if renewal else [(k, other) for (j, k), other in state.claims.items()
                                  if j == job_id and k != node and other[2] > now]
     if (job.token if job is not None else next((other[5] for _, other in others), token)) != token:
-        actions.append(_error(identity, msg, "RendezvousError", f"claim: wrong token for job {job_id!r}"))
+        why = _token_refused(job_id, token)
+        if job is not None:
+            # the ranks waiting for that node hear of it in their "rendezvous_waiting" lines
+            # (they waited out the rendezvous timeout with no hint: a netns tester's find)
+            job.last_refusal = (f"the launcher of node {node} on {msg['host'][:64]} (pid {msg['pid']}) "
+                                f"was refused: {why}")
+        actions.append(_error(identity, msg, "RendezvousError", f"claim: {why}"))
         return
     if bounds is not None and ttl > 0 and not renewal:
         if job is not None and (job.min_ranks, job.max_ranks) != bounds:
@@ -1150,6 +1156,8 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                                  "last_call_s": float(msg["last_call_s"]), "heartbeat_timeout_s": float(msg["heartbeat_timeout_s"])}, now)
         job = state.jobs[job_id]
     if msg["token"] != job.token:
+        job.last_refusal = (f"a rank on {msg['host'][:64]} (pid {msg['pid']}) was refused: "
+                            f"{_token_refused(job_id, msg['token'])}")
         return refuse("RendezvousError", _token_refused(job_id, msg["token"]))
     if (min_r, max_r) != (job.min_ranks, job.max_ranks):
         # the ranks waiting for it hear of it too (their "rendezvous_waiting" lines), instead of

@@ -821,7 +821,14 @@ def test_a_launchers_claim_on_a_job_node_refuses_another_until_given_back_or_lap
     assert s.msg["body"] == {"held": True}
     h.join("tj", job="tj", token="t", min_ranks=2, max_ranks=2)
     (s,) = h.req("t4", "claim", job="tj", node=0, host="h", pid=54, ttl_s=10.0, token="")   # no token
+    assert s.msg["t"] == "error" and s.msg["message"].startswith("claim: no token given for job 'tj'"), s.msg
+    (s,) = h.req("t5", "claim", job="tj", node=1, host="h2", pid=55, ttl_s=10.0, token="wrong")
     assert s.msg["t"] == "error" and s.msg["message"] == "claim: wrong token for job 'tj'", s.msg
+    # the rank waiting for that node hears why (it waited out its rendezvous timeout with no
+    # hint: a netns tester's find)
+    (s,) = h.req("tj", "heartbeat", job="tj", identity="tj")
+    assert s.msg["body"]["state"] == "pending" and s.msg["body"]["refused"] == (
+        "the launcher of node 1 on h2 (pid 55) was refused: wrong token for job 'tj'"), s.msg["body"]
     # a claim names its launcher: a host and a pid (host '' and pid -1 were held: a tester's find)
     for host, pid in (("", 5), ("h", -1), ("h", 0)):
         (s,) = h.req("y", "claim", job="z", node=0, host=host, pid=pid, ttl_s=1.0)
