@@ -843,15 +843,19 @@ class FaultTolerance:
             # one that never does. Evict them as in a step; else give up after as many tries.
             epoch = self.pg.epoch
             evict = self._late_to_evict(exc, step)
-            if evict and not await self._ask_reform(exc, step, epoch, evict):
-                evict = []   # refused: they hold the committed state; they evict this rank
+            refused = bool(evict) and not await self._ask_reform(exc, step, epoch, evict)
+            if refused:
+                evict = []   # they hold the committed state: theirs, evicting this rank, stands
             self._sync_timeouts += 1
             if not evict and self._sync_timeouts > self.max_step_retries:
+                why = (f"which hold the job's last committed step and could not be evicted by this "
+                       f"rank, admitted after it (and which did not evict it: are they hung?)"
+                       if refused else f"which the world cannot go on without (min_world_size="
+                                       f"{self.min_world_size})")
                 raise RtxError(
                     f"step {step}: the sync of a new epoch (now {epoch}) timed out "
                     f"{self._sync_timeouts} times in a row waiting for ranks (max_step_retries="
-                    f"{self.max_step_retries}), which the world cannot go on without "
-                    f"(min_world_size={self.min_world_size}); last error: {exc}") from exc
+                    f"{self.max_step_retries}), {why}; last error: {exc}") from exc
         elif self._only_reformed_since_sync() and not self.pg.agent.fenced:
             # Re-formed (same members) since the step began, by a rank that found the step
             # failing (a skipped collective: its vote asks for the re-form), so this rank sees
@@ -917,6 +921,10 @@ class FaultTolerance:
         reason = getattr(self.pg.agent, "fence_reason", "") or ""
         if not reason.startswith("evicted"):
             return
+        # the syncs that timed out before were in a world this rank has left: counted afresh
+        # (the side evicted, readmitted and evicted again gave up with "the world cannot go on
+        # without" ranks the others went on without)
+        self._sync_timeouts = 0
         self._evicted_in_row += 1
         pause = min(self.pg.agent.timeouts.heartbeat_timeout_s * 2 ** (self._evicted_in_row - 1),
                     REJOIN_PAUSE_MAX_S)
