@@ -142,6 +142,9 @@ class Agent:
         self._pending_body: dict[str, Any] | None = None
         self._listeners: list[Listener] = []
         self._changed = asyncio.Event()
+        # set when the coordinator, asked by a fenced rank's heartbeat, no longer knows this rank
+        # (its job ended or was forgotten): a rank pausing before its rejoin stops waiting
+        self.gone = asyncio.Event()
         self._client: ControlClient | None = None
         self._hb_task: asyncio.Task | None = None
         self._joining = False
@@ -490,6 +493,8 @@ class Agent:
                     log.warning("rejoin_failed", error=str(exc))
             elif not self.fenced and not self._leaving:
                 self._fence("the coordinator does not know this rank (job ended?)")
+            else:
+                self.gone.set()
 
     def _log_waiting(self, body: dict[str, Any], now: float) -> None:
         """Every ``WAITING_LOG_S`` (a quarter of a shorter rendezvous timeout) of a rendezvous

@@ -930,7 +930,14 @@ class FaultTolerance:
                     REJOIN_PAUSE_MAX_S)
         log.warning("rejoin_paused", seconds=round(pause, 3), evictions_in_row=self._evicted_in_row,
                     why=reason)
-        await asyncio.sleep(pause)
+        # cut short when the job ends meanwhile (the join then says so: JobFinishedError); a
+        # rank still pausing when the others finished was killed by rtxnet-run, exit 137
+        gone = getattr(self.pg.agent, "gone", None)
+        if gone is None:
+            await asyncio.sleep(pause)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(gone.wait(), pause)
 
     def _late_to_evict(self, exc: BaseException, step: int) -> list[int]:
         """The ranks (numbered as in the synced epoch) to evict after this failure of ``step``:
