@@ -848,8 +848,8 @@ class FaultTolerance:
                 evict = []   # they hold the committed state: theirs, evicting this rank, stands
             self._sync_timeouts += 1
             if not evict and self._sync_timeouts > self.max_step_retries:
-                why = (f"which hold the job's last committed step and could not be evicted by this "
-                       f"rank, admitted after it (and which did not evict it: are they hung?)"
+                why = ("which hold the job's last committed step and could not be evicted by this "
+                       "rank, admitted after it (and which did not evict it: are they hung?)"
                        if refused else f"which the world cannot go on without (min_world_size="
                                        f"{self.min_world_size})")
                 raise RtxError(
