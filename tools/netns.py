@@ -49,6 +49,24 @@ class Hosts:
     def popen(self, host: int, argv: list[str], **kw) -> subprocess.Popen:
         return subprocess.Popen([*self.prefix(host), *argv], **kw)
 
+    def add_addr(self, host: int, addr: str) -> None:
+        """Give ``host``'s end of the link a second address ``addr`` (/24, inside its namespace)."""
+        r = ip("-n", self.ns[host], "addr", "add", f"{addr}/24", "dev", self.veth[host])
+        if r.returncode != 0:
+            raise RuntimeError(f"ip addr add {addr}: {r.stderr.strip()}")
+
+    def blackhole(self, host: int, addr: str) -> None:
+        """Make ``host`` send what it sends to ``addr`` to a MAC address no interface has (a
+        static ARP entry): ``addr`` is unreachable from ``host`` while every other address of
+        the other host stays reachable. Ranks bound to a second address of each host (their data
+        ports) are so cut from each other while both still reach a coordinator on a first one,
+        as hosts behind a firewall on the data ports are."""
+        dead = "02:00:00:00:de:" + f"{int(addr.rsplit('.', 1)[1]) % 256:02x}"
+        r = ip("-n", self.ns[host], "neigh", "replace", addr, "lladdr", dead, "dev", self.veth[host],
+               "nud", "permanent")
+        if r.returncode != 0:
+            raise RuntimeError(f"ip neigh replace {addr}: {r.stderr.strip()}")
+
     def link(self, host: int, up: bool) -> None:
         """Set ``host``'s end of the link up or down (down: a real partition of the two)."""
         r = ip("-n", self.ns[host], "link", "set", self.veth[host], "up" if up else "down")

@@ -44,11 +44,12 @@ def hosts():
         pytest.skip(str(exc))
 
 
-def _launch(hosts, node: int, address: str, job: str, out: Path, steps: int, *extra: str) -> subprocess.Popen:
-    """Host ``node``'s launcher of 2 ranks of ft_workload (in its namespace; ``hosts`` None: on
-    this machine's loopback, told apart by ``RTXNET_HOST`` only)."""
-    env = procs.env(RTXNET_HOST=f"node{node}", **TIMEOUTS)
-    argv = [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc", "2",
+def _launch(hosts, node: int, address: str, job: str, out: Path, steps: int, *extra: str,
+            nproc: int = 2, **timeouts: str) -> subprocess.Popen:
+    """Host ``node``'s launcher of ``nproc`` ranks of ft_workload (in its namespace; ``hosts``
+    None: on this machine's loopback, told apart by ``RTXNET_HOST`` only)."""
+    env = procs.env(RTXNET_HOST=f"node{node}", **{**TIMEOUTS, **timeouts})
+    argv = [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(node), "--nproc", str(nproc),
             "--coordinator", address, "--job", job, *extra, "tools/ft_workload.py", "--steps", str(steps),
             "--step-sleep", "0.01", "--out", str(out)]
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=procs.ROOT)
@@ -140,6 +141,43 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
     for r in (2, 3):   # from its failed step, or from its vote if the cut came during one
         assert f"[rank{r}] transport.errors.CoordinatorLostError: " in err_b, err_b[-3000:]
     assert "this rank is cut off from it (a network partition" in err_b, err_b[-3000:]
+
+
+def test_hosts_cut_from_each_other_but_not_from_the_coordinator_train_on_one_side(hosts, tmp_path):
+    # A netns tester's find: each side evicted the other and rejoined at once, for good (about a
+    # step per 20 s), and the side readmitted without the last commits evicted their holders: the
+    # job went back to its older state (committed steps 120, 121 rewound to 119). Each host's rank
+    # binds its data ports to a second address, which the other host cannot reach (static ARP to
+    # a dead MAC); both reach the coordinator on the first.
+    data = ("10.201.0.11", "10.201.0.12")
+    for k in (0, 1):
+        hosts.add_addr(k, data[k])
+    coord = procs.Coordinator(tmp_path / "journal", host=ADDRS[0], prefix=hosts.prefix(0))
+    launchers = []
+    steps = 300
+    try:
+        launchers = [_launch(hosts, k, coord.address, "split", tmp_path / "out", steps, "--min-ranks", "1",
+                             "--bind-host", data[k], nproc=1, RTXNET_OP_TIMEOUT="2") for k in (0, 1)]
+        procs.wait_until(lambda: _committed(hosts, coord.address, "split") >= 20 or any(
+            p.poll() is not None for p in launchers), 60, "training under way on both hosts")
+        assert all(p.poll() is None for p in launchers), \
+            [p.communicate(timeout=20)[1][-3000:] for p in launchers if p.poll() is not None]
+        hosts.blackhole(0, data[1])
+        hosts.blackhole(1, data[0])
+        done = [_finish(p, 100) for p in launchers]
+    finally:
+        _stop(launchers, coord)
+    err = done[0][2] + done[1][2]
+    # one side trains on alone to the one right answer; the other, evicted, pauses before each
+    # rejoin and ends when the job has finished (exit 0 both)
+    assert [rc for rc, _, _ in done] == [0, 0], err[-6000:]
+    res = _results(tmp_path / "out")
+    assert len(res) == 1 and res[0]["world_size"] == 1, res
+    assert res[0]["sha256"] == ft_workload.reference(steps, 1024), res
+    assert "rejoin_paused" in err and "this rank was away until the job finished" in err, err[-6000:]
+    # no committed step given up: the readmitted side cannot evict the ranks holding them
+    assert "job_rewound" not in err and "committed_state_lost" not in err, err[-6000:]
+    assert all(e["steps_lost"] == 1 for e in res[0]["events"] if e["event"] == "recovered"), res[0]["events"]
 
 
 def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
