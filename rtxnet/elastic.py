@@ -634,7 +634,8 @@ class FaultTolerance:
             # (the epoch the last sync was in stays: a failure in it names its late ranks by
             # launch rank when it closes, epochs later after an eviction: late_launch was None
             # while lost_launch was known, a fresh user's find)
-            for old in [e for e in self._launch_of if e < epoch - 1 and e != self._synced_epoch]:
+            keep = {self._synced_epoch, (getattr(self, "_open_failure", None) or {}).get("late_epoch")}
+            for old in [e for e in self._launch_of if e < epoch - 1 and e not in keep]:
                 del self._launch_of[old]
 
     def _note_launch_ranks(self, membership) -> None:
@@ -804,6 +805,10 @@ class FaultTolerance:
                 "lost": list(exc.ranks) if isinstance(exc, PeerLostError) else [],
                 "late": list(exc.ranks) if isinstance(exc, CollectiveTimeout) else [],
                 "epoch": self._synced_epoch,
+                # the epoch the late ranks are numbered in: a sync's is the new epoch (named as
+                # of the synced one, a joiner late in it was "rank 1", not its launch rank)
+                "late_epoch": (exc.epoch if isinstance(exc, CollectiveTimeout) and exc.epoch is not None
+                               else self._synced_epoch),
                 # this rank itself was declared lost (frozen, cut off) and must rejoin
                 "fenced": bool(self.pg.agent.fenced),
                 "t_detected": detected, "t_caught": now, "committed_step": self.committed_step,
@@ -1534,7 +1539,7 @@ class FaultTolerance:
             "losses": losses,
             "lost_launch": lost_launch if not f.get("fenced") else [],
             "late": f.get("late", []),   # a CollectiveTimeout's ranks, numbered as of f["epoch"]
-            "late_launch": self._launch_ranks(f["epoch"], f.get("late", [])),
+            "late_launch": self._launch_ranks(f.get("late_epoch", f["epoch"]), f.get("late", [])),
             "fenced": f.get("fenced", False),
             "epoch": self.pg.epoch,
             "world_size": self.pg.world_size,

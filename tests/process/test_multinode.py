@@ -177,7 +177,13 @@ def test_hosts_cut_from_each_other_but_not_from_the_coordinator_train_on_one_sid
     assert "rejoin_paused" in err and "this rank was away until the job finished" in err, err[-6000:]
     # no committed step given up: the readmitted side cannot evict the ranks holding them
     assert "job_rewound" not in err and "committed_state_lost" not in err, err[-6000:]
-    assert all(e["steps_lost"] == 1 for e in res[0]["events"] if e["event"] == "recovered"), res[0]["events"]
+    recovered = [e for e in res[0]["events"] if e["event"] == "recovered"]
+    assert recovered and all(e["steps_lost"] == 1 for e in recovered), res[0]["events"]
+    # the other host's rank, late in the sync of the epoch that readmitted it, named by its
+    # launch rank (it was "rank 1", numbered as of the epoch before)
+    late = [e for e in recovered if e["late"]]   # (a ClosedError's recovery names no late rank)
+    assert late and all(e["late_launch"] == e["lost_launch"] and len(e["late_launch"]) == 1 for e in late), \
+        [(e["late"], e["late_launch"], e["lost"], e["lost_launch"], e.get("epoch")) for e in recovered]
 
 
 def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
