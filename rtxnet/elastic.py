@@ -170,10 +170,13 @@ class FaultTolerance:
             hung data loader, a rank far slower than the others) is evicted, declared lost as a
             frozen rank is, when the world without it still has ``min_world_size`` ranks and the
             job's ``min_ranks`` (else the step is retried as before, up to
-            ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins. A rank
-            evicts at most ``max_step_retries`` times in one step, then raises ``RtxError``
-            (ranks that come back late each time: hosts that reach the coordinator but not each
-            other). ``None``: never. Default 2: the first timeout may be ranks out of step, which a re-formed
+            ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins after a
+            pause (the heartbeat timeout, doubling with each eviction since it last took part
+            in a commit, up to ``REJOIN_PAUSE_MAX_S``). A rank admitted after the job's last
+            commit cannot evict every rank that took part in it (the coordinator refuses:
+            hosts that reach the coordinator but not each other keep the side holding the
+            committed steps). A rank evicts at most ``max_step_retries`` times in one step,
+            then raises ``RtxError`` (ranks that come back late each time). ``None``: never. Default 2: the first timeout may be ranks out of step, which a re-formed
             epoch mends.
         sharded_state: the state differs per rank (FSDP shards, tensor-parallel slices), so no
             single rank can hand it to the others. Each rank then also keeps its ring
