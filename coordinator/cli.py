@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("argument --journal-owner: only applies with --remove-journal-on-stop")
     try:
         configure_logging(level=args.log_level, json=args.log_json or None)
-    except ValueError as exc:   # only RTXNET_LOG_LEVEL can get here: --log-level is a choice
-        p.error(f"RTXNET_LOG_LEVEL={os.environ.get('RTXNET_LOG_LEVEL')!r}: {exc}")
+    except ValueError as exc:   # RTXNET_LOG_LEVEL or RTXNET_LOG_JSON: --log-level is a choice
+        p.error(str(exc))
     try:
         import uvloop
         return uvloop.run(_amain(args))

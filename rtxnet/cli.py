@@ -194,8 +194,8 @@ def _main(argv: list[str] | None = None) -> int:
 
         try:
             configure_logging(level=os.environ.get("RTXNET_LOG_LEVEL") or "warning")
-        except ValueError as exc:
-            print(f"rtxnet: RTXNET_LOG_LEVEL: {exc}", file=sys.stderr)
+        except ValueError as exc:   # names RTXNET_LOG_LEVEL or RTXNET_LOG_JSON
+            print(f"rtxnet: {exc}", file=sys.stderr)
             return 2
     if args.cmd == "topology":
         from .topology import local_topology, render_topology

@@ -1753,8 +1753,14 @@ def main(argv: list[str] | None = None) -> int:
         # among the ranks' lines (a fresh user's find)
         from transport.logconfig import LOG_LEVELS, configure_logging
 
+        from transport.logconfig import env_flag
+
         level = os.environ.get("RTXNET_LOG_LEVEL", "warning").lower()
-        configure_logging(level=level if level in LOG_LEVELS else "warning")
+        try:
+            json = env_flag("RTXNET_LOG_JSON", False)
+        except ValueError:   # _environment_errors names it, in one line (it was a traceback)
+            json = False
+        configure_logging(level=level if level in LOG_LEVELS else "warning", json=json)
     try:
         return _main(argv)
     except KeyboardInterrupt:   # Ctrl-C before the launcher's own handler was installed

@@ -76,15 +76,19 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
         json: JSON lines instead of the console renderer; default ``RTXNET_LOG_JSON``.
 
     Raises:
-        ValueError: an unknown ``level``.
-        ConfigError: ``RTXNET_LOG_JSON`` is not an on/off value (:func:`env_flag`).
+        ConfigError: an unknown ``level`` or ``RTXNET_LOG_LEVEL`` (a ``ValueError``), or
+            ``RTXNET_LOG_JSON`` not an on/off value (:func:`env_flag`); the message names which.
     """
-    level = (level or os.environ.get("RTXNET_LOG_LEVEL") or "info").lower()
+    from transport.errors import ConfigError
+
+    given = level or os.environ.get("RTXNET_LOG_LEVEL") or "info"
+    if given.lower() not in LOG_LEVELS:
+        # (each message names its source: callers print it as it is)
+        raise ConfigError(f"{'log level ' if level else 'RTXNET_LOG_LEVEL='}{given!r} is not one of "
+                          f"{', '.join(LOG_LEVELS)}")
     if json is None:
         json = env_flag("RTXNET_LOG_JSON", False)
-    lvl = getattr(logging, level.upper(), None)
-    if not isinstance(lvl, int):
-        raise ValueError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    lvl = getattr(logging, given.upper())
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

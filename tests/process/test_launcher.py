@@ -718,6 +718,8 @@ MARKS_START = "import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']
     ([], {"RTXNET_LOG_LEVEL": "loud"}, "RTXNET_LOG_LEVEL='loud' is not one of debug, info, warning, error"),
     # any word but 0 and false was read as "on": RTXNET_SHM=off kept shared memory (a fresh user's find)
     ([], {"RTXNET_SHM": "maybe"}, "RTXNET_SHM='maybe' is not one of 1, true, yes, on, 0, false, no, off"),
+    # (a traceback: the launcher's own logging read it first, a re-verifier's find)
+    ([], {"RTXNET_LOG_JSON": "nope"}, "RTXNET_LOG_JSON='nope' is not one of 1, true, yes, on, 0, false, no, off"),
     ([], {"RTXNET_BIND_HOST": "192.0.2.77"}, "RTXNET_BIND_HOST 192.0.2.77: the ranks could not listen there"),
     ([], {"RTXNET_HOST": "h" * 300}, "is 300 bytes; at most 128 (it is part of the rank's ZeroMQ identity)"),
     ([], {"RTXNET_TOKEN": "t" * 300}, "RTXNET_TOKEN is 300 characters, more than the 256 a job token may have"),
