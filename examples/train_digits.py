@@ -193,6 +193,8 @@ def claim_out_folder(out: Path, job: str, wait_s: float = 5.0) -> tuple[int | No
     fd, holder = checkpoint.claim_folder(out, job, lock_name=OUT_LOCK, wait_s=wait_s)
     if fd is not None:
         return fd, None
+    if holder is None:   # free, but another user's lock file: this run goes on unlocked
+        return None, None
     if holder.startswith("a process that held"):
         return None, (f"--out {str(out)!r} is locked by another process for more than {wait_s:g} s "
                       f"({out / OUT_LOCK}); give another --out")
@@ -499,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         return value, b.global_n
 
     if not args.resume and pg.membership.committed_step < 0 and pg.rank == 0:
+        # held first: another run saving there (not through this script's --out lock) kept its
+        # steps only until this line (a re-verifier's find)
+        checkpoint.hold(ckpt_dir, pg=pg)
         remove_earlier_checkpoints(ckpt_dir)
     rank0 = RankZeroOutput(pg, args.steps)
     rank0.progress(min(state.step, args.steps))   # the bar at its start (the launched rank 0)

@@ -106,11 +106,13 @@ __all__ = [
     "ROOT_LOCK",
     "capture_rng",
     "claim_folder",
+    "hold",
     "latest",
     "load",
     "load_all",
     "read_manifest",
     "record",
+    "release",
     "restore_rng",
     "run_id",
     "save",
@@ -364,7 +366,9 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
     Returns:
         ``(fd, None)``: the lock's descriptor, to keep open while the process runs (closing it
         gives this process's share up); or ``(None, holder)``: the run that holds the folder, as
-        it wrote itself (or a line saying the lock stayed exclusive for ``wait_s`` seconds).
+        it wrote itself (or a line saying the lock stayed exclusive for ``wait_s`` seconds); or
+        ``(None, None)``: nobody holds it, but the lock file is another user's and this process
+        cannot write its run there (it is not held by this process).
 
     Raises:
         OSError: the lock file cannot be opened or locked (the folder is missing or read-only, or
@@ -372,7 +376,13 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
     """
     import fcntl
 
-    fd = os.open(Path(folder) / lock_name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = Path(folder) / lock_name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except PermissionError:
+        # another user's lock file in a shared folder: it can still be read and locked (a
+        # process that saved unlocked here replaced the holder's steps: a re-verifier's find)
+        return _claim_read_only(path, run, wait_s)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -402,21 +412,87 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
     return fd, None
 
 
+def _claim_read_only(path: Path, run: str, wait_s: float) -> tuple[int | None, str | None]:
+    """:func:`claim_folder` where the lock file exists but cannot be written (another user's):
+    ``(None, holder)`` while a process holds it for another run; ``(fd, None)`` (a shared lock)
+    while one holds it for ``run``; ``(None, None)`` when nobody holds it (this process cannot
+    write its run there: it goes on unlocked). A missing file raises the ``PermissionError``."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:   # held: by whom
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        os.close(fd)
+                        return None, f"a process that held {path} exclusively for more than {wait_s:g} s"
+                    time.sleep(0.05)
+            holder = os.pread(fd, 1024, 0).decode(errors="replace")
+            if holder == run:
+                return fd, None
+            os.close(fd)
+            return None, holder
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)   # nobody holds it
+    return None, None
+
+
 def shown_holder(holder: str) -> str:
-    """``job 'job-a'``, with `` (coordinator ADDR)`` outside the quotes when ``holder`` (a
-    :func:`run_id`) names one."""
-    job, sep, rest = holder.partition(" (coordinator ")
-    return f"job {job!r}" + (f" (coordinator {rest}" if sep else "")
+    """``job 'job-a'``, with what follows it in ``holder`` (`` (coordinator ADDR)``, `` (run
+    ID)``) outside the quotes."""
+    job, sep, rest = holder.partition(" (")
+    return f"job {job!r}" + (f" ({rest}" if sep else "")
+
+
+RUN_KEY = "rtxnet/checkpoint/run"   # the job's store key of its run id (_save_run)
+
+
+def _save_run(pg: Any) -> str:
+    """What names this process's run in a checkpoint root's lock: with a group, its job id and a
+    random id the job's first save puts in the job's store (every rank of the job, on any host,
+    reads the same one; two jobs of one id on two coordinators have two stores: by job id alone,
+    or with the coordinator's address only when a launcher started it, they shared a root, a
+    re-verifier's find); without one, this process (its pid and host: two single-process saves
+    into one root were both let through).
+
+    Raises:
+        RtxError: the store did not answer.
+    """
+    import socket
+
+    if pg is None:
+        return f"process {os.getpid()} on {socket.gethostname()}"
+    job = getattr(pg, "job", None) or "default"
+    swapped, current = pg.store.compare_set(RUN_KEY, None, uuid.uuid4().hex[:16])
+    if current is None:   # (never: a compare-and-set answers with the value it leaves)
+        current = pg.store.get(RUN_KEY)
+    value = current.decode(errors="replace") if isinstance(current, bytes) else str(current)
+    return f"{job} (run {value})"
 
 
 def _claim_root(root: Path, pg: Any) -> str | None:
-    """Hold ``root`` for this process's run (once per process and root; kept until it exits).
-    Returns None, or the holder of the root when another run holds it. A root that cannot be
-    created or locked (read-only, no ``flock``) is not refused here: the save's writes report the
-    first, and the second saves without the lock (logged once)."""
+    """Hold ``root`` for this process's run (:func:`_save_run`; once per process and root, kept
+    until it exits). Returns None, or the holder of the root when another run holds it. A root
+    that cannot be created or locked (read-only, no ``flock``, the job's store not answering) is
+    not refused here: the save's writes report the first, and the others save without the lock
+    (logged once)."""
     key = str(root.resolve())
-    run = run_id(getattr(pg, "job", None) if pg is not None else None)
     held = _HELD.get(key)
+    try:
+        run = _save_run(pg)
+    except RtxError as exc:
+        log.warning("checkpoint_root_not_locked", root=key, error=str(exc),
+                    hint="the job's store did not answer for its run id; saving without the lock")
+        return None
     if held is not None and held[1] == run:
         return None
     try:
@@ -428,12 +504,44 @@ def _claim_root(root: Path, pg: Any) -> str | None:
             log.warning("checkpoint_root_not_locked", root=key, error=str(exc),
                         hint="another run saving into this root would not be refused")
         return None
+    if fd is None and holder is None:   # free, but another user's lock file: not held
+        if held is None:
+            _HELD[key] = (-1, run)
+            log.warning("checkpoint_root_not_locked", root=key, error="the lock file is another user's",
+                        hint="another run saving into this root would not be refused")
+        return None
     if fd is None:
         return holder
     if held is not None and held[0] >= 0:
         os.close(held[0])
     _HELD[key] = (fd, run)
     return None
+
+
+def hold(root: str | os.PathLike, *, pg: Any = None) -> None:
+    """Hold checkpoint folder ``root`` for this process's run, as :func:`save` does at its first
+    save there (creating ``root``): call it before deleting or writing anything there yourself
+    (``examples/train_digits.py`` does before removing an earlier run's steps). Not a
+    collective; each process holds it for itself.
+
+    Raises:
+        CheckpointError: another run holds ``root`` (names its job).
+    """
+    root = Path(root)
+    holder = _claim_root(root, pg)
+    if holder is not None:
+        raise CheckpointError(f"{root.resolve()} is in use by another run ({shown_holder(holder)}) "
+                              f"that is still running; give another folder, or wait for that run "
+                              f"to end")
+
+
+def release(root: str | os.PathLike) -> None:
+    """Give up this process's hold of checkpoint folder ``root`` (:func:`hold`, or the first
+    :func:`save` there), so that another run may save there while this process lives; a later
+    save here holds it again. Nothing happens when this process does not hold it."""
+    held = _HELD.pop(str(Path(root).resolve()), None)
+    if held is not None and held[0] >= 0:
+        os.close(held[0])
 
 
 def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | None) -> None:
@@ -1103,7 +1211,9 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
             differs from ``pg``'s (checked when ``rank`` is not given), or it has no shard
             ``rank``, while this process holds state that
             differs per rank (tensor-parallel layers, pipeline stages), which another rank's
-            shard would fill silently wrong (names both sizes and the state).
+            shard would fill silently wrong (names both sizes and the state); or, with that
+            state, neither ``pg`` nor ``rank`` given. Build the model before loading: state
+            built after the load is not known to it.
     """
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0):
         raise ConfigError(f"checkpoint.load: rank({rank!r}) must be an int >= 0")
@@ -1111,6 +1221,14 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
     # a rank given names its shard itself (a 2-D mesh resumed with fewer data-parallel ranks may
     # take the first ranks' shards): only the world size is not checked then
     world = int(pg.world_size) if pg is not None and rank is None else None
+    if rank is None and pg is None:
+        from rtxnet.elastic import rank_specific_state
+
+        if held := rank_specific_state():
+            # rank 0's shard by default: another rank's slices, loaded without a word (a
+            # re-verifier's find)
+            raise ConfigError(f"checkpoint.load: this process holds state that differs per rank "
+                              f"({', '.join(held[:4])}): pass pg= (its rank's shard) or rank=")
     if rank is None:
         rank = pg.rank if pg is not None else 0
     m = read_manifest(root, step)

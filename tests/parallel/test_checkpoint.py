@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -282,6 +283,7 @@ def test_what_killed_saves_left_is_removed_once_a_later_step_commits(tmp_path):
     # good, and a first save of a step so killed left its folder, unless that very step was saved
     # again (a tester's find).
     checkpoint.save(tmp_path, 1, {"w": torch.zeros(4)})
+    checkpoint.release(tmp_path)   # (held by this process since its save: the others are refused)
     left_resave = _kill_mid_save(tmp_path, 1)                 # a re-save of a committed step
     left_first = _kill_mid_save(tmp_path, 2)                  # a first save, never committed
     _kill_mid_save(tmp_path, 50)                              # another, of a later step
@@ -296,6 +298,63 @@ def test_what_killed_saves_left_is_removed_once_a_later_step_commits(tmp_path):
     assert not (tmp_path / "step-2").exists() and not (tmp_path / "step-50").exists()
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3", "step-5"]
     assert (tmp_path / "step-5" / "notes.txt").read_text() == "mine"
+
+
+_SAVE_ONE = ("import sys, torch\nfrom rtxnet import checkpoint\ntry:\n"
+             "    checkpoint.save(sys.argv[1], 7, {'w': torch.ones(2)})\n"
+             "except checkpoint.CheckpointError as exc:\n    print(exc)\n    sys.exit(3)\n")
+
+
+@pytest.mark.parametrize("user", ["root", "nobody"])
+def test_a_single_process_save_into_a_root_another_process_holds_is_refused(tmp_path, user):
+    # Two processes saving without a group both held a root as job "default": each save removed
+    # the other's shard; and one that could not write the lock file (another user's) saved
+    # unlocked, its steps replacing the holder's (a re-verifier's finds)
+    kw = {"user": 65534, "group": 65534} if user == "nobody" else {}
+    if kw:
+        try:
+            subprocess.run([sys.executable, "-c", "import rtxnet"], timeout=60, check=True, cwd="/",
+                           env=procs.env(), capture_output=True, **kw)
+        except (PermissionError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"cannot run this interpreter and package as user nobody here: {exc}")
+    root = Path(tempfile.mkdtemp(prefix="rtxnet-held-", dir="/tmp"))
+    try:
+        root.chmod(0o1777)
+        checkpoint.save(root, 1, {"w": torch.zeros(2)})
+        out = subprocess.run([sys.executable, "-c", _SAVE_ONE, str(root)], capture_output=True, text=True,
+                             timeout=60, env=procs.env(), cwd=ROOT, **kw)
+        assert out.returncode == 3, out.stdout + out.stderr[-3000:]
+        assert (f"checkpoint.save of step 7: {root.resolve()} is in use by another run (job 'process "
+                f"{os.getpid()} on ") in out.stdout, out.stdout
+        assert checkpoint.latest(root) == 1 and not (root / "step-7").exists()
+        checkpoint.release(root)   # given up: the other process saves
+        out = subprocess.run([sys.executable, "-c", _SAVE_ONE, str(root)], capture_output=True, text=True,
+                             timeout=60, env=procs.env(), cwd=ROOT, **kw)
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        assert checkpoint.latest(root) == 7
+    finally:
+        checkpoint.release(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_lock_file_this_process_cannot_write_still_names_its_holder(tmp_path):
+    # the fallback for another user's lock file (a process that could not open it read-write
+    # saved unlocked: a re-verifier's find), here where root opens anything: the function itself,
+    # in another process, against this one's hold
+    checkpoint.save(tmp_path, 1, {"w": torch.zeros(2)})
+    code = ("import sys, json\nfrom pathlib import Path\nfrom rtxnet import checkpoint\n"
+            "print(json.dumps([checkpoint._claim_read_only(Path(sys.argv[1]), 'other', 1.0)[1],"
+            " checkpoint._claim_read_only(Path(sys.argv[2]), 'other', 1.0)]))\n")
+    free = tmp_path / "free"
+    free.mkdir()
+    (free / checkpoint.ROOT_LOCK).write_text("an ended run")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / checkpoint.ROOT_LOCK),
+                          str(free / checkpoint.ROOT_LOCK)], capture_output=True, text=True, timeout=60,
+                         env=procs.env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    holder, nobody = json.loads(out.stdout)
+    assert holder == f"process {os.getpid()} on {os.uname().nodename}" and nobody == [None, None], out.stdout
+    checkpoint.release(tmp_path)
 
 
 class _MyTensor(torch.Tensor):
@@ -357,9 +416,8 @@ def test_a_root_another_run_holds_is_refused_on_every_rank_naming_its_job(two_ra
         assert f"{(root / 'held').resolve()} is in use by another run (job 'other-job')" in err["msg"], r
         assert "nothing was written" in err["msg"], r
         assert r["after_held"] == [checkpoint.ROOT_LOCK], r
-    # the job's own root names the job, and the coordinator its launcher started, as its holder
-    assert re.fullmatch(r"job-\w+ \(coordinator tcp://127\.0\.0\.1:\d+\)",
-                        (root / checkpoint.ROOT_LOCK).read_text())
+    # the job's own root names the job, and the run id its first save put in the job's store
+    assert re.fullmatch(r"job-\w+ \(run [0-9a-f]{16}\)", (root / checkpoint.ROOT_LOCK).read_text())
 
 
 def test_rank_0s_manifest_error_reaches_every_rank(two_ranks):
