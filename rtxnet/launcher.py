@@ -1751,9 +1751,7 @@ def main(argv: list[str] | None = None) -> int:
         # the launcher's own control client logs (a request resent to a frozen coordinator):
         # to stderr, warnings and up as the ranks' default, not structlog's default of stdout
         # among the ranks' lines (a fresh user's find)
-        from transport.logconfig import LOG_LEVELS, configure_logging
-
-        from transport.logconfig import env_flag
+        from transport.logconfig import LOG_LEVELS, configure_logging, env_flag
 
         level = os.environ.get("RTXNET_LOG_LEVEL", "warning").lower()
         try:
