@@ -387,17 +387,9 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:       # another process, of this run or of another, holds it
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:   # held exclusively: its holder is writing its id
-                    if time.monotonic() > deadline:
-                        os.close(fd)
-                        return None, (f"a process that held {Path(folder) / lock_name} exclusively "
-                                      f"for more than {wait_s:g} s")
-                    time.sleep(0.05)
+            if (late := _share_lock(fd, path, wait_s)) is not None:
+                os.close(fd)
+                return None, late
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, run.encode(), 0)
@@ -412,6 +404,23 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
     return fd, None
 
 
+def _share_lock(fd: int, path: Path, wait_s: float) -> str | None:
+    """Take a shared ``flock`` on ``fd`` (``path``'s), waiting up to ``wait_s`` seconds while
+    another process holds it exclusively (it is writing its run there): None once taken, else a
+    line saying so."""
+    import fcntl
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return f"a process that held {path} exclusively for more than {wait_s:g} s"
+            time.sleep(0.05)
+
+
 def _claim_read_only(path: Path, run: str, wait_s: float) -> tuple[int | None, str | None]:
     """:func:`claim_folder` where the lock file exists but cannot be written (another user's):
     ``(None, holder)`` while a process holds it for another run; ``(fd, None)`` (a shared lock)
@@ -424,16 +433,9 @@ def _claim_read_only(path: Path, run: str, wait_s: float) -> tuple[int | None, s
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:   # held: by whom
-            deadline = time.monotonic() + wait_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        os.close(fd)
-                        return None, f"a process that held {path} exclusively for more than {wait_s:g} s"
-                    time.sleep(0.05)
+            if (late := _share_lock(fd, path, wait_s)) is not None:
+                os.close(fd)
+                return None, late
             holder = os.pread(fd, 1024, 0).decode(errors="replace")
             if holder == run:
                 return fd, None
@@ -454,6 +456,7 @@ def shown_holder(holder: str) -> str:
 
 
 RUN_KEY = "rtxnet/checkpoint/run"   # the job's store key of its run id (_save_run)
+_RUNS: dict[tuple[str, str | None], str] = {}   # (job, coordinator) -> its run, as read once
 
 
 def _save_run(pg: Any) -> str:
@@ -472,11 +475,11 @@ def _save_run(pg: Any) -> str:
     if pg is None:
         return f"process {os.getpid()} on {socket.gethostname()}"
     job = getattr(pg, "job", None) or "default"
-    swapped, current = pg.store.compare_set(RUN_KEY, None, uuid.uuid4().hex[:16])
-    if current is None:   # (never: a compare-and-set answers with the value it leaves)
-        current = pg.store.get(RUN_KEY)
-    value = current.decode(errors="replace") if isinstance(current, bytes) else str(current)
-    return f"{job} (run {value})"
+    key = (job, getattr(getattr(pg, "agent", None), "coordinator", None))
+    if key not in _RUNS:   # once per process and job: a save asks the store nothing more
+        _, current = pg.store.compare_set(RUN_KEY, None, uuid.uuid4().hex[:16])
+        _RUNS[key] = f"{job} (run {bytes(current).decode(errors='replace')})"
+    return _RUNS[key]
 
 
 def _claim_root(root: Path, pg: Any) -> str | None:
@@ -498,16 +501,13 @@ def _claim_root(root: Path, pg: Any) -> str | None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, holder = claim_folder(root, run)
+        unlocked = "the lock file is another user's" if fd is None and holder is None else None
     except OSError as exc:
+        unlocked = str(exc)
+    if unlocked is not None:
         if held is None:
             _HELD[key] = (-1, run)
-            log.warning("checkpoint_root_not_locked", root=key, error=str(exc),
-                        hint="another run saving into this root would not be refused")
-        return None
-    if fd is None and holder is None:   # free, but another user's lock file: not held
-        if held is None:
-            _HELD[key] = (-1, run)
-            log.warning("checkpoint_root_not_locked", root=key, error="the lock file is another user's",
+            log.warning("checkpoint_root_not_locked", root=key, error=unlocked,
                         hint="another run saving into this root would not be refused")
         return None
     if fd is None:

@@ -14,6 +14,8 @@ import sys
 
 import structlog
 
+from transport.errors import ConfigError
+
 __all__ = ["configure_logging", "LOG_LEVELS"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -57,8 +59,6 @@ def env_flag(name: str, default: bool) -> bool:
         ConfigError: any other value (names the variable and the value: ``RTXNET_SHM=off`` was
             read as "on" before, as anything but ``0`` and ``false`` was, a fresh user's find).
     """
-    from transport.errors import ConfigError
-
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
@@ -79,8 +79,6 @@ def configure_logging(*, level: str | None = None, json: bool | None = None) -> 
         ConfigError: an unknown ``level`` or ``RTXNET_LOG_LEVEL`` (a ``ValueError``), or
             ``RTXNET_LOG_JSON`` not an on/off value (:func:`env_flag`); the message names which.
     """
-    from transport.errors import ConfigError
-
     given = level or os.environ.get("RTXNET_LOG_LEVEL") or "info"
     if given.lower() not in LOG_LEVELS:
         # (each message names its source: callers print it as it is)
