@@ -355,7 +355,7 @@ class FaultTolerance:
         self._made_in = -1
         m = self.pg.agent.membership
         if m is not None:   # the epoch this rank joined in
-            prev = getattr(self.pg.agent, "previous_membership", None)
+            prev = self.pg.agent.previous_membership
             if prev is not None and prev.epoch == m.epoch - 1:
                 # the lost ranks' launch ranks (a loss before this was made was reported as
                 # "rank 2", numbered in the old epoch: a fresh user's find)
@@ -926,7 +926,7 @@ class FaultTolerance:
         coordinator), each rejoin costs them a sync that times out, and rejoining at once made
         the job a livelock (a tester's find: about one step per 20 s, for good). A rank that
         was only slow once rejoins after one heartbeat timeout."""
-        reason = getattr(self.pg.agent, "fence_reason", "") or ""
+        reason = self.pg.agent.fence_reason
         if not reason.startswith("evicted"):
             return
         # the syncs that timed out before were in a world this rank has left: counted afresh
@@ -940,12 +940,8 @@ class FaultTolerance:
                     why=reason)
         # cut short when the job ends meanwhile (the join then says so: JobFinishedError); a
         # rank still pausing when the others finished was killed by rtxnet-run, exit 137
-        gone = getattr(self.pg.agent, "gone", None)
-        if gone is None:
-            await asyncio.sleep(pause)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(gone.wait(), pause)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.pg.agent.gone.wait(), pause)
 
     def _late_to_evict(self, exc: BaseException, step: int) -> list[int]:
         """The ranks (numbered as in the synced epoch) to evict after this failure of ``step``:
