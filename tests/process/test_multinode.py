@@ -224,9 +224,15 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
         if r["rank"] < 2:
             # (the host's two ranks may be lost in two epochs: one just after a step committed,
             # a loss between steps, the other failing the next step)
+            between = [e for e in r["events"] if e["event"] == "lost_between_steps"]
             if kinds[0] == "lost_between_steps":
                 kinds = kinds[1:]
-            assert kinds[:2] == ["failure", "recovered"] and set(kinds[2:]) == {"joined"}, r["events"]
+            if kinds[0] == "failure":
+                assert kinds[:2] == ["failure", "recovered"], r["events"]
+                kinds = kinds[2:]
+            else:   # both lost between steps, no step failed (a CI run's timing)
+                assert len(between) == 1 and len(between[0]["lost"]) == 2, r["events"]
+            assert set(kinds) == {"joined"}, r["events"]
             assert sorted(x for e in r["events"] if e["event"] == "joined" for x in e["added_launch"]) \
                 == [2, 3], r["events"]
         else:   # (one may see the other join after it)
