@@ -90,7 +90,7 @@ from transport.errors import (
     TransportError,
 )
 
-from ._world import StepWorld, group_size
+from ._world import StepWorld, group_size, step_size
 from .ddp import DistributedDataParallel
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "MAX_NDIM"]
@@ -175,10 +175,12 @@ class PipelineStage:
         return self.module.parameters()
 
     def check_world(self) -> None:
-        """Raises ``ConfigError`` when the group no longer has ``num_stages`` ranks. (A group
+        """Raises ``ConfigError`` when the group (inside a step that pinned its world, that
+        world: a loss during the step fails it with ``PeerLostError`` instead, which
+        ``FaultTolerance`` recovers from) no longer has ``num_stages`` ranks. (A group
         of the same size whose ranks were renumbered fails the step on every stage instead:
         see the module notes.)"""
-        now = group_size(self._pg)
+        now = step_size(self._pg)
         if now != self.num_stages:
             raise ConfigError(f"pipeline built for {self.num_stages} stages; its group now has "
                               f"{now} ranks: re-partition the model")

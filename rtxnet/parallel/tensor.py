@@ -55,7 +55,9 @@ a timeout raises :class:`~transport.errors.PeerLostError` or
 :class:`~transport.errors.CollectiveTimeout` from ``forward`` or from ``loss.backward()`` (autograd
 re-raises an error of a custom Function's backward unchanged). The shards are fixed when the layer
 is built: a layer whose group no longer has the size it was built for raises ``ConfigError`` at
-its next forward (rebuild it from the full weights, e.g. from a checkpoint). Each rank's slices
+its next forward (rebuild it from the full weights, e.g. from a checkpoint). Inside a step that
+pinned its world (``FaultTolerance``'s guard, ``pg.pinned()``) the size is that world's: a rank
+lost during the step makes its collectives raise ``PeerLostError``, which the guard recovers from. Each rank's slices
 are its own: :class:`rtxnet.FaultTolerance` refuses them (``ConfigError``) unless given
 ``sharded_state=True``, as a recovery without it hands one rank's state to every rank.
 """
@@ -75,7 +77,7 @@ from rtxnet.config import is_seconds
 from rtxnet.elastic import note_rank_specific
 from transport.errors import ConfigError
 
-from ._world import group_size
+from ._world import group_size, step_size
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_mlp", "copy_to_parallel",
            "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
@@ -247,7 +249,7 @@ class _ParallelLinear(torch.nn.Module):
 
     def _check_world(self) -> None:
         self._mark_sharded()
-        now = group_size(self._pg)
+        now = step_size(self._pg)
         if now != self.world_size:
             raise ConfigError(f"{type(self).__name__} was sharded over {self.world_size} ranks and "
                               f"its group now has {now}: rebuild it from the full weights")
