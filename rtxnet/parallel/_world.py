@@ -29,20 +29,6 @@ def group_size(pg: Any) -> int:
     return int(pg.size if ws is None else ws)
 
 
-def step_size(pg: Any) -> int:
-    """The size of the world the group's collectives go to now: the world a step pinned
-    (``FaultTolerance``'s guard, ``pg.pinned()``) while one is pinned, else :func:`group_size`.
-
-    A layer built for N ranks checks its group against this, not against the membership: when a
-    rank is lost in the middle of a step, the step's collectives still go to the pinned world of
-    N and raise ``PeerLostError`` there, which ``FaultTolerance`` recovers from; comparing with
-    the new membership raised ``ConfigError`` (not recoverable) instead, and ended the job (a CI
-    run: a replacement's first forward ran just as its ring neighbour was killed in the sync)."""
-    base = getattr(pg, "async_pg", pg)     # the blocking facade's process group
-    pinned = getattr(base, "__dict__", {}).get("_pinned_world")   # subgroups have none
-    return int(pinned.size) if pinned is not None else group_size(pg)
-
-
 def joined_running(pg: Any) -> bool:
     """Whether this process joined its job after the job had formed (a replacement started by
     ``rtxnet-run --max-restarts``, a rank that came after ``--min-ranks``' last call): its peers
@@ -89,6 +75,20 @@ class StepWorld:
         if self.world is None:
             return contextlib.nullcontext()
         return self._apg.pinned(self.world)
+
+
+def step_size(pg: Any) -> int:
+    """The size of the world the group's collectives go to now: the world a step pinned
+    (``FaultTolerance``'s guard, ``pg.pinned()``) while one is pinned, else :func:`group_size`.
+
+    A layer built for N ranks checks its group against this, not against the membership: when a
+    rank is lost in the middle of a step, the step's collectives still go to the pinned world of
+    N and raise ``PeerLostError`` there, which ``FaultTolerance`` recovers from; comparing with
+    the new membership raised ``ConfigError`` (not recoverable) instead, and ended the job (a CI
+    run: a replacement's first forward ran just as its ring neighbour was killed in the sync)."""
+    step = StepWorld(pg)
+    step.begin()
+    return int(step.world.size) if step.world is not None else group_size(pg)
 
 
 def layout_digest(layout: Any) -> int:
