@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import time
+import urllib.parse
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
@@ -138,6 +139,39 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
+async def _unreachable_peers(membership: Any, identity: str, timeout_s: float) -> list[str]:
+    """The data endpoints of ``membership``'s other members (``tcp://host:port?bulk=port``: the
+    first port is probed) that give no TCP answer within ``timeout_s``, probed at once, each by
+    a connection opened and closed without a byte sent (ZeroMQ drops it before its greeting). A refused connection is an
+    answer: the host is reachable (the rank there may be gone or have moved to another port)."""
+    if membership is None:
+        return []
+    endpoints = sorted({m.get("endpoint") or "" for m in (membership.members or {}).values()
+                        if m.get("identity") != identity})
+
+    async def silent(endpoint: str) -> bool:
+        try:
+            url = urllib.parse.urlsplit(endpoint)   # tcp://HOST:PORT?bulk=PORT
+            host, port = url.hostname, url.port
+        except ValueError:
+            return False
+        if url.scheme != "tcp" or not host or not port:
+            return False
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        except ConnectionRefusedError:
+            return False
+        except (OSError, TimeoutError):
+            return True
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return False
+
+    silence = await asyncio.gather(*(silent(e) for e in endpoints))
+    return [e for e, quiet in zip(endpoints, silence, strict=True) if quiet]
+
+
 class FaultTolerance:
     """Committed steps with rollback and peer state sync; see the module docstring.
 
@@ -172,7 +206,9 @@ class FaultTolerance:
             job's ``min_ranks`` (else the step is retried as before, up to
             ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins after a
             pause (the heartbeat timeout, doubling with each eviction since it last took part
-            in a commit, up to ``REJOIN_PAUSE_MAX_S``). A rank admitted after the job's last
+            in a commit, up to ``REJOIN_PAUSE_MAX_S``), and after more pauses, doubling, while
+            a TCP connection to any other member's data port gets no answer (``rejoin_deferred``
+            in its log; at the cap it rejoins whatever the probe says). A rank admitted after the job's last
             commit cannot evict every rank that took part in it (the coordinator refuses:
             hosts that reach the coordinator but not each other keep the side holding the
             committed steps). A rank evicts at most ``max_step_retries`` times in one step,
@@ -925,7 +961,9 @@ class FaultTolerance:
         cannot reach the others' data ports (hosts cut from each other, not from the
         coordinator), each rejoin costs them a sync that times out, and rejoining at once made
         the job a livelock (a tester's find: about one step per 20 s, for good). A rank that
-        was only slow once rejoins after one heartbeat timeout."""
+        was only slow once rejoins after one heartbeat timeout. While the other members' data
+        ports give no TCP answer, it pauses again, doubling (:func:`_unreachable_peers`): the
+        cut costs the others one sync timeout, not one per pause."""
         reason = self.pg.agent.fence_reason
         if not reason.startswith("evicted"):
             return
@@ -938,10 +976,26 @@ class FaultTolerance:
                     REJOIN_PAUSE_MAX_S)
         log.warning("rejoin_paused", seconds=round(pause, 3), evictions_in_row=self._evicted_in_row,
                     why=reason)
-        # cut short when the job ends meanwhile (the join then says so: JobFinishedError); a
-        # rank still pausing when the others finished was killed by rtxnet-run, exit 137
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.pg.agent.gone.wait(), pause)
+        agent = self.pg.agent
+        while True:
+            # cut short when the job ends meanwhile (the join then says so: JobFinishedError); a
+            # rank still pausing when the others finished was killed by rtxnet-run, exit 137
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(agent.gone.wait(), pause)
+            if agent.gone.is_set() or pause >= REJOIN_PAUSE_MAX_S:
+                return
+            unreachable = await _unreachable_peers(agent.membership, agent.identity,
+                                                   min(max(agent.timeouts.heartbeat_timeout_s, 0.5), 2.0))
+            if not unreachable:
+                return
+            # Readmitted now, it would cost the others a sync that times out (hosts cut from
+            # each other, not from the coordinator: a tester's 2 minutes per rejoin at the 60 s
+            # default). It waits instead, doubling, and rejoins at the cap whatever the probe
+            # says (an endpoint may be stale: its host gone for good).
+            pause = min(pause * 2, REJOIN_PAUSE_MAX_S)
+            log.warning("rejoin_deferred", seconds=round(pause, 3), unreachable=unreachable,
+                        why="no TCP answer from these peers' data ports: rejoining would cost "
+                            "them a sync that times out")
 
     def _late_to_evict(self, exc: BaseException, step: int) -> list[int]:
         """The ranks (numbered as in the synced epoch) to evict after this failure of ``step``:

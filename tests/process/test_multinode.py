@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,13 +178,12 @@ def test_hosts_cut_from_each_other_but_not_from_the_coordinator_train_on_one_sid
     assert "rejoin_paused" in err and "this rank was away until the job finished" in err, err[-6000:]
     # no committed step given up: the readmitted side cannot evict the ranks holding them
     assert "job_rewound" not in err and "committed_state_lost" not in err, err[-6000:]
+    # the evicted side finds the other's data port silent and does not rejoin while the cut
+    # lasts: the trainers pay for the cut once (before: one sync timeout per rejoin, each
+    # readmission a recovery naming the late rank)
+    assert re.search(r"rejoin_deferred .*unreachable=\['tcp://10\.201\.0\.1[12]:\d+\?bulk=\d+'\]", err), err[-6000:]
     recovered = [e for e in res[0]["events"] if e["event"] == "recovered"]
-    assert recovered and all(e["steps_lost"] == 1 for e in recovered), res[0]["events"]
-    # the other host's rank, late in the sync of the epoch that readmitted it, named by its
-    # launch rank (it was "rank 1", numbered as of the epoch before)
-    late = [e for e in recovered if e["late"]]   # (a ClosedError's recovery names no late rank)
-    assert late and all(e["late_launch"] == e["lost_launch"] and len(e["late_launch"]) == 1 for e in late), \
-        [(e["late"], e["late_launch"], e["lost"], e["lost_launch"], e.get("epoch")) for e in recovered]
+    assert len(recovered) == 1 and recovered[0]["steps_lost"] == 1, res[0]["events"]
 
 
 def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
