@@ -51,9 +51,13 @@ __all__ = ["WorldView", "Engine", "Op", "SIG_FIELDS"]
 
 log = structlog.get_logger(__name__)
 
-# The fields of an operation's signature, in the order they are compared (the first that differs
-# is the one the mismatch error names).
+# The fields of an operation's signature, in their order on the wire.
 SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape", "splits", "label")
+# The order they are compared in: the first that differs is the one the mismatch error names. The
+# algorithm last: chosen by size where the caller did not force one, it differs whenever dtypes or
+# sizes do, and "disagree on algorithm" hid those (a tester's find: float32[20000] against
+# float32[4] said {0: 'shm', 1: 'direct'}).
+_SIG_CHECK_ORDER = tuple(sorted(range(len(SIG_FIELDS)), key=lambda i: SIG_FIELDS[i] == "algorithm"))
 _MAX_FUTURE_MSGS = 100_000
 # how long a closing engine lets the messages it queued leave (see transport.peer.PeerMesh.aclose):
 # only what is queued for peers still in the view waits (links to others are closed at each view)
@@ -383,7 +387,8 @@ class Op:
 
 def check_signatures(name: str, sigs: dict[int, list]) -> None:
     """Raise the same CollectiveMismatchError on every rank when signatures differ."""
-    for i, fname in enumerate(SIG_FIELDS):
+    for i in _SIG_CHECK_ORDER:
+        fname = SIG_FIELDS[i]
         vals = {rank: _hashable(s[i] if i < len(s) else None) for rank, s in sigs.items()}
         if len(set(vals.values())) > 1:
             shown = {rank: (s[i] if i < len(s) else None) for rank, s in sorted(sigs.items())}

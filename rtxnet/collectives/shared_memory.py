@@ -136,10 +136,13 @@ class ShmState:
                 hint = ""
                 if isinstance(exc, FileNotFoundError):
                     # a tester's find: two hosts given one RTXNET_HOST (or one hostname) without
-                    # a shared /dev/shm failed every collective of 64 KiB and more with this
-                    hint = (" (ranks that report one host must share /dev/shm: if this rank "
-                            "runs on another machine or container, give each host its own "
-                            "RTXNET_HOST; else the peer removed it, leaving the group)")
+                    # a shared /dev/shm failed every collective of 64 KiB and more with this;
+                    # another's: a peer's pg.close() during the operation, told as if the hosts
+                    # were set up wrong. Both causes, the commoner first.
+                    hint = (f": rank {op.group.ranks[g]} removed it, leaving the group (closed or "
+                            "ended during this operation), or this rank does not share its "
+                            "/dev/shm (ranks that report one host must share it: on another "
+                            "machine or container, give each host its own RTXNET_HOST)")
                 raise CollectiveError(f"cannot map shm segment {offer[0]} of rank "
                                       f"{op.group.ranks[g]}: {exc}{hint}") from exc
             self.peer_maps[g] = m

@@ -144,6 +144,10 @@ async def mismatches(engine, what):
             await g.all_reduce(x.reshape(2, 4) if r == 0 else x)
         elif what == "big-numel":  # shm and ring paths too
             await g.all_reduce(np.zeros(100_000 + r, np.float32))
+        elif what == "numel-across-sizes":   # the algorithm chosen by size differs too
+            await g.all_reduce(np.zeros(4 if r == 1 else 100_000, np.float32))
+        elif what == "dtype-across-sizes":   # 40 KB and 80 KB: on either side of a threshold
+            await g.all_reduce(np.zeros(10_000, np.float64 if r == 1 else np.float32))
         elif what == "root":
             await g.broadcast(x, src=r % 2)
         elif what == "splits":
@@ -160,6 +164,9 @@ async def mismatches(engine, what):
 @pytest.mark.parametrize("what,field", [
     ("op", "op"), ("reduce_op", "reduce_op"), ("dtype", "dtype"), ("numel", "numel"),
     ("shape", "shape"), ("big-numel", "numel"), ("root", "root"), ("splits", "splits"),
+    # a tester's find: "ranks disagree on algorithm" ({0: 'shm', 1: 'direct'}), an algorithm no
+    # rank asked for, where the sizes or dtypes differed
+    ("numel-across-sizes", "numel"), ("dtype-across-sizes", "dtype"),
 ])
 def test_mismatch_on_every_rank(what, field):
     n = 3
