@@ -545,10 +545,12 @@ def test_status_timeout_must_be_finite_and_positive(value):
         f"rtxnet status: error: argument --timeout: {value!r} is not a number of seconds in (0, 3600]")
 
 
-def _tcp_established(pid: int) -> int:
+def _tcp_established(pid: int) -> set:
+    """The (local, remote) addresses of ``pid``'s established TCP connections."""
     import psutil
 
-    return sum(c.status == psutil.CONN_ESTABLISHED for c in psutil.Process(pid).net_connections("tcp"))
+    return {(c.laddr, c.raddr) for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_ESTABLISHED}
 
 
 def _has_result(p, cmd: str) -> bool:
@@ -577,8 +579,14 @@ def test_rank_killed_mid_ring_over_bulk_streams_is_a_peer_lost_error_naming_it(c
         for p in ps:
             p.submit("big", op=op, numel=numel, algorithm="ring", timeout=30)
         ps[2].expect("started")
-        # frozen mid-ring (both its bulk streams open, data flowing): the others cannot finish
-        wait_until(lambda: _tcp_established(ps[2].pid) >= before + 2, 40, "rank 2's bulk streams")
+        # frozen mid-ring (both its bulk streams open, data flowing): the others cannot finish.
+        # Two connections that were not there before, not a count: one that closed meanwhile
+        # (a fresh user's loaded run waited 40 s for a count). Rank 2's result ends the wait too:
+        # an operation that failed shows its error below, not a timeout here.
+        wait_until(lambda: len(_tcp_established(ps[2].pid) - before) >= 2 or _has_result(ps[2], "big"),
+                   40, "rank 2's bulk streams")
+        if ps[2].seen and ps[2].seen[-1].get("cmd") == "big" and not ps[2].seen[-1]["ok"]:
+            pytest.fail(f"rank 2's {op} failed before it could be frozen: {ps[2].seen[-1]}")
         ps[2].signal(signal.SIGSTOP)
         time.sleep(0.3)
         if not any(_has_result(p, "big") for p in survivors):
