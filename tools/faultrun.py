@@ -14,7 +14,8 @@ restore from a checkpoint and every loss of committed state (``committed_state_l
 and no checkpoint held the job's last committed step, so training started again from an older one).
 
 Exit code: the launcher's; when that is 0 but committed steps were lost, 1 (lost progress fails the
-check even though the job finished). 2 for arguments faultrun or the launcher refuses (one line
+check even though the job finished); when that is 0 but a fault of the plan was not injected, 4
+(the run did not test it: a step past the script's last, a rank killed before its turn). 2 for arguments faultrun or the launcher refuses (one line
 naming the value; no run, no summary). When the run takes longer than ``--timeout`` seconds it is
 stopped (SIGTERM to the launcher, which stops its ranks, then SIGKILL if it is still there after
 ``STOP_GRACE_S``), one line says so and the exit code is 124. SIGTERM (or Ctrl-C) to faultrun stops
@@ -40,6 +41,7 @@ from rtxnet.config import output_file, positive_seconds
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 20.0   # the launcher gives its ranks 10 s (its --grace) after SIGTERM, then kills them
 LAUNCHER_USAGE_ERROR = 2   # rtxnet-run's exit code for arguments it refused before starting anything
+NOT_INJECTED = 4   # the launcher exited 0, but a fault of the plan never fired
 
 
 class Terminated(Exception):
@@ -522,11 +524,17 @@ def main(argv: list[str] | None = None) -> int:
     for line in report(res["summary"]):
         print(f"  {line}")
     lost = sum(x["steps_lost"] for x in res["summary"]["state_lost"])
+    missed = [f["fault"] for f in res["summary"].get("faults", []) if not f["injected"]]
     rc = res["returncode"]
+    why = f"the launcher's ({rc})"
     if lost and rc == 0:
-        rc = 1
-    print(f"exit code {rc}: " + (f"the launcher's ({res['returncode']})" if rc == res["returncode"]
-                                 else f"{lost} committed steps were lost, though the launcher exited 0"))
+        rc, why = 1, f"{lost} committed steps were lost, though the launcher exited 0"
+    elif missed and rc == 0:
+        # a check that tested nothing passes nothing (a fresh user's find: a kill planned past
+        # the script's last step printed "was not injected" and exit code 0)
+        rc, why = NOT_INJECTED, (f"{len(missed)} fault(s) of the plan were not injected (why: "
+                                 f"above), though the launcher exited 0: the run did not test them")
+    print(f"exit code {rc}: {why}")
     return rc
 
 

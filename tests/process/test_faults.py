@@ -525,6 +525,19 @@ def test_faultrun_fails_the_check_when_committed_state_is_lost(tmp_path):
     assert "save checkpoints with rtxnet.checkpoint.save" in lost["why"], lost
 
 
+def test_faultrun_fails_a_run_whose_planned_fault_never_fired(tmp_path):
+    # a fresh user's find: a kill planned past the script's last step printed "was not injected"
+    # and exit code 0, so a check built on faultrun passed without testing anything
+    proc = _faultrun("--plan", "kill:rank=0:step=300", "--nproc", "1", "--", "tools/ft_workload.py",
+                     "--steps", "5", "--step-sleep", "0", "--out", str(tmp_path / "out"), timeout=60)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith(
+        "exit code 4: 1 fault(s) of the plan were not injected (why: above), though the launcher "
+        "exited 0: the run did not test them"), proc.stdout[-2000:]
+    assert "fault 'kill:rank=0:step=300' was not injected: this process's last FaultTolerance step was 4" \
+        in proc.stdout, proc.stdout[-2000:]
+
+
 def test_faultrun_names_each_fault_and_why_it_was_not_injected():
     plan = ("kill:rank=1:step=5; kill:rank=0:at=collective:collective=99; kill-coordinator:step=3; "
             "delay:rank=2:ms=5; kill:rank=1:step=20")
