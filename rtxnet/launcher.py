@@ -348,6 +348,8 @@ class Launcher:
         self.bind_host = args.bind_host or (
             _route_address(args.coordinator) if args.nnodes > 1 else None)
         self.coordinator_proc: asyncio.subprocess.Process | None = None
+        # why the coordinator it started kept exiting, while it did (the last line says it)
+        self.coordinator_trouble = ""
         self.address = args.coordinator
         self.job = args.job or f"job-{uuid.uuid4().hex[:8]}"
         self._stop_event = asyncio.Event()   # set once stopping (see the property)
@@ -895,7 +897,8 @@ class Launcher:
             root, code = _root_cause(self.slots, self._stopped_at)
             if root is not None:
                 self.first_failure = (self.first_failure[0], code)
-            _say(_outcome(self.slots, a.max_restarts, self.first_failure[1], root, self._stopped_at))
+            _say(_outcome(self.slots, a.max_restarts, self.first_failure[1], root, self._stopped_at,
+                          self.coordinator_trouble))
         return self.first_failure[1] if self.first_failure else 0
 
     @property
@@ -1197,11 +1200,19 @@ class Launcher:
             if self.stopping or self.done:
                 return
             now = time.monotonic()
-            if failing_since is None or now - started >= _COORD_STABLE_S:
+            stable = failing_since is None or now - started >= _COORD_STABLE_S
+            if stable:
                 failing_since, pause, restarts = now, _COORD_PAUSE_S, 0   # it was up a while
+            why = (f"exit code 3: its journal {journal} cannot be written or read: "
+                   f"{_journal_trouble(journal)}" if _code(rc) == 3 else "its log says why")
+            if _code(rc) == 3:
+                # the ranks' CoordinatorLostError may follow: the last line names this cause too
+                # (a fresh user's full disk ended in "answered no heartbeat for 31 s" alone)
+                self.coordinator_trouble = (f"the coordinator exited {restarts + 1} time(s) in "
+                                            f"{now - failing_since:.0f} s ({why})")
+            if stable:
+                pass
             elif now - failing_since >= give_up_s:
-                why = (f"exit code 3: its journal {journal} cannot be written or read; its log "
-                       f"says why" if _code(rc) == 3 else "its log says why")
                 _say(f"coordinator exited with code {_code(rc)} again: {restarts} restarts in "
                      f"{now - failing_since:.0f} s did not keep it up ({why}); not restarting it "
                      f"again: the ranks stop with CoordinatorLostError within their coordinator timeout "
@@ -1594,11 +1605,11 @@ def _root_cause(slots, stopped_at: float | None) -> tuple[_Slot | None, int]:
 
 
 def _outcome(slots, max_restarts: int, code: int, root: _Slot | None = None,
-             stopped_at: float | None = None) -> str:
+             stopped_at: float | None = None, coordinator_trouble: str = "") -> str:
     """The last line of a run with a failure: which ranks ended well, which failed, the first
-    failure's exception when its rank wrote one (``root``, see _root_cause), and why the
-    launcher's code is what it is (the documented rule, spelt out: the job may well have finished
-    on the survivors)."""
+    failure's exception when its rank wrote one (``root``, see _root_cause), why the coordinator
+    this launcher started kept exiting when it did, and why the launcher's code is what it
+    is (the documented rule, spelt out: the job may well have finished on the survivors)."""
     # exited 0 while the job still needed them (not restarted): the cause of a stop, not a success
     early = [s for s in slots if s.returncode == 0 and s.left_early]
     ok = [s.rank for s in slots if s.returncode == 0 and not s.left_early]
@@ -1621,8 +1632,30 @@ def _outcome(slots, max_restarts: int, code: int, root: _Slot | None = None,
                  f"{' (then stopped by rtxnet-run as it ended)' if root.killed_after_stop else ''}.")
     elif root is not None and _last_words(root, root.returncode):
         first = f" First failure: rank {root.rank}{_last_words(root, root.returncode)}."
+    if coordinator_trouble:
+        first = f" Before that, {coordinator_trouble}.{first}"
     return (f"{'; '.join(parts)}.{first} Exit code {code}: {whose} (0 only when every rank's last "
             f"process exited 0 and the job did not stop)")
+
+
+def _journal_trouble(journal: str) -> str:
+    """What keeps the coordinator from using ``journal``, as far as this process can see: its
+    file system full or read-only, the folder not writable, or (none of those) its log says."""
+    folder = journal
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder or ".").free
+        st = os.statvfs(folder or ".")
+    except OSError as exc:
+        return f"{exc.strerror} ({folder!r}); its log says more"
+    if free < (1 << 20):
+        return f"its file system is full ({free} bytes free under {folder})"
+    if st.f_flag & os.ST_RDONLY:
+        return f"its file system is read-only ({folder})"
+    if not os.access(folder, os.W_OK):
+        return f"{folder} is not writable by this user"
+    return "its log above says why"
 
 
 def _last_words(slot: _Slot, code: int | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -1190,6 +1191,35 @@ def test_a_coordinator_that_keeps_dying_is_restarted_after_growing_pauses_then_g
     pauses = [float(x.rsplit(" in ", 1)[1].split(" s")[0]) for x in lines if "after it started; restarting" in x]
     assert pauses == [0.1 * 2 ** k for k in range(len(pauses))] and len(pauses) == restarts - 1, (pauses, text)
     assert 4 <= took < 30, took
+
+
+def test_a_journal_on_a_full_disk_is_named_in_the_last_line(tmp_path):
+    # a fresh user's find: a journal on a full file system restarted the coordinator 11 times
+    # and the last line blamed only the ranks' CoordinatorLostError ("answered no heartbeat for
+    # 31 s"); "No space left on device" was in the coordinator's log lines far above
+    from rtxnet.launcher import _journal_trouble, _outcome, _Slot
+
+    mnt = tmp_path / "m"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, timeout=20)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (mount exited {proc.returncode}: {proc.stderr.strip()})")
+    try:
+        assert _journal_trouble(str(mnt / "journal")) == "its log above says why"   # room left
+        with contextlib.suppress(OSError), open(mnt / "fill", "wb") as f:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        why = _journal_trouble(str(mnt / "journal"))     # (a folder not made yet: its parent)
+        assert why.startswith("its file system is full (") and why.endswith(f" bytes free under {mnt})"), why
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
+    slot = _Slot(0)
+    slot.returncode = 1
+    line = _outcome([slot], 0, 1, coordinator_trouble=f"the coordinator exited 8 time(s) in 8 s (exit code 3: {why})")
+    assert line.startswith("no rank exited 0; rank 0 (exit 1, restarted 0 of 0 times) failed."), line
+    assert f"Before that, the coordinator exited 8 time(s) in 8 s (exit code 3: {why}). Exit code 1" in line, line
 
 
 def test_a_rank_that_crashes_at_once_is_restarted_after_growing_pauses_and_sigterm_cuts_the_pause(tmp_path):
