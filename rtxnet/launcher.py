@@ -148,6 +148,11 @@ def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+# variables rtxnet-run sets for its ranks, from its own options (an exported one is not read;
+# the first lines say so) -> the option that sets it
+_OWN_VARIABLES = {"RTXNET_COORDINATOR": "--coordinator", "RTXNET_JOB": "--job",
+                  "RTXNET_WORLD_SIZE": "--nproc and --nnodes", "RTXNET_MIN_RANKS": "--min-ranks",
+                  "RTXNET_RANK": "--node-rank"}
 _LAST_LINE = 300   # bytes of a rank's last line on stderr kept to name a failure (_last_words)
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read without progress
 _DRAIN_ALONE_S = 10.0   # the same when it left no process in its group (see _watch)
@@ -787,6 +792,13 @@ class Launcher:
         if self.omp_one:
             _say("OMP_NUM_THREADS=1 for each rank, as torchrun sets it (not set here); set it to "
                  "tune the threads of each rank's math libraries")
+        overridden = [f"{k}={os.environ[k]!r} (use {flag})" for k, flag in _OWN_VARIABLES.items()
+                      if os.environ.get(k)]
+        if overridden:
+            # a fresh user exported RTXNET_COORDINATOR (which rtxnet status reads) and got a
+            # coordinator of rtxnet-run's own, without a word
+            _say(f"not read from this environment, set for each rank by rtxnet-run: "
+                 f"{'; '.join(overridden)}")
         _sweep_left_behind()   # what SIGKILLed launchers left
         self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None

@@ -61,6 +61,22 @@ def test_torch_style_variables_are_set(tmp_path, coordinator):
         assert f"[rank{r}] {r} 6 {r - 2} 2 1 envjob 6 4 127.0.0.1" in out.stdout, out.stdout
 
 
+def test_variables_rtxnet_run_sets_itself_are_named_when_exported(tmp_path):
+    # a fresh user exported RTXNET_COORDINATOR (rtxnet status reads it) and RTXNET_JOB, and
+    # rtxnet-run started its own coordinator and job without a word
+    script = tmp_path / "job.py"
+    script.write_text("import os\nprint(os.environ['RTXNET_JOB'], os.environ['RTXNET_COORDINATOR'] != 'tcp://127.0.0.1:1')\n")
+    env = procs.env(RTXNET_COORDINATOR="tcp://127.0.0.1:1", RTXNET_JOB="exported")
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", "--job", "given", str(script)],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[rank0] given True" in out.stdout, out.stdout
+    assert ("[rtxnet-run] not read from this environment, set for each rank by rtxnet-run: "
+            "RTXNET_COORDINATOR='tcp://127.0.0.1:1' (use --coordinator); RTXNET_JOB='exported' (use --job)"
+            ) in out.stderr, out.stderr[-3000:]
+    assert "not read from this environment" not in run(["--nproc", "1", str(script)]).stderr
+
+
 CRASH_ONCE = textwrap.dedent("""
     import os, sys, time
     import rtxnet
