@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from rtxnet.collectives import ReduceOp
 from tests.collectives.harness import run_world
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,7 +33,10 @@ async def op_with(w, hs, key, *, numel: int = 10, name: str = "all_reduce",
                   per_call: bool = False, timeout=None):
     """One collective of group ``w`` whose offer is ``[key, rank]``; returns group rank -> the
     peer's offer. ``key`` names the offer (equal keys, equal offers: as buffers are reused)."""
-    sig = w._sig(name, "ipc", None, None, np.dtype(np.float32), numel, [numel])
+    # the reduce op a real IPC all_reduce's signature carries (its default, SUM): only the
+    # algorithm then tells it from a CPU all_reduce of the same array
+    rop = ReduceOp.SUM if name == "all_reduce" else None
+    sig = w._sig(name, "ipc", rop, None, np.dtype(np.float32), numel, [numel])
 
     async def body(op):
         try:
