@@ -142,8 +142,9 @@ class Stateful(Protocol):
 async def _unreachable_peers(membership: Any, identity: str, timeout_s: float) -> list[str]:
     """The data endpoints of ``membership``'s other members (``tcp://host:port?bulk=port``: the
     first port is probed) that give no TCP answer within ``timeout_s``, probed at once, each by
-    a connection opened and closed without a byte sent (ZeroMQ drops it before its greeting). A refused connection is an
-    answer: the host is reachable (the rank there may be gone or have moved to another port)."""
+    a connection opened and closed without a byte sent (ZeroMQ drops it before its greeting).
+    A refused connection is an answer: the host is reachable (the rank there may be gone or
+    have moved to another port)."""
     if membership is None:
         return []
     endpoints = sorted({m.get("endpoint") or "" for m in (membership.members or {}).values()
@@ -207,13 +208,14 @@ class FaultTolerance:
             ``max_step_retries``). The evicted rank is fenced; if it wakes, it rejoins after a
             pause (the heartbeat timeout, doubling with each eviction since it last took part
             in a commit, up to ``REJOIN_PAUSE_MAX_S``), and after more pauses, doubling, while
-            a TCP connection to any other member's data port gets no answer (``rejoin_deferred``
-            in its log; at the cap it rejoins whatever the probe says). A rank admitted after the job's last
-            commit cannot evict every rank that took part in it (the coordinator refuses:
-            hosts that reach the coordinator but not each other keep the side holding the
-            committed steps). A rank evicts at most ``max_step_retries`` times in one step,
-            then raises ``RtxError`` (ranks that come back late each time). ``None``: never. Default 2: the first timeout may be ranks out of step, which a re-formed
-            epoch mends.
+            a TCP connection to any other member's data port gets no answer
+            (``rejoin_deferred`` in its log; at the cap it rejoins whatever the probe says).
+            A rank admitted after the job's last commit cannot evict every rank that took
+            part in it (the coordinator refuses: hosts that reach the coordinator but not each
+            other keep the side holding the committed steps). A rank evicts at most
+            ``max_step_retries`` times in one step, then raises ``RtxError`` (ranks that come
+            back late each time). ``None``: never. Default 2: the first timeout may be ranks
+            out of step, which a re-formed epoch mends.
         sharded_state: the state differs per rank (FSDP shards, tensor-parallel slices), so no
             single rank can hand it to the others. Each rank then also keeps its ring
             predecessor's committed state (the ring alternates hosts, else rank ``r`` holds rank

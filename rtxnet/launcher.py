@@ -1222,15 +1222,13 @@ class Launcher:
                 # (a fresh user's full disk ended in "answered no heartbeat for 31 s" alone)
                 self.coordinator_trouble = (f"the coordinator exited {restarts + 1} time(s) in "
                                             f"{now - failing_since:.0f} s ({why})")
-            if stable:
-                pass
-            elif now - failing_since >= give_up_s:
+            if not stable and now - failing_since >= give_up_s:
                 _say(f"coordinator exited with code {_code(rc)} again: {restarts} restarts in "
                      f"{now - failing_since:.0f} s did not keep it up ({why}); not restarting it "
                      f"again: the ranks stop with CoordinatorLostError within their coordinator timeout "
                      f"(RTXNET_COORDINATOR_TIMEOUT, {give_up_s:g} s)")
                 return
-            else:
+            if not stable:
                 _say(f"coordinator exited with code {_code(rc)} {now - started:.1f} s after it "
                      f"started; restarting it on {self.address} with journal {journal} in {pause:g} s")
                 await asyncio.sleep(pause)
@@ -1657,10 +1655,10 @@ def _journal_trouble(journal: str) -> str:
     while folder and not os.path.exists(folder):
         folder = os.path.dirname(folder)
     try:
-        free = shutil.disk_usage(folder or ".").free
         st = os.statvfs(folder or ".")
     except OSError as exc:
         return f"{exc.strerror} ({folder!r}); its log says more"
+    free = st.f_bavail * st.f_frsize     # what an unprivileged writer may still use
     if free < (1 << 20):
         return f"its file system is full ({free} bytes free under {folder})"
     if st.f_flag & os.ST_RDONLY:
