@@ -67,6 +67,12 @@ class Hosts:
         if r.returncode != 0:
             raise RuntimeError(f"ip neigh replace {addr}: {r.stderr.strip()}")
 
+    def unblackhole(self, host: int, addr: str) -> None:
+        """Undo :meth:`blackhole`: ``host`` learns ``addr``'s real MAC address again by ARP."""
+        r = ip("-n", self.ns[host], "neigh", "del", addr, "dev", self.veth[host])
+        if r.returncode != 0:
+            raise RuntimeError(f"ip neigh del {addr}: {r.stderr.strip()}")
+
     def link(self, host: int, up: bool) -> None:
         """Set ``host``'s end of the link up or down (down: a real partition of the two)."""
         r = ip("-n", self.ns[host], "link", "set", self.veth[host], "up" if up else "down")

@@ -545,6 +545,7 @@ class Engine:
             raise ClosedError("engine is closed")
         view.validate()
         lost = list(lost)
+        was_fenced = self.fenced is not None
         if self._deferred is not None:
             if leave_grace_s > 0 and self._in_flight() and self._hold_further_leave(view, lost):
                 return
@@ -585,6 +586,13 @@ class Engine:
         self._group_counter.clear()
         self._data_ep.clear()
         self._bulk_addr.clear()
+        if was_fenced:
+            # Readmitted after it was declared lost (frozen, cut off, evicted): its links to
+            # the peers may be TCP connections stuck in retransmission backoff from the cut (a
+            # re-verifier's find: after a healed cut the first sync timed out and the rank was
+            # evicted again, its messages queued behind a connection waiting out its timer).
+            # Fresh ones instead.
+            self._mesh.retain(set())
         for r, ep in view.endpoints.items():
             self._data_ep[r], self._bulk_addr[r] = bulk_mod.parse_endpoint(ep)
             if r != view.rank:

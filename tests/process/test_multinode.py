@@ -149,41 +149,59 @@ def test_hosts_cut_from_each_other_but_not_from_the_coordinator_train_on_one_sid
     # step per 20 s), and the side readmitted without the last commits evicted their holders: the
     # job went back to its older state (committed steps 120, 121 rewound to 119). Each host's rank
     # binds its data ports to a second address, which the other host cannot reach (static ARP to
-    # a dead MAC); both reach the coordinator on the first.
+    # a dead MAC); both reach the coordinator on the first. The cut heals once the evicted side
+    # has found the other's data port silent.
     data = ("10.201.0.11", "10.201.0.12")
     for k in (0, 1):
         hosts.add_addr(k, data[k])
     coord = procs.Coordinator(tmp_path / "journal", host=ADDRS[0], prefix=hosts.prefix(0))
-    launchers = []
-    steps = 300
+    launchers, errs = [], [tmp_path / f"launcher{k}.err" for k in (0, 1)]
+    steps = 1500
     try:
-        launchers = [_launch(hosts, k, coord.address, "split", tmp_path / "out", steps, "--min-ranks", "1",
-                             "--bind-host", data[k], nproc=1, RTXNET_OP_TIMEOUT="2") for k in (0, 1)]
+        for k in (0, 1):
+            with open(errs[k], "w") as err:
+                launchers.append(hosts.popen(
+                    k, [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(k),
+                        "--nproc", "1", "--coordinator", coord.address, "--job", "split", "--min-ranks", "1",
+                        "--bind-host", data[k], "tools/ft_workload.py", "--steps", str(steps),
+                        "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+                    stdout=subprocess.DEVNULL, stderr=err, text=True, cwd=procs.ROOT,
+                    env=procs.env(RTXNET_HOST=f"node{k}", **{**TIMEOUTS, "RTXNET_OP_TIMEOUT": "2"})))
         procs.wait_until(lambda: _committed(hosts, coord.address, "split") >= 20 or any(
             p.poll() is not None for p in launchers), 60, "training under way on both hosts")
-        assert all(p.poll() is None for p in launchers), \
-            [p.communicate(timeout=20)[1][-3000:] for p in launchers if p.poll() is not None]
+        assert all(p.poll() is None for p in launchers), [e.read_text()[-3000:] for e in errs]
         hosts.blackhole(0, data[1])
         hosts.blackhole(1, data[0])
-        done = [_finish(p, 100) for p in launchers]
+        # the evicted side finds the other's data port silent and does not rejoin while the cut
+        # lasts: the trainers pay for the cut once (before: one sync timeout per rejoin)
+        procs.wait_until(lambda: any("rejoin_deferred" in e.read_text() for e in errs), 60,
+                         "the evicted side deferring its rejoin")
+        hosts.unblackhole(0, data[1])
+        hosts.unblackhole(1, data[0])
+        rcs = []
+        for p in launchers:
+            try:
+                rcs.append(p.wait(timeout=100))
+            except subprocess.TimeoutExpired:
+                rcs.append(None)
     finally:
         _stop(launchers, coord)
-    err = done[0][2] + done[1][2]
-    # one side trains on alone to the one right answer; the other, evicted, pauses before each
-    # rejoin and ends when the job has finished (exit 0 both)
-    assert [rc for rc, _, _ in done] == [0, 0], err[-6000:]
-    res = _results(tmp_path / "out")
-    assert len(res) == 1 and res[0]["world_size"] == 1, res
-    assert res[0]["sha256"] == ft_workload.reference(steps, 1024), res
-    assert "rejoin_paused" in err and "this rank was away until the job finished" in err, err[-6000:]
+    err = errs[0].read_text() + errs[1].read_text()
+    assert rcs == [0, 0], err[-6000:]
+    assert re.search(r"rejoin_deferred .*unreachable=\['tcp://10\.201\.0\.1[12]:\d+\?bulk=\d+'\]", err), err[-6000:]
     # no committed step given up: the readmitted side cannot evict the ranks holding them
     assert "job_rewound" not in err and "committed_state_lost" not in err, err[-6000:]
-    # the evicted side finds the other's data port silent and does not rejoin while the cut
-    # lasts: the trainers pay for the cut once (before: one sync timeout per rejoin, each
-    # readmission a recovery naming the late rank)
-    assert re.search(r"rejoin_deferred .*unreachable=\['tcp://10\.201\.0\.1[12]:\d+\?bulk=\d+'\]", err), err[-6000:]
-    recovered = [e for e in res[0]["events"] if e["event"] == "recovered"]
-    assert len(recovered) == 1 and recovered[0]["steps_lost"] == 1, res[0]["events"]
+    # healed, the evicted side is readmitted and both train to the one right answer; its
+    # readmission fails no step. (After a cut of 20 s its first sync timed out on its links from
+    # before the cut, stuck in TCP retransmission backoff, and it was evicted again: a
+    # re-verifier's find, now fresh links; this cut of ~6 s is too short to show that.)
+    res = _results(tmp_path / "out")
+    assert len(res) == 2 and {r["world_size"] for r in res} == {2}, res
+    assert {r["sha256"] for r in res} == {ft_workload.reference(steps, 1024)}, res
+    for r in res:
+        failures = [e for e in r["events"] if e["event"] == "failure"]
+        assert len(failures) == 1, r["events"]
+    assert len(re.findall(r"\] rejoining +reason=", err)) == 1 and "eviction_refused" not in err, err[-6000:]
 
 
 def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
