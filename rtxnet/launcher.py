@@ -152,7 +152,7 @@ def _code(rc: int) -> int:
 # the first lines say so) -> the option that sets it
 _OWN_VARIABLES = {"RTXNET_COORDINATOR": "--coordinator", "RTXNET_JOB": "--job",
                   "RTXNET_WORLD_SIZE": "--nproc and --nnodes", "RTXNET_MIN_RANKS": "--min-ranks",
-                  "RTXNET_RANK": "--node-rank"}
+                  "RTXNET_MAX_RANKS": "--nproc and --nnodes", "RTXNET_RANK": "--node-rank"}
 _LAST_LINE = 300   # bytes of a rank's last line on stderr kept to name a failure (_last_words)
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read without progress
 _DRAIN_ALONE_S = 10.0   # the same when it left no process in its group (see _watch)
@@ -1248,6 +1248,10 @@ class Launcher:
                 except RuntimeError as exc:
                     # The port may linger for a moment after a kill; or the new process died
                     # before it answered (killed again): said once per different reason.
+                    if isinstance(exc, JournalRefused):   # exit code 3 at its start
+                        self.coordinator_trouble = (
+                            f"the coordinator could not start again on its journal {journal} "
+                            f"(exit code 3: {_journal_trouble(journal)})")
                     if attempt == 49:
                         _say(f"could not restart the coordinator: {exc}")
                         return
