@@ -14,8 +14,9 @@ restore from a checkpoint and every loss of committed state (``committed_state_l
 and no checkpoint held the job's last committed step, so training started again from an older one).
 
 Exit code: the launcher's; when that is 0 but committed steps were lost, 1 (lost progress fails the
-check even though the job finished); when that is 0 but a fault of the plan was not injected, 4
-(the run did not test it: a step past the script's last, a rank killed before its turn). 2 for arguments faultrun or the launcher refuses (one line
+check even though the job finished); when that is 0 but a fault of the plan is known not to have
+fired, 4 (the run did not test it: a step past the script's last, a rank killed before its turn;
+a fault no rank said anything about, as with ``RTXNET_LOG_LEVEL=error``, does not count). 2 for arguments faultrun or the launcher refuses (one line
 naming the value; no run, no summary). When the run takes longer than ``--timeout`` seconds it is
 stopped (SIGTERM to the launcher, which stops its ranks, then SIGKILL if it is still there after
 ``STOP_GRACE_S``), one line says so and the exit code is 124. SIGTERM (or Ctrl-C) to faultrun stops
