@@ -1156,9 +1156,9 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
                                  "last_call_s": float(msg["last_call_s"]), "heartbeat_timeout_s": float(msg["heartbeat_timeout_s"])}, now)
         job = state.jobs[job_id]
     if msg["token"] != job.token:
-        job.last_refusal = (f"a rank on {msg['host'][:64]} (pid {msg['pid']}) was refused: "
-                            f"{_token_refused(job_id, msg['token'])}")
-        return refuse("RendezvousError", _token_refused(job_id, msg["token"]))
+        why = _token_refused(job_id, msg["token"])
+        job.last_refusal = f"a rank on {msg['host'][:64]} (pid {msg['pid']}) was refused: {why}"
+        return refuse("RendezvousError", why)
     if (min_r, max_r) != (job.min_ranks, job.max_ranks):
         # the ranks waiting for it hear of it too (their "rendezvous_waiting" lines), instead of
         # waiting out their rendezvous timeout for a rank that will never come

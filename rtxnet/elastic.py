@@ -675,7 +675,7 @@ class FaultTolerance:
             # (the epoch the last sync was in stays: a failure in it names its late ranks by
             # launch rank when it closes, epochs later after an eviction: late_launch was None
             # while lost_launch was known, a fresh user's find)
-            keep = {self._synced_epoch, (getattr(self, "_open_failure", None) or {}).get("late_epoch")}
+            keep = {self._synced_epoch, (self._open_failure or {}).get("late_epoch")}
             for old in [e for e in self._launch_of if e < epoch - 1 and e not in keep]:
                 del self._launch_of[old]
 
