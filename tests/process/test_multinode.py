@@ -198,9 +198,10 @@ def test_hosts_cut_from_each_other_but_not_from_the_coordinator_train_on_one_sid
     res = _results(tmp_path / "out")
     assert len(res) == 2 and {r["world_size"] for r in res} == {2}, res
     assert {r["sha256"] for r in res} == {ft_workload.reference(steps, 1024)}, res
-    for r in res:
-        failures = [e for e in r["events"] if e["event"] == "failure"]
-        assert len(failures) == 1, r["events"]
+    # (the evicted side may count the cut's step twice, its retry before it was evicted: a CI
+    # run; what must not happen is a failure at a later step, its readmission's)
+    cut_steps = {e["step"] for r in res for e in r["events"] if e["event"] == "failure"}
+    assert len(cut_steps) == 1, [r["events"] for r in res]
     assert len(re.findall(r"\] rejoining +reason=", err)) == 1 and "eviction_refused" not in err, err[-6000:]
 
 

@@ -22,6 +22,7 @@ def _membership(epoch: int, lost: tuple[int, ...], launch: list[int | None] = ()
 def _ft() -> FaultTolerance:
     ft = FaultTolerance.__new__(FaultTolerance)
     ft.events, ft._epoch_seen, ft._epoch_lost = [], {}, {}
+    ft._open_failure = None          # as __init__ sets it before any listener runs
     ft._epoch_lost_launch, ft._launch_of, ft._pending_joins = {}, {}, []
     ft._epoch_same = set()
     ft.step, ft.committed_step, ft.launch_rank = 6, 5, 0
