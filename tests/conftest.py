@@ -35,13 +35,20 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 
 
 # The longest files (minutes of rank processes), longest first: two workers taking whole files
-# in collection order finish together only if the long ones do not come last (measured serially
-# on 2 cores: the digits job about 140 s, the fault harness 90 s, the coordinator 70 s, ...).
+# in this order finish together only if the long ones do not come last (their seconds in a
+# clean-clone run of the suite, 2026-12-06: faults 161, launcher 152, train_digits 144, fsdp 108,
+# coordinator 97, tp_fault_tolerance 61, benches 60, multinode 50, ddp 40, reference 39, ...).
+# pytest-xdist's own order (``--dist loadfile`` sorts files by their number of tests unless told
+# ``--no-loadscope-reorder``) put the 7 tests of tp_fault_tolerance and the 5 of multinode near
+# the end: pytest_configure turns it off.
 _LONGEST_FIRST = [
-    "process/test_train_digits.py", "process/test_faults.py", "process/test_coordinator.py",
-    "process/test_launcher.py", "process/test_benches.py", "parallel/test_fsdp.py",
-    "collectives/test_reference.py", "parallel/test_pipeline.py", "parallel/test_ddp.py",
-    "gpu/test_kernels_compile.py", "process/test_multinode.py", "parallel/test_checkpoint.py",
+    "process/test_faults.py", "process/test_launcher.py", "process/test_train_digits.py",
+    "parallel/test_fsdp.py", "process/test_coordinator.py", "parallel/test_tp_fault_tolerance.py",
+    "process/test_benches.py", "process/test_multinode.py", "parallel/test_ddp.py",
+    "collectives/test_reference.py", "collectives/test_hierarchical.py", "parallel/test_pipeline.py",
+    "gpu/test_kernels_compile.py", "collectives/test_unusual.py", "process/test_coordinator_flood.py",
+    "parallel/test_checkpoint.py", "gpu/test_kernels.py", "collectives/test_bulk.py",
+    "collectives/test_lifecycle.py",
 ]
 
 
@@ -54,6 +61,8 @@ def pytest_configure(config):
     whatever that variable says; stale ones are rebuilt (``compileall`` compares mtimes)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         return
+    if hasattr(config.option, "loadscopereorder"):   # xdist's scheduler keeps _LONGEST_FIRST's order
+        config.option.loadscopereorder = False
     import compileall
 
     root = Path(__file__).resolve().parents[1]

@@ -53,12 +53,24 @@ def test_torch_style_variables_are_set(tmp_path, coordinator):
     out = run(["--nproc", "2", "--job", "envjob", str(script)])
     assert out.returncode == 0, out.stderr
     assert "[rank0] 0 2 0 2 0 envjob 2 2 None" in out.stdout and "[rank1] 1 2 1 2 0 envjob 2 2 None" in out.stdout
-    # the second of three nodes: launch ranks 2 and 3 of 6, data sockets on the route to ADDR
-    out = run(["--nnodes", "3", "--node-rank", "1", "--nproc", "2", "--min-ranks", "4", "--coordinator",
-               coordinator.address, "--job", "envjob", str(script)])
-    assert out.returncode == 0, out.stderr
-    for r in (2, 3):
-        assert f"[rank{r}] {r} 6 {r - 2} 2 1 envjob 6 4 127.0.0.1" in out.stdout, out.stdout
+    # the second of three nodes: launch ranks 2 and 3 of 6, data sockets on the route to ADDR.
+    # Its ranks never join, so the launcher looks for the other nodes' for 10 s after they end
+    # (_NODE_LAST_LOOK_S; the exit after it is not what this test is about): stopped once both
+    # have printed
+    stdout = tmp_path / "node1.out"
+    with open(stdout, "w") as sink:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "3", "--node-rank", "1", "--nproc", "2",
+             "--min-ranks", "4", "--coordinator", coordinator.address, "--job", "envjob", str(script)],
+            stdout=sink, stderr=subprocess.DEVNULL, env=procs.env(), cwd=ROOT)
+    try:
+        want = [f"[rank{r}] {r} 6 {r - 2} 2 1 envjob 6 4 127.0.0.1" for r in (2, 3)]
+        wait_until(lambda: all(w in stdout.read_text() for w in want) or launcher.poll() is not None, 60,
+                   "both ranks' lines")
+        assert all(w in stdout.read_text() for w in want), stdout.read_text()
+    finally:
+        launcher.terminate()
+        launcher.wait(30)
 
 
 def test_variables_rtxnet_run_sets_itself_are_named_when_exported(tmp_path):
