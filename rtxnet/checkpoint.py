@@ -217,25 +217,32 @@ def _temp_of(path: Path) -> Path:
 class _ShardSink:
     """The file ``torch.save`` writes a shard to: takes the SHA-256 and size of what passes
     (``hashlib`` releases the GIL on each chunk, as the file's ``write`` does), so the shard is
-    not read back; and keeps the ``OSError`` of a failed write, which torch's writer swallows,
-    raising ``RuntimeError("... unexpected pos 704 vs 598")`` instead. A ``seek`` (torch does
-    none for a plain save) drops the running hash: ``digest`` is then None."""
+    not read back; and keeps the exception of a failed write, which torch's writer swallows,
+    raising ``RuntimeError("... unexpected pos 704 vs 598")`` instead: an ``OSError``, or a
+    ``KeyboardInterrupt`` of a Ctrl-C that came during the write (which the save then raised as
+    a ``CheckpointError`` with torch's words, and the script went on: a tester's find). A
+    ``seek`` (torch does none for a plain save) drops the running hash: ``digest`` is then
+    None."""
 
     def __init__(self, f: Any):
         self._f = f
         self._h: Any = hashlib.sha256()
         self.nbytes = 0
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def write(self, b: Any) -> int:
         try:
             n = self._f.write(b)
-        except OSError as exc:
+        except BaseException as exc:
             self.error = exc
             raise
-        if self._h is not None:
-            self._h.update(b)
-            self.nbytes += memoryview(b).nbytes
+        try:
+            if self._h is not None:
+                self._h.update(b)
+                self.nbytes += memoryview(b).nbytes
+        except BaseException as exc:
+            self.error = exc
+            raise
         return n
 
     def seek(self, *args: Any) -> int:
@@ -526,8 +533,12 @@ def hold(root: str | os.PathLike, *, pg: Any = None) -> None:
 
     Raises:
         CheckpointError: another run holds ``root`` (names its job).
+        ConfigError: ``root`` exists and is not a folder.
     """
     root = Path(root)
+    if root.exists() and not root.is_dir():   # a file: it warned that it was not locked, and held nothing
+        raise ConfigError(f"root {str(root)!r} is not a folder: checkpoint.hold takes the folder "
+                          f"checkpoints are saved into")
     holder = _claim_root(root, pg)
     if holder is not None:
         raise CheckpointError(f"{root.resolve()} is in use by another run ({shown_holder(holder)}) "
@@ -637,7 +648,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             logs ``checkpoint_newer_steps_remain`` naming them. With or without it, what killed
             saves left (temporary files, a step folder that never got its manifest, shards a
             manifest of an earlier step does not list) is removed.
-        metadata: JSON-serialisable values stored in the manifest (e.g. the loss).
+        metadata: a dict of JSON values stored in the manifest (e.g. the loss; floats finite).
         timeout_s: deadline of each collective, in seconds; ``None`` uses the group's.
 
     Returns:
@@ -651,7 +662,11 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             manifest or could not see a rank's shard (a root not shared by the ranks); raised on
             every rank, ``exc.ranks`` names the failed ranks. Nothing was committed: the step is
             what it was before (a committed step stays committed, with its old shards).
-        ConfigError: bad ``step`` (not an integer in 0..2**63-1) or ``keep``.
+        ConfigError: bad ``step`` (not an integer in 0..2**63-1), ``keep`` or ``metadata`` (not a
+            dict of strict JSON: a float that is not finite, bytes, other objects).
+        KeyboardInterrupt, SystemExit: raised on the rank they came to during the save, once the
+            others know it failed (they raise ``CheckpointError`` naming it "interrupted"); a
+            second Ctrl-C during that exchange interrupts it as it does any collective.
         CollectiveMismatchError: the ranks asked for different steps (``field="step"``) or passed
             different roots (``field="root"``, ``values`` maps rank to its resolved root); raised
             on every rank, nothing written.
@@ -663,10 +678,27 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     step = _check_step(step)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ConfigError(f"keep({keep!r}) must be None or an integer >= 1")
+    _check_metadata(metadata)
     world_group, rank, world, epoch = _save_world(pg)
     pin = pg.pinned(world_group) if world_group is not None else contextlib.nullcontext()
     with pin:
         return _save(Path(root), step, state, pg, rank, world, epoch, keep, metadata, timeout_s)
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Refuses, before anything is written, ``metadata`` the manifest could not hold as strict
+    JSON (it failed on rank 0 only once the shards were written; ``inf`` was written as
+    ``Infinity``, which strict JSON readers refuse: a tester's find)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"metadata must be None or a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"metadata is not JSON the manifest can hold ({exc}): give JSON "
+                          f"numbers (finite), strings, bools, None, lists and dicts with string keys"
+                          ) from None
 
 
 def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, world: int,
@@ -722,9 +754,15 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(folder)
-    except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
+    except BaseException as exc:  # noqa: BLE001 - any failure must reach every rank
+        # A KeyboardInterrupt (Ctrl-C) or SystemExit too: this rank still takes part in phase 3,
+        # saying it was interrupted, and raises it after. Raised at once, it left the others in
+        # phase 3's all_gather, which its next collective then met (a tester's find: "ranks
+        # disagree on dtype" on every later save, the group out of step for good).
         err = exc
-    mine = _pack_status(err is None, nbytes, digest, name, "" if err is None else _shown_error(err, folder / name))
+    interrupt = err if err is not None and not isinstance(err, Exception) else None
+    mine = _pack_status(err is None, nbytes, digest, name, "" if err is None else (
+        f"interrupted ({type(err).__name__})" if interrupt else _shown_error(err, folder / name)))
 
     # Phase 3: everyone's outcome.
     if pg is None:
@@ -767,18 +805,26 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
                 "files": {s["name"]: {"sha256": s["sha256"], "nbytes": s["nbytes"]} for s in statuses},
                 "metadata": metadata or {},
             }
-            data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
             _write_atomic(folder / MANIFEST, data, sync_folder=False)
             committed[0] = 1          # renamed: the commit point has passed
         except (OSError, TypeError, ValueError) as exc:
             manifest_error = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # noqa: BLE001 - a Ctrl-C: the others still hear the outcome
+            interrupt = exc           # raised on this rank once they have
+            manifest_error = (f"{type(exc).__name__}: {exc}" if isinstance(exc, Exception)
+                              else f"interrupted ({type(exc).__name__})")
         if committed[0]:
             try:
-                fsync_dir(folder)
-            except OSError as exc:    # committed and visible; only its durability is in doubt
-                log.warning("checkpoint_folder_fsync_failed", step=step, path=str(folder), error=str(exc))
-            # before the broadcast: no rank starts another save of this step while files go
-            _remove_leftovers(folder, set(shards))
+                try:
+                    fsync_dir(folder)
+                except OSError as exc:    # committed and visible; only its durability is in doubt
+                    log.warning("checkpoint_folder_fsync_failed", step=step, path=str(folder),
+                                error=str(exc))
+                # before the broadcast: no rank starts another save of this step while files go
+                _remove_leftovers(folder, set(shards))
+            except BaseException as exc:  # noqa: BLE001 - committed: the others hear so first
+                interrupt = exc
     if pg is not None:
         if rank == 0:
             outcome = _pack_status(bool(committed[0]), 0, b"", "", manifest_error)
@@ -813,7 +859,11 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
             msg = (f"checkpoint step {step}: rank 0 could not write {folder / MANIFEST}"
                    f"{': ' + manifest_error if manifest_error else ''}; no manifest written")
         log.error("checkpoint_failed", step=step, ranks=failed, error=msg)
+        if interrupt is not None:
+            raise interrupt
         raise CheckpointError(msg, step=step, ranks=failed) from err
+    if interrupt is not None:   # rank 0, interrupted once the manifest was renamed: committed
+        raise interrupt
 
     duration_ms = (time.perf_counter() - t0) * 1e3
     log.info("checkpoint_saved", step=step, nbytes=nbytes, world_size=world,
@@ -961,13 +1011,17 @@ def _sweep_killed_saves(root: Path, saved: int) -> None:
 
 
 def _steps(root: Path) -> list[int]:
+    """The steps of ``root``'s ``step-<N>`` folders, ascending: only those :func:`step_dir` names
+    (``N`` in 0..2**63-1 without leading zeros). Others are not this module's and are left
+    alone: a stray ``step-9223372036854775808`` made :func:`latest`, :func:`load` and ``save(keep=)``
+    raise ``ConfigError`` for the whole root (a tester's find)."""
     if not root.is_dir():
         return []
     out = []
     for p in root.iterdir():
         m = _STEP_RE.match(p.name)
-        if m and p.is_dir():
-            out.append(int(m.group(1)))
+        if m and (n := int(m.group(1))) <= MAX_STEP and str(n) == m.group(1) and p.is_dir():
+            out.append(n)
     return sorted(out)
 
 
@@ -1032,7 +1086,14 @@ def _check_manifest(m: Any, step: int) -> None:
     files = m.get("files")
     if not isinstance(files, dict):
         raise ValueError(f"files {files!r} is not an object")
-    shards = m.setdefault("shards", [f"rank-{k}.pt" for k in range(world)])
+    if "shards" not in m:
+        # written before the list existed: every shard is in files. (Built whatever world_size
+        # said, a manifest's world_size of 10**9 took the memory of a billion names: a tester's
+        # find, the process killed by the kernel's out-of-memory killer.)
+        if world > len(files):
+            raise ValueError(f"world_size {world} but files lists {len(files)} file(s) and no shards")
+        m["shards"] = [f"rank-{k}.pt" for k in range(world)]
+    shards = m["shards"]
     if not isinstance(shards, list) or len(shards) != world:
         raise ValueError(f"shards {shards!r} is not a list of {world} file names (world_size {world})")
     for k, name in enumerate(shards):
@@ -1095,8 +1156,11 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
     before a step that could not be loaded).
 
     Raises:
+        ConfigError: ``before`` is not None or an integer.
         OSError: a manifest or shard exists but cannot be read (e.g. permissions).
     """
+    if before is not None and (isinstance(before, bool) or not isinstance(before, int | np.integer)):
+        raise ConfigError(f"before({before!r}) must be None or an integer step")
     for s in reversed(_steps(Path(root))):
         if before is not None and s >= before:
             continue

@@ -228,6 +228,113 @@ def test_keep_prunes_old_steps_and_bad_arguments_are_named(tmp_path):
         checkpoint.save(tmp_path, 5, {}, keep=0)
 
 
+def test_bad_metadata_before_and_hold_arguments_are_refused_naming_them(tmp_path):
+    # a tester's finds: metadata={"x": inf} was committed as "Infinity" (not JSON to strict
+    # readers) and bytes failed on rank 0 only, after the shards were written; latest(before="5")
+    # raised a bare TypeError and before=nan returned a step; hold() of a file returned
+    for bad, says in [({"x": float("inf")}, "Out of range float"), ({"x": b"1"}, "bytes"),
+                      ([1, 2], "must be None or a dict, got list")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            checkpoint.save(tmp_path, 1, {"w": torch.ones(2)}, metadata=bad)
+    assert not (tmp_path / "step-1").exists()                  # refused before anything written
+    checkpoint.save(tmp_path, 1, {"w": torch.ones(2)}, metadata={"loss": 0.5})
+    assert checkpoint.read_manifest(tmp_path, 1)["metadata"] == {"loss": 0.5}
+    for bad in ("5", float("nan"), True):
+        with pytest.raises(ConfigError, match=re.escape(f"before({bad!r}) must be None or an integer step")):
+            checkpoint.latest(tmp_path, before=bad)
+    assert checkpoint.latest(tmp_path, before=2) == 1 and checkpoint.latest(tmp_path, before=1) is None
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        checkpoint.hold(afile)
+
+
+def test_step_folders_this_module_does_not_name_are_left_alone(tmp_path):
+    # a tester's find: a stray step-<2**63> made latest, load and save(keep=) raise ConfigError
+    # for the whole root, and under a group rank 0 raised where rank 1 reported the save done
+    checkpoint.save(tmp_path, 1, {"w": torch.ones(2)})
+    for stray in (f"step-{2**63}", "step-007", f"step-{10**40}"):
+        (tmp_path / stray).mkdir()
+    assert checkpoint.latest(tmp_path) == 1
+    assert checkpoint.load(tmp_path)["_checkpoint"]["step"] == 1
+    checkpoint.save(tmp_path, 2, {"w": torch.ones(2)}, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == sorted(["step-2", f"step-{2**63}", "step-007",
+                                                                      f"step-{10**40}"])
+
+
+@pytest.mark.parametrize("with_shards", [True, False])
+def test_a_manifest_claiming_a_huge_world_is_corrupt_without_taking_memory(tmp_path, with_shards):
+    # a tester's find: world_size 10**9 built a billion default shard names, even in a manifest
+    # that lists its shards (the process went to 23 GB and the kernel killed it)
+    import tracemalloc
+
+    checkpoint.save(tmp_path, 1, {"w": torch.ones(2)})
+    path = tmp_path / "step-1" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["world_size"] = 10**6
+    if not with_shards:                 # as written before the list existed
+        del m["shards"]
+    path.write_text(json.dumps(m))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptError, match="1000000"):
+            checkpoint.read_manifest(tmp_path, 1)
+        assert checkpoint.latest(tmp_path) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes allocated to refuse it"     # a million names: ~60 MB
+
+
+CTRL_C_IN_SAVE = """
+import os, signal, sys, threading, time
+import torch
+import rtxnet
+from rtxnet import checkpoint
+root, me = sys.argv[1], int(os.environ["RANK"])
+pg = rtxnet.init()
+checkpoint.save(root, 1, {"a": torch.ones(2)}, pg=pg)
+def ctrl_c_once_writing():
+    # a real SIGINT to this process once its shard of step 2 is being written
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(p.name.startswith("rank-0") for p in (os.scandir(f"{root}/step-2") if os.path.isdir(f"{root}/step-2") else [])):
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        time.sleep(0.0005)
+if me == 0:
+    threading.Thread(target=ctrl_c_once_writing, daemon=True).start()
+try:
+    checkpoint.save(root, 2, {"b": torch.ones(48 << 20)}, pg=pg)     # 192 MiB
+    print(f"rank{me}: step 2 saved", flush=True)
+except BaseException as exc:
+    print(f"rank{me}: step 2 {type(exc).__name__}: {exc}", flush=True)
+checkpoint.save(root, 3, {"a": torch.ones(2)}, pg=pg, timeout_s=20)
+print(f"rank{me}: step 3 saved, latest {checkpoint.latest(root)}", flush=True)
+pg.barrier(timeout=20)
+pg.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_save_raises_on_its_rank_and_fails_the_save_on_every_rank(tmp_path):
+    # a tester's finds: a Ctrl-C during the shard's write became a CheckpointError with torch's
+    # words ("unexpected pos") and the script went on; one landing just after it left the other
+    # rank in the save's exchange, so every later save (and the barrier) was a mismatch
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_IN_SAVE)
+    root = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script), str(root)],
+                          capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "[rank0] rank0: step 2 KeyboardInterrupt" in proc.stdout, proc.stdout[-3000:]
+    assert ("[rank1] rank1: step 2 CheckpointError: checkpoint step 2 failed on rank(s) [0]: rank 0: "
+            "interrupted (KeyboardInterrupt); no manifest written") in proc.stdout, proc.stdout[-3000:]
+    for r in (0, 1):
+        assert f"[rank{r}] rank{r}: step 3 saved, latest 3" in proc.stdout, proc.stdout[-3000:]
+    assert not (root / "step-2").exists()
+
+
 def test_a_corrupt_step_found_by_latest_is_not_counted_among_the_kept(tmp_path):
     # a fresh user's find: after a resume past a corrupt step-300, keep=3 kept 200, the corrupt
     # 300 and 320, and deleted the intact 100
@@ -555,7 +662,9 @@ def _edit_manifest(path, edit):
 
 @pytest.mark.parametrize("what, edit", [
     ("files lists no rank-0.pt", lambda m: {**m, "files": {}}),
-    ("rank 1 of its world of 2 has no shard", lambda m: {**{k: v for k, v in m.items() if k != "shards"}, "world_size": 2}),
+    ("world_size 2 but files lists 1 file(s) and no shards",
+     lambda m: {**{k: v for k, v in m.items() if k != "shards"}, "world_size": 2}),
+    ("rank 1 of its world of 2 has no shard", lambda m: {**m, "world_size": 2, "shards": ["rank-0.pt", "rank-1.pt"]}),
     ("shards", lambda m: {**m, "shards": ["../step-1/rank-0.pt"]}),
     ("sha256", lambda m: {**m, "files": {"rank-0.pt": {"sha256": "zz", "nbytes": 1}}}),
     ("which are no shard", lambda m: {**m, "files": {**m["files"], "rank-7.pt": m["files"]["rank-0.pt"]}}),
