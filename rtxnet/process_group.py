@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -415,6 +416,7 @@ class ProcessGroup:
 
     async def aclose(self) -> None:
         """Leave the job in order and release sockets and shared memory."""
+        _OPEN_ASYNC.pop(self, None)
         await self._agent.aclose()
         if self._engine is not None:
             await self._engine.aclose()
@@ -525,10 +527,29 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
     agent.add_listener(on_epoch)
 
 
+# every group this process joined (connect, init) and has not closed, with the loop it runs on
+_OPEN_ASYNC: weakref.WeakKeyDictionary[ProcessGroup, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
+
+
+def _refuse_a_second_rank(settings: dict[str, Any]) -> None:
+    """ConfigError when this process already holds an open group of ``settings``' job on its
+    coordinator, on a loop that still runs (``asyncio.run`` closes its loop at the end). A second
+    ``connect()`` joined as another rank of the same job, silently, or failed with a
+    ``JobFullError`` blaming another launch (a tester's find); ``init`` refused it already."""
+    for g, loop in list(_OPEN_ASYNC.items()):
+        if not loop.is_closed() and g.job == settings["job"] and g._agent.coordinator == settings["coordinator"]:
+            raise ConfigError(
+                f"this process already holds rank {g.rank} of job {settings['job']!r} on "
+                f"{settings['coordinator']} (an earlier rtxnet.connect() or rtxnet.init() whose "
+                f"group is open): a process is one rank; use that group, or close it before "
+                f"joining again")
+
+
 async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_size=None,
                    min_ranks=None, max_ranks=None, last_call_s=None, timeouts=None,
                    bind_host=None, info=None) -> ProcessGroup:
     settings = _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s)
+    _refuse_a_second_rank(settings)
     if not structlog.is_configured():
         # A rank process is an entry point too; without this, structlog's default prints to stdout.
         from transport.logconfig import configure_logging
@@ -579,7 +600,9 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
         if engine is not None:
             await engine.aclose()
         raise
-    return ProcessGroup(agent, engine, timeouts)
+    pg = ProcessGroup(agent, engine, timeouts)
+    _OPEN_ASYNC[pg] = asyncio.get_running_loop()
+    return pg
 
 
 async def _until_min_ranks(agent: Agent, timeout_s: float, reached: int) -> None:
@@ -646,7 +669,8 @@ class connect:  # noqa: N801 - used like a function: `await connect()` / `async 
     Raises:
         ConfigError: missing, mistyped or contradictory settings, a ``bind_host`` /
             ``RTXNET_BIND_HOST`` this host cannot listen on, bounds other than the running job's,
-            an ``info`` that is not such a dict (names the values).
+            an ``info`` that is not such a dict (names the values); this process already holds
+            an open group of the same job on the same coordinator (one process is one rank).
         RendezvousError: the coordinator refused the join (duplicate rank, job full, wrong token).
         RendezvousTimeout: the world did not form, or reach ``min_ranks``, within
             ``timeouts.rendezvous_s``.

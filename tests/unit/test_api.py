@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
@@ -392,6 +393,29 @@ def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
     # closed, it no longer counts: the join reaches the coordinator (which says the job is over)
     with pytest.raises(rtxnet.JobFinishedError):
         rtxnet.init(coordinator.address, job="ft-args", world_size=1)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_async_connect_to_the_same_job_is_refused_until_the_first_is_closed(coordinator):
+    # a tester's find: a second rtxnet.connect() in one process joined as a second rank of a job
+    # with room (silently), or failed with JobFullError blaming another launch; init refused it
+    async def main():
+        a = await rtxnet.connect(coordinator.address, job="twice", min_ranks=1, max_ranks=3, rank=0)
+        try:
+            with pytest.raises(rtxnet.ConfigError, match=r"this process already holds rank 0 of job 'twice' on "
+                                                         r"tcp://.*: a process is one rank"):
+                await rtxnet.connect(coordinator.address, job="twice", min_ranks=1, max_ranks=3)
+            assert a.world_size == 1
+            # another job on the same coordinator is another matter
+            async with rtxnet.connect(coordinator.address, job="other", world_size=1) as b:
+                assert b.world_size == 1
+        finally:
+            await a.aclose()
+        # closed, it no longer counts: the join reaches the coordinator (which says the job is over)
+        with pytest.raises(rtxnet.JobFinishedError):
+            await rtxnet.connect(coordinator.address, job="twice", min_ranks=1, max_ranks=3)
+
+    asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
