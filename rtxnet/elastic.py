@@ -230,8 +230,8 @@ class FaultTolerance:
             When two neighbours are lost, the newest checkpoint is loaded instead. Tensor-parallel
             layers need it (without it: ``ConfigError``). Before the
             first commit the states as built are compared: ``state.sharded_layout()``, when the
-            state has it (``FSDPState``), gives ``(rank, world_size)`` of its layout (else the
-            world when this object was made), and a rank that joined after the others built
+            state has it (``FSDPState``), gives ``(rank, world_size)`` of its layout, read when
+            this object is made (else that world), and a rank that joined after the others built
             theirs (``init`` returns at ``min_ranks``) takes their state, resharded. Costs per step:
             sending and receiving one rank's state (a point-to-point message each way); memory: two
             ranks' states besides the live one (three while the vote runs).
@@ -360,11 +360,20 @@ class FaultTolerance:
         # into that array (pack_state(into=)) while self._snapshot is still that snapshot and it
         # was not sent (_broadcast_bytes)
         self._reusable: tuple[memoryview, np.ndarray] | None = None
-        # sharded_state: (rank, world size) of the epoch this was made in: the layout of the
-        # state as built, unless the state says (sharded_layout(): it may have been built in an
-        # earlier epoch, before a rank joined)
+        # sharded_state: (rank, world size) the snapshot above is laid out for, what a fresh
+        # rank's sync row says of the state it would send: the state's sharded_layout() now (it
+        # may have been built in an earlier epoch, before a rank joined), else the epoch this
+        # was made in. Read here, not at the sync: a sync that resharded the live state for a
+        # world that then lost a rank before its ring copy (a joiner killed there) left
+        # sharded_layout() naming that world while the snapshot, all this rank sends, was still
+        # laid out for the one before, and the next sync found "the states as built of ranks
+        # [2] of the world of 3 are gone" (a tester's find: a joiner SIGKILLed in the sync of
+        # its join, before the first commit, ended an FSDP job that should have gone on with 2)
         m = self.pg.agent.membership
         self._built = (m.rank, m.world_size) if m is not None else (0, 1)
+        layout = getattr(state, "sharded_layout", None)
+        if self.sharded_state and callable(layout):
+            self._built = tuple(int(v) for v in layout())
         # False once this rank's state refused a snapshot (FSDP shards after the world changed):
         # it then holds no committed state and takes one from a peer or the newest checkpoint.
         self._holds_state = True
@@ -1341,16 +1350,16 @@ class FaultTolerance:
         pg = self.pg
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
         ring, kept = self._ring, self._ring_kept
-        if ring is None:     # a fresh process: its state as built, nothing committed
-            layout = getattr(self.state, "sharded_layout", None)
-            built_rank, built_world = layout() if callable(layout) else self._built
+        if ring is None:     # a fresh process: its state as built (the snapshot), nothing committed
+            built_rank, built_world = self._built
             mine = [0, self.committed_step, -1, built_world, built_rank, -1]
         else:
             mine = self._ring_row(ring)
         mine += self._ring_row(kept) if kept is not None else [0, -1, -1, 0, -1, -1]
         more = list(kept["blobs"])[2:] if kept is not None else []
-        mine += [int(self._built_held), len(more)]
-        both = np.zeros((world, 14), dtype=np.int64)
+        # the last column: this rank's live state is the one its row names (see in_place below)
+        mine += [int(self._built_held), len(more), int(self._holds_state)]
+        both = np.zeros((world, 15), dtype=np.int64)
         await pg.all_gather(both, np.array(mine, dtype=np.int64))
         # the kept rings' further ranks (a kept ring may hold more than two: _kept_after_sync),
         # in a second round only when some rank has any
@@ -1423,8 +1432,17 @@ class FaultTolerance:
                         holders.setdefault(int(rows[q, 4]), (q, 0))
                 covered = all(k in holders for k in range(old_world))
                 at_best = sorted(set(at_best) | {q for q, _ in holders.values()})
+        # In place: every rank holds its own state of the chosen ring in its world, and every
+        # rank's live state is that state (its roll-back to it loaded). A sync that resharded
+        # the live state for a grown world whose joiner was lost before that world's ring copy
+        # leaves the old ring complete and in place on the survivors, but their live state laid
+        # out for the lost world (the roll-back refused, _holds_state False): taken in place,
+        # the next forward raised "the shards are laid out for world_size(3) rank(0) but the
+        # group now has world_size(2)" on every rank (a tester's find: an FSDP job of 2 whose
+        # joiner was SIGKILLed by kill:rank=2:at=sync). Then the ring's states are sent round
+        # and loaded as after any loss.
         in_place = covered and old_world == world and len(at_best) == world and all(
-            holders.get(q) == (q, 0) for q in range(world))
+            holders.get(q) == (q, 0) for q in range(world)) and bool(both[:, 14].all())
         source = "in place" if in_place else "ring"
         if not covered and not fresh and best < 0 and rebuildable:
             return await self._rebuild_as_built(rank, world, epoch)
