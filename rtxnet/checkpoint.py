@@ -78,6 +78,8 @@ import pickle
 import random
 import re
 import shutil
+import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -664,9 +666,13 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             what it was before (a committed step stays committed, with its old shards).
         ConfigError: bad ``step`` (not an integer in 0..2**63-1), ``keep`` or ``metadata`` (not a
             dict of strict JSON: a float that is not finite, bytes, other objects).
-        KeyboardInterrupt, SystemExit: raised on the rank they came to during the save, once the
-            others know it failed (they raise ``CheckpointError`` naming it "interrupted"); a
-            second Ctrl-C during that exchange interrupts it as it does any collective.
+        KeyboardInterrupt: a Ctrl-C during the save (on the main thread, under Python's own
+            SIGINT handler) is raised once the save has ended on every rank, committed or not
+            (the message says which; a failure is its cause). A second Ctrl-C is raised at
+            once: during the shard's write the others then raise ``CheckpointError`` naming the
+            rank "interrupted", in a collective ``CollectiveError`` ("cancelled on that
+            rank"). A ``KeyboardInterrupt`` or ``SystemExit`` a handler of the script's own
+            raises during the write is treated as that second Ctrl-C.
         CollectiveMismatchError: the ranks asked for different steps (``field="step"``) or passed
             different roots (``field="root"``, ``values`` maps rank to its resolved root); raised
             on every rank, nothing written.
@@ -681,8 +687,49 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     _check_metadata(metadata)
     world_group, rank, world, epoch = _save_world(pg)
     pin = pg.pinned(world_group) if world_group is not None else contextlib.nullcontext()
-    with pin:
-        return _save(Path(root), step, state, pg, rank, world, epoch, keep, metadata, timeout_s)
+    deferred: list[float] = []
+    try:
+        with pin, _ctrl_c_deferred(step, deferred):
+            folder = _save(Path(root), step, state, pg, rank, world, epoch, keep, metadata, timeout_s)
+    except Exception as exc:
+        if deferred:
+            raise KeyboardInterrupt(f"Ctrl-C during checkpoint.save of step {step}, which then failed "
+                                    f"({type(exc).__name__}: {exc})") from exc
+        raise
+    if deferred:
+        raise KeyboardInterrupt(f"Ctrl-C during checkpoint.save of step {step}, which ended first: "
+                                f"committed ({folder})")
+    return folder
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred(step: int, got: list[float]) -> Any:
+    """While a save runs on the main thread under Python's own SIGINT handler: a first Ctrl-C is
+    noted in ``got`` (and logged) instead of raised, and :func:`save` raises it once the save
+    has ended on every rank; a second one is raised at once. A ``KeyboardInterrupt`` raised
+    between the save's collectives left the other ranks in the one this rank never entered, and
+    its next collective met theirs: every later save was a mismatch ("ranks asked for different
+    steps", "disagree on dtype"), the group out of step for good (a re-verifier's find, at
+    three places in the save). A save on another thread, or under a handler of the script's
+    own, is left as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        if got:
+            raise KeyboardInterrupt
+        got.append(time.monotonic())
+        log.warning("checkpoint_save_interrupt_deferred", step=step,
+                    hint="the save ends on every rank first, then Ctrl-C is raised; Ctrl-C again "
+                         "stops it at once (the other ranks' save then fails)")
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _check_metadata(metadata: Any) -> None:

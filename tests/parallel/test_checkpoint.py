@@ -294,21 +294,25 @@ from rtxnet import checkpoint
 root, me = sys.argv[1], int(os.environ["RANK"])
 pg = rtxnet.init()
 checkpoint.save(root, 1, {"a": torch.ones(2)}, pg=pg)
-def ctrl_c_once_writing():
-    # a real SIGINT to this process once its shard of step 2 is being written
+def ctrl_c_once_writing(step, times):
+    # real SIGINTs to this process once its shard of the step is being written
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if any(p.name.startswith("rank-0") for p in (os.scandir(f"{root}/step-2") if os.path.isdir(f"{root}/step-2") else [])):
-            os.kill(os.getpid(), signal.SIGINT)
+        folder = f"{root}/step-{step}"
+        if os.path.isdir(folder) and any(p.name.startswith("rank-0") for p in os.scandir(folder)):
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.002)
             return
         time.sleep(0.0005)
-if me == 0:
-    threading.Thread(target=ctrl_c_once_writing, daemon=True).start()
-try:
-    checkpoint.save(root, 2, {"b": torch.ones(48 << 20)}, pg=pg)     # 192 MiB
-    print(f"rank{me}: step 2 saved", flush=True)
-except BaseException as exc:
-    print(f"rank{me}: step 2 {type(exc).__name__}: {exc}", flush=True)
+for step, times in ((2, 1),):
+    if me == 0:
+        threading.Thread(target=ctrl_c_once_writing, args=(step, times), daemon=True).start()
+    try:
+        checkpoint.save(root, step, {"b": torch.ones(48 << 20)}, pg=pg)     # 192 MiB
+        print(f"rank{me}: step {step} saved", flush=True)
+    except BaseException as exc:
+        print(f"rank{me}: step {step} {type(exc).__name__}: {exc}", flush=True)
 checkpoint.save(root, 3, {"a": torch.ones(2)}, pg=pg, timeout_s=20)
 print(f"rank{me}: step 3 saved, latest {checkpoint.latest(root)}", flush=True)
 pg.barrier(timeout=20)
@@ -317,22 +321,26 @@ pg.close()
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_during_a_save_raises_on_its_rank_and_fails_the_save_on_every_rank(tmp_path):
-    # a tester's finds: a Ctrl-C during the shard's write became a CheckpointError with torch's
-    # words ("unexpected pos") and the script went on; one landing just after it left the other
-    # rank in the save's exchange, so every later save (and the barrier) was a mismatch
+def test_ctrl_c_during_a_save_is_raised_once_the_save_ended_on_every_rank(tmp_path):
+    # a tester's and a re-verifier's finds: a Ctrl-C during the shard's write became a
+    # CheckpointError with torch's words ("unexpected pos") and the script went on; one landing
+    # between the save's collectives left the other rank in the one it never entered, so every
+    # later save (and the barrier) was a mismatch. A Ctrl-C now waits for the save to end on
+    # every rank (committed here), and the script that catches it goes on in step. (A second
+    # Ctrl-C is raised at once, wherever it lands: not tested, as where is up to the scheduler.)
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_IN_SAVE)
     root = tmp_path / "ck"
     proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script), str(root)],
                           capture_output=True, text=True, timeout=100, env=procs.env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "[rank0] rank0: step 2 KeyboardInterrupt" in proc.stdout, proc.stdout[-3000:]
-    assert ("[rank1] rank1: step 2 CheckpointError: checkpoint step 2 failed on rank(s) [0]: rank 0: "
-            "interrupted (KeyboardInterrupt); no manifest written") in proc.stdout, proc.stdout[-3000:]
+    out = proc.stdout
+    assert f"[rank0] rank0: step 2 KeyboardInterrupt: Ctrl-C during checkpoint.save of step 2, which ended first: " \
+           f"committed ({root / 'step-2'})" in out, out[-3000:]
+    assert "[rank1] rank1: step 2 saved" in out and "checkpoint_save_interrupt_deferred" in proc.stderr, out[-3000:]
     for r in (0, 1):
-        assert f"[rank{r}] rank{r}: step 3 saved, latest 3" in proc.stdout, proc.stdout[-3000:]
-    assert not (root / "step-2").exists()
+        assert f"[rank{r}] rank{r}: step 3 saved, latest 3" in out, out[-3000:]
+    assert checkpoint.latest(root, before=3) == 2
 
 
 def test_a_corrupt_step_found_by_latest_is_not_counted_among_the_kept(tmp_path):
