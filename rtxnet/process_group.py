@@ -527,29 +527,73 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
     agent.add_listener(on_epoch)
 
 
-# every group this process joined (connect, init) and has not closed, with the loop it runs on
+# every group this process joined (connect, init) and has not closed, with the loop it runs on;
+# and the joins under way (loop, job, coordinator address)
 _OPEN_ASYNC: weakref.WeakKeyDictionary[ProcessGroup, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
+_JOINING: list[tuple[asyncio.AbstractEventLoop, str, str]] = []
 
 
-def _refuse_a_second_rank(settings: dict[str, Any]) -> None:
+async def _coordinator_key(address: str) -> frozenset[str]:
+    """``address``'s host resolved, as ``{"ip:port", ...}`` (``tcp://localhost:N`` and
+    ``tcp://127.0.0.1:N`` are one coordinator); ``{address}`` where it does not resolve."""
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(address)
+        infos = await asyncio.get_running_loop().getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM)
+    except (OSError, ValueError, UnicodeError):
+        return frozenset({address})
+    return frozenset(f"{i[4][0]}:{i[4][1]}" for i in infos) or frozenset({address})
+
+
+async def _refuse_a_second_rank(settings: dict[str, Any], joining: list[tuple[Any, str, str]]) -> None:
     """ConfigError when this process already holds an open group of ``settings``' job on its
-    coordinator, on a loop that still runs (``asyncio.run`` closes its loop at the end). A second
-    ``connect()`` joined as another rank of the same job, silently, or failed with a
-    ``JobFullError`` blaming another launch (a tester's find); ``init`` refused it already."""
-    for g, loop in list(_OPEN_ASYNC.items()):
-        if not loop.is_closed() and g.job == settings["job"] and g._agent.coordinator == settings["coordinator"]:
+    coordinator (under any name that resolves alike), or is joining it (``joining``: the joins
+    under way before this one), on a loop that still runs (``asyncio.run`` closes its loop at
+    the end). A second ``connect()`` joined as another rank of the same job, silently, or failed
+    with a ``JobFullError`` blaming another launch (a tester's find; a re-verifier's: under
+    another name of the coordinator, or two at once); ``init`` refused it already. Resolves
+    names only when this process has a group or join of the same job."""
+    job, address = settings["job"], settings["coordinator"]
+    held = [(g.rank, g._agent.coordinator) for g, loop in list(_OPEN_ASYNC.items())
+            if not loop.is_closed() and g.job == job]
+    under_way = [a for loop, j, a in joining if not loop.is_closed() and j == job]
+    if not held and not under_way:
+        return
+    mine = await _coordinator_key(address)
+    for rank, other in held:
+        if other == address or await _coordinator_key(other) & mine:
             raise ConfigError(
-                f"this process already holds rank {g.rank} of job {settings['job']!r} on "
-                f"{settings['coordinator']} (an earlier rtxnet.connect() or rtxnet.init() whose "
-                f"group is open): a process is one rank; use that group, or close it before "
-                f"joining again")
+                f"this process already holds rank {rank} of job {job!r} on {other} (an earlier "
+                f"rtxnet.connect() or rtxnet.init() whose group is open): a process is one rank; "
+                f"use that group, or close it before joining again")
+    for other in under_way:
+        if other == address or await _coordinator_key(other) & mine:
+            raise ConfigError(f"this process is already joining job {job!r} on {other} (another "
+                              f"rtxnet.connect() under way): a process is one rank")
 
 
 async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_size=None,
                    min_ranks=None, max_ranks=None, last_call_s=None, timeouts=None,
                    bind_host=None, info=None) -> ProcessGroup:
     settings = _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s)
-    _refuse_a_second_rank(settings)
+    loop = asyncio.get_running_loop()
+    before = list(_JOINING)              # no await between this look and the append below
+    joining = (loop, settings["job"], settings["coordinator"])
+    _JOINING.append(joining)
+    try:
+        await _refuse_a_second_rank(settings, before)
+        pg = await _join(settings, timeouts, bind_host, info)
+    finally:
+        _JOINING.remove(joining)
+    _OPEN_ASYNC[pg] = loop
+    return pg
+
+
+async def _join(settings: dict[str, Any], timeouts: Any, bind_host: str | None, info: Any) -> ProcessGroup:
+    """:func:`_connect` once its settings are checked and no other group of this process holds
+    the job."""
     if not structlog.is_configured():
         # A rank process is an entry point too; without this, structlog's default prints to stdout.
         from transport.logconfig import configure_logging
@@ -600,9 +644,7 @@ async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_s
         if engine is not None:
             await engine.aclose()
         raise
-    pg = ProcessGroup(agent, engine, timeouts)
-    _OPEN_ASYNC[pg] = asyncio.get_running_loop()
-    return pg
+    return ProcessGroup(agent, engine, timeouts)
 
 
 async def _until_min_ranks(agent: Agent, timeout_s: float, reached: int) -> None:

@@ -405,7 +405,16 @@ def test_a_second_async_connect_to_the_same_job_is_refused_until_the_first_is_cl
             with pytest.raises(rtxnet.ConfigError, match=r"this process already holds rank 0 of job 'twice' on "
                                                          r"tcp://.*: a process is one rank"):
                 await rtxnet.connect(coordinator.address, job="twice", min_ranks=1, max_ranks=3)
+            # under another name of the coordinator too (a re-verifier's find)
+            alias = coordinator.address.replace("127.0.0.1", "localhost")
+            with pytest.raises(rtxnet.ConfigError, match="a process is one rank"):
+                await rtxnet.connect(alias, job="twice", min_ranks=1, max_ranks=3)
             assert a.world_size == 1
+            # two at once: one joins, the other is refused (it was JobFullError blaming a launch)
+            both = await asyncio.gather(*(rtxnet.connect(coordinator.address, job="two", world_size=1)
+                                          for _ in range(2)), return_exceptions=True)
+            assert isinstance(both[1], rtxnet.ConfigError) and "already joining job 'two'" in str(both[1]), both
+            await both[0].aclose()
             # another job on the same coordinator is another matter
             async with rtxnet.connect(coordinator.address, job="other", world_size=1) as b:
                 assert b.world_size == 1
