@@ -39,7 +39,7 @@ __all__ = ["Agent", "Membership"]
 
 log = structlog.get_logger(__name__)
 
-FULL_RETRY_TIMEOUTS = 3   # how long a replacement asks a full job again, in heartbeat timeouts
+FULL_RETRY_TIMEOUTS = 3   # how long a joiner asks a full job again, in heartbeat timeouts
 WAITING_LOG_S = 10.0      # a rendezvous that has not formed is reported this often
 
 
@@ -259,17 +259,21 @@ class Agent:
                 + _who_came(self._pending_body)) from None
 
     async def _join_request(self, deadline_s: float | None = None) -> None:
-        """``_send_join``; a replacement refused because the job is full asks again every
-        heartbeat interval for ``FULL_RETRY_TIMEOUTS`` heartbeat timeouts: the rank it replaces
-        died unseen by the coordinator (killed with it: the restarted coordinator replays the
-        dead rank as a member until its heartbeats are missed), and is dropped within one."""
+        """``_send_join``; a rank refused because the job is full asks again every heartbeat
+        interval for ``FULL_RETRY_TIMEOUTS`` heartbeat timeouts: the rank whose place it takes
+        may have died unseen by the coordinator (killed while it was down: the restarted
+        coordinator replays the dead rank as a member until its heartbeats are missed), and is
+        dropped within one. Not only a replacement (``RTXNET_REJOIN``): a node's ranks started
+        again by a new launch met it too, and the job ended (a tester's find: a node's launcher
+        SIGKILLed while the coordinator was down, relaunched right after its restart). A job
+        truly full (another launch's) is refused that much later."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FULL_RETRY_TIMEOUTS * self.timeouts.heartbeat_timeout_s
         while True:
             try:
                 return await self._send_join(deadline_s)
             except JobFullError as exc:
-                if not (self.replacement and loop.time() < deadline):
+                if loop.time() >= deadline:
                     raise
                 log.warning("join_retry_job_full", error=str(exc))
                 await asyncio.sleep(self.timeouts.heartbeat_interval_s)

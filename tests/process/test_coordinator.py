@@ -247,6 +247,23 @@ def test_coordinator_sigkill_and_restart_resumes_the_job(coordinator, probes):
     assert ps[0].cmd("status")["jobs"][0]["epoch"] == 0
 
 
+def test_a_rank_started_afresh_after_a_restart_takes_the_place_of_one_killed_unseen(coordinator, probes):
+    # a tester's find: rank 1 (a node's launcher and its ranks) SIGKILLed while the coordinator
+    # was down; the restarted coordinator replays it as a member until its heartbeats are
+    # missed, and a fresh rank started at once (not a replacement: a new launch) was refused
+    # with JobFullError "another launch may use this job id", for good
+    ps = joined(probes, coordinator.address, "unseen", 2)
+    coordinator.kill(signal.SIGKILL)
+    ps[1].signal(signal.SIGKILL)
+    ps[1].proc.wait(10)
+    coordinator.start()  # same port, same journal
+    wait_until(lambda: "journal_replayed" in coordinator.log, 10, "the journal replayed")
+    fresh = probes(coordinator.address, job="unseen", world_size=2, timeouts=FAST)
+    got = fresh.expect("joined", timeout=15)
+    assert got["world_size"] == 2 and got["epoch"] >= 1, got
+    assert "join_retry_job_full" in fresh.log, fresh.log[-3000:]
+
+
 def test_a_frozen_coordinator_does_not_blame_the_ranks_for_its_own_silence(coordinator, tmp_path):
     """A 3-rank job commits steps; the daemon is SIGSTOPped for 4 s (past the 1 s heartbeat
     timeout) and woken. The ranks' heartbeats of that time are still unread when it wakes: it
