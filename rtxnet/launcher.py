@@ -799,6 +799,11 @@ class Launcher:
             # coordinator of rtxnet-run's own, without a word
             _say(f"not read from this environment, set for each rank by rtxnet-run: "
                  f"{'; '.join(overridden)}")
+        if elsewhere := _faults_for_other_nodes(a):
+            # a tester's find: such a fault never fired and nothing said so (both nodes exit 0)
+            _say(f"{elsewhere}: this node runs launch ranks {a.node_rank * a.nproc}.."
+                 f"{(a.node_rank + 1) * a.nproc - 1}; such a fault fires only on the node whose "
+                 f"rtxnet-run is given it too")
         _sweep_left_behind()   # what SIGKILLed launchers left
         self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
@@ -1916,6 +1921,20 @@ def _main(argv: list[str] | None) -> int:
             return 2
         print(f"rtxnet-run: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, JobIdTaken) else 1
+
+
+def _faults_for_other_nodes(a: argparse.Namespace) -> str | None:
+    """With ``--nnodes``: the faults of the plan (``--faults``, else ``RTXNET_FAULTS``; checked
+    already) that name a launch rank of another node, as one line, or None."""
+    plan = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+    if a.nnodes == 1 or not plan:
+        return None
+    from .faults import parse_plan
+
+    mine = range(a.node_rank * a.nproc, (a.node_rank + 1) * a.nproc)
+    other = [f"{f.text!r} names rank {f.rank}" for f in parse_plan(plan)
+             if f.rank is not None and f.rank >= 0 and f.rank not in mine]   # (-1: rank=any)
+    return "faults for other nodes' ranks: " + ", ".join(other) if other else None
 
 
 if __name__ == "__main__":

@@ -56,18 +56,23 @@ def test_torch_style_variables_are_set(tmp_path, coordinator):
     # the second of three nodes: launch ranks 2 and 3 of 6, data sockets on the route to ADDR.
     # Its ranks never join, so the launcher looks for the other nodes' for 10 s after they end
     # (_NODE_LAST_LOOK_S; the exit after it is not what this test is about): stopped once both
-    # have printed
-    stdout = tmp_path / "node1.out"
-    with open(stdout, "w") as sink:
+    # have printed. Its plan names a rank of another node, which it says (a tester's find: such
+    # a fault never fired, without a word).
+    stdout, stderr = tmp_path / "node1.out", tmp_path / "node1.err"
+    with open(stdout, "w") as sink, open(stderr, "w") as err:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "3", "--node-rank", "1", "--nproc", "2",
-             "--min-ranks", "4", "--coordinator", coordinator.address, "--job", "envjob", str(script)],
-            stdout=sink, stderr=subprocess.DEVNULL, env=procs.env(), cwd=ROOT)
+             "--min-ranks", "4", "--coordinator", coordinator.address, "--job", "envjob",
+             "--faults", "kill:rank=0:step=3;kill:rank=3:step=3;kill:rank=any:step=3", str(script)],
+            stdout=sink, stderr=err, env=procs.env(), cwd=ROOT)
     try:
         want = [f"[rank{r}] {r} 6 {r - 2} 2 1 envjob 6 4 127.0.0.1" for r in (2, 3)]
         wait_until(lambda: all(w in stdout.read_text() for w in want) or launcher.poll() is not None, 60,
                    "both ranks' lines")
         assert all(w in stdout.read_text() for w in want), stdout.read_text()
+        assert ("[rtxnet-run] faults for other nodes' ranks: 'kill:rank=0:step=3' names rank 0: this node "
+                "runs launch ranks 2..3; such a fault fires only on the node whose rtxnet-run is given it too"
+                ) in stderr.read_text(), stderr.read_text()
     finally:
         launcher.terminate()
         launcher.wait(30)
