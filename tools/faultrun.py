@@ -367,8 +367,12 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
         out_lines: list[str] = []
         err_lines: list[str] = []
         # in the caller's folder: the script and its relative paths are the caller's
+        # the launcher gets SIGTERM when this process dies, even by SIGKILL (it ran on with its
+        # ranks to the end: a tester's find), and stops its ranks and coordinator
+        from rtxnet.launcher import _die_with_parent
+
         proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, errors="replace")
+                                text=True, errors="replace", preexec_fn=_die_with_parent)
         pumps = [threading.Thread(target=_tee, args=(proc.stdout, None if quiet else sys.stdout, out_lines)),
                  threading.Thread(target=_tee, args=(proc.stderr, None if quiet else sys.stderr, err_lines))]
         for t in pumps:

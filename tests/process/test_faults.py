@@ -5,6 +5,7 @@ Each run must finish with every rank holding exactly the state of the fault-free
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -800,6 +801,34 @@ def test_faultrun_sigterm_stops_the_run_and_removes_its_folder(tmp_path):
     assert err.rstrip().endswith("faultrun: terminated (SIGTERM); the run was stopped"), err[-3000:]
     assert "Traceback" not in err
     assert _left_behind(tmp) == []
+
+
+def test_faultrun_sigkilled_takes_its_run_with_it(tmp_path):
+    # a tester's find: rtxnet-run and its ranks ran on, orphaned, to the end of the script
+    import psutil
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "tools/faultrun.py", "--plan", "kill:rank=1:step=100000", "--nproc", "2", "--",
+         "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=procs.env(**FAST, TMPDIR=str(tmp)))
+    run = []
+    try:
+        wait_until(lambda: len(_left_behind(tmp)) == 2, 30, "faultrun's folder and the journal")
+        # launcher, coordinator, ranks
+        wait_until(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 4, 30, "the ranks")
+        run = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(run, timeout=30)
+        assert not alive, alive
+    finally:
+        for child in run:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    # the launcher removed its coordinator's journal; faultrun's own folder stays (SIGKILL)
+    assert [name.startswith("rtxnet-faultrun-") for name in _left_behind(tmp)] == [True]
 
 
 def test_a_replacement_that_arrives_after_the_job_finished_exits_0(tmp_path):
