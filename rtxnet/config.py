@@ -238,10 +238,31 @@ def ints_in(lo: int, hi: int):
 
 
 def existing_folder(text: str) -> Path:
-    """An ``argparse`` type: a folder that exists (``--dir``); refused naming it otherwise."""
+    """An ``argparse`` type: a folder that exists and takes a new file (``--dir``; a file is
+    made and removed there); refused naming it otherwise (``/proc`` was a traceback at the
+    first write: a tester's find)."""
     import argparse
+    import tempfile
 
     path = Path(text)
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write a file there ({exc.strerror or exc})") from None
     return path
+
+
+def memory_for(what: str, nbytes: int) -> str | None:
+    """None, or why ``nbytes`` of memory (what a benchmark's sizes need) are more than this
+    machine has available now (``psutil``): a size within a benchmark's bounds was a
+    MemoryError traceback on a smaller machine (a tester's find)."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    if nbytes <= avail:
+        return None
+    return (f"{what} needs about {nbytes / 2**30:.1f} GiB of memory; this machine has "
+            f"{avail / 2**30:.1f} GiB available")

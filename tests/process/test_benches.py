@@ -84,3 +84,19 @@ def test_multihost_bench_runs_on_two_namespace_hosts(op, tmp_path):
     algorithms = ["ring", "hierarchical"] if op == "all_reduce" else ["direct", "ring", "hierarchical"]
     assert [r["algorithm"] for r in res["rows"]] == algorithms + ["default"], res
     assert res["rows"][-1]["ran"] == "hierarchical", res   # 1 MiB on 2 x 2 ranks
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    # a tester's finds: each was a traceback (or, --repeat, a run without end)
+    (["checkpoint_io.py", "--dir", "/proc"], "argument --dir: '/proc': cannot write a file there"),
+    (["journal_bench.py", "--dir", "/proc"], "argument --dir: '/proc': cannot write a file there"),
+    (["snapshot.py", "--mb", "65536"], "--mb 65536 needs about 320.0 GiB of memory; this machine has "),
+    (["checkpoint_io.py", "--mb", "65536"], "--mb 65536 needs about 128.0 GiB of memory; this machine has "),
+    (["multihost.py", "--rate", "bogus"], "argument --rate: 'bogus' is not a rate tc takes"),
+    (["multihost.py", "--rate", "0"], "argument --rate: '0' is not a rate tc takes"),
+    (["collectives.py", "--repeat", "99999999999"], "argument --repeat: must be in 1..1000, got 99999999999"),
+])
+def test_benchmarks_refuse_what_they_cannot_run_in_one_line(args, says):
+    proc = subprocess.run([sys.executable, f"tools/bench/{args[0]}", *args[1:]], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=procs.env())
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:   # run as a script: tools.bench.report
     sys.path.insert(0, str(ROOT))
 
 from rtxnet import checkpoint  # noqa: E402
-from rtxnet.config import int_in, output_file  # noqa: E402
+from rtxnet.config import existing_folder, int_in, memory_for, output_file  # noqa: E402
 from tools.bench.report import print_rows, write_rows  # noqa: E402
 from tools.bench.snapshot import _timed  # noqa: E402
 
@@ -124,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=int_in(1, 64 * 1024), nargs="+", default=[64, 256, 1024],
                         help="shard sizes in MB (default 64 256 1024)")
     parser.add_argument("--repeat", type=int_in(1, 100), default=3, help="runs per figure (median)")
-    parser.add_argument("--dir", type=Path, default=None,
+    parser.add_argument("--dir", type=existing_folder, default=None,
                         help="folder for the files (default: a temporary folder, removed after)")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
-    if args.dir is not None and not args.dir.is_dir():
-        parser.error(f"--dir {str(args.dir)!r} is not a folder")
+    # the tensor saved and the one loaded back
+    if why := memory_for(f"--mb {max(args.mb)}", 2 * max(args.mb) << 20):
+        parser.error(why)
     with tempfile.TemporaryDirectory(prefix="rtxnet-ckpt-bench-", dir=args.dir) as d:
         rows = bench_checkpoint_io(args.mb, Path(d), repeat=args.repeat)
     print_rows(rows, ["mb", "op", "seconds", "gb_per_s", "max_stall_ms", "anchor", "vs_anchor"])

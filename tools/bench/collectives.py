@@ -570,7 +570,7 @@ def main(argv=None):
     p.add_argument("--algorithm", default=None,
                    help="cpu: force rtxnet's algorithm for every op (e.g. direct, ring, shm; "
                         "rtxnet.collectives.ALGORITHMS lists each op's); default: rtxnet's choice")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=int_in(1, 1000), default=1,
                    help="alternate rtxnet and gloo this many times; report the median")
     p.add_argument("--json", "--out", dest="json", type=output_file, help="write JSON rows here")
     p.add_argument("--plot", type=output_file, help="PNG path (default: the JSON path with .png)")

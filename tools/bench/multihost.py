@@ -227,12 +227,25 @@ CROSSING = {"all_reduce": {"ring": 1.5, "hierarchical": 1.0, "direct": 1.5},
             "reduce_scatter": {"direct": 1.0, "ring": 0.75, "hierarchical": 0.5}}
 
 
+def tc_rate(text: str) -> str:
+    """An ``argparse`` type: a rate ``tc`` takes, a positive number and a unit (``1gbit``,
+    ``500mbit``, ``100mbps``); refused naming it before any namespace is built (``bogus`` and
+    ``0`` were tc's traceback after them: a tester's find)."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)", text.strip().lower())
+    if m is None or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate tc takes: a positive number and "
+                                         f"bit, kbit, mbit, gbit, tbit or bps, kbps, ... (e.g. 1gbit)")
+    return text.strip().lower()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--op", choices=sorted(ALGORITHMS), default="all_reduce",
                     help="the collective (default all_reduce; sizes are all_gather's output, "
                          "reduce_scatter's input)")
-    ap.add_argument("--rate", default="1gbit", help="tc rate of each direction of the link (default 1gbit)")
+    ap.add_argument("--rate", type=tc_rate, default="1gbit", help="tc rate of each direction of the link (default 1gbit)")
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 20, 4 << 20, 16 << 20, 64 << 20],
                     help="array sizes, a whole number and B, KiB, MiB or GiB "
                          "(default 1MiB 4MiB 16MiB 64MiB)")

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:   # run as a script: tools.bench.report
     sys.path.insert(0, str(ROOT))
 
-from rtxnet.config import int_in, output_file  # noqa: E402
+from rtxnet.config import int_in, memory_for, output_file  # noqa: E402
 from rtxnet.statesync import pack_state, unpack_state  # noqa: E402
 from tools.bench.report import print_rows, write_rows  # noqa: E402
 
@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int_in(1, 100), default=3, help="runs per figure (median)")
     parser.add_argument("--json", metavar="PATH", type=output_file, help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
+    # the state, its snapshot, the copies compared with it and pack_state's buffers
+    if why := memory_for(f"--mb {max(args.mb)}", 5 * max(args.mb) << 20):
+        parser.error(why)
     rows = bench_snapshot(args.mb, repeat=args.repeat)
     columns = ["mb", "op", "seconds", "gb_per_s", "max_stall_ms", "anchor", "vs_anchor", "vs_memcpy"]
     print_rows(rows, columns)
