@@ -64,6 +64,11 @@ class Member:
     # the world size this member waits for, as its last heartbeat said (None: it waits for
     # nothing); not journaled: the next heartbeat after a restart says it again
     waiting_for: int | None = None
+    # this coordinator process has heard from it (its join, a heartbeat); not journaled: a
+    # member replayed after a restart is unheard until its next heartbeat, and status shows no
+    # heartbeat age for it (it showed the age since the replay, for ranks dead meanwhile: a
+    # tester's find)
+    heard: bool = False
 
     def public(self) -> dict[str, Any]:
         return {
@@ -383,6 +388,7 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
                 info=pub.get("info") or {},
                 rank=int(rank),
                 last_seen=last_seen,
+                heard=prev.heard if prev else False,
                 joined_at=prev.joined_at if prev else now,
                 since=was.since if was else rec.get("since", {}).get(int(rank), rec["epoch"]),
             )
@@ -766,6 +772,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         member = job.member_by_identity(msg["identity"])
         if member is not None:
             member.last_seen = now
+            member.heard = True
             member.waiting_for = msg.get("waiting_for")
             state.where[member.identity] = job.job
             # committed_step: a rank whose vote is unanswered tells a peer that went on to the next
@@ -1172,10 +1179,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if other is not None and other != job_id:
         return refuse("RendezvousError", f"identity {ident!r} already belongs to job {other!r}")
     newcomer = Member(identity=ident, endpoint=msg["endpoint"], host=msg["host"], pid=msg["pid"],
-                      info=msg.get("info") or {}, rank=rank, last_seen=now, joined_at=now)
+                      info=msg.get("info") or {}, rank=rank, last_seen=now, joined_at=now, heard=True)
     if not job.formed:
         if ident in job.pending:   # a repeated join (sent again: the first may have been lost)
             job.pending[ident].last_seen = now
+            job.pending[ident].heard = True
             actions.append(_reply(identity, msg, job, state="pending"))
             return
         if rank is not None:
@@ -1199,6 +1207,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         # A repeated join (a late "fenced" notice, a retry): it is a member; say so and resend the
         # current epoch instead of refusing.
         job.fenced.discard(ident)
+        existing.heard = True
         actions.append(_reply(identity, msg, job, state="member"))
         actions.append(_epoch_push(job, ident, [], [], "resync"))
         return
@@ -1207,6 +1216,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     # restarted process cannot get back a rank that renumbering gave to a survivor).
     if ident in job.pending:   # a repeated join while it waits for its step boundary
         job.pending[ident].last_seen = now
+        job.pending[ident].heard = True
         actions.append(_reply(identity, msg, job, state="pending"))
         return
     if job.finished_training:
@@ -1311,7 +1321,8 @@ def _status(state: State, now: float, only: str | None = None) -> list[dict[str,
                 # no identity: it is the agent's ZeroMQ routing id, and a client that knows it
                 # could take over the agent's connection (ROUTER_HANDOVER)
                 {"rank": r, "host": m.host, "pid": m.pid,
-                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3), "info": m.info,
+                 "heartbeat_age_s": round(max(0.0, now - m.last_seen), 3) if m.heard else None,
+                 "info": m.info,
                  "waiting_for": m.waiting_for}
                 for r, m in sorted(job.members.items())
             ],

@@ -436,6 +436,25 @@ def test_status_lists_members_with_heartbeat_ages():
     assert [m["heartbeat_age_s"] for m in jobs[0]["members"]] == [0.25, 0.25]
 
 
+def test_status_gives_no_heartbeat_age_for_a_member_replayed_but_not_heard_from_since():
+    # a tester's find: right after a restart, ranks that died while the coordinator was down
+    # showed "heartbeat 254 ms ago" (the age since the replay)
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 5.0)
+    step(replayed, Request("a", wire.make("heartbeat", rid=1, job="j", epoch=0, identity="a", token="t")), 5.1)
+    _, acts = step(replayed, Request("x", wire.make("status", rid=2, job="")), 5.3)
+    ages = [m["heartbeat_age_s"] for m in acts[0].msg["body"]["jobs"][0]["members"]]
+    assert sorted(ages, key=lambda v: v is None) == [0.2, None], ages
+    from rtxnet.cli import _render
+
+    shown = _render(acts[0].msg["body"])
+    assert shown.count("heartbeat     200 ms ago") == 1 and shown.count("not heard from since the coordinator started") == 1, shown
+
+
 def test_abandoned_rendezvous_is_forgotten_and_a_new_launch_starts_afresh():
     h = Harness()
     h.join("a", job="ghost", min_ranks=2, max_ranks=2)
