@@ -34,21 +34,25 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
         os.close(fd)   # releases the lock
 
 
-# The longest files (minutes of rank processes), longest first: two workers taking whole files
-# in this order finish together only if the long ones do not come last (their seconds in a
-# clean-clone run of the suite, 2026-12-06: faults 161, launcher 152, train_digits 144, fsdp 108,
-# coordinator 97, tp_fault_tolerance 61, benches 60, multinode 50, ddp 40, reference 39, ...).
-# pytest-xdist's own order (``--dist loadfile`` sorts files by their number of tests unless told
-# ``--no-loadscope-reorder``) put the 7 tests of tp_fault_tolerance and the 5 of multinode near
-# the end: pytest_configure turns it off.
+# The longest files, longest first, alternating a file whose ranks run torch (CPU-bound: importing
+# torch and torch._dynamo costs each rank process 2-3 s of CPU) with one whose ranks mostly wait
+# (numpy, timeouts): two workers taking whole files in this order finish together only if the
+# long ones do not come last, and run two torch files at once less often. Seconds per file in a
+# measured run (2026-12-06): faults 161, launcher 152, train_digits 144, fsdp 108, coordinator
+# 97, tp_fault_tolerance 61, benches 60, multinode 50, ddp 40, reference 39, ... Longest first
+# alone put train_digits beside fsdp: each of their tests took 40-60% longer, the suite 669 s
+# instead of 632. pytest-xdist's own order (``--dist loadfile`` sorts files by their number of
+# tests unless told ``--no-loadscope-reorder``) ignores this list: pytest_configure turns it off.
 _LONGEST_FIRST = [
-    "process/test_faults.py", "process/test_launcher.py", "process/test_train_digits.py",
-    "parallel/test_fsdp.py", "process/test_coordinator.py", "parallel/test_tp_fault_tolerance.py",
-    "process/test_benches.py", "process/test_multinode.py", "parallel/test_ddp.py",
-    "collectives/test_reference.py", "collectives/test_hierarchical.py", "parallel/test_pipeline.py",
-    "gpu/test_kernels_compile.py", "collectives/test_unusual.py", "process/test_coordinator_flood.py",
-    "parallel/test_checkpoint.py", "gpu/test_kernels.py", "collectives/test_bulk.py",
-    "collectives/test_lifecycle.py",
+    "process/test_faults.py", "process/test_train_digits.py",
+    "process/test_launcher.py", "parallel/test_fsdp.py",
+    "process/test_coordinator.py", "parallel/test_tp_fault_tolerance.py",
+    "process/test_multinode.py", "process/test_benches.py",
+    "collectives/test_reference.py", "parallel/test_ddp.py",
+    "collectives/test_hierarchical.py", "parallel/test_pipeline.py",
+    "collectives/test_unusual.py", "gpu/test_kernels_compile.py",
+    "process/test_coordinator_flood.py", "parallel/test_checkpoint.py",
+    "gpu/test_kernels.py", "collectives/test_bulk.py", "collectives/test_lifecycle.py",
 ]
 
 
