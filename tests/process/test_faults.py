@@ -780,8 +780,10 @@ def test_faultrun_timeout_is_one_line_and_stops_the_run(tmp_path):
     assert _left_behind(tmp) == []
 
 
-@pytest.mark.timeout(60)
-def test_faultrun_sigterm_stops_the_run_and_removes_its_folder(tmp_path):
+def _long_faultrun(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """faultrun over 2 ranks of a workload that runs for good (its fault never comes), with
+    ``TMPDIR`` a folder of its own; returns once its events folder and the launcher's
+    coordinator journal exist there (the run is under way)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     proc = subprocess.Popen(
@@ -789,8 +791,18 @@ def test_faultrun_sigterm_stops_the_run_and_removes_its_folder(tmp_path):
          "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=procs.env(**FAST, TMPDIR=str(tmp)))
     try:
-        # the events folder and the launcher's coordinator journal exist: the run is under way
         wait_until(lambda: len(_left_behind(tmp)) == 2, 30, "faultrun's folder and the journal")
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc, tmp
+
+
+@pytest.mark.timeout(60)
+def test_faultrun_sigterm_stops_the_run_and_removes_its_folder(tmp_path):
+    proc, tmp = _long_faultrun(tmp_path)
+    try:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=40)
     finally:
@@ -807,20 +819,14 @@ def test_faultrun_sigkilled_takes_its_run_with_it(tmp_path):
     # a tester's find: rtxnet-run and its ranks ran on, orphaned, to the end of the script
     import psutil
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "tools/faultrun.py", "--plan", "kill:rank=1:step=100000", "--nproc", "2", "--",
-         "tools/ft_workload.py", "--steps", "100000", "--step-sleep", "0.01", "--out", str(tmp_path / "out")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=procs.env(**FAST, TMPDIR=str(tmp)))
+    proc, tmp = _long_faultrun(tmp_path)
     run = []
     try:
-        wait_until(lambda: len(_left_behind(tmp)) == 2, 30, "faultrun's folder and the journal")
         # launcher, coordinator, ranks
         wait_until(lambda: len(psutil.Process(proc.pid).children(recursive=True)) >= 4, 30, "the ranks")
         run = psutil.Process(proc.pid).children(recursive=True)
         proc.kill()
-        proc.wait(10)
+        proc.communicate(timeout=10)
         gone, alive = psutil.wait_procs(run, timeout=30)
         assert not alive, alive
     finally:
