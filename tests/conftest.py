@@ -40,8 +40,9 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 # long ones do not come last, and run two torch files at once less often. Seconds per file in a
 # measured run (2026-12-06): faults 161, launcher 152, train_digits 144, fsdp 108, coordinator
 # 97, tp_fault_tolerance 61, benches 60, multinode 50, ddp 40, reference 39, ... Longest first
-# alone put train_digits beside fsdp: each of their tests took 40-60% longer, the suite 669 s
-# instead of 632. pytest-xdist's own order (``--dist loadfile`` sorts files by their number of
+# alone put train_digits beside fsdp: each of their tests took 40-60% longer. Whole suite, 1186
+# tests, same idle machine: longest first 669 and 690 s, this order 694 s, pytest-xdist's own
+# 747 s (runs of one order spread by tens of seconds). pytest-xdist's own order (``--dist loadfile`` sorts files by their number of
 # tests unless told ``--no-loadscope-reorder``) ignores this list: pytest_configure turns it off.
 _LONGEST_FIRST = [
     "process/test_faults.py", "process/test_train_digits.py",
