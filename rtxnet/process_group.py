@@ -862,16 +862,7 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
     if unknown:
         raise TypeError(f"init() got an unexpected keyword argument {unknown[0]!r} (it takes "
                         f"{', '.join(takes)})")
-    # the coordinator and job this join would use, as _connect resolves them (and checks them)
-    settings = _settings(coordinator, *(kwargs.get(k) for k in (
-        "job", "token", "rank", "world_size", "min_ranks", "max_ranks", "last_call_s")))
-    address, job = settings["coordinator"], settings["job"]
-    _OPEN_GROUPS[:] = [(p, g) for p, g in _OPEN_GROUPS if not p.stopped]
-    for _, g in _OPEN_GROUPS:
-        if g.job == job and g._agent.coordinator == address:
-            raise ConfigError(f"this process already holds rank {g.rank} of job {job!r} on {address} "
-                              f"(an earlier rtxnet.init() whose group is open): a process is one rank; "
-                              f"use that group, or close() it before joining again")
+    # a second group of the same job: refused by _connect (_refuse_a_second_rank), as for connect()
     portal = Portal()
     try:
         pg = portal.call(_connect, coordinator, **kwargs)
@@ -879,12 +870,7 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
         portal.stop()
         raise
     atexit.register(_release_at_exit, portal, pg)
-    _OPEN_GROUPS.append((portal, pg))
     return BlockingProcessGroup(portal, pg)
-
-
-# (portal, group) of every init() of this process, until its portal stops (close, exit)
-_OPEN_GROUPS: list[tuple[Portal, ProcessGroup]] = []
 
 
 AT_EXIT_RELEASE_S = 5.0
