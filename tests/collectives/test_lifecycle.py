@@ -173,6 +173,7 @@ async def crash_holding_segment(engine, pidfile):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.exclusive   # host-wide /dev/shm: an Engine another test starts meanwhile reaps the segments first (a CI run)
 def test_segments_of_sigkilled_ranks_are_reaped(tmp_path):
     res = run_world(2, crash_holding_segment, str(tmp_path / "pid"), return_exceptions=True,
                     job="shmcrash")
