@@ -1,7 +1,10 @@
-"""Shared fixtures, and the lock that lets the suite run on two pytest-xdist workers.
+"""Shared fixtures, and the lock that lets the suite run on several pytest-xdist workers.
 
-The README's test command runs two workers (``-n 2 --dist loadfile``: a file's module-scoped
-launches happen once). A test marked ``exclusive`` (one that measures time: an event-loop
+The README's test command runs three workers on the machine's two cores (``-n 3 --dist
+loadfile``: a file's module-scoped launches happen once). Many tests wait (heartbeat timeouts,
+restarts) while others are CPU-bound (torch rank processes): on 2 idle cores the whole suite,
+1186 tests, took 632 s with two workers (19% of the CPU idle) and 553 s with three (6% idle),
+2026-12-06. A test marked ``exclusive`` (one that measures time: an event-loop
 stall, a deadline's length) runs while the other worker runs nothing: every test holds a
 shared ``flock`` on one file for its whole protocol (module fixtures included), an exclusive
 test an exclusive one; a turnstile lock in front keeps a waiting exclusive test from being
@@ -36,13 +39,14 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 
 # The longest files, longest first, alternating a file whose ranks run torch (CPU-bound: importing
 # torch and torch._dynamo costs each rank process 2-3 s of CPU) with one whose ranks mostly wait
-# (numpy, timeouts): two workers taking whole files in this order finish together only if the
+# (numpy, timeouts): workers taking whole files in this order finish together only if the
 # long ones do not come last, and run two torch files at once less often. Seconds per file in a
 # measured run (2026-12-06): faults 161, launcher 152, train_digits 144, fsdp 108, coordinator
 # 97, tp_fault_tolerance 61, benches 60, multinode 50, ddp 40, reference 39, ... Longest first
 # alone put train_digits beside fsdp: each of their tests took 40-60% longer. Whole suite, 1186
 # tests, same idle machine: longest first 669 and 690 s, this order 694 s, pytest-xdist's own
-# 747 s (runs of one order spread by tens of seconds). pytest-xdist's own order (``--dist loadfile`` sorts files by their number of
+# 747 s (runs of one order spread by tens of seconds; two workers then). pytest-xdist's own order
+# (``--dist loadfile`` sorts files by their number of
 # tests unless told ``--no-loadscope-reorder``) ignores this list: pytest_configure turns it off.
 _LONGEST_FIRST = [
     "process/test_faults.py", "process/test_train_digits.py",
