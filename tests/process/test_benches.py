@@ -95,6 +95,8 @@ def test_multihost_bench_runs_on_two_namespace_hosts(op, tmp_path):
     (["multihost.py", "--rate", "bogus"], "argument --rate: 'bogus' is not a rate tc takes"),
     (["multihost.py", "--rate", "0"], "argument --rate: '0' is not a rate tc takes"),
     (["collectives.py", "--repeat", "99999999999"], "argument --repeat: must be in 1..1000, got 99999999999"),
+    (["collectives.py", "--sizes", "-1KiB"], "bad value '-1KiB': sizes are positive"),
+    (["collectives.py", "--ranks", "-2"], "argument --ranks: must be in 1..64, got -2"),
 ])
 def test_benchmarks_refuse_what_they_cannot_run_in_one_line(args, says):
     proc = subprocess.run([sys.executable, f"tools/bench/{args[0]}", *args[1:]], capture_output=True, text=True,

@@ -574,7 +574,11 @@ def main(argv=None):
                    help="alternate rtxnet and gloo this many times; report the median")
     p.add_argument("--json", "--out", dest="json", type=output_file, help="write JSON rows here")
     p.add_argument("--plot", type=output_file, help="PNG path (default: the JSON path with .png)")
-    args = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    for value in given:   # argparse reads "-1KiB" as an unknown option ("-2" it passes to the type)
+        if re.fullmatch(r"-\d\S*", value) and not re.fullmatch(r"-\d+", value):
+            p.error(f"bad value {value!r}: sizes are positive")
+    args = p.parse_args(given)
     cuda = args.device == "cuda"
     if args.sizes is None:
         names = GPU_SIZES if cuda else ("8B", "1KiB", "64KiB", "1MiB", "16MiB", "64MiB")
