@@ -946,10 +946,44 @@ def test_parked_kv_waits_are_bounded_woken_by_their_own_keys_and_dropped_when_th
     assert h.req("c", "kv_wait", epoch=0, keys=keys, timeout_s=60.0) == []
     err = errors(h.req("c", "kv_wait", epoch=0, keys=["one more"], timeout_s=60.0))
     assert err[0]["error"] == "ConfigError" and err[0]["message"] == (
-        f"kv_wait of 1 keys: job 'j' already has 2 waits open on {st.MAX_PARKED_KEYS} keys; at most "
-        f"{st.MAX_KV_WAITERS} waits and {st.MAX_PARKED_KEYS} keys wait at once"), err
+        f"kv_wait of 1 keys (8 bytes): job 'j' already has 2 waits open on {st.MAX_PARKED_KEYS} keys; at "
+        f"most {st.MAX_KV_WAITERS} waits and {st.MAX_PARKED_KEYS} keys wait at once"), err
     h.tick(61.0)                                 # both time out, and free their place
     assert not job.kv_waiters and not h.state.kv_waiting
+
+
+def test_the_bytes_of_keys_parked_waits_hold_are_bounded_per_job_and_in_all():
+    # A client with no token joined a job of its own and parked waits on 16 keys of 1 MiB each:
+    # the daemon grew by 2 GB in 1.5 s, stalled, and a real job on it lost its coordinator (a
+    # tester's find). The keys' bytes are bounded per job and for all jobs together.
+    from coordinator import state as st
+
+    mib = 1 << 20
+    h = Harness()
+    for job in ("j", "k", "l", "m"):
+        h.join(f"a-{job}", job=job, min_ranks=1, max_ranks=1)
+    big = ["x" * (mib - 16) + f"{i:08}" for i in range(16)]        # 16 keys of just under 1 MiB
+    assert h.req("a-j", "kv_wait", job="j", epoch=0, keys=big[:15], timeout_s=60.0) == []
+    err = errors(h.req("a-j", "kv_wait", job="j", epoch=0, keys=big[:2], timeout_s=60.0))
+    held = 15 * (mib - 8)
+    assert err[0]["error"] == "ConfigError" and err[0]["message"] == (
+        f"kv_wait of 2 keys ({2 * (mib - 8)} bytes): job 'j' already has 1 waits open on keys of {held} bytes; "
+        f"the keys a job's waits hold together are at most {st.MAX_PARKED_KEY_NBYTES} bytes"), err
+    for job in ("k", "l"):
+        assert h.req(f"a-{job}", "kv_wait", job=job, epoch=0, keys=big[:15], timeout_s=60.0) == []
+    err = errors(h.req("a-m", "kv_wait", job="m", epoch=0, keys=big[:5], timeout_s=60.0))
+    assert err[0]["message"] == (
+        f"kv_wait of 5 keys ({5 * (mib - 8)} bytes): job 'm' already has 0 waits; the waits of all jobs on "
+        f"this coordinator hold keys of {3 * held} bytes, and together they hold at most "
+        f"{st.MAX_ALL_PARKED_KEY_NBYTES}"), err
+    # a wait that ends gives its bytes back: by its keys set, by its client leaving, by its timeout
+    for key in big[:15]:
+        h.req("a-j", "kv_set", job="j", epoch=0, key=key, value=b"")
+    h.run(Disconnect("a-k"))
+    assert [h.state.jobs[j].kv_parked_nbytes for j in "jklm"] == [0, 0, held, 0]
+    assert h.req("a-m", "kv_wait", job="m", epoch=0, keys=big[:5], timeout_s=1.0) == []
+    h.tick(61.0)
+    assert all(not h.state.jobs[j].kv_waiters and h.state.jobs[j].kv_parked_nbytes == 0 for j in "jklm")
 
 
 def test_a_kv_wait_timeout_shortens_long_keys_to_fit_one_answer():
