@@ -243,6 +243,23 @@ async def _amain(args: argparse.Namespace) -> int:
     return code
 
 
+def _raise_open_files_limit() -> None:
+    """Raise this process's soft limit of open files to its hard limit, as servers do: every
+    client connection (each rank, launcher, ``rtxnet status``) holds a file descriptor, and at a
+    soft limit of 1024 (a common default) 1,100 idle connections kept every new rank and
+    ``rtxnet status`` out, and the journal's snapshots failed with EMFILE (a tester's find)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):   # a sandbox that forbids it: the limit stays as it was
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the daemon until a signal; returns the exit code (module docstring).
 
@@ -258,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(level=args.log_level, json=args.log_json or None)
     except ValueError as exc:   # RTXNET_LOG_LEVEL or RTXNET_LOG_JSON: --log-level is a choice
         p.error(str(exc))
+    _raise_open_files_limit()
     try:
         import uvloop
         return uvloop.run(_amain(args))

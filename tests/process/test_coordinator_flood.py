@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import msgpack
 import procs
@@ -248,3 +249,28 @@ def test_a_wait_sent_again_on_a_new_connection_under_the_same_id_is_answered(coo
         for w in kept:
             w.close()
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_the_daemon_raises_its_open_files_limit_so_idle_connections_do_not_keep_clients_out(tmp_path):
+    # At a soft limit of 1024 open files (a common default), 1,100 idle client connections held
+    # every descriptor: new ranks and `rtxnet status` got no answer and snapshots failed with
+    # EMFILE (a tester's find). The daemon now takes its hard limit; 1,100 connections are then
+    # held and a new client is still answered.
+    import socket
+
+    c = procs.Coordinator(tmp_path / "journal", prefix=["prlimit", "--nofile=1024:8192"])
+    held: list[socket.socket] = []
+    try:
+        limits = Path(f"/proc/{c.proc.pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
+        assert line.split()[3:5] == ["8192", "8192"], line
+        for _ in range(1100):
+            held.append(socket.create_connection(("127.0.0.1", c.port), timeout=5))
+        with procs.dealer(c.address, timeout_s=10, routing_id=b"after-the-flood") as d:
+            d.send(encode(wire.make("status", rid=1)))
+            assert decode(d.recv())["rid"] == 1
+    finally:
+        for s in held:
+            s.close()
+        c.stop()
