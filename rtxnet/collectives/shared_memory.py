@@ -24,6 +24,9 @@ leaks nothing; a crash before is cleaned by ``transport.shm.reap_dead_segments``
 
 from __future__ import annotations
 
+import errno
+import gc
+
 import numpy as np
 
 from rtxnet.collectives.arrays import copy_pairs, off_loop, payload_view
@@ -55,11 +58,9 @@ class ShmState:
     def slot(self, nbytes: int, seq: int) -> tuple[memoryview, list]:
         """The next free slot of at least ``nbytes`` and the offer that names it."""
         if self.seg is None or self.slot_nbytes < nbytes:
-            if self.seg is not None:
-                self.retired.append(self.seg)
             cap = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
             try:
-                self.seg = Segment(self.engine._next_segment_name(), 2 * cap)
+                seg = self._new_segment(2 * cap)
             except OSError as exc:
                 # raised before this rank's hello: the peers are told by the group's abort
                 raise CollectiveError(
@@ -68,6 +69,9 @@ class ShmState:
                     f"is 64 MiB by default: docker run --shm-size, a Kubernetes emptyDir of "
                     f"medium Memory) or set RTXNET_SHM=0 to move same-host payloads over TCP"
                 ) from exc
+            if self.seg is not None:
+                self.retired.append(self.seg)
+            self.seg = seg
             self.slot_nbytes = cap
             self.parity = 0
             self.announced.append((self.seg, seq))
@@ -75,6 +79,18 @@ class ShmState:
         off = self.parity * self.slot_nbytes
         self.parity ^= 1
         return self.seg.buf[off:off + nbytes], [self.seg.name, self.seg.nbytes, off]
+
+    def _new_segment(self, nbytes: int) -> Segment:
+        """A new segment; where ``/dev/shm`` has no room, once more after a garbage collection:
+        the frames of a failed operation (its exception's traceback, a reference cycle) may
+        still view segments :meth:`taint` could not unmap."""
+        try:
+            return Segment(self.engine._next_segment_name(), nbytes)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        gc.collect()
+        return Segment(self.engine._next_segment_name(), nbytes)
 
     def offer(self) -> list | None:
         return None if self.seg is None else [self.seg.name, self.seg.nbytes, 0]
@@ -156,11 +172,25 @@ class ShmState:
         return payload_view(m.buf[off:off + nbytes], dtype, count)
 
     def taint(self) -> None:
-        """An operation failed: peers may still read our slots, so never write them again."""
-        if self.seg is not None:
-            self.retired.append(self.seg)
-            self.seg = None
+        """An operation failed: peers may still read our slots, so never write them again.
+
+        Every segment of this rank is unlinked and unmapped now, and so are the mappings of the
+        peers' segments (an unmapping is skipped while arrays still view the memory,
+        :func:`transport.shm._close_map`; the peers' own mappings stay valid): the peers fail the
+        same operation (told by the abort) and offer new segments at the next one. Before, the
+        segment a failed operation made stayed linked until the next operation's hello, and the
+        peers kept the old ones mapped: a failed growth (a 4 MiB all_reduce, then a 16 MiB one,
+        3 ranks, a 64 MiB ``/dev/shm``) failed every later operation, files piling up (a
+        tester's find). A peer whose operation had ended before the abort offers its segment
+        again, which may be unlinked by then: that operation fails naming it, and the next one
+        maps afresh."""
+        for seg in self.retired + [s for s, _ in self.announced] + ([self.seg] if self.seg is not None else []):
+            seg.close()
+        self.retired, self.announced, self.seg = [], [], None
         self.fresh = False
+        for m in self.peer_maps.values():
+            m.close()
+        self.peer_maps.clear()
 
     def close(self) -> None:
         for seg in self.retired + ([self.seg] if self.seg is not None else []):

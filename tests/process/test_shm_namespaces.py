@@ -85,6 +85,49 @@ def test_a_dev_shm_without_room_fails_the_collective_on_every_rank_at_once_namin
     assert res[0]["small"] == res[1]["small"] == 3.0
 
 
+_GROW_RANK = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import rtxnet
+    pg = rtxnet.init()
+    rank, out = pg.rank, []
+    for mib in (4, 16, 16, 4, 4):      # 4 MiB fits; growing to 16 MiB needs both segments at once
+        x = np.full(mib << 18, rank + 1.0, np.float32)
+        try:
+            pg.all_reduce(x, timeout=30)
+            out.append([mib, float(x.min()), float(x.max())])
+        except rtxnet.CollectiveError as exc:
+            out.append([mib, type(exc).__name__, str(exc)[:300]])
+    out.append(sorted(os.listdir("/dev/shm")))
+    with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
+    pg.close()
+""")
+
+
+@needs_unshare
+def test_a_segment_growth_without_room_fails_that_call_alone(tmp_path):
+    # 3 ranks, /dev/shm of 64 MiB: a 4 MiB all_reduce (an 8 MiB segment a rank), then 16 MiB
+    # ones (16 MiB a rank, made while the peers may still read the 8 MiB one: 72 MiB). Before,
+    # the segments of the failed call stayed linked and mapped until the next call's hello,
+    # which the next call, failing first, never reached: every later call failed, the 4 MiB ones
+    # too, segment files piling up (a tester's find, 3 of 3). Now the failed call drops them all.
+    script = tmp_path / "rank.py"
+    script.write_text(_GROW_RANK)
+    inner = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m rtxnet.launcher "
+             f"--nproc 3 {script} {tmp_path}")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True,
+                       timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
+    text = p.stdout[-4000:] + p.stderr[-4000:]
+    assert p.returncode == 0, text
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for r in res:
+        assert r[0] == [4, 6.0, 6.0], r
+        assert r[1][1] == "CollectiveError" and "/dev/shm has no room" in r[1][2], r
+        assert r[2:5] == [[16, 6.0, 6.0], [4, 6.0, 6.0], [4, 6.0, 6.0]], r
+        assert len(r[5]) <= 3, r       # one live segment a rank at most, none piled up
+
+
 _HOLD = textwrap.dedent("""
     import os, sys, time
     from transport.shm import Segment, segment_name
