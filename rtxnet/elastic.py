@@ -673,9 +673,12 @@ class FaultTolerance:
                 named = [before.get(r) for r in membership.lost]
                 self._epoch_lost_launch[epoch] = None if None in named else named
             if (membership.added and reason == "joined" and membership.rank not in membership.added
-                    and self._synced_epoch >= 0):
+                    and (self._synced_epoch >= 0 or self._open_failure is not None)):
                 # (a joiner's own recovery or start says it joined; the members report the join;
-                # a process not yet in sync, itself just started, knows no step to report it at)
+                # a process not yet in sync, itself just started, knows no step to report it at,
+                # unless a failure is open: a replacement for a rank lost in the first sync, which
+                # went unreported under FSDP, whose first sync outlasts the replacement's start:
+                # a fresh user's find)
                 added = [self._launch_of[epoch].get(r) for r in membership.added]
                 self._pending_joins.append({"event": "joined", "epoch": epoch,
                                             "added": list(membership.added),

@@ -242,6 +242,14 @@ def test_a_rank_lost_before_the_first_sync_copied_its_shards_costs_nothing(tmp_p
         assert r["steps"] == 6 and r["world_size"] == world and r["rel"] < TOL, r
     assert "state_rebuilt_as_built" in proc.stderr, proc.stderr[-6000:]
     assert proc.returncode == (137 if after == "shrunk" else 0), proc.stderr[-3000:]
+    if after == "replaced":
+        # the members report the replacement's join, though it came before their first sync
+        # ended (it went unreported: a fresh user's find)
+        members = [r for r in res if r["events"] and r["events"][0] != "joined"]
+        assert len(members) == 2, [r["events"] for r in res]
+        for r in members:
+            assert "joined" in r["events"], r["events"]
+            assert any("launch rank 1 joined at step 0; world of 3" in line for line in r["report"]), r["report"]
 
 
 @pytest.mark.timeout(60)
