@@ -140,10 +140,13 @@ def _render(status: dict) -> str:
             found = topo.get("gpus") if isinstance(topo, dict) else None
             gpus = f"  {len(found)} GPU(s)" if isinstance(found, list) and found else ""
             waits = f"  waiting for a world of {m['waiting_for']}" if m.get("waiting_for") else ""
+            # renumbered after a loss, a rank is told apart by the rank rtxnet-run started it as
+            launch = info.get("launch_rank") if isinstance(info, dict) else None
+            launched = (f" (launch rank {launch})" if type(launch) is int and launch != m["rank"] else "")
             age = m.get("heartbeat_age_s")
             beat = (f"heartbeat {age * 1000:7.0f} ms ago" if isinstance(age, int | float)
                     else "not heard from since the coordinator started")
-            lines.append(f"  rank {m['rank']:>3}  {_shown(m['host'])}  pid {m['pid']:<8} {beat}{gpus}{waits}")
+            lines.append(f"  rank {m['rank']:>3}{launched}  {_shown(m['host'])}  pid {m['pid']:<8} {beat}{gpus}{waits}")
         if j.get("fenced"):
             lines.append("  declared lost, not back: " + ", ".join(
                 f"pid {f['pid']} on {_shown(f['host'])}{_exited(f)}" for f in j["fenced"]))

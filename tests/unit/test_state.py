@@ -455,6 +455,23 @@ def test_status_gives_no_heartbeat_age_for_a_member_replayed_but_not_heard_from_
     assert shown.count("heartbeat     200 ms ago") == 1 and shown.count("not heard from since the coordinator started") == 1, shown
 
 
+def test_status_names_the_launch_rank_of_a_member_renumbered_after_a_loss():
+    # a fresh user's find: after launch rank 1 froze, the text's "rank 1" was launch rank 2, and
+    # only --json said so
+    from rtxnet.cli import _render
+
+    body = {"jobs": [{"job": "j", "state": "running", "epoch": 2, "world_size": 2, "min_ranks": 2,
+                      "max_ranks": 3, "pending": 0, "committed_step": 7, "kv_keys": 0,
+                      "members": [{"rank": 0, "host": "h", "pid": 11, "heartbeat_age_s": 0.1,
+                                   "info": {"launch_rank": 0}},
+                                  {"rank": 1, "host": "h", "pid": 13, "heartbeat_age_s": 0.1,
+                                   "info": {"launch_rank": 2}},
+                                  {"rank": 2, "host": "h", "pid": 14, "heartbeat_age_s": 0.1,
+                                   "info": {"launch_rank": "2"}}]}], "finished": {}}
+    rows = [line for line in _render(body).splitlines() if line.startswith("  rank")]
+    assert [row.split("  h  ")[0] for row in rows] == ["  rank   0", "  rank   1 (launch rank 2)", "  rank   2"], rows
+
+
 def test_abandoned_rendezvous_is_forgotten_and_a_new_launch_starts_afresh():
     h = Harness()
     h.join("a", job="ghost", min_ranks=2, max_ranks=2)
