@@ -61,20 +61,25 @@ _SMALL_SHM_RANK = textwrap.dedent("""
 """)
 
 
+def _ranks_on_a_small_dev_shm(tmp_path, script_text: str, size: str, nproc: int) -> list:
+    """``script_text`` on ``nproc`` ranks under rtxnet-run in a mount namespace whose /dev/shm is
+    a tmpfs of ``size``; what each rank wrote to ``TMP/rank{r}.json``, by rank."""
+    script = tmp_path / "rank.py"
+    script.write_text(script_text)
+    inner = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -m rtxnet.launcher "
+             f"--nproc {nproc} {script} {tmp_path}")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True,
+                       timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
 @needs_unshare
 def test_a_dev_shm_without_room_fails_the_collective_on_every_rank_at_once_naming_it(tmp_path):
     # Before, segments were sparse files: with /dev/shm smaller than a rank's segment (Docker's
     # 64 MiB default), the first write past the room killed the rank with SIGBUS (exit 135) and
     # nothing said why (a tester's find).
-    script = tmp_path / "rank.py"
-    script.write_text(_SMALL_SHM_RANK)
-    inner = (f"mount -t tmpfs -o size=8m tmpfs /dev/shm && exec {sys.executable} -m rtxnet.launcher "
-             f"--nproc 2 {script} {tmp_path}")
-    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True,
-                       timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
-    text = p.stdout[-4000:] + p.stderr[-4000:]
-    assert p.returncode == 0, text
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    res = _ranks_on_a_small_dev_shm(tmp_path, _SMALL_SHM_RANK, "8m", 2)
     kind, msg = res[0]["big"]
     assert kind == "CollectiveError", res[0]
     assert "/dev/shm has no room for a segment of" in msg and "RTXNET_SHM=0" in msg, msg
@@ -112,15 +117,7 @@ def test_a_segment_growth_without_room_fails_that_call_alone(tmp_path):
     # the segments of the failed call stayed linked and mapped until the next call's hello,
     # which the next call, failing first, never reached: every later call failed, the 4 MiB ones
     # too, segment files piling up (a tester's find, 3 of 3). Now the failed call drops them all.
-    script = tmp_path / "rank.py"
-    script.write_text(_GROW_RANK)
-    inner = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -m rtxnet.launcher "
-             f"--nproc 3 {script} {tmp_path}")
-    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True,
-                       timeout=100, env=procs.env(RTXNET_LAST_CALL="30"), cwd=ROOT)
-    text = p.stdout[-4000:] + p.stderr[-4000:]
-    assert p.returncode == 0, text
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    res = _ranks_on_a_small_dev_shm(tmp_path, _GROW_RANK, "64m", 3)
     for r in res:
         assert r[0] == [4, 6.0, 6.0], r
         assert r[1][1] == "CollectiveError" and "/dev/shm has no room" in r[1][2], r
