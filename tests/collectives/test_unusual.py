@@ -293,6 +293,36 @@ def test_shm_all_reduce_in_pipeline_pieces():
         assert fails == []
 
 
+async def shm_broadcast_pieces(engine):
+    """Broadcasts through shared memory in pieces (small ones here: many, the last one short),
+    from every root, between all_reduces and after a growth, interleaved with one-piece ones."""
+    from rtxnet.collectives import shared_memory
+
+    from .reference import close, make
+
+    shared_memory.BCAST_PIECE_NBYTES = 4096
+    g = engine.world
+    fails = []
+    for dtype, N in (("float32", 10_007), ("float16", 2 * 4096 + 1), ("int64", 3_001), ("float64", 1_500),
+                     ("float32", 500), ("float32", 40_009)):
+        for src in range(g.size):
+            want = make(src, f"b{N}{dtype}", (N,), dtype, ReduceOp.SUM)
+            x = want.copy() if g.rank == src else np.zeros(N, dtype)
+            await g.broadcast(x, src, algorithm="shm")
+            if not close(x, want, dtype):
+                fails.append((dtype, N, src))
+            y = np.full(N // 3 + 1, g.rank + 1.0, np.float32)
+            await g.all_reduce(y, algorithm="shm")      # the slots serve both in turn
+            if not (y == g.size * (g.size + 1) / 2).all():
+                fails.append(("all_reduce after", dtype, N, src))
+    return fails
+
+
+def test_shm_broadcast_in_pipeline_pieces():
+    for fails in run_world(3, shm_broadcast_pieces):
+        assert fails == []
+
+
 async def big_ops_keep_the_loop_free(engine):
     """A 256 MiB all_reduce (twice), reduce_scatter and broadcast with the one-round algorithms,
     and broadcast and reduce_scatter through shared memory, which reduce or copy the whole

@@ -44,7 +44,7 @@ _SMALL_SHM_RANK = textwrap.dedent("""
     pg = rtxnet.init()
     rank = pg.rank      # read now: once its peer has left, the rank left is 0
     out = {}
-    x = np.full(3 << 20, rank + 1.0, np.float32)    # 12 MiB: a 24 MiB segment on rank 0
+    x = np.full(3 << 20, rank + 1.0, np.float32)    # 12 MiB, in pieces of 4 MiB: an 8 MiB segment on rank 0
     t0 = time.monotonic()
     try:
         pg.broadcast(x, src=0, timeout=30)
@@ -79,7 +79,7 @@ def test_a_dev_shm_without_room_fails_the_collective_on_every_rank_at_once_namin
     # Before, segments were sparse files: with /dev/shm smaller than a rank's segment (Docker's
     # 64 MiB default), the first write past the room killed the rank with SIGBUS (exit 135) and
     # nothing said why (a tester's find).
-    res = _ranks_on_a_small_dev_shm(tmp_path, _SMALL_SHM_RANK, "8m", 2)
+    res = _ranks_on_a_small_dev_shm(tmp_path, _SMALL_SHM_RANK, "6m", 2)
     kind, msg = res[0]["big"]
     assert kind == "CollectiveError", res[0]
     assert "/dev/shm has no room for a segment of" in msg and "RTXNET_SHM=0" in msg, msg
