@@ -105,8 +105,7 @@ class Job:
     empty_since: float | None = None
     # Not journaled: waiters are agents' open requests, which they repeat after a restart.
     kv_waiters: list[KvWaiter] = field(default_factory=list)
-    kv_parked_keys: int = 0   # keys the parked waits hold together (each counted per wait)
-    kv_parked_nbytes: int = 0   # and those keys' UTF-8 bytes
+    kv_parked_nbytes: int = 0   # what the parked waits' keys cost, as _parked_nbytes counts
     # Not journaled: when the last step decision came and the mean time between decisions, so a
     # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
     last_commit_at: float | None = None
@@ -516,12 +515,20 @@ def restore(snap: dict[str, Any], now: float) -> State:
 
 MAX_JOB_ID = wire.MAX_JOB_ID
 MAX_KV_WAITERS = 4096       # kv_waits parked at once in one job
-MAX_PARKED_KEYS = wire.MAX_WAIT_KEYS   # keys those waits hold together
 # bytes of the keys parked waits hold, in one job and in all (a client with no token parked waits
 # on 16 keys of 1 MiB each, 2 GB of the daemon's memory in 1.5 s: a tester's find); a wait waits
-# for keys of the job's store, which holds MAX_JOB_KV_NBYTES
+# for keys of the job's store, which holds MAX_JOB_KV_NBYTES. Each key counts its UTF-8 and
+# PARKED_KEY_OVERHEAD more, the daemon's own memory for it (its str, its place in the wait's list
+# and in its set of missing keys: a re-verifier measured about 110 bytes a key of 4 characters,
+# 1.37 GB for 14 jobs of 2**20 such keys when only the UTF-8 counted)
 MAX_PARKED_KEY_NBYTES = wire.MAX_JOB_KV_NBYTES
 MAX_ALL_PARKED_KEY_NBYTES = wire.MAX_KV_NBYTES
+PARKED_KEY_OVERHEAD = 128
+
+
+def _parked_nbytes(keys: list[str]) -> int:
+    """What parking a wait on ``keys`` costs against the bounds above."""
+    return sum(len(k.encode()) for k in keys) + PARKED_KEY_OVERHEAD * len(keys)
 KV_WAIT_KEYS_SHOWN = 10   # missing keys a kv_wait timeout names (then "... and N more")
 KV_WAIT_KEY_CHARS_SHOWN = 200   # characters of each key it names
 # The stores are journaled and every snapshot holds them all in one message (the server's
@@ -828,13 +835,12 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_error(identity, msg, "ConfigError", bad))
         elif all(k in job.kv for k in keys):
             actions.append(_reply(identity, msg, job, values={k: job.kv[k] for k in keys}))
-        elif why := _park_refusal(state, job, keys, nbytes := sum(len(k.encode()) for k in keys)):
+        elif why := _park_refusal(state, job, keys, nbytes := _parked_nbytes(keys)):
             actions.append(_error(identity, msg, "ConfigError", why))
         else:
             waiter = KvWaiter(identity, msg["rid"], list(keys), now + float(msg["timeout_s"]),
                               {k for k in keys if k not in job.kv}, nbytes)
             job.kv_waiters.append(waiter)
-            job.kv_parked_keys += len(waiter.keys)
             job.kv_parked_nbytes += nbytes
             state.kv_waiting.setdefault(identity, set()).add(job.job)
     elif t == "kv_cas":
@@ -993,13 +999,13 @@ def _wake_kv(state: State, job: Job, key: str, actions: list[Action]) -> None:
 
 
 def _park_refusal(state: State, job: Job, keys: list[str], nbytes: int) -> str | None:
-    """Why a ``kv_wait`` on ``keys`` (``nbytes`` of UTF-8) cannot be parked in ``job``, or None:
-    each parked wait holds its keys (a tester parked 600 waits of 50,000 keys, 2.2 GB, and
-    another 16 keys of 1 MiB per wait, 2 GB in 1.5 s)."""
-    head = f"kv_wait of {len(keys)} keys ({nbytes} bytes): job {job.job!r} already has {len(job.kv_waiters)} waits"
-    if len(job.kv_waiters) >= MAX_KV_WAITERS or job.kv_parked_keys + len(keys) > MAX_PARKED_KEYS:
-        return (f"{head} open on {job.kv_parked_keys} keys; at most {MAX_KV_WAITERS} waits and "
-                f"{MAX_PARKED_KEYS} keys wait at once")
+    """Why a ``kv_wait`` on ``keys`` (``nbytes`` as :func:`_parked_nbytes` counts) cannot be
+    parked in ``job``, or None: each parked wait holds its keys (a tester parked 600 waits of
+    50,000 keys, 2.2 GB, another 16 keys of 1 MiB per wait, 2 GB in 1.5 s)."""
+    head = (f"kv_wait of {len(keys)} keys ({nbytes} bytes, each key's UTF-8 and {PARKED_KEY_OVERHEAD} "
+            f"more): job {job.job!r} already has {len(job.kv_waiters)} waits")
+    if len(job.kv_waiters) >= MAX_KV_WAITERS:
+        return f"{head} open; at most {MAX_KV_WAITERS} wait at once"
     if job.kv_parked_nbytes + nbytes > MAX_PARKED_KEY_NBYTES:
         return (f"{head} open on keys of {job.kv_parked_nbytes} bytes; the keys a job's waits hold "
                 f"together are at most {MAX_PARKED_KEY_NBYTES} bytes")
@@ -1016,7 +1022,6 @@ def _unpark(state: State, job: Job, gone: list[KvWaiter]) -> None:
         return
     ids = {id(w) for w in gone}
     job.kv_waiters = [w for w in job.kv_waiters if id(w) not in ids]
-    job.kv_parked_keys -= sum(len(w.keys) for w in gone)
     job.kv_parked_nbytes -= sum(w.nbytes for w in gone)
     still = {w.identity for w in job.kv_waiters}
     for ident in {w.identity for w in gone} - still:
@@ -1034,7 +1039,6 @@ def _drop_waits_of(state: State, identity: str) -> None:
         job = state.jobs.get(job_id)
         if job is not None:
             job.kv_waiters = [w for w in job.kv_waiters if w.identity != identity]
-            job.kv_parked_keys = sum(len(w.keys) for w in job.kv_waiters)
             job.kv_parked_nbytes = sum(w.nbytes for w in job.kv_waiters)
 
 

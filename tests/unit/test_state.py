@@ -958,13 +958,17 @@ def test_parked_kv_waits_are_bounded_woken_by_their_own_keys_and_dropped_when_th
     assert h.state.kv_waiting == {"b": {"j"}}
     h.run(Disconnect("b"))                       # b's connection closed: its wait on z goes
     assert not job.kv_waiters and not h.state.kv_waiting
-    keys = [f"k{i}" for i in range(st.MAX_PARKED_KEYS // 2)]
+    # small keys count the daemon's own memory for each (a re-verifier's find: 14 jobs of 2**20
+    # keys of 4 characters, 1.37 GB, when only their UTF-8 counted)
+    keys = [f"k{i:06}" for i in range(st.MAX_PARKED_KEY_NBYTES // 2 // (7 + st.PARKED_KEY_OVERHEAD))]
     assert h.req("c", "kv_wait", epoch=0, keys=keys, timeout_s=60.0) == []
     assert h.req("c", "kv_wait", epoch=0, keys=keys, timeout_s=60.0) == []
-    err = errors(h.req("c", "kv_wait", epoch=0, keys=["one more"], timeout_s=60.0))
+    held, more = 2 * len(keys) * (7 + st.PARKED_KEY_OVERHEAD), 200 + st.PARKED_KEY_OVERHEAD
+    err = errors(h.req("c", "kv_wait", epoch=0, keys=["x" * 200], timeout_s=60.0))
     assert err[0]["error"] == "ConfigError" and err[0]["message"] == (
-        f"kv_wait of 1 keys (8 bytes): job 'j' already has 2 waits open on {st.MAX_PARKED_KEYS} keys; at "
-        f"most {st.MAX_KV_WAITERS} waits and {st.MAX_PARKED_KEYS} keys wait at once"), err
+        f"kv_wait of 1 keys ({more} bytes, each key's UTF-8 and {st.PARKED_KEY_OVERHEAD} more): job 'j' "
+        f"already has 2 waits open on keys of {held} bytes; the keys a job's waits hold together are at most "
+        f"{st.MAX_PARKED_KEY_NBYTES} bytes"), err
     h.tick(61.0)                                 # both time out, and free their place
     assert not job.kv_waiters and not h.state.kv_waiting
 
@@ -982,17 +986,19 @@ def test_the_bytes_of_keys_parked_waits_hold_are_bounded_per_job_and_in_all():
     big = ["x" * (mib - 16) + f"{i:08}" for i in range(16)]        # 16 keys of just under 1 MiB
     assert h.req("a-j", "kv_wait", job="j", epoch=0, keys=big[:15], timeout_s=60.0) == []
     err = errors(h.req("a-j", "kv_wait", job="j", epoch=0, keys=big[:2], timeout_s=60.0))
-    held = 15 * (mib - 8)
+    each = mib - 8 + st.PARKED_KEY_OVERHEAD
+    held = 15 * each
     assert err[0]["error"] == "ConfigError" and err[0]["message"] == (
-        f"kv_wait of 2 keys ({2 * (mib - 8)} bytes): job 'j' already has 1 waits open on keys of {held} bytes; "
-        f"the keys a job's waits hold together are at most {st.MAX_PARKED_KEY_NBYTES} bytes"), err
+        f"kv_wait of 2 keys ({2 * each} bytes, each key's UTF-8 and {st.PARKED_KEY_OVERHEAD} more): job 'j' "
+        f"already has 1 waits open on keys of {held} bytes; the keys a job's waits hold together are at most "
+        f"{st.MAX_PARKED_KEY_NBYTES} bytes"), err
     for job in ("k", "l"):
         assert h.req(f"a-{job}", "kv_wait", job=job, epoch=0, keys=big[:15], timeout_s=60.0) == []
     err = errors(h.req("a-m", "kv_wait", job="m", epoch=0, keys=big[:5], timeout_s=60.0))
     assert err[0]["message"] == (
-        f"kv_wait of 5 keys ({5 * (mib - 8)} bytes): job 'm' already has 0 waits; the waits of all jobs on "
-        f"this coordinator hold keys of {3 * held} bytes, and together they hold at most "
-        f"{st.MAX_ALL_PARKED_KEY_NBYTES}"), err
+        f"kv_wait of 5 keys ({5 * each} bytes, each key's UTF-8 and {st.PARKED_KEY_OVERHEAD} more): job 'm' "
+        f"already has 0 waits; the waits of all jobs on this coordinator hold keys of {3 * held} bytes, and "
+        f"together they hold at most {st.MAX_ALL_PARKED_KEY_NBYTES}"), err
     # a wait that ends gives its bytes back: by its keys set, by its client leaving, by its timeout
     for key in big[:15]:
         h.req("a-j", "kv_set", job="j", epoch=0, key=key, value=b"")
