@@ -251,11 +251,12 @@ def _raise_open_files_limit() -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < hard:
+    # the hard limit is kept as it is (lowered, it cannot be raised again); an unlimited one is
+    # not a soft limit Linux takes (fs.nr_open, 2**20 by default, bounds it)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         except (ValueError, OSError):   # a sandbox that forbids it: the limit stays as it was
             pass
 
