@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,4 +160,9 @@ def test_a_rank_lost_in_the_first_sync_names_it_alone_when_others_hold_their_own
     proc = _launch(["--nproc", "4", "--min-ranks", "3", "--faults", "kill:rank=2:at=sync",
                     str(HERE / "tp_ft_worker.py"), str(tmp_path), "6", "sharded"], 120)
     assert proc.returncode != 0, proc.stderr[-5000:]
-    assert "the state as built of ranks [2] (of the world of 4) is gone" in proc.stderr, proc.stderr[-5000:]
+    # Which of the two messages depends on whether some rank's ring copy had ended when rank 2
+    # died (the sync's own timing: a CI run got the second); either names rank 2 alone.
+    assert re.search(r"the state as built of ranks \[2\] \(of the world of 4\) is gone|"
+                     r"the states as built of ranks \[2\] of the world of 4 are gone", proc.stderr), \
+        proc.stderr[-5000:]
+    assert "[2, 3]" not in proc.stderr, proc.stderr[-5000:]
