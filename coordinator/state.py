@@ -162,7 +162,7 @@ class KvWaiter:
     keys: list[str]
     deadline: float
     missing: set[str]
-    nbytes: int = 0   # the keys' UTF-8 bytes
+    nbytes: int = 0   # what its keys cost against the bounds (_parked_nbytes)
 
 
 @dataclass(frozen=True)
@@ -524,11 +524,6 @@ MAX_KV_WAITERS = 4096       # kv_waits parked at once in one job
 MAX_PARKED_KEY_NBYTES = wire.MAX_JOB_KV_NBYTES
 MAX_ALL_PARKED_KEY_NBYTES = wire.MAX_KV_NBYTES
 PARKED_KEY_OVERHEAD = 128
-
-
-def _parked_nbytes(keys: list[str]) -> int:
-    """What parking a wait on ``keys`` costs against the bounds above."""
-    return sum(len(k.encode()) for k in keys) + PARKED_KEY_OVERHEAD * len(keys)
 KV_WAIT_KEYS_SHOWN = 10   # missing keys a kv_wait timeout names (then "... and N more")
 KV_WAIT_KEY_CHARS_SHOWN = 200   # characters of each key it names
 # The stores are journaled and every snapshot holds them all in one message (the server's
@@ -996,6 +991,12 @@ def _wake_kv(state: State, job: Job, key: str, actions: list[Action]) -> None:
             actions.append(_reply_raw(job, waiter.identity, waiter.rid,
                                       values={k: job.kv[k] for k in waiter.keys}))
     _unpark(state, job, done)
+
+
+def _parked_nbytes(keys: list[str]) -> int:
+    """What parking a wait on ``keys`` costs against MAX_PARKED_KEY_NBYTES and
+    MAX_ALL_PARKED_KEY_NBYTES: each key's UTF-8 and PARKED_KEY_OVERHEAD."""
+    return sum(len(k.encode()) for k in keys) + PARKED_KEY_OVERHEAD * len(keys)
 
 
 def _park_refusal(state: State, job: Job, keys: list[str], nbytes: int) -> str | None:

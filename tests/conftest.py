@@ -46,8 +46,8 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 # alone put train_digits beside fsdp: each of their tests took 40-60% longer. Whole suite, 1186
 # tests, same idle machine: longest first 669 and 690 s, this order 694 s, pytest-xdist's own
 # 747 s (runs of one order spread by tens of seconds; two workers then). pytest-xdist's own order
-# (``--dist loadfile`` sorts files by their number of
-# tests unless told ``--no-loadscope-reorder``) ignores this list: pytest_configure turns it off.
+# (``--dist loadfile`` sorts files by their number of tests unless told
+# ``--no-loadscope-reorder``) ignores this list: pytest_configure turns it off.
 _LONGEST_FIRST = [
     "process/test_faults.py", "process/test_train_digits.py",
     "process/test_launcher.py", "parallel/test_fsdp.py",

@@ -154,6 +154,12 @@ class Segment:
         self.buf = memoryview(self._mm)
         self.linked = True
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps it (:meth:`close` skips the unmapping while arrays
+        view the memory)."""
+        return not self._mm.closed
+
     def unlink(self) -> None:
         """Remove the file and drop its lock; mappings (ours and peers') stay valid."""
         if self.linked:
@@ -224,6 +230,11 @@ class PeerSegment:
         finally:
             os.close(fd)
         self.buf = memoryview(self._mm)
+
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps it (see :meth:`Segment.mapped`)."""
+        return not self._mm.closed
 
     def close(self) -> None:
         _close_map(self)
