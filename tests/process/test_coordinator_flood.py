@@ -259,12 +259,13 @@ def test_the_daemon_raises_its_open_files_limit_so_idle_connections_do_not_keep_
     # held and a new client is still answered.
     import socket
 
-    c = procs.Coordinator(tmp_path / "journal", prefix=["prlimit", "--nofile=1024:8192"])
+    soft, hard = 1 << 10, 1 << 13      # open-files limits (the daemon's port is chosen at run time)
+    c = procs.Coordinator(tmp_path / "journal", prefix=["prlimit", f"--nofile={soft}:{hard}"])
     held: list[socket.socket] = []
     try:
         limits = Path(f"/proc/{c.proc.pid}/limits").read_text()
         (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
-        assert line.split()[3:5] == ["8192", "8192"], line
+        assert line.split()[3:5] == [str(hard), str(hard)], line
         for _ in range(1100):
             held.append(socket.create_connection(("127.0.0.1", c.port), timeout=5))
         with procs.dealer(c.address, timeout_s=10, routing_id=b"after-the-flood") as d:
