@@ -32,7 +32,7 @@ from typing import Any
 
 import structlog
 
-from transport.channel import NOTHING_LISTENS, ControlClient, nobody_there
+from transport.channel import NOT_ZEROMQ, NOTHING_LISTENS, ControlClient, nobody_there
 from transport.errors import ConnectError, RtxError, RtxTimeoutError
 from transport.wire import last_committed
 
@@ -66,9 +66,9 @@ class _NobodyListens(Exception):
 
 
 async def _status_unless_refused(address: str, timeout_s: float) -> dict:
-    """:func:`_status`, but given up early when a plain TCP connect to ``address`` is refused at
-    two checks 1 s apart (nothing listens there: waiting out ``timeout_s`` would not help; a
-    daemon that is starting binds its port well within that).
+    """:func:`_status`, but given up early when a plain TCP connect to ``address`` is refused, or
+    what listens there answers as no ZeroMQ peer does, at two checks 1 s apart (waiting out
+    ``timeout_s`` would not help; a daemon that is starting binds its port well within that).
 
     Raises:
         _NobodyListens: with the reason, naming host and port.
@@ -82,7 +82,7 @@ async def _status_unless_refused(address: str, timeout_s: float) -> dict:
         if done or loop.time() >= end:
             return await req
         why = await asyncio.to_thread(nobody_there, address)
-        refused = refused + 1 if why and why.startswith(NOTHING_LISTENS) else 0
+        refused = refused + 1 if why and (why.startswith(NOTHING_LISTENS) or NOT_ZEROMQ in why) else 0
         if refused >= 2:
             req.cancel()
             await asyncio.gather(req, return_exceptions=True)

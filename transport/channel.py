@@ -648,13 +648,52 @@ BACKLOG_MAX_NBYTES = 64 * 1024 * 1024   # and this server holds for it beyond th
 BACKLOG_MAX_MESSAGES = 100_000
 
 NOTHING_LISTENS = "nothing is listening"   # how nobody_there's answer for a refused connect begins
+NOT_ZEROMQ = "it does not speak ZeroMQ"     # in its answer when the listener greets as no coordinator does
+# A ZeroMQ peer's greeting begins with this signature: 0xFF, 8 bytes of padding, 0x7F (ZMTP 3.x,
+# rfc.zeromq.org/spec/23, "Greeting"; libzmq sends it as soon as a connection is accepted).
+_ZMTP_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
+
+
+def _not_zeromq(s: socket.socket, where: str) -> str | None:
+    """Why the listener on the connected socket ``s`` is no ZeroMQ peer, when it shows it within
+    1 s: its first bytes are not ZeroMQ's signature (an HTTP server's answer, an SSH banner), or
+    it closes the connection without sending that signature (libzmq sends it as soon as it
+    accepts, before it reads anything). Sent to provoke a line-based server: ZeroMQ's signature
+    and an empty line. None when the signature comes, or nothing comes (a coordinator that is
+    stopped or starved is silent too)."""
+    s.settimeout(1.0)
+    got, closed = b"", False
+    try:
+        s.sendall(_ZMTP_SIGNATURE + b"\r\n\r\n")
+        while len(got) < len(_ZMTP_SIGNATURE):
+            chunk = s.recv(len(_ZMTP_SIGNATURE) - len(got))
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        closed = True
+    except OSError:    # (the timeout included)
+        pass
+    if got[:1] == b"\xff" and got[9:10] in (b"", b"\x7f"):
+        return None
+    if got:
+        answer = f"it answered {got!r}"
+    elif closed:
+        answer = "it closed the connection without a word"
+    else:
+        return None
+    return (f"something listens {where} but {NOT_ZEROMQ} ({answer}; a coordinator greets with "
+            f"ZeroMQ's signature): is that the coordinator's address?")
 
 
 def nobody_there(address: str) -> str | None:
     """Why ``tcp://HOST:PORT`` or ``ipc://PATH`` did not answer, when a plain connect can tell:
-    nothing listens there (refused, or no socket file at PATH), or the host cannot be reached.
-    None when something accepts connections (a coordinator that is busy, stopped, or another
-    program), and for an abstract ``ipc://@NAME``."""
+    nothing listens there (refused, or no socket file at PATH), the host cannot be reached, or
+    what listens answers as no ZeroMQ peer does (an answer that holds :data:`NOT_ZEROMQ`; that
+    check takes up to 1 s more). None when something accepts connections and is silent or
+    greets as ZeroMQ does (a coordinator that is busy or stopped), and for an abstract
+    ``ipc://@NAME``."""
     from urllib.parse import urlsplit
 
     if address.startswith("ipc://") and not address.startswith("ipc://@"):
@@ -664,7 +703,7 @@ def nobody_there(address: str) -> str | None:
             s.settimeout(2.0)
             try:
                 s.connect(path)
-                return None
+                return _not_zeromq(s, f"at {path}")
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 what = "no socket file" if isinstance(exc, FileNotFoundError) else "a stale socket file"
                 return f"{NOTHING_LISTENS} at {path} ({what}): is the coordinator running there?"
@@ -679,8 +718,8 @@ def nobody_there(address: str) -> str | None:
     if u.scheme != "tcp" or host is None or port is None:
         return None
     try:
-        with socket.create_connection((host, port), timeout=2.0):
-            return None
+        with socket.create_connection((host, port), timeout=2.0) as s:
+            return _not_zeromq(s, f"on {host} port {port}")
     except ConnectionRefusedError:
         return f"{NOTHING_LISTENS} on {host} port {port}: is the coordinator running there?"
     except OSError as exc:

@@ -793,6 +793,45 @@ def test_status_of_a_port_where_nothing_listens_says_so(timeout, says):
     assert out.stderr.strip() == "rtxnet status: " + says.format(addr=addr, why=why), out.stderr
 
 
+@pytest.mark.timeout(60)
+def test_a_listener_that_is_no_coordinator_is_named_at_once(coordinator):
+    """A rank or ``rtxnet status`` pointed at another program's port (here Python's HTTP server)
+    waited out coordinator_s (30 s) or the whole --timeout before: that listener's answer to
+    ZeroMQ's signature now says it is no coordinator. A coordinator, running or stopped, is
+    never taken for one."""
+    from transport.channel import nobody_there
+
+    http = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
+                            stdout=subprocess.PIPE, text=True, cwd=procs.ROOT)
+    try:
+        port = int(re.search(r"port (\d+)", http.stdout.readline()).group(1))
+        addr = f"tcp://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", addr,
+                              "--timeout", "30"], capture_output=True, text=True, timeout=40, env=procs.env())
+        took = time.monotonic() - t0
+        assert out.returncode == 1, out
+        assert (f"no answer from {addr} (something listens on 127.0.0.1 port {port} but it does not speak "
+                f"ZeroMQ (it answered b'") in out.stderr, out.stderr
+        assert took < 20, took     # two checks 1 s apart, not the 30 s
+        rank = subprocess.run([sys.executable, "-c", f"import rtxnet; rtxnet.init({addr!r}, job='j', world_size=1)"],
+                              capture_output=True, text=True, timeout=40,
+                              env=procs.env(RTXNET_REQUEST_TIMEOUT="2"))
+        assert rank.returncode == 1 and (
+            f"RtxTimeoutError: join to {addr}: no answer within 2 s; something listens on 127.0.0.1 port "
+            f"{port} but it does not speak ZeroMQ") in rank.stderr, rank.stderr[-2000:]
+    finally:
+        http.kill()
+        http.wait(10)
+    assert nobody_there(coordinator.address) is None
+    coordinator.signal(signal.SIGSTOP)
+    try:
+        assert nobody_there(coordinator.address) is None    # silent: stopped, not another program
+    finally:
+        coordinator.signal(signal.SIGCONT)
+    assert coordinator_jobs(coordinator.address) == []     # and it serves on
+
+
 def test_status_at_the_default_address_says_where_rtxnet_run_prints_its_coordinator():
     # a fresh user's find: a bare `rtxnet status` never finds the coordinator rtxnet-run started
     # (a free port), and said only that nothing listens at 29600
