@@ -650,7 +650,8 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             logs ``checkpoint_newer_steps_remain`` naming them. With or without it, what killed
             saves left (temporary files, a step folder that never got its manifest, shards a
             manifest of an earlier step does not list) is removed.
-        metadata: a dict of JSON values stored in the manifest (e.g. the loss; floats finite).
+        metadata: a dict of JSON values stored in the manifest (e.g. the loss; floats finite,
+            keys strings, lists not tuples: it is given back as saved).
         timeout_s: deadline of each collective, in seconds; ``None`` uses the group's.
 
     Returns:
@@ -734,18 +735,32 @@ def _ctrl_c_deferred(step: int, got: list[float]) -> Any:
 
 def _check_metadata(metadata: Any) -> None:
     """Refuses, before anything is written, ``metadata`` the manifest could not hold as strict
-    JSON (it failed on rank 0 only once the shards were written; ``inf`` was written as
-    ``Infinity``, which strict JSON readers refuse: a tester's find)."""
+    JSON or would give back changed (it failed on rank 0 only once the shards were written;
+    ``inf`` was written as ``Infinity``, which strict JSON readers refuse: a tester's find)."""
     if metadata is None:
         return
     if not isinstance(metadata, dict):
         raise ConfigError(f"metadata must be None or a dict, got {type(metadata).__name__}")
+    give = "give JSON numbers (finite), strings, bools, None, lists and dicts with string keys"
     try:
         json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"metadata is not JSON the manifest can hold ({exc}): give JSON "
-                          f"numbers (finite), strings, bools, None, lists and dicts with string keys"
-                          ) from None
+        raise ConfigError(f"metadata is not JSON the manifest can hold ({exc}): {give}") from None
+    # json.dumps writes other keys (int, float, bool, None) as strings and tuples as lists: what
+    # a load gave back then differed from what was saved, without a word (a tester's note)
+    todo: list[tuple[str, Any]] = [("metadata", metadata)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, tuple):
+            raise ConfigError(f"{path} is a tuple, which the manifest would give back as a list: {give}")
+        if isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise ConfigError(f"{path} has the key {k!r} ({type(k).__name__}), which the manifest "
+                                      f"would give back as the string {next(iter(json.loads(json.dumps({k: 0}))))!r}: {give}")
+                todo.append((f"{path}[{k!r}]", v))
 
 
 def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, world: int,

@@ -233,7 +233,13 @@ def test_bad_metadata_before_and_hold_arguments_are_refused_naming_them(tmp_path
     # readers) and bytes failed on rank 0 only, after the shards were written; latest(before="5")
     # raised a bare TypeError and before=nan returned a step; hold() of a file returned
     for bad, says in [({"x": float("inf")}, "Out of range float"), ({"x": b"1"}, "bytes"),
-                      ([1, 2], "must be None or a dict, got list")]:
+                      ([1, 2], "must be None or a dict, got list"),
+                      # given back changed before: keys as strings, tuples as lists
+                      ({"by_rank": {0: 1.5}}, "metadata['by_rank'] has the key 0 (int), which the manifest "
+                                               "would give back as the string '0'"),
+                      ({"x": [1, {True: 2}]}, "metadata['x'][1] has the key True (bool)"),
+                      ({"shape": (2, 3)}, "metadata['shape'] is a tuple, which the manifest would give back "
+                                          "as a list")]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             checkpoint.save(tmp_path, 1, {"w": torch.ones(2)}, metadata=bad)
     assert not (tmp_path / "step-1").exists()                  # refused before anything written
