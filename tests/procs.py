@@ -205,28 +205,30 @@ class Probe:
 
     def __init__(self, coordinator: str, **cfg):
         cfg["coordinator"] = coordinator
+        # its log (stderr) and its events (stdout) share one pipe, so a log line written before
+        # an event is in ``log`` once the event is seen (read from two pipes by two threads, a
+        # test that checked the log after an event found it empty on loaded cores)
         self.proc = subprocess.Popen(
             [sys.executable, str(PROBE), json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(), cwd=ROOT,
         )
         self.pid = self.proc.pid
         self.events: queue.Queue = queue.Queue()
         self.seen: list[dict] = []
         self._stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._drain, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             try:
-                self.events.put(json.loads(line))
+                event = json.loads(line)
             except ValueError:
-                pass
+                event = None
+            if isinstance(event, dict) and "event" in event and "level" not in event:   # (not a JSON log line)
+                self.events.put(event)
+            else:
+                self._stderr.append(line.decode(errors="replace"))
         self.events.put({"event": "eof"})
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr.append(line.decode(errors="replace"))
 
     @property
     def log(self) -> str:

@@ -181,7 +181,7 @@ def test_a_pause_resumes_its_rank_after_its_seconds():
                        timeout=30, env=procs.env())
     assert p.returncode == 0, p.stderr
     paused = float(p.stdout.split()[1])
-    assert 0.4 < paused < 5, paused
+    assert 0.4 < paused < 15, paused     # (the helper that resumes it is a process: 5 s was too few on loaded cores)
 
 
 @pytest.mark.timeout(60)
