@@ -329,7 +329,8 @@ class Agent:
             if remaining <= 0:
                 raise RtxTimeoutError(f"{what} within {timeout_s:g} s")
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):   # (asyncio.wait_for may lose a cancellation: ControlClient.request)
+                    await self._changed.wait()
             except TimeoutError:
                 continue
         return self.membership
@@ -433,7 +434,12 @@ class Agent:
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.timeouts.heartbeat_interval_s
+        me = asyncio.current_task()
         while not self._closed:
+            if me is not None and me.cancelling():
+                # a cancellation some await swallowed (asyncio.wait_for of Python 3.11, in user
+                # code too) still ends the loop: asyncio.run() waits for it at exit
+                raise asyncio.CancelledError
             sent_at, sent_mono = loop.time(), time.monotonic()
             mute_left = self._muted_until - time.monotonic()
             if mute_left > 0:

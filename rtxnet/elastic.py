@@ -159,7 +159,8 @@ async def _unreachable_peers(membership: Any, identity: str, timeout_s: float) -
         if url.scheme != "tcp" or not host or not port:
             return False
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(host, port)
         except ConnectionRefusedError:
             return False
         except (OSError, TimeoutError):
@@ -995,7 +996,8 @@ class FaultTolerance:
             # cut short when the job ends meanwhile (the join then says so: JobFinishedError); a
             # rank still pausing when the others finished was killed by rtxnet-run, exit 137
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(agent.gone.wait(), pause)
+                async with asyncio.timeout(pause):   # (asyncio.wait_for may lose a cancellation: ControlClient.request)
+                    await agent.gone.wait()
             if agent.gone.is_set() or pause >= REJOIN_PAUSE_MAX_S:
                 return
             unreachable = await _unreachable_peers(agent.membership, agent.identity,

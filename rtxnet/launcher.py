@@ -270,7 +270,8 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     )
     asyncio.ensure_future(_pump(proc.stderr, b"[coordinator] ", sys.stderr))
     try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        async with asyncio.timeout(30):
+            line = await proc.stdout.readline()
     except TimeoutError:
         proc.kill()
         raise RuntimeError("the coordinator did not start within 30 s") from None
@@ -606,7 +607,8 @@ class Launcher:
         if not ending:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(s.proc.wait() for s in ending)), wait_s)
+            async with asyncio.timeout(wait_s):
+                await asyncio.gather(*(s.proc.wait() for s in ending))
         for s in ending:
             if s.proc.returncode is None:   # declared lost but alive: hung, not ending
                 _stop(s.proc, signal.SIGTERM)
@@ -934,7 +936,10 @@ class Launcher:
         finishes meanwhile: then its exit is queued again (``restart_dropped``), to count as
         final. A restart that cannot start its process counts the same way."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop_event.wait(), slot.pause)
+            # (not asyncio.wait_for, which on Python 3.11 may lose a cancellation that comes as
+            # the event is set: this restart would then be made by a task already cancelled)
+            async with asyncio.timeout(slot.pause):
+                await self._stop_event.wait()
         why = "rtxnet-run is stopping"
         if not self.stopping:
             why = "the job has finished training"
@@ -1329,7 +1334,8 @@ class Launcher:
         if self.coordinator_proc is not None and self.coordinator_proc.returncode is None:
             self.coordinator_proc.terminate()
             try:
-                await asyncio.wait_for(self.coordinator_proc.wait(), 10)
+                async with asyncio.timeout(10):
+                    await self.coordinator_proc.wait()
             except TimeoutError:
                 self.coordinator_proc.kill()
                 await self.coordinator_proc.wait()

@@ -229,7 +229,12 @@ class ControlClient:
             except zmq.ZMQError as exc:
                 raise ConnectError(f"send to {self.address} failed: {exc}") from exc
             try:
-                reply = await asyncio.wait_for(fut, deadline_s)
+                # not asyncio.wait_for: on Python 3.11 it returns the answer when the task is
+                # cancelled as the answer comes, and the cancellation is lost (an agent's
+                # heartbeat loop then ran on after asyncio.run() cancelled it, and the process
+                # never exited: a tester's find, 5 of 26 runs)
+                async with asyncio.timeout(deadline_s):
+                    reply = await fut
             except TimeoutError:
                 raise RtxTimeoutError(f"{mtype} to {self.address}: no answer within {deadline_s:g} s") from None
         finally:
