@@ -22,26 +22,41 @@ model on the whole batch with the loss averaged over the micro-batches: each mic
 scaled by ``1/M`` before its backward. For a loss that is a mean over the batch (the default
 ``reduction="mean"``) and equal micro-batches, that is the whole batch's loss. Gradients are
 accumulated into ``param.grad`` (zero them between steps, as with ``loss.backward()``), and the
-optimizer step is the caller's. The loss is returned on the last stage (``None`` elsewhere).
+optimizer step is the caller's. A parameter no gradient reaches keeps its ``.grad`` as it was
+(``None`` after ``zero_grad()``), as in one process: a stage whose module detaches its input
+(``x.detach()``, or an output not depending on it) sends no gradient back, and the stages before
+it run no backward for that micro-batch (before, they ran one with a gradient of zeros, and
+momentum, Adam or weight decay then moved parameters one process leaves alone; a tester's find),
+except a replicated stage (below). The loss is returned on the last stage (``None`` elsewhere).
+Every stage must run the same schedule class with the same ``n_microbatches``: a step whose stages
+differ fails at once on every stage with ``ConfigError`` naming each stage's schedule and count
+(before, a GPipe stage next to a 1F1B one waited for a message its neighbour would send only after
+one it waited for, and every stage timed out naming a raw tag).
 
 **Wire.** Activations are exchanged with a header, so no stage needs to know the shapes in advance
 and they may change from step to step (e.g. sequence length): before each activation, stage ``s``
-sends an int64 header ``[dtype code, requires_grad, ndim, d0, ..., d7]`` (at most 8 dimensions;
-dtypes in ``_DTYPES``). The gradient coming back has the activation's shape and dtype, known to
-the stage that sent it, so it travels without a header; it is sent only when the activation
-required a gradient (a stage that gets an input not requiring one sends nothing back). Tags encode
-``(step, micro-batch, message kind)``, the step counting the schedule calls made on the group
-object (by any stage built on it): every stage must call ``step`` the same number of times. A
-message a failed step left behind is never taken for one of a later step. A stage that fails a step with an error of its own (bad
-input or target, an exception from its module or the loss function: anything but a peer loss or a
-timeout, which the others meet by themselves) tells its neighbours in place of the message each
-waits for next: downstream an activation header with code ``-2`` and the failing stage, upstream
-an empty ``bool`` tensor on the gradient's tag (a gradient is never ``bool``, so it cannot be
-mistaken for one). Each stage that gets such a message passes it on in the same direction and
-raises ``ConfigError``: every stage fails the step at once, not at its deadline. Every step ends
-with one all_reduce (MAX) of a flag over the pipeline group, so a stage that had finished its part
-when another failed (the last stage, when a stage before it fails in its backward) raises
-``ConfigError`` naming that stage too: a step fails on every stage or on none.
+sends an int64 header ``[dtype code, requires_grad, ndim, d0, ..., d7, schedule, M]`` (at most 8
+dimensions; dtypes in ``_DTYPES``; ``schedule`` 1 GPipe, 2 1F1B), and stage ``s+1`` checks the
+schedule and ``M`` against its own before it computes anything. The gradient coming back has the
+activation's shape and dtype, known to the stage that sent it, so it travels without a header; it
+is sent only when the activation required a gradient (a stage that gets an input not requiring one
+sends nothing back), and when no gradient reached that input an empty ``uint8`` tensor goes in its
+place (a gradient is never ``uint8``): the stage receiving it skips that micro-batch's backward.
+Tags encode ``(step, micro-batch, message kind)``, the step counting the schedule calls made on the
+group object (by any stage built on it): every stage must call ``step`` the same number of times. A
+message a failed step left behind is never taken for one of a later step. A stage that fails a step
+with an error of its own (bad input or target, an exception from its module or the loss function:
+anything but a peer loss or a timeout, which the others meet by themselves) tells its neighbours in
+place of the message each waits for next: downstream an activation header with code ``-2`` and the
+failing stage, upstream an empty ``bool`` tensor on the gradient's tag (a gradient is never
+``bool``, so it cannot be mistaken for one). Each stage that gets such a message passes it on in
+the same direction and raises ``ConfigError``: every stage fails the step at once, not at its
+deadline. Every step ends with one all_reduce (MAX) of a few flags over the pipeline group (``S+2``
+int64: the failing stage, a stale stage, each stage's schedule and ``M``), so a stage that had
+finished its part when another failed (the last stage, when a stage before it fails in its
+backward) raises ``ConfigError`` naming that stage too, and every stage of a step whose stages run
+different schedules raises the same ``ConfigError`` naming them all: a step fails on every stage or
+on none.
 
 **Deadlines and failures.** Every ``send`` and ``recv`` carries a deadline (``timeout_s``, else
 the group's ``Timeouts.op_s``). A lost peer raises :class:`~transport.errors.PeerLostError` and a
@@ -65,7 +80,12 @@ its numbering: its collectives raise ``PeerLostError`` after a membership change
 (data parallel across pipeline replicas, e.g. on a :class:`~rtxnet.parallel.DeviceMesh`) runs its
 micro-batches under ``no_sync()`` and reduces the accumulated gradients once with
 ``sync_gradients()`` after the last backward: a DDP backward reduces one forward's gradients, and
-the schedules run several forwards before their backwards.
+the schedules run several forwards before their backwards. A replicated stage that gets no
+gradient for a micro-batch (a later stage detached its input) still runs that backward, with a
+gradient of zeros: DDP reduces only on the replicas a backward ran on, and another replica may
+have got a gradient (skipped, the replicas that got one waited for the others until their
+deadline, while the others returned). Its parameters then hold zeros where one process would
+leave ``None`` if no replica got a gradient; the stages before it are told that none came.
 
 **Devices.** CPU modules and tensors (the group's CPU send/recv). One tensor flows between stages:
 the input of stage 0, each stage's output, and the target of the last stage are single tensors.
@@ -112,6 +132,22 @@ _ABORT = -2   # header dtype code: the stage named in header[1] failed the step 
 _STALE = 2
 _STALE_BASE = 1 << 31   # _agree's stale flag: (rank + 1) * _STALE_BASE + stage
 _MAX_MICRO = 1 << 20
+# An activation header: [dtype code, requires_grad, ndim, d0, ..., d7, schedule kind, M]
+_HEADER_LEN = 5 + MAX_NDIM
+# Schedule kinds on the wire (PipelineSchedule._KIND): a stage checks its neighbour's
+_KIND_NAMES = {0: "a PipelineSchedule subclass", 1: "ScheduleGPipe", 2: "Schedule1F1B"}
+# Sent on a gradient's tag in place of the gradient: no gradient reached this micro-batch's input
+# on the next stage (it detached it), so the stage runs no backward for it (a gradient is never
+# uint8, nor is an abort: that is an empty bool tensor)
+_NO_GRAD_DTYPE = torch.uint8
+
+
+def _header() -> torch.Tensor:
+    return torch.full((_HEADER_LEN,), -1, dtype=torch.int64)
+
+
+def _plan_name(kind: int, M: int) -> str:
+    return f"{_KIND_NAMES.get(kind, f'schedule kind {kind}')} with n_microbatches({M})"
 
 
 def _tag(step: int, micro: int, kind: int) -> int:
@@ -187,7 +223,8 @@ class PipelineStage:
 
     # -- wire --------------------------------------------------------------------------------
 
-    def _send_activation(self, y: torch.Tensor, step: int, m: int, timeout_s: float | None) -> None:
+    def _send_activation(self, y: torch.Tensor, step: int, m: int, timeout_s: float | None,
+                         plan: tuple[int, int]) -> None:
         if not isinstance(y, torch.Tensor):
             raise ConfigError(f"stage {self.stage_index} returned {type(y).__name__}; a pipeline "
                               "stage returns one tensor")
@@ -195,9 +232,10 @@ class PipelineStage:
             raise ConfigError(f"stage {self.stage_index} output dtype({y.dtype}) / ndim({y.dim()}): "
                               f"the pipeline carries {len(_DTYPES)} dtypes ({_DTYPES}) and at most "
                               f"{MAX_NDIM} dimensions")
-        header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
+        header = _header()
         header[0], header[1], header[2] = _CODE[y.dtype], int(y.requires_grad), y.dim()
         header[3:3 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        header[-2], header[-1] = plan
         dst = self.stage_index + 1
         kw = _kw(timeout_s)
         self._pg.send(header, dst, _tag(step, m, _FWD_HEADER), **kw)
@@ -208,7 +246,7 @@ class PipelineStage:
         failed this step (best effort: the caller raises its own error whatever happens)."""
         if self.is_last:
             return
-        header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
+        header = _header()
         header[0], header[1], header[2] = _ABORT, origin, int(refused_input)
         self._best_effort(self.stage_index + 1, header, _tag(step, m, _FWD_HEADER))
 
@@ -232,7 +270,7 @@ class PipelineStage:
         meet this stage in the closing agreement (best effort)."""
         size = group_size(self._pg)
         if rank + 1 < size:
-            header = torch.full((3 + MAX_NDIM,), -1, dtype=torch.int64)
+            header = _header()
             header[0], header[1], header[2], header[3] = _ABORT, rank, _STALE, self.stage_index
             self._best_effort(rank + 1, header, _tag(step, 0, _FWD_HEADER))
         if rank > 0:
@@ -244,10 +282,14 @@ class PipelineStage:
         except Exception as exc:  # noqa: BLE001 - the caller raises the step's error itself
             log.warning("pipeline_abort_not_sent", stage=self.stage_index, to=dst, error=str(exc))
 
-    def _recv_activation(self, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
+    def _recv_activation(self, step: int, m: int, timeout_s: float | None,
+                         plan: tuple[int, int]) -> torch.Tensor:
+        """Micro-batch ``m``'s activation from the previous stage. Raises ``ConfigError`` when
+        that stage runs another schedule or another number of micro-batches (``plan``: this
+        stage's ``(kind, M)``), or told that an earlier stage failed the step."""
         src = self.stage_index - 1
         kw = _kw(timeout_s)
-        header = torch.empty(3 + MAX_NDIM, dtype=torch.int64)
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         self._pg.recv(header, src, _tag(step, m, _FWD_HEADER), **kw)
         code, needs_grad, ndim = (int(v) for v in header[:3])
         if code == _ABORT and int(header[2]) == _STALE:
@@ -268,19 +310,36 @@ class PipelineStage:
         if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
             raise ProtocolError(f"stage {self.stage_index}: malformed activation header "
                               f"{header.tolist()} from stage {src}")
+        theirs = (int(header[-2]), int(header[-1]))
+        if theirs != tuple(plan):
+            # the two would wait for each other's messages until the deadline (a GPipe stage
+            # next to a 1F1B one), or split the batch differently: refuse before computing
+            raise ConfigError(f"stage {src} runs {_plan_name(*theirs)}, stage {self.stage_index} "
+                              f"{_plan_name(*plan)}: every stage must run the same schedule "
+                              f"with the same n_microbatches")
         x = torch.empty(header[3:3 + ndim].tolist(), dtype=_DTYPES[code])
         self._pg.recv(x, src, _tag(step, m, _FWD_DATA), **kw)
         return x.requires_grad_(bool(needs_grad))
 
-    def _send_grad(self, g: torch.Tensor, step: int, m: int, timeout_s: float | None) -> None:
-        self._pg.send(g.contiguous(), self.stage_index - 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
+    def _send_grad(self, g: torch.Tensor | None, step: int, m: int,
+                   timeout_s: float | None) -> None:
+        """Send the gradient of micro-batch ``m``'s input back; ``None``: none reached it (the
+        module detached it), said with an empty uint8 tensor instead of a gradient of zeros."""
+        g = torch.zeros(0, dtype=_NO_GRAD_DTYPE) if g is None else g.contiguous()
+        self._pg.send(g, self.stage_index - 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
 
-    def _recv_grad(self, like: torch.Tensor, step: int, m: int, timeout_s: float | None) -> torch.Tensor:
+    def _recv_grad(self, like: torch.Tensor, step: int, m: int,
+                   timeout_s: float | None) -> torch.Tensor | None:
+        """The gradient of micro-batch ``m``'s output (``like``), or ``None`` when none reached
+        the next stage's input (see ``_send_grad``)."""
         g = torch.empty(like.shape, dtype=like.dtype)
         try:
             self._pg.recv(g, self.stage_index + 1, _tag(step, m, _BWD_GRAD), **_kw(timeout_s))
         except CollectiveMismatchError as exc:
-            if exc.field != "dtype" or "bool" not in exc.values.values():
+            sent = set(exc.values.values()) if exc.field == "dtype" else set()
+            if "uint8" in sent:     # _NO_GRAD_DTYPE: the expected gradient is never uint8
+                return None
+            if "bool" not in sent:
                 raise
             # a later stage failed the step (see _abort_up): pass it on, fail now
             self._abort_up(step, m)
@@ -294,6 +353,19 @@ def _aborted(message: str) -> ConfigError:
     exc = ConfigError(message)
     exc.pipeline_abort_passed_on = True
     return exc
+
+
+def _mismatch(plans: list[tuple[int, int]]) -> ConfigError:
+    """The error of a step whose stages run different schedules or numbers of micro-batches
+    (``plans[s]``: stage ``s``'s ``(kind, M)``), the same on every stage."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for s, plan in enumerate(plans):
+        groups.setdefault(plan, []).append(s)
+    parts = [f"stage{'s' if len(ss) > 1 else ''} {', '.join(map(str, ss))} {_plan_name(*plan)}"
+             for plan, ss in groups.items()]
+    return ConfigError(f"pipeline stages run different schedules: {'; '.join(parts)}; every stage "
+                       f"must run the same schedule with the same n_microbatches (this step failed "
+                       f"on every stage)")
 
 
 def _stale(stage: int, rank: int, *, here: int | None = None) -> ConfigError:
@@ -336,7 +408,12 @@ class PipelineSchedule:
             once (``M`` for GPipe, ``min(S - s, M)`` for 1F1B).
         last_output: on the last stage after a step, its outputs of every micro-batch concatenated
             along dimension 0, detached (``[B, ...]``); None elsewhere.
+
+    Every stage of a pipeline must run the same schedule class with the same ``n_microbatches``;
+    a step whose stages differ is refused on every stage (see :meth:`step`).
     """
+
+    _KIND = 0   # on the wire: neighbouring stages check they run the same schedule (_KIND_NAMES)
 
     def __init__(self, stage: PipelineStage, n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
@@ -370,16 +447,22 @@ class PipelineSchedule:
         Call it on every stage, the same number of times.
 
         Args:
-            input: stage 0: the batch ``[B, ...]``, ``B`` divisible by ``M``; ignored elsewhere.
+            input: stage 0: the batch ``[B, ...]``, ``B > 0`` divisible by ``M``; ignored
+                elsewhere.
             target: last stage: ``[B, ...]``, split like the input; ignored elsewhere.
 
         Returns:
             On the last stage, the loss averaged over the micro-batches (a detached 0-d tensor);
-            None on the others. ``param.grad`` of this stage's parameters is accumulated in place.
+            None on the others. ``param.grad`` of this stage's parameters is accumulated in place
+            (left as it is where no gradient reaches them, as in one process; a replicated stage
+            gets zeros there, see the module notes).
 
         Raises:
-            ConfigError: a missing input (stage 0) or target (last stage), a batch not divisible
-                by ``M`` (names both), a stage output that is not one tensor of a carried dtype,
+            ConfigError: a missing input (stage 0) or target (last stage), an empty batch
+                (``B == 0``; raised on the stage given it, the others told as for any refused
+                input), a batch not divisible by ``M`` (names both), stages running different
+                schedule classes or ``n_microbatches`` (on every stage, at once; names each
+                stage's), a stage output that is not one tensor of a carried dtype,
                 a group whose size changed, a stage (this one or another) built before a
                 membership change renumbered the ranks (on every stage, at once; names that
                 stage and its rank, ``exc.stage_index`` and ``exc.rank``), or another stage failed
@@ -468,11 +551,14 @@ class PipelineSchedule:
         raise NotImplementedError
 
     def _agree(self, failure: Exception | None, rank: int) -> None:
-        """End the step with the same outcome on every stage: one all_reduce (MAX) of two flags
+        """End the step with the same outcome on every stage: one all_reduce (MAX) of flags
         over the pipeline group, so a stage that finished its part (the last stage, when a stage
         before it fails in its backward) learns that the step failed elsewhere, and every stage
         learns of a stage built before the ranks were renumbered (``rank`` is this process's rank
-        in the step's group). Raises ``failure`` when there is one of this stage's own;
+        in the step's group) and of every stage's schedule and ``M``. Raises, when no stage is
+        stale and the stages' schedules or ``M`` differ, the same ``ConfigError`` naming them on
+        every stage (the stage that saw it in a header failed the step at once, and told the
+        others); else ``failure`` when there is one of this stage's own;
         ``ConfigError`` naming the stale stage and its rank when there is one; else ``failure``
         (an abort passed on), or ``ConfigError`` naming the failing stage when only another stage
         failed. A lost peer or a timeout is raised at once: the group cannot agree, and every
@@ -482,17 +568,23 @@ class PipelineSchedule:
         st = self.stage
         stale = rank != st.stage_index
         own = failure is not None and not getattr(failure, "pipeline_abort_passed_on", False)
-        # [failing stage + 1, the stale stage's (rank + 1) * 2**31 + stage]: MAX keeps one
-        # stale stage's pair whole
-        flag = torch.tensor([st.stage_index + 1 if own and not stale else 0,
-                             (rank + 1) * _STALE_BASE + st.stage_index if stale else 0],
-                            dtype=torch.int64)
+        # [failing stage + 1, the stale stage's (rank + 1) * 2**31 + stage, then one slot per
+        # rank: its schedule kind * (2**20 + 1) + M]: MAX keeps one stale stage's pair whole
+        flag = torch.zeros(2 + st.num_stages, dtype=torch.int64)
+        flag[0] = st.stage_index + 1 if own and not stale else 0
+        flag[1] = (rank + 1) * _STALE_BASE + st.stage_index if stale else 0
+        kind, M = self._plan()
+        if 0 <= rank < st.num_stages:
+            flag[2 + rank] = kind * (_MAX_MICRO + 1) + M
         try:
             st._pg.all_reduce(flag, op=ReduceOp.MAX, **_kw(self.timeout_s))
         except Exception:
             if failure is not None:
                 raise failure from None
             raise
+        plans = [divmod(int(c), _MAX_MICRO + 1) for c in flag[2:]]
+        if len(set(plans)) > 1 and int(flag[1]) == 0:
+            raise _mismatch(plans) from failure
         if own:
             raise failure
         if int(flag[1]) > 0:
@@ -527,11 +619,18 @@ class PipelineSchedule:
         if t.dim() == 0 or t.shape[0] % M:
             B = t.shape[0] if t.dim() else "0-d"
             raise ConfigError(f"{what} batch({B}) is not divisible by n_microbatches({M})")
+        if t.shape[0] == 0:
+            raise ConfigError(f"{what} batch(0) is empty: a step needs at least one sample per "
+                              f"micro-batch, a multiple of n_microbatches({M})")
         return list(t.split(t.shape[0] // M))
+
+    def _plan(self) -> tuple[int, int]:
+        """This stage's ``(schedule kind, M)``, which its neighbours check in each header."""
+        return type(self)._KIND, self.n_microbatches
 
     def _forward(self, m: int) -> None:
         st, kw = self.stage, self.timeout_s
-        x = self._xs[m] if st.is_first else st._recv_activation(self._step_no, m, kw)
+        x = self._xs[m] if st.is_first else st._recv_activation(self._step_no, m, kw, self._plan())
         y = st.module(x)
         if st.is_last:
             if not isinstance(y, torch.Tensor):
@@ -547,7 +646,7 @@ class PipelineSchedule:
             self._losses.append(loss.detach())
             self._held[m] = (x, loss)
         else:
-            st._send_activation(y, self._step_no, m, kw)
+            st._send_activation(y, self._step_no, m, kw, self._plan())
             self._held[m] = (x, y)
         self.peak_in_flight = max(self.peak_in_flight, len(self._held))
         self.trace.append(f"F{m}")
@@ -555,13 +654,23 @@ class PipelineSchedule:
     def _backward(self, m: int) -> None:
         st, kw = self.stage, self.timeout_s
         x, y = self._held.pop(m)
+        absent = False
         if st.is_last:
             y.backward()
         elif y.requires_grad:
-            torch.autograd.backward(y, st._recv_grad(y, self._step_no, m, kw))
+            g = st._recv_grad(y, self._step_no, m, kw)
+            # None: no gradient reached the next stage's input (it detached it): as in one
+            # process, nothing flows back through this stage, its .grad stay as they are ...
+            absent = g is None
+            if absent and isinstance(st.module, DistributedDataParallel):
+                # ... except on a replicated stage: another replica may have got a gradient,
+                # and DDP reduces only on the replicas a backward ran on (see module notes)
+                g = torch.zeros_like(y)
+            if g is not None:
+                torch.autograd.backward(y, g)
         if not st.is_first and x.requires_grad:
-            g = x.grad if x.grad is not None else torch.zeros_like(x)
-            st._send_grad(g, self._step_no, m, kw)
+            # None: this stage's output did not depend on its input, or got no gradient
+            st._send_grad(None if absent else x.grad, self._step_no, m, kw)
         self.trace.append(f"B{m}")
 
 
@@ -571,6 +680,8 @@ class ScheduleGPipe(PipelineSchedule):
     Arguments, returns and errors as :class:`PipelineSchedule`. Holds ``M`` micro-batches'
     activations at once.
     """
+
+    _KIND = 1
 
     def _run(self, M: int) -> None:
         for m in range(M):
@@ -587,6 +698,8 @@ class Schedule1F1B(PipelineSchedule):
     micro-batches' activations. Sends do not wait for the receiver (the group queues them), so the
     order cannot deadlock.
     """
+
+    _KIND = 2
 
     def _run(self, M: int) -> None:
         st = self.stage

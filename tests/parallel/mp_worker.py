@@ -17,7 +17,9 @@ Parts, in this order:
          replica, DDP across the 2 replicas, 3 SGD steps against one process on the global batch;
          the mesh's groups and coordinates; bad shapes and names.
     pp   GPipe and 1F1B for several micro-batch counts (fewer than the stages included), a
-         second step after an optimizer update, bad arguments, a peer that never sends (CollectiveTimeout), and last
+         second step after an optimizer update, bad arguments, stages failing a step (a refused
+         input or target, an empty batch, a module raising), a stage detaching its input, stages
+         running different schedules, a peer that never sends (CollectiveTimeout), and last
          rank 3 dying while rank 2 waits for it (PeerLostError; launch with --min-ranks 3).
 """
 
@@ -285,6 +287,17 @@ class _FailsInBackward(torch.nn.Module):
         return _BackwardRaises.apply(self.inner(x))
 
 
+class _DetachesInput(torch.nn.Module):
+    """``inner`` run on its input detached (``on``): no gradient flows back through this stage."""
+
+    def __init__(self, inner: torch.nn.Module, on: bool = True):
+        super().__init__()
+        self.inner, self.on = inner, on
+
+    def forward(self, x):
+        return self.inner(x.detach() if self.on else x)
+
+
 class _FailsOnCall(torch.nn.Module):
     """``inner``, except that its ``n``-th call raises RuntimeError."""
 
@@ -351,6 +364,31 @@ def dp_pp_case(pg, sched_cls, M: int, steps: int = 2) -> dict:
         sgd(stage.parameters())
     mine = [p for part in ref[s * 2:(s + 1) * 2] for p in part.parameters()]
     return {"param": max(rel(p, q) for p, q in zip(stage.parameters(), mine, strict=True))}
+
+
+def dp_pp_detach_case(pg, sched_cls) -> dict:
+    """2 replicas x 2 stages as ``dp_pp_case``, stage 1 of replica 0 alone detaching its input:
+    stage 0 of replica 0 gets no gradient, replica 1's does. Every replica must still take part
+    in DDP's reduction (skipped on replica 0, replica 1 waited for it until its deadline while
+    replica 0 returned), and stage 0's gradient is then half replica 1's, as in one process."""
+    mesh = DeviceMesh(pg, (-1, 2), ("dp", "pp"))
+    s, i = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    ref = full_model(22)
+    parts = [stage_of(ref, k, 2) for k in range(2)]
+    part = parts[0] if s == 0 else _DetachesInput(parts[1], on=i == 0)   # same names: DDP
+    stage = PipelineStage(DistributedDataParallel(part, mesh.get_group("dp")), mesh.get_group("pp"))
+    x, y = data((P_B, P_D), P_C, seed=40)
+    n = P_B // 2
+    t0 = time.monotonic()
+    err = error_of(lambda: sched_cls(stage, 2, LOSS, timeout_s=20).step(
+        x[i * n:(i + 1) * n] if stage.is_first else None, y[i * n:(i + 1) * n] if stage.is_last else None))
+    seconds = time.monotonic() - t0
+    a, b = copy.deepcopy(parts[0]), copy.deepcopy(parts[1])    # one process, both halves
+    ((LOSS(b(a(x[:n]).detach()), y[:n]) + LOSS(b(a(x[n:])), y[n:])) / 2).backward()
+    theirs = list((a if s == 0 else b).parameters())
+    return {"error": err, "seconds": seconds,
+            "grad": max(rel(p.grad, q.grad) if p.grad is not None else math.inf
+                        for p, q in zip(part.parameters(), theirs, strict=True))}
 
 
 def ddp_two_forwards_error(pg) -> str:
@@ -471,6 +509,63 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
         err = error_of(lambda: cls(st_b, 4, LOSS, timeout_s=20).step(  # noqa: B023
             x if st_b.is_first else None, y if st_b.is_last else None))  # noqa: B023
         res[f"abort_backward/{name}"] = {"error": err, "seconds": time.monotonic() - t0}
+
+    # An empty batch (B = 0): stage 0 refuses its input naming it (it raised IndexError, the others
+    # "stage 0 failed"), the last stage its target; stages 1 and 2 are told; the next step runs.
+    for name, cls in SCHEDULES.items():
+        st_e = PipelineStage(stage_of(full_model(20), g4.rank, 4), g4)
+        sched = cls(st_e, 4, LOSS, timeout_s=20)
+        t0 = time.monotonic()
+        err = error_of(lambda: sched.step(  # noqa: B023
+            torch.zeros(0, P_D) if st_e.is_first else None,  # noqa: B023
+            torch.zeros(0, dtype=torch.int64) if st_e.is_last else None))  # noqa: B023
+        seconds = time.monotonic() - t0
+        x, y = data((P_B, P_D), P_C, seed=30)
+        loss = sched.step(x if st_e.is_first else None, y if st_e.is_last else None)
+        res[f"empty/{name}"] = {"error": err, "seconds": seconds,
+                                "next_loss": None if loss is None else float(loss),
+                                "ref_loss": float(LOSS(full_model(20)(x), y))}
+
+    # Stage 2 detaches its input: no gradient reaches stages 0 and 1, whose .grad stay None as in
+    # one process (they got zeros, which momentum or weight decay turned into an update).
+    for name, cls in SCHEDULES.items():
+        ref = full_model(20)
+        ref[2] = _DetachesInput(ref[2])
+        part = copy.deepcopy(ref[g4.rank])
+        st_d = PipelineStage(part, g4)
+        x, y = data((P_B, P_D), P_C, seed=30)
+        cls(st_d, 4, LOSS, timeout_s=20).step(x if st_d.is_first else None,
+                                              y if st_d.is_last else None)
+        LOSS(ref(x), y).backward()
+        mine, theirs = list(part.parameters()), list(ref[g4.rank].parameters())
+        res[f"detach/{name}"] = {
+            "none": [p.grad is None for p in mine], "ref_none": [q.grad is None for q in theirs],
+            "grad": max((rel(p.grad, q.grad) for p, q in zip(mine, theirs, strict=True)
+                         if p.grad is not None and q.grad is not None), default=0.0)}
+
+    for name, cls in SCHEDULES.items():
+        res[f"detach_dp/{name}"] = dp_pp_detach_case(pg, cls)
+
+    # Stages running different schedules (GPipe on stages 0 and 2, 1F1B on 1 and 3) or different
+    # micro-batch counts (stage 3 4, the others 2): every stage refuses the step at once naming
+    # each stage's (a GPipe stage next to a 1F1B one waited for a message its neighbour sends
+    # later: every stage timed out naming a raw tag); the next step runs.
+    mixed = {"kinds": (ScheduleGPipe if g4.rank % 2 == 0 else Schedule1F1B, 4),
+             "counts": (Schedule1F1B, 4 if g4.rank == 3 else 2)}
+    for name, (cls, M) in mixed.items():
+        st_m = PipelineStage(stage_of(full_model(20), g4.rank, 4), g4)
+        x, y = data((P_B, P_D), P_C, seed=30)
+        t0 = time.monotonic()
+        err = error_of(lambda: cls(st_m, M, LOSS, timeout_s=20).step(  # noqa: B023
+            x if st_m.is_first else None, y if st_m.is_last else None))  # noqa: B023
+        seconds = time.monotonic() - t0
+        for p in st_m.parameters():
+            p.grad = None
+        loss = Schedule1F1B(st_m, 4, LOSS, timeout_s=20).step(x if st_m.is_first else None,
+                                                              y if st_m.is_last else None)
+        res[f"mixed/{name}"] = {"error": err, "seconds": seconds,
+                                "next_loss": None if loss is None else float(loss),
+                                "ref_loss": float(LOSS(full_model(20)(x), y))}
 
     # A peer that never answers: each rank of a pair runs a step in a group where the other does
     # not, so both wait out a 0.5 s deadline (stage 0 for a gradient, stage 1 for an activation).

@@ -201,3 +201,58 @@ def test_a_stage_failing_in_its_backward_fails_the_step_on_every_stage_the_last_
     for s in (0, 1):
         assert res[s]["error"].startswith(f"ConfigError: a later stage (after stage {s}) failed this step"), res
     assert all(r["seconds"] < 10 for r in res), res
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_empty_batch_is_refused_naming_it_and_the_next_step_runs(pp, schedule):
+    # Before: stage 0 raised a bare "IndexError: list index out of range" (B = 0 is divisible by
+    # any M, and split into no micro-batches), the others "stage 0 failed this step".
+    res = [r[f"empty/{schedule}"] for r in pp]
+    empty = "ConfigError: {} batch(0) is empty: a step needs at least one sample per micro-batch, " \
+            "a multiple of n_microbatches(4)"
+    assert res[0]["error"] == empty.format("input"), res
+    assert res[3]["error"] == empty.format("target"), res
+    for s in (1, 2):
+        assert res[s]["error"] == ("ConfigError: stage 0 refused the input of this step (its "
+                                   f"ConfigError names the value); stage {s} did not run it"), res
+    assert all(r["seconds"] < 10 for r in res), res
+    assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stages_before_one_that_detaches_its_input_keep_no_gradient_as_in_one_process(pp, schedule):
+    # Before: stage 2 sent back a gradient of zeros, so stages 0 and 1 got .grad == 0 where one
+    # process leaves None (and momentum, Adam or weight decay moved those parameters).
+    for s, r in enumerate(pp):
+        c = r[f"detach/{schedule}"]
+        assert c["ref_none"] == [s < 2] * len(c["ref_none"]), c
+        assert c["none"] == c["ref_none"], (s, c)
+        assert c["grad"] < TOL, (s, c)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_replicated_stage_some_of_whose_replicas_get_no_gradient_still_reduces_on_all(pp, schedule):
+    # stage 1 of replica 0 detaches its input, replica 1's does not: every replica of stage 0
+    # takes part in DDP's reduction (skipping the backward there, replica 1 would wait for
+    # replica 0 until its deadline, while replica 0 returned), the gradient as in one process
+    for r in pp:
+        c = r[f"detach_dp/{schedule}"]
+        assert c["error"] == "no error", c
+        assert c["grad"] < TOL and c["seconds"] < 10, c
+
+
+@pytest.mark.parametrize("case", ["kinds", "counts"])
+def test_stages_running_different_schedules_fail_the_step_at_once_naming_them(pp, case):
+    # Before: GPipe next to 1F1B deadlocked until every stage raised "CollectiveTimeout: recv from
+    # rank 1 tag 8388610 timed out"; different micro-batch counts failed in the last stage's loss.
+    res = [r[f"mixed/{case}"] for r in pp]
+    which = ("stages 0, 2 ScheduleGPipe with n_microbatches(4); stages 1, 3 Schedule1F1B with "
+             "n_microbatches(4)" if case == "kinds" else
+             "stages 0, 1, 2 Schedule1F1B with n_microbatches(2); stage 3 Schedule1F1B with "
+             "n_microbatches(4)")
+    for r in res:
+        assert r["error"] == (f"ConfigError: pipeline stages run different schedules: {which}; "
+                              "every stage must run the same schedule with the same "
+                              "n_microbatches (this step failed on every stage)"), res
+    assert all(r["seconds"] < 10 for r in res), res
+    assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
