@@ -31,7 +31,13 @@ import numpy as np
 import structlog
 
 from transport import wire
-from transport.errors import ConfigError, PeerLostError, RendezvousTimeout, RtxTimeoutError
+from transport.errors import (
+    ClosedError,
+    ConfigError,
+    PeerLostError,
+    RendezvousTimeout,
+    RtxTimeoutError,
+)
 from transport.logconfig import env_flag
 
 from .agent import Agent, Membership
@@ -244,8 +250,34 @@ class ProcessGroup:
     def engine(self) -> Any:
         return self._engine
 
+    def _check_loop(self, name: str) -> None:
+        """Refuse a call from another event loop than the one ``connect()`` ran in: the group's
+        sockets and tasks live there (from a second ``asyncio.run`` a collective hung or went
+        out of step with its peers: a tester's find).
+
+        Raises:
+            ClosedError: that loop has ended (its ``asyncio.run`` returned, ending the group's
+                heartbeats and reads).
+            ConfigError: it still runs (in another thread).
+        """
+        made_in = _OPEN_ASYNC.get(self)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if made_in is None or running is made_in:
+            return
+        if made_in.is_closed():
+            raise ClosedError(f"{name}: this process group was made in an event loop that has ended "
+                              f"(its asyncio.run() returned, which ended the group's heartbeats): a "
+                              f"group serves the loop its connect() ran in; connect in this one")
+        raise ConfigError(f"{name}: this process group was made in another event loop (another "
+                          f"thread's): a group serves only the loop its connect() ran in; from other "
+                          f"threads use the blocking group of rtxnet.init()")
+
     def __getattr__(self, name: str) -> Any:
         if name in _COLLECTIVES:
+            self._check_loop(name)
             engine = self.__dict__.get("_engine")
             if self._agent.fenced:
                 why = getattr(self._agent, "fence_reason", "") or "declared lost"
@@ -348,6 +380,7 @@ class ProcessGroup:
         # (a set, a tuple key or 2**64 was a ProtocolError of the encoder naming nothing)
         if metadata is not None and (bad := wire.json_like_problem(metadata, "commit.metadata")):
             raise ConfigError(bad)
+        self._check_loop("commit")
         body = await self._agent.commit(step, ok=ok, metadata=metadata,
                                         timeout_s=timeout if timeout is not None else self.timeouts.op_s)
         return bool(body["committed"])
@@ -415,7 +448,27 @@ class ProcessGroup:
         return await self._agent.status()
 
     async def aclose(self) -> None:
-        """Leave the job in order and release sockets and shared memory."""
+        """Leave the job in order and release sockets and shared memory. Made in an event loop
+        that has ended, the group cannot leave in order any more (its heartbeats ended with that
+        loop): then this releases its sockets and shared memory without leaving, and the
+        coordinator declares the rank lost, as if it had been killed. (Left open, such a group's
+        sockets made a garbage collection wait for ever in ``zmq_ctx_term``.)
+
+        Raises:
+            ConfigError: called from another live event loop than the group's (another thread's).
+        """
+        made_in = _OPEN_ASYNC.get(self)
+        if made_in is not None and made_in.is_closed():
+            _OPEN_ASYNC.pop(self, None)
+            log.warning("group_closed_after_its_loop", job=self.job, rank=self.rank,
+                        how="released without leaving: its event loop has ended")
+            try:
+                await self._agent.aclose(leave=False)
+            finally:
+                if self._engine is not None:
+                    await self._engine.aclose()
+            return
+        self._check_loop("aclose")
         _OPEN_ASYNC.pop(self, None)
         await self._agent.aclose()
         if self._engine is not None:
