@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 
-def run(args, *, timeout=90, **kw):
-    env = procs.env()
+def run(args, *, timeout=90, last_call=None, **kw):
+    """rtxnet-run with ``args``; ``last_call``: ``RTXNET_LAST_CALL`` (seconds), for a test with
+    ``--min-ranks`` below ``--nproc`` that wants every rank in the first world (by default the
+    world forms 1 s after min_ranks joined: on loaded cores a rank came later and joined a
+    running world, renumbering the ranks)."""
+    env = procs.env() if last_call is None else procs.env(RTXNET_LAST_CALL=last_call)
     return subprocess.run([sys.executable, "-m", "rtxnet.launcher", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT, **kw)
 
@@ -167,7 +171,7 @@ def test_a_rank_ending_by_sys_exit_is_the_first_failure_not_the_peers_it_left(tm
     script = tmp_path / "exits.py"
     script.write_text("import sys, numpy as np, rtxnet\npg = rtxnet.init()\nif pg.rank == 1:\n    sys.exit(3)\n"
                       "pg.all_reduce(np.ones(4, np.float32))\n")
-    out = run(["--nproc", "3", "--min-ranks", "1", str(script)], timeout=60)
+    out = run(["--nproc", "3", "--min-ranks", "1", str(script)], timeout=60, last_call="30")
     assert out.returncode == 3, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert "Exit code 3: the first failing rank's" in last and "First failure" not in last, last
@@ -1080,7 +1084,7 @@ PINNED = textwrap.dedent("""
 def test_collectives_in_a_pinned_block_stay_in_the_world_it_began_in(tmp_path):
     script = tmp_path / "pinned.py"
     script.write_text(PINNED)
-    out = run(["--nproc", "3", "--min-ranks", "2", str(script)], timeout=60)
+    out = run(["--nproc", "3", "--min-ranks", "2", str(script)], timeout=60, last_call="30")
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     for r in (0, 1):
         assert f"[rank{r}] pinned raised, lost [2]" in out.stdout, out.stdout

@@ -244,13 +244,19 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
             # (the host's two ranks may be lost in two epochs: one just after a step committed,
             # a loss between steps, the other failing the next step)
             between = [e for e in r["events"] if e["event"] == "lost_between_steps"]
+            events = [e for e in r["events"] if e["event"] not in ("commit_stall", "lost_between_steps")]
             if kinds[0] == "lost_between_steps":
                 kinds = kinds[1:]
-            if kinds[0] == "failure":
-                assert kinds[:2] == ["failure", "recovered"], r["events"]
-                kinds = kinds[2:]
+            if kinds[:2] == ["failure", "recovered"]:
+                kinds, events = kinds[2:], events[2:]
             else:   # both lost between steps, no step failed (a CI run's timing)
                 assert len(between) == 1 and len(between[0]["lost"]) == 2, r["events"]
+            if kinds[0] == "failure":
+                # on loaded cores a step outlasted the coordinator's wait for a step decision
+                # (3 mean step periods): the joins then opened their epoch in the step, which
+                # failed (ClosedError: the membership changed) and was redone (a fresh user's run)
+                assert events[0]["error"] == "ClosedError" and kinds[1] == "joined", r["events"]
+                kinds = kinds[1:]
             assert set(kinds) == {"joined"}, r["events"]
             assert sorted(x for e in r["events"] if e["event"] == "joined" for x in e["added_launch"]) \
                 == [2, 3], r["events"]
