@@ -166,8 +166,12 @@ class Portal:
         return wait_for(self.submit(fn, *args, **kwargs))
 
     def stop(self) -> None:
+        """Stop the loop thread and close the loop. In a child forked from the process that made
+        it only marks it stopped: the child has no loop thread, and the copy of the loop it
+        holds still reads as running (closing it raised ``RuntimeError: Cannot close a running
+        event loop`` from the at-exit release of a child that simply exited: a breaker's find)."""
         self._stopped = True
-        if self.loop.is_closed():
+        if self.loop.is_closed() or os.getpid() != self._pid:
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)

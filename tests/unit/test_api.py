@@ -266,6 +266,33 @@ def test_a_child_forked_after_init_is_refused_at_its_first_call(coordinator):
         assert x.tolist() == [1.0, 1.0]
 
 
+def test_a_child_forked_after_init_that_exits_says_nothing_and_cannot_close_the_group(coordinator):
+    # a breaker's find: a forked child's sys.exit(0) ran the parent's at-exit release, which
+    # printed "Exception ignored in atexit callback ... RuntimeError: Cannot close a running event
+    # loop" (under the parent rank's prefix); pg.close() in the child raised that RuntimeError
+    code = (
+        "import os, sys, numpy as np, rtxnet\n"
+        f"pg = rtxnet.init({coordinator.address!r}, job='fork-' + sys.argv[1], world_size=1)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    if sys.argv[1] == 'close':\n"
+        "        try:\n"
+        "            pg.close()\n"
+        "        except rtxnet.ClosedError as exc:\n"
+        "            print('child close:', type(exc).__name__, exc, flush=True)\n"
+        "    sys.exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "x = np.ones(2); pg.all_reduce(x)\n"
+        "print('child status', status, 'sum', x[0], flush=True)\n"
+        "pg.close()\n")
+    for how in ("exit", "close"):
+        out = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "child status 0 sum 1.0" in out.stdout, out.stdout + out.stderr
+        assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+        if how == "close":
+            assert "child close: ClosedError this process group belongs to process" in out.stdout, out.stdout
+
+
 def test_the_blocking_facade_shows_the_methods_and_their_arguments(coordinator):
     # a fresh user's find: dir(pg.store) listed no method and help(pg.store.get) showed only
     # (*args, **kwargs)
