@@ -39,6 +39,28 @@ current world: with the same per-rank batch this equals one process with the glo
 ``reduce_op=ReduceOp.SUM`` sums them; scale each rank's loss by ``local_n / global_n`` (for a mean
 loss) and the result equals one process with the global batch exactly even when ranks hold
 different numbers of samples, e.g. a global batch of 64 over 3 survivors after a failure.
+Gradients accumulated onto a synchronised one (no ``zero_grad`` between synchronising backwards,
+or ``no_sync`` micro-batches after one) count it once under ``SUM`` too: what the ``param.grad``
+a synchronisation wrote holds when a backward first adds to it (the synchronised gradient as the
+step left it, changed in place included: clipped, scaled; the same on every rank) enters the sum
+divided by the world size; a copy of it is kept until the next synchronisation (not when
+``param.grad`` was set to ``None``). A tensor assigned to ``param.grad`` counts as the rank's
+own. Under ``SUM``, changing ``param.grad`` in place after a backward added this rank's gradient
+to that part and before the next synchronisation is refused with ``ConfigError`` (the two parts
+can no longer be told apart), unless it is zeroed. ``AVG`` needs none of this: averaging keeps a
+part that is the same on every rank as it is.
+
+**Replaced parameters.** ``load_state_dict(..., assign=True)`` (the ``torch.load(mmap=True)``
+resume), or a parameter or submodule set as an attribute, gives the module new ``Parameter``
+objects, while the gradient hooks are on the old ones: nothing would be reduced again and the
+replicas would drift apart silently. :meth:`DistributedDataParallel.load_state_dict` and the next
+``forward`` notice it and lay out the buckets and hooks for the new parameters (every rank that
+does the same gets the same layout). The new values must be the same on every rank (one
+checkpoint): nothing is broadcast (call :meth:`DistributedDataParallel.broadcast_parameters`
+otherwise). New parameters unlike the old in name, order, shape, dtype or device, or a trainable
+one replaced by one that does not require gradients, are refused with ``ConfigError`` (build the
+wrapper again, or load with ``assign=False``, which copies into the existing parameters); a
+parameter frozen when the wrapper was built that requires gradients now is refused as before.
 
 **Several forwards before their backwards.** A backward synchronises the gradients of the
 synchronising forward before it. When a second forward ran before the first backward (micro-
@@ -188,6 +210,13 @@ class DistributedDataParallel(torch.nn.Module):
             shape, dtype or ``requires_grad`` (raised on every rank, naming them).
         PeerLostError, CollectiveTimeout: the initial broadcast failed.
 
+    Later, ``forward`` raises ``ConfigError`` for a parameter frozen at construction that requires
+    gradients now, and for parameters replaced by ones of another name, order, shape, dtype or
+    device, or a trainable one by one with ``requires_grad=False`` (parameters replaced by
+    like ones are hooked again: see "Replaced parameters" in the module notes); a backward
+    raises it as the module notes say (a second forward or backward, reentrant checkpointing,
+    ``param.grad`` changed between accumulating backwards under ``SUM``).
+
     Attributes:
         module: the wrapped module.
         device: the device of its parameters and of the gradient buckets.
@@ -218,33 +247,18 @@ class DistributedDataParallel(torch.nn.Module):
         self.first_bucket_mb = float(first_bucket_mb)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        for n, p in named:
-            if p.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-                raise ConfigError(f"DDP: parameter {n!r} has dtype {p.dtype}; DDP reduces float32, "
-                                  f"float64, float16 and bfloat16 gradients (hold a complex one as "
-                                  f"torch.view_as_real, or freeze it)")
-        for mn, sub in module.named_modules():
-            if getattr(sub, "sparse", False) is True and isinstance(
-                    sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.weight.requires_grad:
-                raise ConfigError(f"DDP: {mn or 'the module'} ({type(sub).__name__}) has "
-                                  f"sparse=True; DDP reduces dense gradients only: build it with "
-                                  f"sparse=False")
+        _refuse_unsupported(module, named)
         self.device = _module_device(module)
-        self._names = {id(p): n for n, p in named}
-        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        self._buckets = self._build_buckets([p for _, p in named])
-        self._where: dict[int, tuple[_Bucket, int]] = {}
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
         # ReduceOp.SUM over gradients accumulated onto an earlier synchronisation's (see
-        # _contribution): what each p.grad held from it, and the synchronised p.grad (weakly)
-        # with its version, to tell it untouched since
-        self._base: dict[int, tuple[torch.Tensor, tuple]] = {}   # (part, _mark of its p.grad)
-        self._synced_ref: dict[int, tuple] = {}                  # _mark of the synced p.grad
-        if reduce_op is ReduceOp.SUM:
-            self._hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for _, p in named]
+        # _contribution): the p.grad a synchronisation wrote (weakly) while no backward has added
+        # to it since, and what p.grad held when a backward first added to it after one, with
+        # the _mark of p.grad after autograd's last addition (None between a tensor hook and its
+        # post-accumulate hook)
+        self._synced: dict[int, weakref.ref] = {}
+        self._base: dict[int, tuple[torch.Tensor, tuple | None]] = {}
+        self._hooks: list[Any] = []
+        self._hooks_removed = False
+        self._register(named)
 
         self._require_sync = True       # toggled by no_sync()
         self._sync_armed = False        # set by forward: the next backward synchronises
@@ -300,6 +314,106 @@ class DistributedDataParallel(torch.nn.Module):
         done.extend(lst for lst in open_.values() if lst)
         return [_Bucket(i, ps, self.device) for i, ps in enumerate(done)]
 
+    def _register(self, named: list[tuple[str, torch.nn.Parameter]],
+                  frozen: list[tuple[str, torch.nn.Parameter]] | None = None) -> None:
+        """Lay the buckets out for the trainable parameters ``named`` and hook them; remember the
+        module's parameters (``frozen``: those registered as frozen, by default the ones with
+        ``requires_grad=False``) and where each parameter and submodule sits, for
+        :meth:`_follow_parameters`."""
+        if frozen is None:
+            frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad]
+        self._names = {id(p): n for n, p in named}
+        self._frozen = frozen
+        trainable = {id(p) for _, p in named}
+        self._registered = [(n, p, id(p) in trainable, tuple(p.shape), p.dtype, p.device)
+                            for n, p in self.module.named_parameters()]
+        self._places = self._where_everything_sits()
+        self._buckets = self._build_buckets([p for _, p in named])
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+        if self.reduce_op is ReduceOp.SUM:
+            self._hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for _, p in named]
+
+    def _where_everything_sits(self) -> list[tuple[torch.nn.Module, tuple, tuple]]:
+        """Each module (this wrapper first) with its submodules and parameters by name."""
+        return [(self, (("module", self.module),), ())] + [
+            (m, tuple(m._modules.items()), tuple(m._parameters.items())) for m in self.module.modules()]
+
+    def _replaced(self) -> bool:
+        """Whether a parameter or submodule of the module is not the one :meth:`_register` saw
+        (replaced, added or removed): dict look-ups, no walk of the module tree."""
+        for m, children, params in self._places:
+            mods, ps = m._modules, m._parameters
+            if len(ps) != len(params) or (m is not self and len(mods) != len(children)):
+                return True
+            for k, c in children:
+                if mods.get(k) is not c:
+                    return True
+            for k, q in params:
+                if ps.get(k) is not q:
+                    return True
+        return False
+
+    def _follow_parameters(self) -> None:
+        """Re-register the module's parameters when some were replaced since the buckets were
+        laid out (``load_state_dict(..., assign=True)``, a parameter or submodule set as an
+        attribute): the hooks were on the old ones, whose gradients nothing computes any more.
+
+        Raises:
+            ConfigError: the new parameters differ from the old in name, order, shape, dtype or
+                device, or a trainable one was replaced by one with ``requires_grad=False``.
+        """
+        if self._hooks_removed or not self._replaced():
+            return
+        current = list(self.module.named_parameters())
+        before = {n: rest for n, *rest in self._registered}
+        names = [n for n, _ in current]
+        problems = []
+        if names != [n for n, *_ in self._registered]:
+            added = [n for n in names if n not in before]
+            gone = [n for n in before if n not in set(names)]
+            problems += [f"new parameter {n!r}" for n in added] + [f"no parameter {n!r}" for n in gone]
+            if not problems:
+                problems.append("the parameters are in another order")
+        else:
+            for n, p in current:
+                _, trainable, shape, dtype, device = before[n]
+                if tuple(p.shape) != shape:
+                    problems.append(f"{n!r} has shape {tuple(p.shape)}, was {shape}")
+                if p.dtype != dtype:
+                    problems.append(f"{n!r} is {p.dtype}, was {dtype}")
+                if p.device != device:
+                    problems.append(f"{n!r} is on {p.device}, was on {device}")
+                if trainable and not p.requires_grad:
+                    problems.append(f"{n!r} has requires_grad=False, was trainable")
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise ConfigError(
+                f"DistributedDataParallel: the module's parameters were replaced (load_state_dict("
+                f"..., assign=True), or set as attributes) by ones unlike those its gradient "
+                f"buckets are laid out for: {shown}. Load with assign=False (copies into the "
+                f"parameters), make the new ones match, or build the wrapper again")
+        trainable = [(n, p) for n, p in current if before[n][1]]
+        _refuse_unsupported(self.module, trainable)
+        now = dict(current)
+        replaced = sum(1 for n, p, *_ in self._registered if now[n] is not p)
+        if not replaced:   # a submodule without parameters replaced: the buckets still hold
+            self._places = self._where_everything_sits()
+            return
+        if self._round_open:
+            self.reset()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._register(trainable, [(n, p) for n, p in current if not before[n][1]])
+        self._base.clear()
+        self._synced.clear()
+        log.info("ddp_parameters_replaced", replaced=replaced, params=len(trainable),
+                 buckets=len(self._buckets))
+
     @property
     def buckets(self) -> list[list[str]]:
         return [[self._names[id(p)] for p in b.params] for b in self._buckets]
@@ -307,6 +421,7 @@ class DistributedDataParallel(torch.nn.Module):
     # -- public API ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._follow_parameters()
         check_still_frozen(self._frozen, "DistributedDataParallel")
         if self._round_open:
             # The previous backward never finished (an error, or no backward at all after hooks
@@ -494,25 +609,46 @@ class DistributedDataParallel(torch.nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
         """Load into the wrapped module (keys as :meth:`state_dict` gives them); clears any
-        half-done synchronisation."""
+        half-done synchronisation.
+
+        With ``assign=True`` (e.g. after ``torch.load(path, mmap=True)``) the module's parameters
+        become new ``Parameter`` objects: the gradient buckets and hooks are laid out for them
+        again (every rank loading the same state does the same), so gradients stay reduced. The
+        loaded values must be the same on every rank: nothing is broadcast (call
+        :meth:`broadcast_parameters` if they are not). The next ``forward`` does the same for
+        parameters replaced another way (``module.load_state_dict(..., assign=True)`` on the
+        wrapped module, a parameter or submodule set as an attribute).
+
+        Raises:
+            ConfigError: the new parameters differ from the ones the wrapper was built with in
+                name, order, shape, dtype or device, or a trainable one was replaced by one with
+                ``requires_grad=False`` (the loaded module is left as it is; every later
+                ``forward`` raises the same until the wrapper is built again). Load with
+                ``assign=False`` to copy into the existing parameters instead.
+            RuntimeError: as ``torch.nn.Module.load_state_dict`` (missing or unexpected keys,
+                shapes that differ).
+        """
         if self._round_open:
             self.reset()
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._follow_parameters()
+        return result
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the module goes back to plain local training)."""
+        """Detach the gradient hooks (the module goes back to plain local training; replaced
+        parameters are not hooked again)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._hooks_removed = True
 
     # -- backward machinery ----------------------------------------------------------------------
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         self._grads_synced = False
         base = self._base.get(id(p))
-        if base is not None:   # autograd added to p.grad: that version still holds the part
-            # (the tensor the part was taken from is kept: a p.grad replaced since holds none)
-            self._base[id(p)] = (base[0], (base[1][0], p.grad._version))
+        if base is not None:   # autograd added to p.grad: it holds the part and this rank's own
+            self._base[id(p)] = (base[0], _mark(p.grad))
         if not self._sync_armed:
             if self._late_forwards and self._require_sync:
                 # Two forwards ran before their backwards: the first backward synchronised, this
@@ -599,6 +735,7 @@ class DistributedDataParallel(torch.nn.Module):
         for i, p in enumerate(b.params):
             self._base.pop(id(p), None)
             if flags[i] <= 0:
+                self._synced.pop(id(p), None)
                 continue  # no rank had a gradient for it: leave grad None, as one process would
             v = b.view(i)
             if p.grad is None:
@@ -606,39 +743,74 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 p.grad.copy_(v)
             if self.reduce_op is ReduceOp.SUM:
-                self._synced_ref[id(p)] = _mark(p.grad)
-
-    def _holds_synced(self, p: torch.Tensor) -> bool:
-        """Whether ``p.grad`` is still what the last synchronisation wrote (same tensor, not
-        modified since: not zeroed, not accumulated into)."""
-        return _unchanged(self._synced_ref.get(id(p)), p.grad)
+                self._synced[id(p)] = weakref.ref(p.grad)
 
     def _before_accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """A tensor hook (before autograd adds ``grad`` into ``p.grad``): with ``ReduceOp.SUM``,
-        keep what ``p.grad`` holds from the last synchronisation, for :meth:`_contribution`."""
-        if id(p) not in self._base and self._holds_synced(p):
-            self._base[id(p)] = (p.grad.detach().clone(), _mark(p.grad))
-            del self._synced_ref[id(p)]
+        """A tensor hook (before autograd adds ``grad`` into ``p.grad``), with ``ReduceOp.SUM``:
+        at the first addition since a synchronisation wrote ``p.grad``, keep what that tensor
+        holds now (the synchronised part, for :meth:`_contribution`); at a later one, check that
+        nothing but autograd changed ``p.grad`` since its last addition (:meth:`_part_lost`)."""
+        pid = id(p)
+        synced = self._synced.pop(pid, None)
+        if synced is not None:
+            if p.grad is not None and synced() is p.grad:
+                self._base[pid] = (p.grad.detach().clone(), None)
+            return
+        rec = self._base.get(pid)
+        if rec is not None and not _unchanged(rec[1], p.grad):
+            self._part_lost(p, rec[1])
+
+    def _part_lost(self, p: torch.Tensor, mark: tuple | None) -> None:
+        """``p.grad`` is not what autograd's last addition to the part an earlier synchronisation
+        wrote left (``ReduceOp.SUM``): forget the part if ``p.grad`` was set to ``None``, replaced
+        by another tensor (which counts as this rank's own) or zeroed; if it was changed in place
+        otherwise, the part can no longer be told from this rank's own gradient and the sum would
+        count it once per rank: raise ``ConfigError``."""
+        self._base.pop(id(p), None)
+        g = p.grad
+        if (g is None or mark is None or mark[0]() is not g or group_size(self._pg) <= 1
+                or not bool(g.any())):
+            return
+        raise ConfigError(
+            f"DistributedDataParallel (ReduceOp.SUM): the gradient of "
+            f"{self._names.get(id(p), 'a parameter')!r} was changed in place after a backward "
+            f"added this rank's gradient to the one an earlier synchronisation wrote: the "
+            f"synchronised part, the same on every rank, can no longer be told from this rank's "
+            f"own, and the sum would count it once per rank. Zero the gradients after each step "
+            f"(optimizer.zero_grad()), change them only between a synchronising backward and the "
+            f"next backward, or use ReduceOp.AVG")
 
     def _contribution(self, p: torch.Tensor) -> torch.Tensor:
         """What ``p.grad`` puts into its bucket. With ``ReduceOp.SUM``, the part an earlier
-        synchronisation wrote (identical on every rank: gradients accumulated over several
-        synchronised backwards, or no_sync micro-batches after one) enters divided by the world
-        size, so the sum counts it once: reduced whole, it was counted world-size times (a
-        tester's find: 0.79 off one process with 2 ranks; torch DDP's AVG has no such part, and
-        AVG keeps it as it is)."""
+        synchronisation wrote (gradients accumulated over several synchronised backwards, or
+        no_sync micro-batches after one) enters divided by the world size, so the sum counts it
+        once: reduced whole, it was counted world-size times (a tester's find: 0.79 off one
+        process with 2 ranks). That part is what the tensor the synchronisation wrote held when
+        a backward first added to it, or all of it if none did: the synchronised gradient as the
+        step left it, changed in place included (clipped, scaled: the same on every rank;
+        counted whole after such a change, it was 15% to 64% off one process, a tester's find).
+        A tensor assigned to ``p.grad`` since counts as this rank's own. AVG, linear in what
+        every rank holds, keeps the part as it is.
+
+        Raises:
+            ConfigError: ``p.grad`` changed in place after a backward added to the part (see
+                :meth:`_part_lost`).
+        """
         g = p.grad
         if self.reduce_op is not ReduceOp.SUM:
             return g
-        rec = self._base.pop(id(p), None)
-        # the part still in p.grad only if the user did not replace or change p.grad since
-        # autograd last added to it (zero_grad, set_to_none, clipping in place)
-        base = rec[0] if rec is not None and _unchanged(rec[1], g) else None
-        if base is None and self._holds_synced(p):
-            base = g
-        if base is None:
+        pid = id(p)
+        share = 1.0 / (self._last_world_size or 1)
+        synced = self._synced.pop(pid, None)
+        if synced is not None and synced() is g:   # no backward added to it since it was written
+            return g * share
+        rec = self._base.pop(pid, None)
+        if rec is None:
             return g
-        return g - base * (1.0 - 1.0 / (self._last_world_size or 1))
+        if not _unchanged(rec[1], g):
+            self._part_lost(p, rec[1])   # raises unless p.grad holds nothing of the part any more
+            return g
+        return g - rec[0] * (1.0 - share)
 
     def _begin_step(self) -> None:
         # The world the step's collectives go to: taken where its batch is used (the forward),
@@ -699,6 +871,23 @@ def _tensors_in(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _tensors_in(o)]
     return []
+
+
+def _refuse_unsupported(module: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ``ConfigError`` for a trainable parameter of ``named`` whose gradient DDP cannot
+    reduce: a dtype other than float32/float64/float16/bfloat16 (complex: names it), or the
+    weight of an ``Embedding``/``EmbeddingBag`` with ``sparse=True`` (sparse gradients)."""
+    for n, p in named:
+        if p.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            raise ConfigError(f"DDP: parameter {n!r} has dtype {p.dtype}; DDP reduces float32, "
+                              f"float64, float16 and bfloat16 gradients (hold a complex one as "
+                              f"torch.view_as_real, or freeze it)")
+    for mn, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True and isinstance(
+                sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.weight.requires_grad:
+            raise ConfigError(f"DDP: {mn or 'the module'} ({type(sub).__name__}) has "
+                              f"sparse=True; DDP reduces dense gradients only: build it with "
+                              f"sparse=False")
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:

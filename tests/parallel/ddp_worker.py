@@ -8,7 +8,8 @@ so one launch checks equivalence without a second process. Each rank writes
 
 Scenarios:
     basic   equivalence (AVG, equal shares), SUM with uneven shares, no_sync accumulation, an
-            unused parameter, several buckets.
+            unused parameter, several buckets, gradients changed in place between accumulating
+            backwards, parameters replaced by load_state_dict(assign=True).
     fault   rank 3 dies inside step 2's forward; the survivors' backward raises PeerLostError, they
             retry the step on the 3-rank world with the elastic sampler, and must still match one
             process with the global batch. Rank 1 launches its first bucket of step 2 only once
@@ -21,6 +22,7 @@ Scenarios:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -170,6 +172,109 @@ def sum_accumulated(pg, per_rank=3):
         # the element-wise ratio of near-zero elements measures only that
         worst = max(worst, float((g - g_ref).abs().max() / g_ref.abs().max()))
     return {"sum_accumulated_rel": worst}
+
+
+def accumulated_after_inplace(pg, per_rank=3):
+    """Gradients accumulated over synchronised backwards (no zero_grad between) with p.grad
+    changed in place between them: clipped (clip_grad_norm_) or halved after a synchronisation,
+    zeroed between a no_sync micro-batch and the synchronisation, for AVG and SUM against one
+    process; the extra layer, used only in the first backward, carries its changed gradient
+    into the next synchronisations untouched. Under SUM the synchronised part, once changed in
+    place, was summed whole: 15% to 64% off one process (a tester's find). Halving p.grad after
+    a no_sync backward added to that part is refused under SUM on every rank."""
+    W, r = pg.world_size, pg.rank
+    plans = (("sync", "clip", "sync", "sync"), ("sync", "half", "no_sync", "sync"),
+             ("sync", "no_sync", "zero", "sync"))
+    x, y = data(per_rank * W * 10, seed=17)
+    out: dict = {"inplace_rel": {}}
+    B = per_rank * W
+    for op in (rtxnet.ReduceOp.AVG, rtxnet.ReduceOp.SUM):
+        net, ref = make_net(9), make_net(9)
+        ddp = DistributedDataParallel(net, pg, reduce_op=op, **BUCKETS)
+        scale = 1.0 / W if op is rtxnet.ReduceOp.SUM else 1.0
+        worst = 0.0
+        for plan in plans:
+            ddp.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            k = 0
+            for how in plan:
+                if how in ("clip", "half", "zero"):
+                    for m in (net, ref):
+                        if how == "clip":
+                            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                        else:
+                            for q in m.parameters():
+                                if q.grad is not None:
+                                    q.grad.mul_(0.5 if how == "half" else 0.0)
+                    continue
+                net.use_extra = ref.use_extra = k == 0
+                xb, yb = x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]
+                k += 1
+                LOSS(ref(xb), yb).backward()
+                mine = LOSS(ddp(xb[r * per_rank:(r + 1) * per_rank]), yb[r * per_rank:(r + 1) * per_rank]) * scale
+                with ddp.no_sync() if how == "no_sync" else contextlib.nullcontext():
+                    mine.backward()
+            g = torch.cat([q.grad.reshape(-1) for q in net.parameters() if q.grad is not None])
+            g_ref = torch.cat([q.grad.reshape(-1) for q in ref.parameters() if q.grad is not None])
+            worst = max(worst, float((g - g_ref).abs().max() / g_ref.abs().max()))
+        out["inplace_rel"][op.name] = worst
+    # SUM: a synchronised gradient, a no_sync backward adding this rank's own, then halved: refused
+    ddp.zero_grad(set_to_none=True)
+    net.use_extra = False
+    xb, yb = x[:per_rank], y[:per_rank]
+    LOSS(ddp(xb), yb).backward()
+    with ddp.no_sync():
+        LOSS(ddp(xb), yb).backward()
+    for q in net.parameters():
+        if q.grad is not None:
+            q.grad.mul_(0.5)
+    try:
+        LOSS(ddp(xb), yb).backward()
+        out["inplace_refused"] = None
+    except rtxnet.ConfigError as exc:
+        out["inplace_refused"] = str(exc)
+    return out
+
+
+def assign_resume(pg, per_rank=3, steps=3):
+    """A checkpoint loaded with load_state_dict(..., assign=True) (the torch.load(mmap=True)
+    resume) replaces the module's Parameter objects; DDP's hooks stayed on the old ones and no
+    gradient was reduced again (a tester saw the ranks' gradients 0.69 apart after one step,
+    silently). Through DDP.load_state_dict, then through the wrapped module's own with a
+    submodule set as an attribute (noticed at the next forward), training must match one process;
+    a checkpoint of another dtype loaded with assign=True is refused, there and at forward."""
+    W, r = pg.world_size, pg.rank
+    B = per_rank * W
+    x, y = data(B * steps * 2, seed=19)
+    net, ref = make_net(10 + r), make_net(10)     # unlike replicas: the checkpoint aligns them
+    ddp = DistributedDataParallel(net, pg, init_sync=False, **BUCKETS)
+    ckpt = {k: v.clone() for k, v in make_net(11).state_dict().items()}   # as torch.load gives it
+    ddp.load_state_dict({k: v.clone() for k, v in ckpt.items()}, assign=True)
+    ref.load_state_dict(ckpt)
+    out = {}
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (ddp, ref))
+    lockstep(ref, ref_opt, ddp, opt, x, y, B, r * per_rank, per_rank, steps)
+    out["assign_rel"] = rel(flat_params(net), flat_params(ref))
+    # the wrapped module's load_state_dict and a submodule replaced by a like one
+    ckpt = {k: v.clone() for k, v in ref.state_dict().items()}
+    net.load_state_dict(ckpt, assign=True)
+    net.head = torch.nn.Linear(D_H, D_OUT)
+    net.head.load_state_dict({"weight": ckpt["head.weight"], "bias": ckpt["head.bias"]})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (ddp, ref))
+    x2, y2 = x[B * steps:], y[B * steps:]
+    lockstep(ref, ref_opt, ddp, opt, x2, y2, B, r * per_rank, per_rank, steps)
+    out["assign_module_rel"] = rel(flat_params(net), flat_params(ref))
+    out["assign_sum"] = float(flat_params(net).double().sum())
+    refused = []
+    for call in (lambda: ddp.load_state_dict({k: v.double() for k, v in ckpt.items()}, assign=True),
+                 lambda: ddp(x[:per_rank])):
+        try:
+            call()
+            refused.append(None)
+        except Exception as exc:   # before: torch's dtype error at the forward
+            refused.append(f"{type(exc).__name__}: {exc}")
+    out["assign_refused"] = refused
+    return out
 
 
 def no_sync_accumulation(pg, per_rank=4, micro=2):
@@ -450,6 +555,8 @@ def main() -> int:
         res.update(equivalence_avg(pg))
         res.update(equivalence_sum_uneven(pg))
         res.update(sum_accumulated(pg))
+        res.update(accumulated_after_inplace(pg))
+        res.update(assign_resume(pg))
         res.update(no_sync_accumulation(pg))
         res.update(unused_parameters(pg))
         res.update(different_layouts(pg))

@@ -57,6 +57,29 @@ def test_sum_over_gradients_accumulated_by_several_synchronisations_counts_each_
         assert r["sum_accumulated_rel"] < 1e-6, r   # before: 0.79 off (summed world-size times)
 
 
+def test_gradients_changed_in_place_between_accumulating_backwards_match_one_process(basic):
+    for r in basic:
+        # clipped or halved after a synchronisation, zeroed after a no_sync micro-batch; before:
+        # SUM counted the changed synchronised part once per rank (15% to 64% off one process)
+        assert r["inplace_rel"]["AVG"] < 1e-6 and r["inplace_rel"]["SUM"] < 1e-6, r["inplace_rel"]
+        assert (r["inplace_refused"] or "").startswith(
+            "DistributedDataParallel (ReduceOp.SUM): the gradient of "), r["inplace_refused"]
+        assert "was changed in place after a backward added this rank's gradient to the one " \
+               "an earlier synchronisation wrote" in r["inplace_refused"], r["inplace_refused"]
+
+
+def test_parameters_replaced_by_load_state_dict_assign_are_reduced_again(basic):
+    for r in basic:
+        # before: the hooks stayed on the old parameters and nothing was reduced again
+        assert r["assign_rel"] < TOL and r["assign_module_rel"] < TOL, r
+        load, forward = r["assign_refused"]
+        for refused in (load, forward):
+            assert (refused or "").startswith("ConfigError: DistributedDataParallel: the module's "
+                                              "parameters were replaced"), r["assign_refused"]
+            assert "'l1.weight' is torch.float64, was torch.float32" in refused, refused
+    assert len({r["assign_sum"] for r in basic}) == 1     # bit-identical replicas
+
+
 def test_no_sync_accumulates_locally_then_reduces_the_sum(basic):
     local = [r["no_sync_local_grad_sum"] for r in basic]
     assert len(set(local)) == 4                           # not synchronised inside no_sync
