@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -103,6 +104,21 @@ def note_rank_specific(obj: Any, group: Any, what: str) -> None:
     ``group`` has more than one rank. Tensor-parallel layers call it when built; a pipeline
     stage or user module whose state is rank-specific may too."""
     _RANK_SPECIFIC[obj] = (group, what)
+
+
+# Modules replicated on every rank of a process group whose ranks did not sync them when built
+# (DDP with init_sync=False, as FaultTolerance's users build it) -> that group. Weak, as above.
+_UNSYNCED_REPLICAS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def note_unsynced_replica(module: Any, pg: Any) -> None:
+    """Record that ``module`` (a ``torch.nn.Module``, kept weakly) is replicated on every rank of
+    ``pg`` and was not made equal there when built (``DistributedDataParallel(...,
+    init_sync=False)``): :class:`FaultTolerance`'s first sync of a job with no committed step
+    compares its parameters and buffers across the ranks and gives every rank the source
+    rank's where they differ (ranks built with rank-dependent seeds trained apart before: a
+    breaker's find)."""
+    _UNSYNCED_REPLICAS[module] = getattr(pg, "async_pg", pg)
 
 
 def rank_specific_state(min_ranks: int = 2) -> list[str]:
@@ -1086,6 +1102,8 @@ class FaultTolerance:
         best = int(steps.max())
         src = int(np.flatnonzero(steps == best)[0])
         job_committed = pg.membership.committed_step
+        if best == -1 and world > 1:
+            await self._sync_replicas_at_start(src)
         if best < job_committed:
             # No live member holds the last committed state: fall back to the newest checkpoint.
             restored = await self._restore_checkpoint(best, job_committed)
@@ -1118,6 +1136,37 @@ class FaultTolerance:
         await _faults.apoint("sync", pg=pg, step=best + 1)   # fault injection: "during the re-form"
         await self._rewind_job(best, job_committed)
         self._synced(best, epoch, rank, world, src)
+
+    async def _sync_replicas_at_start(self, src: int) -> None:
+        """Before any committed step: the modules of :func:`note_unsynced_replica` (DDP built
+        with ``init_sync=False``) made equal on every rank. One all_gather of a digest (BLAKE2b,
+        8 bytes) of their parameters and buffers, in order; where any rank's differs from rank
+        ``src``'s, each tensor is broadcast from ``src`` in place. Every member runs this sync
+        (nothing committed: all of them are fresh), so the collectives match; modules that
+        differ in shape fail in the broadcast (``CollectiveMismatchError``)."""
+        pg = self.pg
+        mods = [m for m, g in list(_UNSYNCED_REPLICAS.items()) if g is pg]
+        tensors = [t for m in mods for t in (*m.parameters(), *m.buffers())]
+
+        def digest() -> int:
+            import torch  # (only torch modules are recorded)
+
+            h = hashlib.blake2b(digest_size=8)
+            for t in tensors:
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            return int.from_bytes(h.digest(), "little", signed=True)
+
+        mine = await asyncio.to_thread(digest) if tensors else 0
+        digests = np.zeros(pg.world_size, dtype=np.int64)
+        await pg.all_gather(digests, np.array([mine], dtype=np.int64))
+        differ = np.flatnonzero(digests != digests[src]).tolist()
+        if not differ:
+            return
+        log.warning("replicas_differ_at_start", ranks=differ, source=src,
+                    hint=f"their parameters or buffers differ (a rank-dependent seed?): every rank "
+                         f"takes rank {src}'s")
+        for t in tensors:
+            await pg.broadcast(t.data, src)
 
     async def _rewind_job(self, best: int, job_committed: int) -> None:
         """Every rank goes on from step ``best`` (-1: from scratch), older than the job's committed

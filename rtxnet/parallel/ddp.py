@@ -197,7 +197,9 @@ class DistributedDataParallel(torch.nn.Module):
         init_sync: broadcast rank 0's parameters and buffers now (a collective: every rank must
             build the module at the same point). Pass False when replicas are already identical
             (same seed) and something else aligns them later, e.g. ``rtxnet.FaultTolerance``,
-            whose first step syncs the state and which a replacement rank joins mid-run.
+            which a replacement rank joins mid-run and whose first sync of a job with no
+            committed step compares the replicas of the world group (a digest of parameters
+            and buffers) and gives every rank rank 0's where they differ.
         timeout_s: deadline in seconds of each bucket's all-reduce; ``None`` uses the group's.
 
     Raises:
@@ -290,6 +292,11 @@ class DistributedDataParallel(torch.nn.Module):
         if init_sync and not skip_init_sync(self._pg, "DDP"):
             check_same_layout(self.module, self._pg, "DDP", list(self._names.values()))
             self.broadcast_parameters(src=0)
+        elif not init_sync:
+            # FaultTolerance's first sync of a job makes the replicas equal (it compares them)
+            from rtxnet.elastic import note_unsynced_replica
+
+            note_unsynced_replica(self, self._pg)
         log.info("ddp_ready", params=len(named), buckets=len(self._buckets), device=str(self.device),
                  nbytes=sum(b.numel * b.flat.element_size() for b in self._buckets),
                  reduce_op=reduce_op.name)

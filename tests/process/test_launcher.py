@@ -1097,6 +1097,46 @@ def test_collectives_in_a_pinned_block_stay_in_the_world_it_began_in(tmp_path):
                 f"its group now has 2") in out.stdout, out.stdout
 
 
+SEEDED_BY_RANK = textwrap.dedent("""
+    import torch, rtxnet
+    pg = rtxnet.init()
+    torch.manual_seed(pg.rank)                  # a rank-dependent seed
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model = rtxnet.DistributedDataParallel(net, pg, init_sync=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class State:
+        step = 0
+        def state_dict(self):
+            return {"model": model.state_dict(), "opt": opt.state_dict(), "step": self.step}
+        def load_state_dict(self, d):
+            model.load_state_dict(d["model"]); opt.load_state_dict(d["opt"]); self.step = d["step"]
+
+    st = State()
+    ft = rtxnet.FaultTolerance(pg, st)
+    while ft.step < 3:
+        with ft.guard() as step:
+            opt.zero_grad(); model(torch.ones(2, 4) * (pg.rank + 1)).sum().backward(); opt.step()
+            st.step = step + 1
+    w = torch.zeros(pg.world_size, 3, 4)
+    pg.all_gather(w, net[0].weight.detach())
+    print(f"spread {(w - w[0]).abs().max().item():.6f}", flush=True)
+    ft.finish(); pg.close()
+""")
+
+
+def test_replicas_built_with_rank_dependent_seeds_are_synced_at_the_first_step(tmp_path):
+    # a breaker's find: DDP(init_sync=False) under FaultTolerance, which the README says syncs
+    # the state at its first step, synced nothing when no step was committed (every rank at -1):
+    # ranks seeded by rank trained apart (0.80 after 3 steps), silently
+    script = tmp_path / "seeded.py"
+    script.write_text(SEEDED_BY_RANK)
+    out = run(["--nproc", "2", str(script)], timeout=80)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert sorted(re.findall(r"\[rank\d\] spread (\S+)", out.stdout)) == ["0.000000", "0.000000"], out.stdout
+    assert "replicas_differ_at_start" in out.stderr and "ranks=[1]" in out.stderr, out.stderr[-3000:]
+
+
 REFUSING_STATE = textwrap.dedent("""
     import os
     import rtxnet
