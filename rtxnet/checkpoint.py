@@ -90,7 +90,7 @@ import structlog
 import torch
 
 from rtxnet import faults
-from rtxnet.config import CHECKPOINT_STORE_KEY
+from rtxnet.config import CHECKPOINT_STORE_KEY, shown_list
 from transport.durable import fsync_dir
 from transport.errors import (
     CheckpointCorruptError,
@@ -1306,7 +1306,7 @@ def _refuse_resharding(root: Any, step: int, saved_world: int, world: int | None
 
     held = rank_specific_state(min_ranks=1)
     if held:
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        shown = shown_list(held, 4)
         now = f"this world has {world}" if world is not None else f"this is rank {rank}"
         raise ConfigError(
             f"checkpoint.load: step {step} of {root} was saved by {saved_world} rank(s), {now}, "

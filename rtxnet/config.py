@@ -25,6 +25,15 @@ __all__ = ["CHECKPOINT_STORE_KEY", "Timeouts", "env_float", "env_int", "int_in",
 CHECKPOINT_STORE_KEY = "rtxnet/checkpoint/latest"
 
 
+def shown_list(items: list, first: int, sep: str = ", ") -> str:
+    """The first ``first`` of ``items`` (strings) joined by ``sep``, then "and N more" for the
+    rest, for an error message that names what it refuses without growing without bound."""
+    more = len(items) - first
+    if more <= 0:
+        return sep.join(items)
+    return sep.join(items[:first]) + (f" and {more} more" if sep == ", " else f"{sep}and {more} more")
+
+
 def is_seconds(v: object) -> bool:
     """Whether ``v`` is a duration rtxnet accepts: a real number (an int or float, or a NumPy
     scalar such as ``np.float32(5)``; not a bool, and ``np.bool_`` is no ``numbers.Real``) above

@@ -66,7 +66,7 @@ from transport.errors import (
 )
 
 from . import faults as _faults
-from .config import CHECKPOINT_STORE_KEY, is_seconds
+from .config import CHECKPOINT_STORE_KEY, is_seconds, shown_list
 from .faults import Injector
 from .process_group import BlockingProcessGroup, ProcessGroup
 from .statesync import pack_state, unpack_state
@@ -139,7 +139,7 @@ def _refuse_rank_specific(where: str) -> None:
     and FaultTolerance replicates state (no ``sharded_state``)."""
     held = rank_specific_state()
     if held:
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        shown = shown_list(held, 4)
         raise ConfigError(
             f"FaultTolerance{where}: this rank holds state that differs per rank ({shown}), and "
             f"without sharded_state=True a recovery gives every rank one rank's state (a "

@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from rtxnet.collectives.reduce_ops import SUPPORTED_DTYPES
+from rtxnet.config import shown_list
 from transport.errors import ConfigError
 
 log = structlog.get_logger(__name__)
@@ -161,7 +162,7 @@ def check_still_frozen(frozen: list[tuple[str, torch.nn.Parameter]], who: str) -
     process after 2 steps, the ranks' weights unlike each other)."""
     thawed = [n for n, p in frozen if p.requires_grad]
     if thawed:
-        shown = ", ".join(repr(n) for n in thawed[:8]) + (f" and {len(thawed) - 8} more" if len(thawed) > 8 else "")
+        shown = shown_list([repr(n) for n in thawed], 8)
         raise ConfigError(f"{who}: parameter(s) {shown} had requires_grad=False when the wrapper was "
                           f"built and require gradients now: their gradients would not be reduced "
                           f"and the replicas would drift apart. Build the wrapper again after "

@@ -99,7 +99,7 @@ import structlog
 import torch
 
 from rtxnet.collectives import ReduceOp
-from rtxnet.config import is_seconds
+from rtxnet.config import is_seconds, shown_list
 from transport.errors import ConfigError, PeerLostError
 
 from ._world import (
@@ -397,7 +397,7 @@ class DistributedDataParallel(torch.nn.Module):
                 if trainable and not p.requires_grad:
                     problems.append(f"{n!r} has requires_grad=False, was trainable")
         if problems:
-            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            shown = shown_list(problems, 8, "; ")
             raise ConfigError(
                 f"DistributedDataParallel: the module's parameters were replaced (load_state_dict("
                 f"..., assign=True), or set as attributes) by ones unlike those its gradient "
