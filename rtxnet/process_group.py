@@ -270,7 +270,8 @@ class ProcessGroup:
         if made_in.is_closed():
             raise ClosedError(f"{name}: this process group was made in an event loop that has ended "
                               f"(its asyncio.run() returned, which ended the group's heartbeats): a "
-                              f"group serves the loop its connect() ran in; connect in this one")
+                              f"group serves the loop its connect() ran in; await its aclose() here "
+                              f"(it still holds its rank in the job), then connect in this loop")
         raise ConfigError(f"{name}: this process group was made in another event loop (another "
                           f"thread's): a group serves only the loop its connect() ran in; from other "
                           f"threads use the blocking group of rtxnet.init()")
