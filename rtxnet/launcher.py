@@ -33,7 +33,8 @@ during training (before ``FaultTolerance.finish()``) once the ranks left wait fo
 grow, as the coordinator's status shows. The exit code is 0 when every rank's last process exited 0, else
 the code of the first rank whose last process failed (128+N for signal N); a replacement that
 failed after the job had finished (every member left in order, as the coordinator says), or a
-rank declared lost that woke after it and raised ``JobFinishedError``, counts as exited 0. A
+rank declared lost that woke after it and raised ``JobFinishedError``, or a rank whose paused
+restart was not made because training finished meanwhile, counts as exited 0. A
 ``--journal`` the coordinator cannot use (exit code 3: held by another, corrupt) exits 2.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
@@ -43,6 +44,10 @@ of the ranks' coordinator timeout), and stopped at the end. With ``--coordinator
 request within a few seconds before any rank starts (else exit code 1, naming ADDR). A ``--job``
 that has finished on the coordinator (or in the ``--journal`` given) is refused before any rank
 starts, exit code 2: a job id is not reused.
+
+With ``--preload`` (default ``auto``: torch and rtxnet's dependencies for a script that imports
+torch) each rank process is forked from a server that imported those modules once
+(``rtxnet/_zygote.py``), instead of importing them itself.
 
 Before anything starts, the arguments and what every rank would read from the environment
 (``RTXNET_FAULTS``, the ``RTXNET_*`` timeouts, ``RTXNET_LAST_CALL``) are checked: each problem is
@@ -69,7 +74,7 @@ from dataclasses import dataclass, field
 from transport.shm import remove_segments
 from transport.wire import CLAIM_STALE_S, MAX_JOB_ID, MAX_TOKEN, last_committed
 
-from . import errorfile
+from . import _zygote, errorfile
 
 __all__ = ["main", "start_coordinator"]
 
@@ -144,6 +149,36 @@ def _proc_state(pid: int) -> str:
         return "gone"
 
 
+def _preload_modules(preload: str, script: str | None) -> list[str]:
+    """``--preload``'s modules: ``auto`` (see ``_zygote.auto_preload``), ``none`` or empty for
+    none, else the comma-separated names."""
+    if preload == "auto":
+        return _zygote.auto_preload(script) if script else []
+    if preload in ("", "none"):
+        return []
+    return [m.strip() for m in preload.split(",") if m.strip()]
+
+
+def _preload_errors(preload: str, script: str | None) -> list[str]:
+    """What ``--preload`` names that cannot be imported: a name that is no module name, or one
+    whose top-level package is neither installed nor in ``script``'s folder (where the rank, and
+    the fork server, look first); found without importing anything."""
+    import importlib.machinery
+    import importlib.util
+
+    folder = [os.path.dirname(os.path.realpath(script))] if script else []
+    errors = []
+    for name in _preload_modules(preload, None):
+        top = name.split(".")[0]
+        if not all(part.isidentifier() for part in name.split(".")):
+            errors.append(f"--preload: {name!r} is not a module name (give them comma-separated, "
+                          f"or 'auto' or 'none')")
+        elif (importlib.util.find_spec(top) is None
+              and importlib.machinery.PathFinder.find_spec(top, folder) is None):
+            errors.append(f"--preload: no module named {top!r} is installed or in the script's folder")
+    return errors
+
+
 def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
@@ -153,6 +188,9 @@ def _code(rc: int) -> int:
 _OWN_VARIABLES = {"RTXNET_COORDINATOR": "--coordinator", "RTXNET_JOB": "--job",
                   "RTXNET_WORLD_SIZE": "--nproc and --nnodes", "RTXNET_MIN_RANKS": "--min-ranks",
                   "RTXNET_MAX_RANKS": "--nproc and --nnodes", "RTXNET_RANK": "--node-rank"}
+# variables rtxnet-run sets differently for each rank process (kept out of the fork server's)
+_PER_RANK_VARIABLES = ("RTXNET_RANK", "RANK", "LOCAL_RANK", "RTXNET_RESTART_COUNT", "RTXNET_REJOIN",
+                       errorfile.ENV)
 _LAST_LINE = 300   # bytes of a rank's last line on stderr kept to name a failure (_last_words)
 _DRAIN_S = 2.0   # after a rank exits, how long its output is still read without progress
 _DRAIN_ALONE_S = 10.0   # the same when it left no process in its group (see _watch)
@@ -180,6 +218,8 @@ _RANK_STABLE_S = 10.0
 _RANK_PAUSE_S = 0.1
 _RANK_PAUSE_MAX_S = 5.0
 _FAILED_KEY = "rtxnet-run/failed-for-good/node{}"   # in the job's store: JSON list of launch ranks
+# why a paused restart was not made, when the job finished training during the pause
+_FINISHED_MEANWHILE = "the job finished training during its pause"
 
 
 def _restart_pause(lived: float, last: float) -> float:
@@ -385,6 +425,10 @@ class Launcher:
         self._leftovers: dict[int, asyncio.TimerHandle] = {}
         # told each rank's process group, ends them if this launcher dies (rtxnet/_groupguard.py)
         self._guard: subprocess.Popen | None = None
+        # --preload: the modules the rank fork server imports ([]: none, ranks start fresh)
+        self.modules = _preload_modules(args.preload, args.script)
+        self.fork_server: _zygote.ForkServer | None = None
+        self._fork_server_said = False   # its trouble was said (once)
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -429,13 +473,42 @@ class Launcher:
             env[errorfile.ENV] = slot.error_path
         return env
 
-    async def _spawn(self, slot: _Slot) -> None:
-        cmd = [sys.executable, "-u", self.args.script, *self.args.script_args]
-        slot.started_at = time.monotonic()
-        slot.proc = await asyncio.create_subprocess_exec(
-            *cmd, env=self._env(slot), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    async def _start_fork_server(self) -> None:
+        """Start the rank fork server (``rtxnet/_zygote.py``) when ``--preload`` names modules
+        (``auto``: torch and rtxnet's dependencies, for a script that imports torch), the script
+        is a file and Linux gives ``pidfd_open``; its imports go on meanwhile."""
+        a = self.args
+        if not (self.modules and os.path.isfile(a.script) and hasattr(os, "pidfd_open")):
+            return
+        # (the coordinator's address, not known yet, comes with each rank's own environment)
+        env = {k: v for k, v in self._env(self.slots[0]).items()
+               if v is not None and k not in _PER_RANK_VARIABLES}
+        try:
+            self.fork_server = await _zygote.ForkServer.start(self.modules, env, a.script, _die_with_parent)
+        except OSError as e:
+            _say(f"--preload: the rank fork server could not start ({e}); each rank starts as a "
+                 f"fresh interpreter")
+
+    async def _start_rank(self, slot: _Slot):
+        """The rank's process: forked by the fork server, or else a fresh ``python -u``."""
+        env = self._env(slot)
+        server = self.fork_server
+        if server is not None:
+            proc = await server.spawn([self.args.script, *self.args.script_args], env, os.getcwd())
+            if proc is not None:
+                return proc
+            if not self._fork_server_said:
+                self._fork_server_said = True
+                _say(f"--preload: {server.trouble}; ranks start as fresh interpreters from now on")
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-u", self.args.script, *self.args.script_args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             preexec_fn=_die_with_parent, start_new_session=True,
         )
+
+    async def _spawn(self, slot: _Slot) -> None:
+        slot.started_at = time.monotonic()
+        slot.proc = await self._start_rank(slot)
         self._tell_guard(f"+{slot.proc.pid}")
         prefix = f"[rank{slot.rank}] ".encode()
         slot.moved = [0]
@@ -762,6 +835,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in FORWARDED_SIGNALS:
             loop.add_signal_handler(sig, self._signal, sig)
+        await self._start_fork_server()   # (its imports overlap the coordinator's start)
         if self.address:
             # (a fresh id: asks about that job only)
             await self._probe(self.job)
@@ -850,6 +924,15 @@ class Launcher:
                         task.add_done_callback(self._respawns.discard)
                     else:
                         await self._spawn(slot)
+                    continue
+                if dropped == _FINISHED_MEANWHILE:
+                    # the replacement would only have been turned away (JobFinishedError), which
+                    # counts as exited 0: so does the restart not made (before, the exit code
+                    # stood, or not, by whether the survivors finished within the restart's pause)
+                    _say(f"rank {slot.rank}'s restart was not made ({dropped}): it counts as exited "
+                         f"0, as a replacement turned away would (its process exited {code})")
+                    slot.returncode = 0
+                    running -= 1
                     continue
                 slot.returncode = code
                 running -= 1
@@ -942,7 +1025,7 @@ class Launcher:
                 await self._stop_event.wait()
         why = "rtxnet-run is stopping"
         if not self.stopping:
-            why = "the job has finished training"
+            why = _FINISHED_MEANWHILE
             if not await self._training_finished():
                 try:
                     await self._spawn(slot)
@@ -1339,6 +1422,8 @@ class Launcher:
             except TimeoutError:
                 self.coordinator_proc.kill()
                 await self.coordinator_proc.wait()
+        if self.fork_server is not None:
+            await self.fork_server.close()
         if self.tmp_journal:
             shutil.rmtree(self.tmp_journal, ignore_errors=True)
         if self._guard is not None:
@@ -1739,6 +1824,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds a rank the coordinator declared lost may keep running (frozen, "
                         f"hung) while the job needs it before it is killed, to be restarted "
                         f"(default {FROZEN_GRACE_S:g}; a rank that wakes within it rejoins by itself)")
+    p.add_argument("--preload", default="auto", metavar="MODULES",
+                   help="modules imported once by a fork server that each rank process is forked "
+                        "from, instead of each rank importing them at its start (comma-separated; "
+                        "'none': every rank a fresh interpreter; default 'auto': torch, "
+                        "torch._dynamo and rtxnet's dependencies when the script imports torch, "
+                        "else none)")
     # (optional to argparse, checked in _main: else a missing script was reported as "the
     # following arguments are required: script, script_args", the latter optional: a fresh
     # user's find)
@@ -1853,6 +1944,7 @@ def _main(argv: list[str] | None) -> int:
             errors.append(f"--coordinator: {exc}")
     if args.max_restarts < 0:
         errors.append(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    errors += _preload_errors(args.preload, args.script)
     total = args.nproc * max(1, args.nnodes)
     if not 1 <= args.nnodes <= MAX_NPROC:
         errors.append(f"--nnodes must be in 1..{MAX_NPROC}, got {args.nnodes}")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -1212,19 +1213,28 @@ def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
     assert "never awaited" not in out.stderr, out.stderr[-3000:]
 
 
-def _launch_watching_stderr(args: list[str], on_line, env=None) -> tuple[int, list[str]]:
+def _launch_watching_stderr(args: list[str], on_line, env=None,
+                            deadline_s: float = 100.0) -> tuple[int, list[str]]:
     """Run rtxnet-run with ``args``, calling ``on_line(line, process)`` for each line of its
     stderr as it comes; its exit code and those lines. Killed (by its pid) if it has not ended
-    30 s after its stderr closed, or when the test fails."""
+    30 s after its stderr closed, or when the test fails; SIGKILLed ``deadline_s`` after its
+    start, and the test failed with every line it wrote (under pytest's own timeout the lines
+    were lost: a run that hung said nothing of why)."""
     launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", *args], env=env or procs.env(),
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
+    watchdog = threading.Timer(deadline_s, launcher.kill)   # (by its pid; its ranks die with it)
+    watchdog.start()
     try:
         for line in launcher.stderr:
             lines.append(line)
             on_line(line, launcher)
-        return launcher.wait(30), lines
+        rc = launcher.wait(30)
+        assert watchdog.is_alive(), (f"rtxnet-run had not ended {deadline_s:g} s after its start; "
+                                     f"it wrote:\n" + "".join(lines)[-6000:])
+        return rc, lines
     finally:
+        watchdog.cancel()
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()

@@ -1,0 +1,199 @@
+"""rtxnet-run's rank fork server (``--preload``, rtxnet/_zygote.py) with real rank processes: a
+forked rank is what a fresh ``python -u script.py`` would be, ends as one does, and a server
+that dies costs its ranks one restart, as fresh interpreters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import procs
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)
+
+# What a rank sees of itself, as JSON on one line (numpy only: the light preload)
+PROBE = textwrap.dedent("""
+    import sys
+    preloaded = "numpy" in sys.modules
+    import ctypes, json, os, random
+    import numpy as np
+    pdeath = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(pdeath))   # PR_GET_PDEATHSIG
+    print("PROBE " + json.dumps({
+        "preloaded": preloaded, "name": __name__, "file": __file__, "argv": sys.argv,
+        "path0": sys.path[0], "cwd": os.getcwd(), "main_is_me": sys.modules["__main__"].__dict__ is globals(),
+        "session_leader": os.getsid(0) == os.getpid(), "group_leader": os.getpgid(0) == os.getpid(),
+        "pdeathsig": pdeath.value,
+        "env": {k: os.environ.get(k) for k in ("RANK", "RTXNET_RANK", "LOCAL_RANK", "RTXNET_RESTART_COUNT",
+                                               "RTXNET_COORDINATOR", "RTXNET_ERROR_FILE", "OMP_NUM_THREADS")},
+        "np": float(np.random.rand()), "random": random.random(),
+        "annotations_future": bool(compile("x: int", "", "exec").co_flags & 0x1000000),
+        "stdout_tty": sys.stdout.isatty(), "unbuffered": sys.stdout.write_through,
+    }), flush=True)
+""")
+
+
+def _launch(args: list[str], timeout: float = 90, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rtxnet.launcher", *args], capture_output=True, text=True,
+                          timeout=timeout, env=procs.env(**extra), cwd=ROOT)
+
+
+def _probes(stdout: str) -> dict[int, dict]:
+    return {int(m.group(1)): json.loads(m.group(2))
+            for m in re.finditer(r"^\[rank(\d+)\] PROBE (.*)$", stdout, re.M)}
+
+
+def test_a_forked_rank_sees_what_a_fresh_interpreter_sees(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    seen = {}
+    for preload in ("numpy", "none"):
+        out = _launch(["--nproc", "3", "--preload", preload, str(script), "a", "--b=1"])
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen[preload] = _probes(out.stdout)
+        assert sorted(seen[preload]) == [0, 1, 2], out.stdout[-3000:]
+    forked = {r: json.loads(json.dumps(d)) for r, d in seen["numpy"].items()}   # (copies)
+    fresh = {r: json.loads(json.dumps(d)) for r, d in seen["none"].items()}
+    for r in range(3):
+        assert forked[r].pop("preloaded") and not fresh[r].pop("preloaded")
+        for d in (forked[r], fresh[r]):
+            d["env"].pop("RTXNET_COORDINATOR")       # (two launches: two coordinators)
+            assert d["env"].pop("RTXNET_ERROR_FILE").endswith(f"rank{r}-0.json")
+            d.pop("np"), d.pop("random")
+        assert forked[r] == fresh[r], (r, forked[r], fresh[r])
+        assert forked[r]["argv"] == [str(script), "a", "--b=1"] and forked[r]["name"] == "__main__"
+        assert forked[r]["path0"] == str(tmp_path) and forked[r]["pdeathsig"] == signal.SIGTERM
+        assert forked[r]["session_leader"] and forked[r]["env"]["RANK"] == str(r)
+        # (the server's own module compiles with `from __future__ import annotations`: not the script)
+        assert not forked[r]["annotations_future"]
+    # each forked rank draws its own numbers (NumPy's global state is seeded again in the child)
+    for preload in ("numpy", "none"):
+        draws = [seen[preload][r] for r in range(3)]
+        assert len({d["np"] for d in draws}) == 3 and len({d["random"] for d in draws}) == 3, draws
+
+
+ENDINGS = textwrap.dedent("""
+    import atexit, os, sys
+    import numpy
+    atexit.register(lambda: print("atexit ran", flush=True))
+    def deeper():
+        raise ValueError("boom")
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        sys.exit(3)
+    if rank == 1:
+        deeper()
+    if rank == 2:
+        raise KeyboardInterrupt
+""")
+
+
+def test_a_forked_rank_ends_as_a_fresh_interpreter_does(tmp_path):
+    # exit codes, tracebacks (no frame of the fork server's), atexit handlers, a KeyboardInterrupt
+    # that ends the process by SIGINT (130), each the same with and without the fork server
+    script = tmp_path / "endings.py"
+    script.write_text(ENDINGS)
+    said = {}
+    for preload in ("numpy", "none"):
+        # (--min-ranks 1: no rank is stopped because others failed)
+        out = _launch(["--nproc", "3", "--min-ranks", "1", "--preload", preload, str(script)])
+        assert out.returncode in (3, 1, 130), out.stderr[-3000:]   # the first to exit's
+        lines = [ln for ln in out.stdout.splitlines() + out.stderr.splitlines() if ln.startswith("[rank")]
+        said[preload] = sorted(lines)
+        for code, r in ((3, 0), (1, 1), (130, 2)):
+            assert f"rank {r} exited with code {code}" in out.stderr, out.stderr[-3000:]
+    assert said["numpy"] == said["none"], (said["numpy"], said["none"])
+    text = "\n".join(said["numpy"])
+    assert text.count("atexit ran") == 3 and "_zygote" not in text, text
+    assert f'[rank1]   File "{script}", line 6, in deeper' in text, text
+
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    print("started", os.environ["RTXNET_RESTART_COUNT"], "numpy" in sys.modules, flush=True)
+    import numpy
+    if os.environ["RTXNET_RESTART_COUNT"] == "0":
+        time.sleep(60)
+""")
+
+
+def test_a_fork_server_killed_costs_its_ranks_one_restart_as_fresh_interpreters(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--max-restarts", "1",
+                                 "--preload", "numpy", str(script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=procs.env(), cwd=ROOT)
+    try:
+        started = 0
+        deadline = time.monotonic() + 60
+        while started < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            started += "started 0 True" in line
+        assert started == 2, "the ranks did not start from the fork server"
+        servers = [c for c in psutil.Process(launcher.pid).children()
+                   if "rtxnet._zygote" in " ".join(c.cmdline())]
+        assert len(servers) == 1, servers
+        ranks = servers[0].children()
+        assert len(ranks) == 2, ranks
+        os.kill(servers[0].pid, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, err[-3000:]
+    assert out.count("started 1 False") == 2, out            # restarted, as fresh interpreters
+    assert err.count(f"--preload: the rank fork server (pid {servers[0].pid}) ended") == 1, err[-3000:]
+    for r in range(2):
+        assert f"rank {r} exited with code 143" in err, err[-3000:]   # its parent's death: SIGTERM
+    assert not any(psutil.pid_exists(p.pid) and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+
+
+def test_a_preload_module_that_is_not_installed_is_refused_before_any_rank_starts(tmp_path):
+    script = tmp_path / "one.py"
+    script.write_text("print('ran')\n")
+    out = _launch(["--nproc", "1", "--preload", "numpy,no_such_module_here", str(script)], timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--preload: no module named 'no_such_module_here' is installed or in the script's folder" in out.stderr, out.stderr[-2000:]
+    assert "ran" not in out.stdout
+
+
+def test_a_preload_module_that_fails_to_import_leaves_ranks_to_start_fresh(tmp_path):
+    (tmp_path / "brittle.py").write_text("raise RuntimeError('not today')\n")
+    script = tmp_path / "one.py"
+    script.write_text("import sys\nprint('ran', 'brittle' in sys.modules)\n")
+    # (found in the script's folder, as the rank would find it)
+    out = _launch(["--nproc", "2", "--preload", "brittle", str(script)], timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("ran False") == 2, out.stdout
+    assert ("could not import brittle: RuntimeError: not today; ranks start as fresh interpreters"
+            in out.stderr), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import torch\n", "torch"),
+    ("from rtxnet.parallel import DDP\n", "torch"),
+    ("def f():\n    import torch.nn as nn\n", "torch"),
+    ("import rtxnet\n", "light"),
+    ("from numpy import zeros\n", "light"),
+    ("import json\n", "none"),
+    ("this is not python\n", "none"),
+])
+def test_auto_preload_follows_the_scripts_imports(tmp_path, source, expected):
+    from rtxnet import _zygote
+
+    script = tmp_path / "s.py"
+    script.write_text(source)
+    got = _zygote.auto_preload(str(script))
+    want = {"torch": list(_zygote.TORCH_MODULES), "light": list(_zygote.LIGHT_MODULES), "none": []}[expected]
+    assert got == want
