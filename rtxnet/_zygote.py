@@ -195,9 +195,10 @@ def main(fd: int, preload: str) -> None:
 # imported by "auto" for a script that imports rtxnet or numpy: what each such rank imports
 # (rtxnet's dependencies; rtxnet itself imports its parts lazily, in milliseconds)
 LIGHT_MODULES = ("numpy", "zmq", "msgpack", "structlog", "uvloop")
-# and when it imports torch: torch, and torch._dynamo, which torch.optim imports at an
-# optimizer's first param group
-TORCH_MODULES = LIGHT_MODULES + ("torch", "torch._dynamo")
+# and when it imports torch: torch, and torch._dynamo where it names torch.optim (whose
+# optimizers import torch._dynamo at their first param group: 1.9 s more)
+TORCH_MODULES = LIGHT_MODULES + ("torch",)
+OPTIM_MODULES = TORCH_MODULES + ("torch._dynamo",)
 # a script importing one of these imports torch (rtxnet.parallel and rtxnet.checkpoint do)
 _TORCH_USERS = ("torch", "rtxnet.parallel", "rtxnet.checkpoint")
 _LIGHT_USERS = ("rtxnet", "numpy")
@@ -206,9 +207,11 @@ _LIGHT_USERS = ("rtxnet", "numpy")
 def auto_preload(script: str) -> list[str]:
     """What ``--preload auto`` imports for ``script``, judged by the ``import`` statements
     anywhere in it: :data:`TORCH_MODULES` when one names torch, ``rtxnet.parallel`` or
-    ``rtxnet.checkpoint``, else :data:`LIGHT_MODULES` when one names rtxnet or numpy, else
-    nothing (those installed, each). A script that cannot be read or parsed gets nothing
-    (Python reports it at the rank's start)."""
+    ``rtxnet.checkpoint`` (:data:`OPTIM_MODULES` when the script also names ``optim``: an
+    import of ``torch.optim`` or an attribute ``.optim``), else :data:`LIGHT_MODULES` when one
+    names rtxnet or numpy, else nothing (those installed, each). A script that cannot be read
+    or parsed gets nothing (Python reports it at the rank's start). A module the script imports
+    through its own modules is not seen: its rank imports it, as without the server."""
     import ast
     import importlib.util
 
@@ -218,7 +221,9 @@ def auto_preload(script: str) -> list[str]:
     except (OSError, SyntaxError, ValueError):
         return []
     names = set()
+    optim = False
     for node in ast.walk(tree):
+        optim = optim or (isinstance(node, ast.Attribute) and node.attr == "optim")
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -228,7 +233,9 @@ def auto_preload(script: str) -> list[str]:
     def named(users) -> bool:
         return any(n == u or n.startswith(u + ".") for n in names for u in users)
 
-    chosen = TORCH_MODULES if named(_TORCH_USERS) else LIGHT_MODULES if named(_LIGHT_USERS) else ()
+    optim = optim or named(("torch.optim",))
+    chosen = ((OPTIM_MODULES if optim else TORCH_MODULES) if named(_TORCH_USERS)
+               else LIGHT_MODULES if named(_LIGHT_USERS) else ())
     return [m for m in chosen if importlib.util.find_spec(m.split(".")[0]) is not None]
 
 

@@ -182,6 +182,9 @@ def test_a_preload_module_that_fails_to_import_leaves_ranks_to_start_fresh(tmp_p
 
 @pytest.mark.parametrize("source, expected", [
     ("import torch\n", "torch"),
+    ("import torch\nopt = torch.optim.SGD([], lr=0.1)\n", "optim"),
+    ("from torch.optim import Adam\n", "optim"),
+    ("from torch import optim\n", "optim"),
     ("from rtxnet.parallel import DDP\n", "torch"),
     ("def f():\n    import torch.nn as nn\n", "torch"),
     ("import rtxnet\n", "light"),
@@ -195,5 +198,6 @@ def test_auto_preload_follows_the_scripts_imports(tmp_path, source, expected):
     script = tmp_path / "s.py"
     script.write_text(source)
     got = _zygote.auto_preload(str(script))
-    want = {"torch": list(_zygote.TORCH_MODULES), "light": list(_zygote.LIGHT_MODULES), "none": []}[expected]
+    want = {"optim": list(_zygote.OPTIM_MODULES), "torch": list(_zygote.TORCH_MODULES),
+            "light": list(_zygote.LIGHT_MODULES), "none": []}[expected]
     assert got == want
