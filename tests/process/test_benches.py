@@ -31,6 +31,8 @@ BENCHES = {
     "journal_bench": (["--records", "500"], lambda d: len(d) == 2 and all(r["records"] == 500 for r in d)),
     "recovery": (["--trials", "1", "--kinds", "SIGKILL"], lambda d: d["rows"] and d["summary"]),
     "fsdp": (["--worlds", "2", "--width", "64", "--depth", "2"], lambda d: d["rows"]),
+    "startup": (["--trials", "1", "--nproc", "3", "--steps", "20"],
+                lambda d: [r["preload"] for r in d] == ["none", "auto"] and all(r["resumed_s"] > 0 for r in d)),
     "snapshot": (["--mb", "8", "--repeat", "1"],
                  lambda d: {(r["mb"], r["op"]) for r in d} == {(8, o) for o in ("pack", "unpack", "memcpy", "tobytes", "pack_into", "memcpy_into")}),
 }
