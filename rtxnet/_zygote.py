@@ -85,7 +85,10 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
                 return
             msg = json.loads(data)
             if msg["op"] == "reap":
-                os.waitpid(msg["pid"], 0)
+                try:
+                    os.waitpid(msg["pid"], 0)
+                except ChildProcessError:   # (not a child of this server's: nothing to reap)
+                    pass
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
@@ -137,6 +140,7 @@ def _become(msg: dict, fds: list[int], server: int) -> tuple:
     from rtxnet import errorfile
 
     errorfile.install()
+    import builtins
     import importlib.machinery
     import types
 
@@ -144,7 +148,7 @@ def _become(msg: dict, fds: list[int], server: int) -> tuple:
     main.__file__ = script
     main.__cached__ = None
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
-    main.__builtins__ = __builtins__
+    main.__builtins__ = builtins   # (the module, as in a script's __main__; elsewhere its dict)
     sys.modules["__main__"] = main
     with open(script, "rb") as f:
         source = f.read()

@@ -39,6 +39,8 @@ PROBE = textwrap.dedent("""
         "np": float(np.random.rand()), "random": random.random(),
         "annotations_future": bool(compile("x: int", "", "exec").co_flags & 0x1000000),
         "stdout_tty": sys.stdout.isatty(), "unbuffered": sys.stdout.write_through,
+        "builtins": type(__builtins__).__name__, "spec": repr(__spec__),
+        "loader": type(__loader__).__name__, "doc": __doc__, "package": repr(__package__),
     }), flush=True)
 """)
 
