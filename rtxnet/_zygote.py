@@ -12,15 +12,21 @@ on each request: the child starts with them in ``sys.modules``.
 The child then becomes what ``python -u script.py args...`` would be: its own session
 (``setsid``), ``PR_SET_PDEATHSIG`` SIGTERM (its parent, this server, dies with rtxnet-run),
 standard output and error on the pipes rtxnet-run sent, the rank's working folder and
-environment, ``sys.argv``, ``sys.path[0]`` the script's folder, a fresh ``__main__`` module
-whose ``__file__`` is the script, NumPy's global random state seeded afresh (the ``random``
-module does so itself after a fork). The script runs at the top of this module's stack: an
-uncaught exception is printed by ``sys.excepthook`` without this module's frames, and the
-process exits 1 (a ``KeyboardInterrupt``: by SIGINT, after ``atexit`` handlers, as Python
-does); ``SystemExit`` and ``atexit`` are Python's own. What differs from a fresh interpreter:
-the preloaded modules were imported with rtxnet-run's environment for all ranks (the variables
-of one rank, ``RTXNET_RANK`` and the like, are set after the import), and every rank shares one
-string hash seed (``PYTHONHASHSEED``).
+environment (plus what the preloaded imports set in it), ``sys.argv``, ``sys.path[0]`` the
+script's folder (unless ``PYTHONSAFEPATH``), a fresh ``__main__`` module whose ``__file__`` is
+the script's absolute path, NumPy's and torch's global random states seeded afresh (the
+``random`` module does so itself after a fork), rtxnet imported afresh by the script (its
+error-file hook by the rank's environment). The script runs at the top of this module's stack:
+an uncaught exception is printed by ``sys.excepthook`` without this module's frames and the
+process exits 1 (130 for a ``KeyboardInterrupt``, the code rtxnet-run reports for Python's own
+end by SIGINT, after the same shutdown); ``SystemExit`` and ``atexit`` are Python's own. What
+differs from a fresh interpreter: the preloaded modules were imported once, with rtxnet-run's
+environment for all ranks (the variables of one rank, ``RTXNET_RANK`` and the like, are set
+after; ``OMP_NUM_THREADS`` set by the script before ``import torch`` comes too late), their
+import-time output and warnings appear once, unprefixed; every rank shares one string hash
+seed (``PYTHONHASHSEED``); ``ps`` and ``sys.orig_argv`` show the server's command line, the
+parent process is the server, and a stack printed from the script's top level shows two frames
+of the server's under it.
 
 Protocol, on a ``SOCK_SEQPACKET`` Unix socket pair (one JSON object per packet, never a
 pickle): rtxnet-run sends ``{"op": "spawn", "id", "argv", "env", "cwd"}`` with the write ends
@@ -92,27 +98,32 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            settled_r, settled_w = os.pipe()
             try:
                 pid = os.fork()
             except OSError as e:
-                for f in fds:
+                for f in (*fds, settled_r, settled_w):
                     os.close(f)
                 _send(sock, op="spawn_failed", id=msg["id"], why=f"fork: {e}")
                 continue
             if pid == 0:
-                for f in pidfds:
+                for f in (*pidfds, settled_r):
                     os.close(f)
-                raise _Child(msg, fds)
-            for f in fds:
+                raise _Child(msg, fds + [settled_w])
+            for f in (*fds, settled_w):
                 os.close(f)
+            # said "spawned" once the child is a session of its own: rtxnet-run signals its
+            # process group (a signal before its setsid() found no such group)
+            os.read(settled_r, 1)
+            os.close(settled_r)
             pidfd = os.pidfd_open(pid)
             pidfds[pidfd] = pid
             poller.register(pidfd, select.POLLIN)
             _send(sock, op="spawned", id=msg["id"], pid=pid)
 
 
-def _become(msg: dict, fds: list[int], server: int) -> tuple:
-    """In the child: become the rank's process; returns ``(code, main module)`` to run."""
+def _become(msg: dict, fds: list[int], server: int, start_env: dict[str, str]) -> None:
+    """In the child: become the rank's process (all but running its script)."""
     import ctypes
 
     os.setsid()
@@ -122,24 +133,37 @@ def _become(msg: dict, fds: list[int], server: int) -> tuple:
         pass
     if os.getppid() != server:   # the server died before the line above: so would the rank
         os._exit(128 + signal.SIGTERM)
+    os.close(fds[2])   # (settled: the server says "spawned")
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
-    for f in fds:
+    for f in fds[:2]:
         os.close(f)
     os.chdir(msg["cwd"])
-    os.environ.clear()
+    # the rank's environment; what an import in the server added (torch._dynamo sets
+    # TORCHINDUCTOR_CACHE_DIR) stays, as it would after the rank's own import
+    for k in start_env:
+        if k not in msg["env"]:
+            os.environ.pop(k, None)
     os.environ.update(msg["env"])
-    argv = msg["argv"]
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
-    if "numpy" in sys.modules:   # its global RandomState was seeded once, in the server
+    sys.argv = list(msg["argv"])
+    if not sys.flags.safe_path:
+        sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
+    # random states the server's imports drew once (the random module draws again by itself)
+    try:
         sys.modules["numpy"].random.seed()
-    # what `import rtxnet` does by the environment (this module's package was imported by the
-    # server, with rtxnet-run's environment): the error file's hook (rtxnet.errorfile)
-    from rtxnet import errorfile
+    except (KeyError, AttributeError):   # not imported, or not NumPy (a script's own numpy.py)
+        pass
+    try:
+        sys.modules["torch"].seed()
+    except (KeyError, AttributeError):
+        pass
+    # rtxnet imported afresh by the script, as in a fresh interpreter: `import rtxnet` installs
+    # its error-file hook (rtxnet.errorfile) by this rank's environment, and only then
+    for name in [n for n in sys.modules if n == "rtxnet" or n.startswith("rtxnet.")]:
+        del sys.modules[name]
 
-    errorfile.install()
+
+def _main_module(script: str):
     import builtins
     import importlib.machinery
     import types
@@ -150,48 +174,48 @@ def _become(msg: dict, fds: list[int], server: int) -> tuple:
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
     main.__builtins__ = builtins   # (the module, as in a script's __main__; elsewhere its dict)
     sys.modules["__main__"] = main
-    with open(script, "rb") as f:
-        source = f.read()
-    return compile(source, script, "exec", dont_inherit=True), main
-
-
-_BY_SIGINT = False
-
-
-def _exit_by_sigint() -> None:
-    """Registered before any script's ``atexit`` handler, so it runs after them all: a script
-    ended by an uncaught ``KeyboardInterrupt`` ends by SIGINT, as CPython's own main does."""
-    if _BY_SIGINT:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    return main
 
 
 def main(fd: int, preload: str) -> None:
     """``python -c 'from rtxnet._zygote import main; main(FD, "torch,numpy")'``: serve on the
     inherited socket ``FD`` after importing the comma-separated modules ``preload``."""
-    global _BY_SIGINT
-    import atexit
+    import resource
 
+    # only the socket and standard streams: what the server's parent let through (copies of its
+    # own standard streams) would otherwise live on in every rank and what it starts
+    top = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    os.closerange(3, fd)
+    os.closerange(fd + 1, top if 0 < top < 1 << 20 else 4096)
     sock = socket.socket(fileno=fd)
     server = os.getpid()
+    start_env = dict(os.environ)
     try:
         _serve(sock, [m for m in preload.split(",") if m])
+        sock.close()
+        return
+    except (BrokenPipeError, ConnectionResetError):   # rtxnet-run ended (while this imported)
         return
     except _Child as child:
-        sock.close()
-        code, module = _become(child.msg, child.fds, server)
-    atexit.register(_exit_by_sigint)
+        msg, fds = child.msg, child.fds
+    sock.close()
+    _become(msg, fds, server, start_env)
+    # (__file__ of a script's __main__ is absolute: the working folder joined, not normalised)
+    script = sys.argv[0] if os.path.isabs(sys.argv[0]) else os.path.join(os.getcwd(), sys.argv[0])
+    module = _main_module(script)
     try:
+        with open(script, "rb") as f:
+            code = compile(f.read(), script, "exec", dont_inherit=True)
         exec(code, module.__dict__)
     except SystemExit:
         raise
     except BaseException as e:   # printed as Python prints it, without this file's frames
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         sys.excepthook(type(e), e.with_traceback(tb), tb)
-        _BY_SIGINT = isinstance(e, KeyboardInterrupt)
-        sys.exit(1)
+        # Python ends a script that an uncaught KeyboardInterrupt stopped by SIGINT after its
+        # shutdown; the code rtxnet-run reports is 130 either way, which this exit gives after
+        # the same shutdown (atexit, logging, files flushed)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
 
 
 # ---- rtxnet-run's side -------------------------------------------------------------------------
@@ -255,12 +279,29 @@ class PooledProcess:
         self.pid = pid
         self.returncode: int | None = None
         self.stdout = self.stderr = None
+        self._transports: list = []
         self._done = asyncio.get_running_loop().create_future()
+        self._pidfd: int | None = None
 
     def _exited(self, rc: int) -> None:
         if self.returncode is None:
             self.returncode = rc
             self._done.set_result(rc)
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        import asyncio
+
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def close_pipes(self) -> None:
+        """Close the read ends of its output pipes (rtxnet-run, once it has read what it wanted)."""
+        for t in self._transports:
+            t.close()
+        self._transports = []
 
     async def wait(self) -> int:
         import asyncio
@@ -278,6 +319,25 @@ class PooledProcess:
         self.send_signal(signal.SIGKILL)
 
 
+READY_S = 120.0   # the server's imports, at most (torch takes seconds; on loaded cores, tens)
+ANSWER_S = 30.0   # its answer to a spawn request, at most
+EXIT_REPORT_S = 5.0   # its report of a child's exit after the child ended, at most
+
+
+def _zombie_code(pid: int) -> int | None:
+    """The exit status of ``pid`` if it is a zombie, as ``Popen.returncode`` (negative for a
+    signal), read from ``/proc/PID/stat`` (its 52nd field, ``exit_code``, Linux 3.5); else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != b"Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+
+
 class ForkServer:
     """rtxnet-run's handle on the server (see the module's text). :meth:`start` it, then
     :meth:`spawn` ranks; ``None`` from ``spawn`` means "start this one as a fresh interpreter"
@@ -288,25 +348,29 @@ class ForkServer:
         self.sock: socket.socket | None = None
         self.modules: list[str] = []
         self.trouble = ""          # why it serves no more ("": it serves)
+        self.say = None
         self._ready = None         # Future[bool]
         self._next = 0
         self._pending: dict[int, tuple] = {}    # spawn id -> (future, stdout fd, stderr fd)
         self._children: dict[int, PooledProcess] = {}
 
     @classmethod
-    async def start(cls, modules: list[str], env: dict[str, str], script: str, die_with_parent) -> ForkServer:
+    async def start(cls, modules: list[str], env: dict[str, str], script: str, die_with_parent,
+                    say=None) -> ForkServer:
         """Start the server process (its own session; SIGTERM when rtxnet-run dies) importing
         ``modules`` with environment ``env``, resolving them from ``script``'s folder first as
         the rank would. Returns at once; the imports go on while ranks are asked for."""
         import asyncio
 
         self = cls()
+        self.say = say   # called once with the line that says the server is given up on
         self.modules = list(modules)
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         folder = os.path.dirname(os.path.realpath(script))
-        code = (f"import sys; from rtxnet._zygote import main; sys.path[0] = {folder!r}; "
+        code = (f"import sys; from rtxnet._zygote import main; "
+                f"sys.flags.safe_path or sys.path.__setitem__(0, {folder!r}); "
                 f"main({theirs.fileno()}, {','.join(modules)!r})")
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -340,7 +404,11 @@ class ForkServer:
             elif op == "spawned":
                 fut, _, _ = self._pending.pop(msg["id"])
                 child = self._children[msg["pid"]] = PooledProcess(msg["pid"])
-                fut.set_result(child)
+                self._watch(child)
+                if fut.done():   # (its spawn gave up waiting: the server was given up on)
+                    child.kill()
+                else:
+                    fut.set_result(child)
             elif op == "spawn_failed":
                 fut, _, _ = self._pending.pop(msg["id"])
                 fut.set_exception(OSError(msg["why"]))
@@ -350,6 +418,33 @@ class ForkServer:
                     child._exited(msg["rc"])
                 with _suppress_oserror():
                     _send(self.sock, op="reap", pid=msg["pid"])
+
+    def _watch(self, child: PooledProcess) -> None:
+        """Watch ``child`` from here too (a pidfd): should the server not report its exit within
+        ``EXIT_REPORT_S`` (stopped, hung), its exit status is read from ``/proc`` and the server
+        is given up on, instead of rtxnet-run waiting for ever."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        try:
+            child._pidfd = os.pidfd_open(child.pid)
+        except OSError:
+            return
+
+        def ended() -> None:
+            child._unwatch()
+            if child.returncode is None:
+                loop.call_later(EXIT_REPORT_S, overdue)
+
+        def overdue() -> None:
+            if child.returncode is None:
+                self._lost(f"did not report the exit of pid {child.pid} within {EXIT_REPORT_S:g} s "
+                           f"(stopped or hung)")
+                code = _zombie_code(child.pid)
+                self._children.pop(child.pid, None)
+                child._exited(code if code is not None else -signal.SIGTERM)
+
+        loop.add_reader(child._pidfd, ended)
 
     def _lost(self, why: str) -> None:
         """The server is gone or useless: pending spawns start as fresh interpreters; its
@@ -361,6 +456,8 @@ class ForkServer:
         code = self.proc.returncode if self.proc is not None else None
         self.trouble = f"the rank fork server (pid {self.proc.pid}) {why}" + (
             f" (exit code {code})" if code is not None else "")
+        if self.say is not None:
+            self.say(f"--preload: {self.trouble}; ranks start as fresh interpreters from now on")
         loop = asyncio.get_running_loop()
         with _suppress_oserror():
             loop.remove_reader(self.sock.fileno())
@@ -386,7 +483,17 @@ class ForkServer:
         """
         import asyncio
 
-        if self.trouble or not await self._ready:
+        if self.trouble:
+            return None
+        try:
+            async with asyncio.timeout(READY_S):
+                ready = await asyncio.shield(self._ready)
+        except TimeoutError:
+            self._lost(f"had not imported {', '.join(self.modules)} within {READY_S:g} s (stopped, "
+                       f"or an import hangs)")
+            self._kill()
+            return None
+        if not ready:
             return None
         loop = asyncio.get_running_loop()
         out_r, out_w = os.pipe()
@@ -406,7 +513,14 @@ class ForkServer:
             os.close(out_w)
             os.close(err_w)
         try:
-            child = await fut
+            async with asyncio.timeout(ANSWER_S):
+                child = await asyncio.shield(fut)
+        except TimeoutError:
+            # stopped or hung: a rank it forked later would be nobody's; its children get SIGTERM
+            self._lost(f"did not answer a request to start a rank within {ANSWER_S:g} s (stopped, "
+                       f"or hung)")
+            self._kill()
+            child = None
         except BaseException:
             os.close(out_r)
             os.close(err_r)
@@ -415,9 +529,18 @@ class ForkServer:
             os.close(out_r)
             os.close(err_r)
             return None
-        child.stdout = await _reader(out_r)
-        child.stderr = await _reader(err_r)
+        readers = []
+        for fd in (out_r, err_r):
+            reader, transport = await _reader(fd)
+            readers.append(reader)
+            child._transports.append(transport)
+        child.stdout, child.stderr = readers
         return child
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with _suppress_oserror():
+                self.proc.kill()
 
     async def close(self) -> None:
         """End the server (its socket closed: it leaves its loop) and wait for it, 5 s at most."""
@@ -437,30 +560,33 @@ class ForkServer:
 
 
 async def _reader(fd: int):
+    """``(StreamReader, transport)`` reading pipe ``fd``."""
     import asyncio
 
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 16, loop=loop)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-                                 os.fdopen(fd, "rb", buffering=0))
-    return reader
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                                os.fdopen(fd, "rb", buffering=0))
+    return reader, transport
 
 
 async def _await_gone(child: PooledProcess) -> None:
-    """A child of a server that died: its exit status went with the server (it was reparented and
-    reaped elsewhere); taken as SIGTERM's, which its parent's death sent it."""
+    """A child of a server given up on: its exit status, read from ``/proc`` while it is a zombie
+    not reaped (its parent stopped), else (reparented and reaped elsewhere, its parent dead)
+    taken as SIGTERM's, which its parent's death sent it."""
     import asyncio
 
     import psutil
 
-    while True:
+    while child.returncode is None:
         try:
             if psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE:
                 break
         except psutil.Error:   # gone (or its number another user's process now)
             break
         await asyncio.sleep(0.1)
-    child._exited(-signal.SIGTERM)
+    code = _zombie_code(child.pid)
+    child._exited(code if code is not None else -signal.SIGTERM)
 
 
 def _suppress_oserror():

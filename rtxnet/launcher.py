@@ -173,10 +173,26 @@ def _preload_errors(preload: str, script: str | None) -> list[str]:
         if not all(part.isidentifier() for part in name.split(".")):
             errors.append(f"--preload: {name!r} is not a module name (give them comma-separated, "
                           f"or 'auto' or 'none')")
-        elif (importlib.util.find_spec(top) is None
-              and importlib.machinery.PathFinder.find_spec(top, folder) is None):
-            errors.append(f"--preload: no module named {top!r} is installed or in the script's folder")
+        else:
+            try:
+                found = (importlib.util.find_spec(top) is not None
+                         or importlib.machinery.PathFinder.find_spec(top, folder) is not None)
+            except (ImportError, ValueError) as e:   # ("__main__": its __spec__ is None)
+                errors.append(f"--preload: {name!r} cannot be imported ({e})")
+                continue
+            if not found:
+                errors.append(f"--preload: no module named {top!r} is installed or in the script's folder")
     return errors
+
+
+def _is_zip(path: str) -> bool:
+    """A zip application (``python -m zipapp``): run by its ``__main__.py``, not as a source file."""
+    import zipfile
+
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:
+        return False
 
 
 def _code(rc: int) -> int:
@@ -428,7 +444,6 @@ class Launcher:
         # --preload: the modules the rank fork server imports ([]: none, ranks start fresh)
         self.modules = _preload_modules(args.preload, args.script)
         self.fork_server: _zygote.ForkServer | None = None
-        self._fork_server_said = False   # its trouble was said (once)
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -478,13 +493,13 @@ class Launcher:
         (``auto``: torch and rtxnet's dependencies, for a script that imports torch), the script
         is a file and Linux gives ``pidfd_open``; its imports go on meanwhile."""
         a = self.args
-        if not (self.modules and os.path.isfile(a.script) and hasattr(os, "pidfd_open")):
+        if not (self.modules and os.path.isfile(a.script) and hasattr(os, "pidfd_open")) or _is_zip(a.script):
             return
         # (the coordinator's address, not known yet, comes with each rank's own environment)
         env = {k: v for k, v in self._env(self.slots[0]).items()
                if v is not None and k not in _PER_RANK_VARIABLES}
         try:
-            self.fork_server = await _zygote.ForkServer.start(self.modules, env, a.script, _die_with_parent)
+            self.fork_server = await _zygote.ForkServer.start(self.modules, env, a.script, _die_with_parent, _say)
         except OSError as e:
             _say(f"--preload: the rank fork server could not start ({e}); each rank starts as a "
                  f"fresh interpreter")
@@ -497,9 +512,6 @@ class Launcher:
             proc = await server.spawn([self.args.script, *self.args.script_args], env, os.getcwd())
             if proc is not None:
                 return proc
-            if not self._fork_server_said:
-                self._fork_server_said = True
-                _say(f"--preload: {server.trouble}; ranks start as fresh interpreters from now on")
         return await asyncio.create_subprocess_exec(
             sys.executable, "-u", self.args.script, *self.args.script_args, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -507,8 +519,11 @@ class Launcher:
         )
 
     async def _spawn(self, slot: _Slot) -> None:
-        slot.started_at = time.monotonic()
         slot.proc = await self._start_rank(slot)
+        slot.started_at = time.monotonic()   # (after: not the fork server's imports)
+        if self.stop_signal is not None:
+            # started after the signal was forwarded (while the fork server still imported)
+            _stop(slot.proc, signal.Signals[self.stop_signal])
         self._tell_guard(f"+{slot.proc.pid}")
         prefix = f"[rank{slot.rank}] ".encode()
         slot.moved = [0]
@@ -538,6 +553,8 @@ class Launcher:
                 break
         for t in pending:
             t.cancel()
+        if hasattr(proc, "close_pipes"):   # (a forked rank's: asyncio's own close with their process)
+            proc.close_pipes()
         await self._exited.put((slot, proc, rc))
 
     def _end_leftovers(self, slot: _Slot, pgid: int, rc: int) -> bool:
@@ -1827,9 +1844,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", default="auto", metavar="MODULES",
                    help="modules imported once by a fork server that each rank process is forked "
                         "from, instead of each rank importing them at its start (comma-separated; "
-                        "'none': every rank a fresh interpreter; default 'auto': torch, "
-                        "torch._dynamo and rtxnet's dependencies when the script imports torch, "
-                        "else none)")
+                        "'none': every rank a fresh interpreter; default 'auto': torch "
+                        "(torch._dynamo too where the script names optim) and rtxnet's "
+                        "dependencies when the script imports torch, only the latter when it "
+                        "imports rtxnet or numpy, else none; a list replaces auto's)")
     # (optional to argparse, checked in _main: else a missing script was reported as "the
     # following arguments are required: script, script_args", the latter optional: a fresh
     # user's find)
