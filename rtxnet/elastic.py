@@ -508,7 +508,9 @@ class FaultTolerance:
         may join: below ``min_world_size`` no sync runs, each rank keeps its own committed state
         (the whole state, unless it is sharded) and collectives refuse that world
         (``PeerLostError``). Call it again on every rank when a rank is lost in what follows
-        (a collective raised ``PeerLostError``): the ranks sync again, for the smaller world.
+        (a collective raised ``PeerLostError``): the ranks sync again, for the smaller world
+        (a call again first waits, up to twice the heartbeat timeout, for the epoch without
+        the lost rank when it has not come yet).
         A step after it (``guard``) raises ``ConfigError``.
 
         Returns:
@@ -522,6 +524,7 @@ class FaultTolerance:
         """
         if self.pg.agent.fenced:
             raise self._lost_after_training()
+        again = self._finished
         try:
             answer = await self.pg.agent.finish()
         except JobFinishedError:
@@ -529,6 +532,15 @@ class FaultTolerance:
         except RendezvousError as exc:   # not a member: declared lost since its last step
             raise self._lost_after_training() from exc
         self._finished = True
+        if again and self._synced_epoch == self.pg.epoch and self._open_failure is None:
+            # Called again after a loss (a collective raised PeerLostError, from a broken link or
+            # a peer's abort) that the epoch has not followed yet, here or at the coordinator:
+            # wait for that epoch, so that every rank syncs in it. Before, a rank that came back
+            # before it synced nothing and redid its collective, while one that saw the epoch
+            # synced: CollectiveMismatchError (all_gather against all_reduce), seen once in CI.
+            with contextlib.suppress(RtxTimeoutError):
+                await self.pg.agent.wait_epoch(
+                    self.pg.epoch, timeout_s=2 * self.pg.agent.timeouts.heartbeat_timeout_s, or_fenced=True)
         if answer["turned_away"]:
             log.info("late_ranks_turned_away", ranks=answer["turned_away"], epoch=answer["epoch"],
                      committed_step=self.committed_step)
