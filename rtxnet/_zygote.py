@@ -529,12 +529,8 @@ class ForkServer:
             os.close(out_r)
             os.close(err_r)
             return None
-        readers = []
-        for fd in (out_r, err_r):
-            reader, transport = await _reader(fd)
-            readers.append(reader)
-            child._transports.append(transport)
-        child.stdout, child.stderr = readers
+        child._transports = [_Pipe(out_r), _Pipe(err_r)]
+        child.stdout, child.stderr = (t.reader for t in child._transports)
         return child
 
     def _kill(self) -> None:
@@ -559,15 +555,42 @@ class ForkServer:
                 await self.proc.wait()
 
 
-async def _reader(fd: int):
-    """``(StreamReader, transport)`` reading pipe ``fd``."""
-    import asyncio
+class _Pipe:
+    """The read end ``fd`` of a rank's output pipe fed into a ``StreamReader`` from the event loop's
+    reader callback: this object alone closes ``fd``, once (at its end, or at :meth:`close`).
+    (An ``asyncio`` pipe transport over an ``os.fdopen`` file left who closes the descriptor to
+    the loop's implementation; a descriptor closed twice can be one that another thread, ZeroMQ's
+    I/O thread, has just been given: rtxnet-run aborted once in ZeroMQ's ``epoll.cpp``.)"""
 
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=1 << 16, loop=loop)
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-                                                os.fdopen(fd, "rb", buffering=0))
-    return reader, transport
+    def __init__(self, fd: int):
+        import asyncio
+
+        self.fd = fd
+        self.loop = asyncio.get_running_loop()
+        self.reader = asyncio.StreamReader(limit=1 << 16, loop=self.loop)
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.reader.feed_data(data)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        with _suppress_oserror():
+            self.loop.remove_reader(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        self.reader.feed_eof()
 
 
 async def _await_gone(child: PooledProcess) -> None:
