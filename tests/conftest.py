@@ -7,8 +7,9 @@ restarts) while others are CPU-bound (torch rank processes): on 2 idle cores the
 2026-12-06; 1209 tests (and 385 skipped) took 671 and 681 s with three in two clean-clone runs
 later that day (over the 10 minutes aimed at: about 1,000 CPU-seconds, most of it torch rank
 processes starting). With rtxnet-run's rank fork server (``--preload auto``: torch imported once
-per launch, not once per rank process) 1230 tests took 535 and 547 s in two clean-clone runs
-(about 10.5 minutes with the install; 900-940 CPU-seconds). A test marked ``exclusive`` (one that measures time: an event-loop
+per launch, not once per rank process) 1230 tests took 535, 547, 599 and 624 s in four
+clean-clone runs (10.2 to 11.8 minutes with the install; 900-990 CPU-seconds): at the 10
+minutes aimed at, not reliably under. A test marked ``exclusive`` (one that measures time: an event-loop
 stall, a deadline's length) runs while the other worker runs nothing: every test holds a
 shared ``flock`` on one file for its whole protocol (module fixtures included), an exclusive
 test an exclusive one; a turnstile lock in front keeps a waiting exclusive test from being
