@@ -279,7 +279,7 @@ class PooledProcess:
         self.pid = pid
         self.returncode: int | None = None
         self.stdout = self.stderr = None
-        self._transports: list = []
+        self._pipes: list[_Pipe] = []
         self._done = asyncio.get_running_loop().create_future()
         self._pidfd: int | None = None
 
@@ -299,9 +299,9 @@ class PooledProcess:
 
     def close_pipes(self) -> None:
         """Close the read ends of its output pipes (rtxnet-run, once it has read what it wanted)."""
-        for t in self._transports:
+        for t in self._pipes:
             t.close()
-        self._transports = []
+        self._pipes = []
 
     async def wait(self) -> int:
         import asyncio
@@ -529,8 +529,8 @@ class ForkServer:
             os.close(out_r)
             os.close(err_r)
             return None
-        child._transports = [_Pipe(out_r), _Pipe(err_r)]
-        child.stdout, child.stderr = (t.reader for t in child._transports)
+        child._pipes = [_Pipe(out_r), _Pipe(err_r)]
+        child.stdout, child.stderr = (t.reader for t in child._pipes)
         return child
 
     def _kill(self) -> None:

@@ -248,6 +248,17 @@ def test_a_local_module_named_as_a_preloaded_one_is_the_ranks_module(tmp_path):
         assert out.stdout.count("local numpy") == 2, (preload, out.stdout)
 
 
+def _server_of(launcher: subprocess.Popen):
+    """The fork server rtxnet-run ``launcher`` started (its child running rtxnet._zygote), or None."""
+    for c in psutil.Process(launcher.pid).children():
+        try:
+            if "rtxnet._zygote" in " ".join(c.cmdline()):
+                return c
+        except psutil.Error:   # (a child gone meanwhile)
+            continue
+    return None
+
+
 def test_a_signal_while_the_server_imports_reaches_every_rank(tmp_path):
     # a rank forked after rtxnet-run forwarded the signal (its spawn waited for the server's
     # imports) ran on until --grace, and was SIGKILLed
@@ -258,7 +269,8 @@ def test_a_signal_while_the_server_imports_reaches_every_rank(tmp_path):
                                  str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=procs.env(), cwd=ROOT)
     try:
-        time.sleep(1.5)
+        # the signal while the server imports (slow_import sleeps 3 s): once the server is there
+        procs.wait_until(lambda: _server_of(launcher) is not None, 30, "the fork server")
         t0 = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=30)
