@@ -1096,7 +1096,18 @@ class FaultTolerance:
             agent.waiting_for = None
 
     async def _sync(self) -> None:
-        """Agree on the newest committed state and give it to every member (one collective round)."""
+        """Agree on the newest committed state and give it to every member (one collective round).
+
+        Every collective of the sync goes to the world group of the epoch it began in (pinned):
+        when the membership changes during it they raise ``PeerLostError`` there, recovered
+        from. Unpinned, they went to the new world with the old world's ranks and sizes (a test
+        run: a ring send to rank 2 in the new world of 2 raised ``ValueError`` and ended the
+        job)."""
+        await self.pg._until_world_entered()   # a view held for an orderly leave: entered first
+        with self.pg.pinned():
+            await self._sync_pinned()
+
+    async def _sync_pinned(self) -> None:
         pg = self.pg
         epoch, rank, world = pg.epoch, pg.rank, pg.world_size
         await self._check_same_layout(world)

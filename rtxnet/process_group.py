@@ -335,6 +335,15 @@ class ProcessGroup:
         self._check_min_ranks("collectives")
         return self._engine.world
 
+    async def _until_world_entered(self) -> None:
+        """Wait until the engine has entered the membership's epoch, so that
+        :meth:`current_world` is that epoch's group: the agent sets the membership first and the
+        engine enters its view after (at once from the event loop's thread; a thread of the
+        blocking facade can read the new membership before that), and a view of ranks that left
+        in order is held while operations in flight finish (``set_view``'s grace)."""
+        if self._engine is not None:
+            await self._engine.until_entered()
+
     @contextlib.contextmanager
     def pinned(self, world: Any = None) -> Iterator[Any]:
         """Send the collectives called in this block to ``world`` (from :meth:`current_world`;

@@ -655,6 +655,12 @@ class Engine:
         if self._deferred is not None and not self._in_flight():
             asyncio.get_running_loop().call_soon(self._apply_deferred)
 
+    async def until_entered(self) -> None:
+        """Wait until no view is held (see :meth:`set_view`): at once when none is; else when the
+        held view is entered (its operations in flight ended, or its grace is over)."""
+        while self._deferred is not None and self._deferred_done is not None:
+            await asyncio.shield(self._deferred_done)
+
     async def wait_not_held(self) -> None:
         """Before an operation starts: while a view is held (see :meth:`set_view`), wait until
         it is entered, then raise its error: an operation started while the old world's last

@@ -60,15 +60,30 @@ class StepWorld:
 
     def __init__(self, pg: Any):
         self._apg = getattr(pg, "async_pg", pg)
+        # the blocking facade, whose event loop runs in another thread: this thread can wait on it
+        self._entered = getattr(pg, "_until_world_entered", None) if self._apg is not pg else None
         self.world: Any = None
 
     def begin(self) -> int | None:
-        """Take the world group collectives go to now; returns its epoch (``None`` if unknown)."""
+        """Take the world group collectives go to now; returns its epoch (``None`` if unknown).
+
+        When the membership is already in a newer epoch than that group (the engine enters a view
+        after the agent took it: a thread of the blocking facade can see the new world size
+        first, and a view of ranks that left in order is held while operations in flight end),
+        waits for the engine to enter it, at most the engine's grace for such a hold
+        (``heartbeat_timeout_s + heartbeat_interval_s``): a step begun in the old group would
+        only fail (a CI run: DDP's retry after a loss raised ``PeerLostError`` a second time,
+        its forward taken in the world the first attempt failed in)."""
         current = getattr(self._apg, "current_world", None)
         self.world = current() if current is not None else None
-        if self.world is not None:
-            return self.world.epoch
-        return getattr(self._apg, "epoch", None)
+        if self.world is None:
+            return getattr(self._apg, "epoch", None)
+        epoch = getattr(self._apg, "epoch", None)
+        if (self._entered is not None and epoch is not None and self.world.epoch < epoch
+                and getattr(self._apg, "_pinned_world", None) is None):
+            self._entered()
+            self.world = current()
+        return self.world.epoch
 
     def pinned(self) -> contextlib.AbstractContextManager:
         """A block whose collectives go to the step's world group (nothing to pin before

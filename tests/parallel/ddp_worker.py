@@ -18,6 +18,9 @@ Scenarios:
             Rank 2 runs step 2's backward only once the world has changed after its forward
             (whose batch was chosen for 4 ranks): the backward must fail, not reduce that
             batch with the other ranks' retry in the 3-rank world.
+    stale   gradients of batches chosen for the old world are refused after leaves (see stale()).
+    held    a step begun while the engine still holds the view of an orderly leave runs in the
+            new world (see held()).
 """
 
 from __future__ import annotations
@@ -487,6 +490,40 @@ def stale(pg) -> dict:
     return got
 
 
+def held(pg) -> dict:
+    """4 ranks, --min-ranks 3. Rank 3 closes its group (an orderly leave) while rank 0 has an
+    operation in flight, so rank 0's engine holds the new view for its grace while the membership
+    already says 3 ranks. A step rank 0 begins then (as the other survivors do) must run in the
+    world of 3 once the view is entered: before, its forward took the old world group and its
+    backward raised PeerLostError (a CI run: DDP's retry after a loss failed a second time)."""
+    r0, w0 = pg.rank, pg.world_size
+    torch.manual_seed(3)
+    m = DistributedDataParallel(torch.nn.Linear(4, 2), pg, reduce_op=rtxnet.ReduceOp.SUM)
+    got = {}
+    if r0 == 0:
+        # joined by no other rank: in flight when rank 2 leaves
+        inflight = pg.barrier(async_op=True, timeout=60)
+        pg.store.set("held/inflight", b"1")
+    if r0 == 3:
+        pg.store.wait(["held/inflight"], timeout=30)
+        pg.close()
+        os._exit(0)
+    wait_until(lambda: pg.world_size == w0 - 1, 30, "the world without rank 3")
+    try:
+        m(torch.ones(2, 4)).sum().backward()
+        got["step"] = None
+    except rtxnet.PeerLostError as exc:
+        got["step"] = str(exc)
+    got["grad"] = m.module.bias.grad.tolist()   # 2 rows per rank, SUM of 3 ranks: [6, 6]
+    if r0 == 0:
+        try:
+            inflight.wait()
+            got["inflight"] = None
+        except rtxnet.PeerLostError as exc:
+            got["inflight"] = type(exc).__name__
+    return got
+
+
 def odd_buffers(pg) -> dict:
     """Buffers of dtypes the collectives do not reduce (a rotary embedding's complex
     ``freqs_cis``, uint16, float8, bool) are broadcast by their bytes, for DDP and FSDP; a
@@ -567,6 +604,8 @@ def main() -> int:
         res.update(fault(pg))
     elif scenario == "stale":
         res.update(stale(pg))
+    elif scenario == "held":
+        res.update(held(pg))
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(res))
     leave_together(pg, scenario, rank)
     return 0

@@ -139,6 +139,15 @@ def test_a_world_change_after_micro_batches_or_between_two_forwards_fails_their_
         assert r["after"] == [4.0, 4.0], r
 
 
+def test_a_step_begun_while_an_orderly_leave_is_held_runs_in_the_new_world(tmp_path):
+    res = launch(tmp_path, "held", "--min-ranks", "3")
+    assert sorted(r["rank"] for r in res) == [0, 1, 2]   # rank 3 left on purpose
+    for r in res:
+        assert r["step"] is None, r
+        assert r["grad"] == [6.0, 6.0], r
+    assert res[0]["inflight"] == "PeerLostError", res[0]   # the operation the view was held for
+
+
 def test_survivors_retry_a_failed_step_and_still_match_one_process(tmp_path):
     res = launch(tmp_path, "fault", "--min-ranks", "3")
     assert len(res) == 3
