@@ -285,6 +285,9 @@ def test_a_node_stops_its_ranks_when_another_nodes_failures_leave_the_job_below_
     assert ("rank 2 failed for good (--max-restarts 0): 3 ranks left, fewer than --min-ranks 4; "
             "stopping rank 3") in err1, err1[-3000:]
     assert rc0 != 0, err0[-3000:]
-    assert ("ranks 2, 3 failed for good on node 1 (its launcher said so through the job's store): "
-            "2 ranks left, fewer than --min-ranks 4; stopping ranks 0, 1") in err0, err0[-3000:]
+    # node 1's launcher writes each failure as it happens: node 0 may read rank 2's alone (a CI
+    # run) or both, and either leaves the job below --min-ranks
+    assert re.search(r"(rank 2|ranks 2, 3) failed for good on node 1 \(its launcher said so through "
+                     r"the job's store\): [32] ranks left, fewer than --min-ranks 4; stopping ranks 0, 1",
+                     err0), err0[-3000:]
     assert took < 30, (took, err0[-3000:])
