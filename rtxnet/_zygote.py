@@ -9,42 +9,42 @@ a replacement after a failure pays it again before it can rejoin. As
 process imports the modules named by ``rtxnet-run --preload`` once, then forks a rank process
 on each request: the child starts with them in ``sys.modules``.
 
-The child then becomes what ``python -u script.py args...`` would be: its own session
-(``setsid``), ``PR_SET_PDEATHSIG`` SIGTERM (its parent, this server, dies with rtxnet-run),
-standard output and error on the pipes rtxnet-run sent, the rank's working folder and
-environment (plus what the preloaded imports set in it), ``sys.argv``, ``sys.path[0]`` the
-script's folder (unless ``PYTHONSAFEPATH``), a fresh ``__main__`` module whose ``__file__`` is
-the script's absolute path, NumPy's and torch's global random states seeded afresh (the
-``random`` module does so itself after a fork), rtxnet imported afresh by the script (its
-error-file hook by the rank's environment). The script runs at the top of this module's stack:
-an uncaught exception is printed by ``sys.excepthook`` without this module's frames and the
-process exits 1 (130 for a ``KeyboardInterrupt``, the code rtxnet-run reports for Python's own
-end by SIGINT, after the same shutdown); ``SystemExit`` and ``atexit`` are Python's own. What
-differs from a fresh interpreter: the preloaded modules were imported once, with rtxnet-run's
-environment for all ranks (the variables of one rank, ``RTXNET_RANK`` and the like, are set
-after; ``OMP_NUM_THREADS`` set by the script before ``import torch`` comes too late), their
-import-time output and warnings appear once, unprefixed; every rank shares one string hash
-seed (``PYTHONHASHSEED``); ``ps`` and ``sys.orig_argv`` show the server's command line, the
-parent process is the server, and a stack printed from the script's top level shows two frames
-of the server's under it.
+The rank is forked through an intermediate process that exits as soon as the rank is a session of
+its own (a double fork, as a daemon is started), so that its parent is rtxnet-run (made
+``PR_SET_CHILD_SUBREAPER`` by :func:`become_subreaper`), not this server: rtxnet-run takes its
+exit itself (a ``pidfd``, ``waitid(P_PIDFD)``), and the server's death costs the running ranks
+nothing (before, they died with it, their parent).
+
+The rank then becomes what ``python -u script.py args...`` would be: its own session
+(``setsid``), ``PR_SET_PDEATHSIG`` SIGTERM (its parent, rtxnet-run, dies), standard output and
+error on the pipes rtxnet-run sent, the rank's working folder and environment (plus what the
+preloaded imports set in it), ``sys.argv``, ``sys.path[0]`` the script's folder (unless
+``PYTHONSAFEPATH``), a fresh ``__main__`` module whose ``__file__`` is the script's absolute
+path, NumPy's and torch's global random states seeded afresh (the ``random`` module does so
+itself after a fork), rtxnet imported afresh by the script (its error-file hook by the rank's
+environment). The script runs at the top of this module's stack: an uncaught exception is printed
+by ``sys.excepthook`` without this module's frames and the process exits 1 (130 for a
+``KeyboardInterrupt``, the code rtxnet-run reports for Python's own end by SIGINT, after the same
+shutdown); ``SystemExit`` and ``atexit`` are Python's own. What differs from a fresh interpreter:
+the preloaded modules were imported once, with rtxnet-run's environment for all ranks (the
+variables of one rank, ``RTXNET_RANK`` and the like, are set after; ``OMP_NUM_THREADS`` set by
+the script before ``import torch`` comes too late), their import-time output and warnings appear
+once, unprefixed; every rank shares one string hash seed (``PYTHONHASHSEED``); ``ps`` and
+``sys.orig_argv`` show the server's command line, and a stack printed from the script's top level
+shows two frames of the server's under it.
 
 Protocol, on a ``SOCK_SEQPACKET`` Unix socket pair (one JSON object per packet, never a
 pickle): rtxnet-run sends ``{"op": "spawn", "id", "argv", "env", "cwd"}`` with the write ends
-of the rank's stdout and stderr pipes attached (``SCM_RIGHTS``), and ``{"op": "reap", "pid"}``;
-this server answers ``{"op": "ready"}`` or ``{"op": "failed", "why"}`` once, then
-``{"op": "spawned", "id", "pid"}`` or ``{"op": "spawn_failed", "id", "why"}``, and
-``{"op": "exit", "pid", "rc"}`` (``rc`` as ``Popen.returncode``: negative for a signal) when a
-child ends. A child is reaped only once rtxnet-run says ``reap`` (``waitid(WNOWAIT)`` before):
-until rtxnet-run has taken its exit, its process id cannot be reused by another process that
-rtxnet-run's signals could reach. Exits are seen through a ``pidfd`` per child (Linux 5.3).
-The socket's end (rtxnet-run gone or done) ends this server.
+of the rank's stdout and stderr pipes attached (``SCM_RIGHTS``); this server answers
+``{"op": "ready"}`` or ``{"op": "failed", "why"}`` once, then ``{"op": "spawned", "id", "pid"}``
+(once the rank is a session of its own and rtxnet-run's child) or ``{"op": "spawn_failed", "id",
+"why"}`` per request. The socket's end (rtxnet-run gone or done) ends this server.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import sys
@@ -65,7 +65,7 @@ def _send(sock: socket.socket, **msg) -> None:
 
 
 def _serve(sock: socket.socket, preload: list[str]) -> None:
-    """The server's loop; returns when rtxnet-run closes its end; raises ``_Child`` in a child."""
+    """The server's loop; returns when rtxnet-run closes its end; raises ``_Child`` in a rank."""
     try:
         for name in preload:
             __import__(name)
@@ -73,66 +73,78 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
         _send(sock, op="failed", why=f"{name}: {type(e).__name__}: {e}")
         return
     _send(sock, op="ready")
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    pidfds: dict[int, int] = {}   # pidfd -> pid
     while True:
-        for fd, _ in poller.poll():
-            if fd != sock.fileno():
-                pid = pidfds.pop(fd)
-                poller.unregister(fd)
-                os.close(fd)
-                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                rc = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                _send(sock, op="exit", pid=pid, rc=rc)
-                continue
-            data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 2)
-            if not data:
-                return
-            msg = json.loads(data)
-            if msg["op"] == "reap":
-                try:
-                    os.waitpid(msg["pid"], 0)
-                except ChildProcessError:   # (not a child of this server's: nothing to reap)
-                    pass
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            settled_r, settled_w = os.pipe()
-            try:
-                pid = os.fork()
-            except OSError as e:
-                for f in (*fds, settled_r, settled_w):
-                    os.close(f)
-                _send(sock, op="spawn_failed", id=msg["id"], why=f"fork: {e}")
-                continue
-            if pid == 0:
-                for f in (*pidfds, settled_r):
-                    os.close(f)
-                raise _Child(msg, fds + [settled_w])
-            for f in (*fds, settled_w):
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 2)
+        if not data:
+            return
+        msg = json.loads(data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        settled_r, settled_w = os.pipe()
+        try:
+            mid = os.fork()
+        except OSError as e:
+            for f in (*fds, settled_r, settled_w):
                 os.close(f)
-            # said "spawned" once the child is a session of its own: rtxnet-run signals its
-            # process group (a signal before its setsid() found no such group)
-            os.read(settled_r, 1)
+            _send(sock, op="spawn_failed", id=msg["id"], why=f"fork: {e}")
+            continue
+        if mid == 0:
             os.close(settled_r)
-            pidfd = os.pidfd_open(pid)
-            pidfds[pidfd] = pid
-            poller.register(pidfd, select.POLLIN)
-            _send(sock, op="spawned", id=msg["id"], pid=pid)
+            _intermediate(msg, fds, settled_w)   # raises _Child in the rank, exits otherwise
+        for f in (*fds, settled_w):
+            os.close(f)
+        # the rank writes its pid once it is a session of its own (rtxnet-run signals its
+        # process group: a signal before its setsid() found no such group) and rtxnet-run's
+        # child (the intermediate process has exited); "E..." is the intermediate's fork error
+        said = b""
+        while chunk := os.read(settled_r, 256):
+            said += chunk
+        os.close(settled_r)
+        os.waitpid(mid, 0)
+        if said.startswith(b"P"):
+            _send(sock, op="spawned", id=msg["id"], pid=int(said[1:]))
+        else:
+            why = said[1:].decode(errors="replace") if said else "the rank ended before it started"
+            _send(sock, op="spawn_failed", id=msg["id"], why=why)
 
 
-def _become(msg: dict, fds: list[int], server: int, start_env: dict[str, str]) -> None:
-    """In the child: become the rank's process (all but running its script)."""
+def _intermediate(msg: dict, fds: list[int], settled_w: int) -> None:
+    """The server's child between it and the rank (a double fork, as a daemon is started): it
+    forks the rank and exits once the rank is a session of its own, so that the rank's parent
+    becomes rtxnet-run (the nearest ``PR_SET_CHILD_SUBREAPER`` above it) and not this server,
+    whose death then costs the rank nothing. Raises ``_Child`` in the rank."""
+    setsid_r, setsid_w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.write(settled_w, f"Efork: {e}".encode())
+        os._exit(1)
+    if pid == 0:
+        os.close(setsid_r)
+        raise _Child(msg, fds + [settled_w, setsid_w])
+    os.close(setsid_w)
+    os.read(setsid_r, 1)   # (EOF: the rank has called setsid(), or died)
+    os._exit(0)
+
+
+def _become(msg: dict, fds: list[int], launcher: int, start_env: dict[str, str]) -> None:
+    """In the rank: become the rank's process (all but running its script)."""
     import ctypes
+    import time
 
     os.setsid()
+    middle = os.getppid()
+    os.close(fds[3])   # (the intermediate process exits now)
+    deadline = time.monotonic() + 10
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.0002)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != server:   # the server died before the line above: so would the rank
+    if os.getppid() != launcher:   # rtxnet-run died (its ranks die with it), or is no subreaper
         os._exit(128 + signal.SIGTERM)
+    os.write(fds[2], f"P{os.getpid()}".encode())
     os.close(fds[2])   # (settled: the server says "spawned")
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
@@ -188,7 +200,7 @@ def main(fd: int, preload: str) -> None:
     os.closerange(3, fd)
     os.closerange(fd + 1, top if 0 < top < 1 << 20 else 4096)
     sock = socket.socket(fileno=fd)
-    server = os.getpid()
+    launcher = os.getppid()
     start_env = dict(os.environ)
     try:
         _serve(sock, [m for m in preload.split(",") if m])
@@ -199,7 +211,7 @@ def main(fd: int, preload: str) -> None:
     except _Child as child:
         msg, fds = child.msg, child.fds
     sock.close()
-    _become(msg, fds, server, start_env)
+    _become(msg, fds, launcher, start_env)
     # (__file__ of a script's __main__ is absolute: the working folder joined, not normalised)
     script = sys.argv[0] if os.path.isabs(sys.argv[0]) else os.path.join(os.getcwd(), sys.argv[0])
     module = _main_module(script)
@@ -283,6 +295,27 @@ class PooledProcess:
         self._done = asyncio.get_running_loop().create_future()
         self._pidfd: int | None = None
 
+    def watch(self) -> None:
+        """Take its exit when it ends (a ``pidfd``, Linux 5.3; ``waitid(P_PIDFD)``, 5.4): rtxnet-run
+        is its parent (see :func:`become_subreaper`) and alone reaps it, so its pid cannot be
+        another process's while rtxnet-run may still signal it."""
+        import asyncio
+
+        self._pidfd = os.pidfd_open(self.pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._ended)
+
+    def _ended(self) -> None:
+        try:
+            info = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:   # (not this process's child: nothing tells its exit code)
+            info = None
+            rc = -signal.SIGKILL
+        else:
+            if info is None:   # (readable before the exit is visible to waitid: not seen here)
+                return
+            rc = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        self._exited(rc)
+
     def _exited(self, rc: int) -> None:
         if self.returncode is None:
             self.returncode = rc
@@ -321,21 +354,56 @@ class PooledProcess:
 
 READY_S = 120.0   # the server's imports, at most (torch takes seconds; on loaded cores, tens)
 ANSWER_S = 30.0   # its answer to a spawn request, at most
-EXIT_REPORT_S = 5.0   # its report of a child's exit after the child ended, at most
+PR_SET_CHILD_SUBREAPER = 36   # <linux/prctl.h>, Linux 3.4
 
 
-def _zombie_code(pid: int) -> int | None:
-    """The exit status of ``pid`` if it is a zombie, as ``Popen.returncode`` (negative for a
-    signal), read from ``/proc/PID/stat`` (its 52nd field, ``exit_code``, Linux 3.5); else None."""
+def become_subreaper() -> None:
+    """Make this process (rtxnet-run) the parent of every orphan below it
+    (``PR_SET_CHILD_SUBREAPER``): a rank the fork server forks through an intermediate process
+    becomes rtxnet-run's child, which waits for it itself (see :func:`reap_orphans`).
+
+    Raises:
+        OSError: the kernel refused (not Linux, or older than 3.4)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
+
+
+def reap_orphans() -> int:
+    """Reap the zombies among this process's children that are no session leaders: orphans
+    adopted as a subreaper (what a rank started and left behind when it ended), which nothing
+    else waits for. Every process rtxnet-run starts itself (coordinator, guard, fork server,
+    ranks) leads a session of its own and is waited for by its owner: never reaped here. Returns
+    how many were reaped."""
+    me = os.getpid()
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] != b"Z" or len(fields) < 50:
-        return None
-    status = int(fields[49])
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return 0
+    reaped = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{me}/task/{tid}/children") as f:
+                children = [int(p) for p in f.read().split()]
+        except OSError:   # (a thread gone meanwhile; a kernel without CONFIG_PROC_CHILDREN)
+            continue
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            # fields: state, ppid, pgrp, session (man 5 proc)
+            if fields[0] == b"Z" and int(fields[1]) == me and int(fields[3]) != pid:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                    reaped += 1
+                except ChildProcessError:
+                    pass
+    return reaped
 
 
 class ForkServer:
@@ -352,7 +420,6 @@ class ForkServer:
         self._ready = None         # Future[bool]
         self._next = 0
         self._pending: dict[int, tuple] = {}    # spawn id -> (future, stdout fd, stderr fd)
-        self._children: dict[int, PooledProcess] = {}
 
     @classmethod
     async def start(cls, modules: list[str], env: dict[str, str], script: str, die_with_parent,
@@ -403,8 +470,8 @@ class ForkServer:
                 self._lost(f"could not import {msg['why']}")
             elif op == "spawned":
                 fut, _, _ = self._pending.pop(msg["id"])
-                child = self._children[msg["pid"]] = PooledProcess(msg["pid"])
-                self._watch(child)
+                child = PooledProcess(msg["pid"])
+                child.watch()
                 if fut.done():   # (its spawn gave up waiting: the server was given up on)
                     child.kill()
                 else:
@@ -412,43 +479,10 @@ class ForkServer:
             elif op == "spawn_failed":
                 fut, _, _ = self._pending.pop(msg["id"])
                 fut.set_exception(OSError(msg["why"]))
-            elif op == "exit":
-                child = self._children.pop(msg["pid"], None)
-                if child is not None:
-                    child._exited(msg["rc"])
-                with _suppress_oserror():
-                    _send(self.sock, op="reap", pid=msg["pid"])
-
-    def _watch(self, child: PooledProcess) -> None:
-        """Watch ``child`` from here too (a pidfd): should the server not report its exit within
-        ``EXIT_REPORT_S`` (stopped, hung), its exit status is read from ``/proc`` and the server
-        is given up on, instead of rtxnet-run waiting for ever."""
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        try:
-            child._pidfd = os.pidfd_open(child.pid)
-        except OSError:
-            return
-
-        def ended() -> None:
-            child._unwatch()
-            if child.returncode is None:
-                loop.call_later(EXIT_REPORT_S, overdue)
-
-        def overdue() -> None:
-            if child.returncode is None:
-                self._lost(f"did not report the exit of pid {child.pid} within {EXIT_REPORT_S:g} s "
-                           f"(stopped or hung)")
-                code = _zombie_code(child.pid)
-                self._children.pop(child.pid, None)
-                child._exited(code if code is not None else -signal.SIGTERM)
-
-        loop.add_reader(child._pidfd, ended)
 
     def _lost(self, why: str) -> None:
-        """The server is gone or useless: pending spawns start as fresh interpreters; its
-        children (SIGTERMed by their parent's death) are taken as ended by SIGTERM once gone."""
+        """The server is gone or useless: pending spawns start as fresh interpreters. The ranks
+        it forked are rtxnet-run's children and go on."""
         import asyncio
 
         if self.trouble:
@@ -467,9 +501,6 @@ class ForkServer:
             if not fut.done():
                 fut.set_result(None)
         self._pending.clear()
-        for child in self._children.values():
-            asyncio.ensure_future(_await_gone(child))
-        self._children.clear()
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str) -> PooledProcess | None:
         """Fork a rank running ``python -u argv[0] argv[1:]`` with environment ``env`` in folder
@@ -591,25 +622,6 @@ class _Pipe:
         os.close(self.fd)
         self.fd = -1
         self.reader.feed_eof()
-
-
-async def _await_gone(child: PooledProcess) -> None:
-    """A child of a server given up on: its exit status, read from ``/proc`` while it is a zombie
-    not reaped (its parent stopped), else (reparented and reaped elsewhere, its parent dead)
-    taken as SIGTERM's, which its parent's death sent it."""
-    import asyncio
-
-    import psutil
-
-    while child.returncode is None:
-        try:
-            if psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.Error:   # gone (or its number another user's process now)
-            break
-        await asyncio.sleep(0.1)
-    code = _zombie_code(child.pid)
-    child._exited(code if code is not None else -signal.SIGTERM)
 
 
 def _suppress_oserror():

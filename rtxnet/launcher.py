@@ -444,6 +444,9 @@ class Launcher:
         # --preload: the modules the rank fork server imports ([]: none, ranks start fresh)
         self.modules = _preload_modules(args.preload, args.script)
         self.fork_server: _zygote.ForkServer | None = None
+        # the parent of the orphans below it (PR_SET_CHILD_SUBREAPER, with the fork server, whose
+        # ranks become this process's children): their zombies are reaped by _reap_orphans
+        self.subreaper = False
 
     def _coordinator_args(self) -> list[str]:
         # A journal this command made up: removed by this command at the end, or by the daemon
@@ -493,12 +496,14 @@ class Launcher:
         (``auto``: torch and rtxnet's dependencies, for a script that imports torch), the script
         is a file and Linux gives ``pidfd_open``; its imports go on meanwhile."""
         a = self.args
-        if not (self.modules and os.path.isfile(a.script) and hasattr(os, "pidfd_open")) or _is_zip(a.script):
+        if not (self.modules and os.path.isfile(a.script) and hasattr(os, "P_PIDFD")) or _is_zip(a.script):
             return
         # (the coordinator's address, not known yet, comes with each rank's own environment)
         env = {k: v for k, v in self._env(self.slots[0]).items()
                if v is not None and k not in _PER_RANK_VARIABLES}
         try:
+            _zygote.become_subreaper()
+            self.subreaper = True
             self.fork_server = await _zygote.ForkServer.start(self.modules, env, a.script, _die_with_parent, _say)
         except OSError as e:
             _say(f"--preload: the rank fork server could not start ({e}); each rank starts as a "
@@ -901,6 +906,7 @@ class Launcher:
         self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         frozen = asyncio.ensure_future(self._watch_frozen())
+        orphans = asyncio.ensure_future(self._reap_orphans()) if self.subreaper else None
         claim = asyncio.ensure_future(self._keep_claim()) if self._claimed else None
         try:
             for slot in self.slots:
@@ -991,7 +997,8 @@ class Launcher:
             if self.first_failure is not None and self.stop_signal is None:
                 await self._forgive_failures_after_the_end()
         finally:
-            for task in (sharing, frozen, claim, self._exits_0_watch, *self._respawns, *self._stops):
+            for task in (sharing, frozen, orphans, claim, self._exits_0_watch, *self._respawns,
+                         *self._stops):
                 if task is not None:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
@@ -1135,6 +1142,14 @@ class Launcher:
         job = _job_entry(st, self.job)
         fenced = (job or {}).get("fenced") or (st.get("fenced_at_end") or {}).get(self.job) or []
         return st, {f.get("pid") for f in fenced if f.get("host") == host}
+
+    async def _reap_orphans(self) -> None:
+        """As a subreaper (the fork server's ranks are this process's children), orphans below
+        it come here too (what a rank started and left running when it ended: SIGTERMed with
+        its process group, then zombies): reaped every second (``_zygote.reap_orphans``)."""
+        while True:
+            await asyncio.sleep(1.0)
+            _zygote.reap_orphans()
 
     async def _watch_frozen(self) -> None:
         """A rank its coordinator declared lost (heartbeats stopped: SIGSTOPped, hung, cut off)
