@@ -23,7 +23,7 @@ import structlog
 
 from transport.channel import route_address
 from transport.errors import ConnectError, JournalCorruptError, JournalError
-from transport.logconfig import LOG_LEVELS, configure_logging
+from transport.logconfig import LOG_LEVELS, configure_logging, ensure_standard_fds
 
 from .journal import holds_journal, remove_journal
 from .server import Coordinator
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: code 2, from argparse, for a bad argument or ``RTXNET_LOG_LEVEL``.
     """
+    ensure_standard_fds()
     p = _parser()
     args = p.parse_args(argv)
     if args.journal_owner is not None and not args.remove_journal_on_stop:

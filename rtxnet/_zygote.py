@@ -436,9 +436,10 @@ class ForkServer:
         self._ready = loop.create_future()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         folder = os.path.dirname(os.path.realpath(script))
-        code = (f"import sys; from rtxnet._zygote import main; "
-                f"sys.flags.safe_path or sys.path.__setitem__(0, {folder!r}); "
-                f"main({theirs.fileno()}, {','.join(modules)!r})")
+        # the script's folder replaces -c's working folder on sys.path before anything is
+        # imported (a json.py in the working folder broke the server's imports)
+        code = (f"import sys; sys.flags.safe_path or sys.path.__setitem__(0, {folder!r}); "
+                f"from rtxnet._zygote import main; main({theirs.fileno()}, {','.join(modules)!r})")
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-u", "-c", code, pass_fds=[theirs.fileno()], env=env,

@@ -170,6 +170,9 @@ _DEFAULT_COORDINATOR = "tcp://127.0.0.1:29600"   # rtxnet-coordinator's default 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transport.logconfig import ensure_standard_fds
+
+    ensure_standard_fds()
     try:
         return _main(argv)
     except KeyboardInterrupt:   # Ctrl-C while waiting for the coordinator: one line, no traceback

@@ -314,7 +314,9 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
         RuntimeError: the daemon exited or did not report its address within 30 s.
     """
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
+        # -P: not the working folder first on sys.path, which -m puts there (a json.py in the
+        # folder rtxnet-run was started from broke the daemon's imports: a fresh user's find)
+        sys.executable, "-P", "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         # a session of its own: a signal to rtxnet-run's process group (Ctrl-C in a terminal,
         # coreutils timeout) reaches rtxnet-run, which forwards it to the ranks and stops the
@@ -1928,6 +1930,10 @@ def _environment_errors() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     import structlog
+
+    from transport.logconfig import ensure_standard_fds
+
+    ensure_standard_fds()
 
     if not structlog.is_configured():
         # the launcher's own control client logs (a request resent to a frozen coordinator):

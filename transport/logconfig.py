@@ -16,9 +16,26 @@ import structlog
 
 from transport.errors import ConfigError
 
-__all__ = ["configure_logging", "LOG_LEVELS"]
+__all__ = ["configure_logging", "ensure_standard_fds", "LOG_LEVELS"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def ensure_standard_fds() -> None:
+    """Open ``/dev/null`` on each of descriptors 0, 1 and 2 that is closed (a command started
+    with ``<&-``, by a daemon manager, or under ``nohup`` without a terminal), as daemons do:
+    the next descriptor opened (an event loop's, a socket) would take that number, and libuv
+    aborts when it closes one below 3 (``uv__close: Assertion `fd > STDERR_FILENO'``: rtxnet-run
+    with its standard input closed exited 134, a fresh user's find). Called first by each entry
+    point."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:   # (a lower one was closed too: opened there first, in this loop)
+                os.dup2(opened, fd)
+                os.close(opened)
 
 
 class _Stderr:

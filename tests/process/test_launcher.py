@@ -2103,3 +2103,20 @@ def test_a_node_whose_only_rank_exits_0_before_init_stops_the_other_node(tmp_pat
     assert "rank 1 failed for good on node 1 (its launcher said so through the job's store)" in err0, err0[-3000:]
     assert first.returncode != 0, err0[-3000:]
     assert time.monotonic() - t0 < 40
+
+
+def test_rtxnet_run_with_stdin_closed_in_a_folder_holding_a_json_py_runs_its_job(tmp_path):
+    # Two fresh users' finds: started with its standard input closed (`<&-`), rtxnet-run
+    # aborted on libuv's `uv__close: Assertion fd > STDERR_FILENO` (exit 134: a descriptor of
+    # its own took number 0); started from a folder holding a json.py, the coordinator (`python
+    # -m coordinator` puts that folder first on sys.path) and the fork server imported it.
+    (tmp_path / "json.py").write_text("raise RuntimeError('the json.py of the working folder was imported')\n")
+    (tmp_path / "job").mkdir()
+    script = tmp_path / "job" / "hello.py"
+    script.write_text("import json, os, numpy\nprint('hello', os.environ['RANK'], flush=True)\n")
+    proc = subprocess.run([str(Path(sys.executable).with_name("rtxnet-run")), "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=90, env=procs.env(), cwd=tmp_path,
+                          preexec_fn=lambda: os.close(0))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(re.findall(r"^\[rank\d\] hello \d$", proc.stdout, re.M)) == ["[rank0] hello 0", "[rank1] hello 1"]
+    assert "json.py of the working folder" not in proc.stderr, proc.stderr[-3000:]
