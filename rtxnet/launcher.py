@@ -904,6 +904,8 @@ class Launcher:
             _say(f"{elsewhere}: this node runs launch ranks {a.node_rank * a.nproc}.."
                  f"{(a.node_rank + 1) * a.nproc - 1}; such a fault fires only on the node whose "
                  f"rtxnet-run is given it too")
+        if short := _short_heartbeat_drops(a):
+            _say(short)
         _sweep_left_behind()   # what SIGKILLed launchers left
         self.error_dir = _error_dir()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
@@ -2072,6 +2074,33 @@ def _faults_for_other_nodes(a: argparse.Namespace) -> str | None:
     other = [f"{f.text!r} names rank {f.rank}" for f in parse_plan(plan)
              if f.rank is not None and f.rank >= 0 and f.rank not in mine]   # (-1: rank=any)
     return "faults for other nodes' ranks: " + ", ".join(other) if other else None
+
+
+def _short_heartbeat_drops(a: argparse.Namespace) -> str | None:
+    """The plan's ``drop-heartbeats`` faults whose ``seconds`` do not exceed the heartbeat
+    timeout the ranks read from this environment (``RTXNET_HEARTBEAT_TIMEOUT``, default 2 s), as
+    one line, or None: the coordinator declares a rank lost only after that long a silence, so
+    such a drop may go unnoticed (a fresh user's find: ``seconds=2`` did nothing, silently). A
+    script that passes its own ``Timeouts`` may differ: a warning, not an error."""
+    plan = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+    if not plan:
+        return None
+    from transport.errors import ConfigError
+
+    from .config import Timeouts
+    from .faults import parse_plan
+
+    try:
+        limit = Timeouts.from_env().heartbeat_timeout_s
+    except (ValueError, ConfigError):   # (a bad variable: _environment_errors said so)
+        return None
+    short = [f.text for f in parse_plan(plan)
+             if f.kind == "drop-heartbeats" and f.seconds is not None and f.seconds <= limit]
+    if not short:
+        return None
+    return (f"{', '.join(map(repr, short))}: heartbeats dropped for no longer than the heartbeat "
+            f"timeout ({limit:g} s, RTXNET_HEARTBEAT_TIMEOUT): the coordinator declares a rank lost "
+            f"only after that long a silence, so the rank may never be; give seconds above it")
 
 
 if __name__ == "__main__":

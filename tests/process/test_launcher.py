@@ -2120,3 +2120,20 @@ def test_rtxnet_run_with_stdin_closed_in_a_folder_holding_a_json_py_runs_its_job
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(re.findall(r"^\[rank\d\] hello \d$", proc.stdout, re.M)) == ["[rank0] hello 0", "[rank1] hello 1"]
     assert "json.py of the working folder" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_heartbeats_dropped_no_longer_than_the_heartbeat_timeout_are_warned_of(tmp_path):
+    # A fresh user's find: drop-heartbeats:...:seconds=2 (the default heartbeat timeout) did
+    # nothing and nothing said why: the coordinator declares a rank lost only after that long a
+    # silence. The plan runs all the same (a script may pass Timeouts of its own).
+    script = tmp_path / "quick.py"
+    script.write_text("print('ran', flush=True)\n")
+    warned = {}
+    for seconds in ("2", "2.5"):
+        out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", "--faults",
+                              f"drop-heartbeats:rank=0:after=5s:seconds={seconds}", str(script)],
+                             capture_output=True, text=True, timeout=90, cwd=ROOT,
+                             env=procs.env(RTXNET_HEARTBEAT_TIMEOUT="2"))
+        assert out.returncode == 0 and "[rank0] ran" in out.stdout, out.stderr[-3000:]
+        warned[seconds] = "heartbeats dropped for no longer than the heartbeat timeout (2 s" in out.stderr
+    assert warned == {"2": True, "2.5": False}, warned
