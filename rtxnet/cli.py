@@ -126,7 +126,9 @@ def _render(status: dict) -> str:
     for j in jobs:
         lines.append(
             f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
-            f"(min {j['min_ranks']}, max {j['max_ranks']}), pending {j['pending']}"
+            f"(min {j['min_ranks']}, max {j['max_ranks']}), "
+            # (a fresh user read "pending 2" as two ranks missing: they are the ones that came)
+            f"{j['pending']} joined and waiting for the next epoch"
             + (f" (missing ranks {', '.join(map(str, j['missing_ranks']))})" if j.get("missing_ranks") else "")
             + ", "
             f"{last_committed(j['committed_step'])}, {j['kv_keys']} key(s)"

@@ -636,14 +636,22 @@ class Launcher:
         if self.stopping:
             return
         a = self.args
-        lost = [s.rank for s in self.slots if s.returncode not in (0, None)]
+        # a rank whose process has ended while its exit waits in the queue (its last output
+        # still read) is no longer running: with no restart left it has failed for good too.
+        # Before, one that a fault plan killed with the others was counted as left and then
+        # named "stopped by rtxnet-run" (a fresh user's find: "2 ranks left" when none was)
+        queued = [s for s in self.slots if s.proc is not None and s.returncode is None
+                  and s.proc.returncode is not None]
+        lost = [s.rank for s in self.slots if s.returncode not in (0, None)
+                or (s in queued and s.proc.returncode != 0 and s.restarts >= a.max_restarts)]
         early = [s for s in self.slots if s.left_early]
         others = sorted(r for ranks in self.others_failed.values() for r in ranks)
         left = self.total - len(lost) - len(early) - len(others)
         min_ranks = a.min_ranks or self.total
         if left >= min_ranks:
             return
-        running = [s for s in self.slots if s.proc is not None and s.returncode is None]
+        running = [s for s in self.slots if s.proc is not None and s.returncode is None
+                   and s not in queued]
         if not running:
             return
         why = []
@@ -659,8 +667,6 @@ class Launcher:
                 f"than --min-ranks {min_ranks}")
         self.stopping = True   # (the property: wakes restarts waiting out their pause)
         self._stopped_at = time.time()
-        for s in running:
-            s.stopped = True
         task = asyncio.ensure_future(self._stop_ranks(running, head))
         self._stops.add(task)
         task.add_done_callback(self._stops.discard)
@@ -698,8 +704,13 @@ class Launcher:
                          f"coordinator closed) and get{'s' if one else ''} up to {wait_s:g} s to "
                          f"end before SIGTERM")
         _say(f"{head}; {stopping}")
+        # a rank counts as stopped by rtxnet-run (its 143 or 137 not a failure of its own) only
+        # once signalled: one that ended by itself meanwhile, or is ending, keeps its exit code
+        # (ranks a fault plan killed together were named "stopped by rtxnet-run": marked when
+        # the stop was decided, while their exits waited in the queue; a fresh user's find)
         for s in slots:
-            if s not in ending:
+            if s not in ending and s.proc.returncode is None:
+                s.stopped = True
                 _stop(s.proc, signal.SIGTERM)
         if not ending:
             return
@@ -708,6 +719,7 @@ class Launcher:
                 await asyncio.gather(*(s.proc.wait() for s in ending))
         for s in ending:
             if s.proc.returncode is None:   # declared lost but alive: hung, not ending
+                s.stopped = True
                 _stop(s.proc, signal.SIGTERM)
 
     async def _share_failures(self) -> None:

@@ -83,7 +83,7 @@ def test_a_rank_that_asked_for_its_place_names_the_places_still_missing(coordina
     wait_pending(coordinator.address, "named", 1)
     out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                          capture_output=True, text=True, timeout=30)
-    assert "job named: rendezvous" in out.stdout and "pending 1 (missing ranks 0, 2)," in out.stdout, out
+    assert "job named: rendezvous" in out.stdout and "1 joined and waiting for the next epoch (missing ranks 0, 2)," in out.stdout, out
     failed = p.expect("join_failed", timeout=15)
     assert failed["error"] == "RendezvousTimeout", failed
     assert "rendezvous_waiting" in p.log and "missing_ranks=[0, 2]" in p.log, p.log

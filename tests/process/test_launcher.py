@@ -2137,3 +2137,25 @@ def test_heartbeats_dropped_no_longer_than_the_heartbeat_timeout_are_warned_of(t
         assert out.returncode == 0 and "[rank0] ran" in out.stdout, out.stderr[-3000:]
         warned[seconds] = "heartbeats dropped for no longer than the heartbeat timeout (2 s" in out.stderr
     assert warned == {"2": True, "2.5": False}, warned
+
+
+def test_ranks_a_fault_plan_kills_together_are_named_as_failed_not_stopped(tmp_path):
+    # A fresh user's find: every rank killed by the plan at step 5; the first exit taken found
+    # the others' exits still queued, counted them as running ("2 ranks left ... stopping the
+    # job") and the summary named them "stopped by rtxnet-run", though rtxnet-run signalled
+    # none. A rank is named stopped only if rtxnet-run said it stops it (then SIGTERM came,
+    # whatever ended it first); every other one is named as failed with its own exit code.
+    out = run(["--nproc", "3", "--faults", "kill:rank=0:step=5; kill:rank=1:step=5; kill:rank=2:step=5",
+               str(ROOT / "tools" / "ft_workload.py"), "--steps", "20", "--out", str(tmp_path)])
+    assert out.returncode == 137, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    codes = {int(r): int(c) for r, c in re.findall(r"\[rtxnet-run\] rank (\d) exited with code (\d+)", out.stderr)}
+    assert sorted(codes) == [0, 1, 2], out.stderr[-3000:]
+    told = re.search(r"; stopping ranks? ([\d, ]+) \(SIGTERM", out.stderr)
+    signalled = {int(r) for r in told.group(1).split(", ")} if told else set()
+    stopped = re.search(r"ranks? ([\d, ]+) stopped by rtxnet-run", last)
+    named = {int(r) for r in stopped.group(1).split(", ")} if stopped else set()
+    assert named <= signalled, out.stderr[-3000:]
+    for r, code in codes.items():
+        if r not in named:
+            assert f"{r} (exit {code}, " in last, out.stderr[-3000:]
