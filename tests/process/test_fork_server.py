@@ -4,6 +4,7 @@ one does, and a server that dies costs its running ranks nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -49,6 +50,31 @@ PROBE = textwrap.dedent("""
 def _launch(args: list[str], timeout: float = 90, **extra) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rtxnet.launcher", *args], capture_output=True, text=True,
                           timeout=timeout, env=procs.env(**extra), cwd=ROOT)
+
+
+@contextlib.contextmanager
+def _running(args: list[str]):
+    """rtxnet-run with ``args``, its output piped; killed (by its pid) if still running at the end."""
+    proc = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=procs.env(), cwd=ROOT)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _pids_said(proc: subprocess.Popen, word: str, n: int) -> list[int]:
+    """The last field, a pid, of the first ``n`` lines of ``proc``'s output holding ``word``
+    (60 s at most)."""
+    pids: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(pids) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if word in line:
+            pids.append(int(line.split()[-1]))
+    return pids
 
 
 def _probes(stdout: str) -> dict[int, dict]:
@@ -150,32 +176,18 @@ def test_a_fork_server_killed_costs_its_ranks_nothing(tmp_path):
     # it (PR_SET_PDEATHSIG) and were all restarted: a breaker lost 52 steps of a job that way.
     script, go = tmp_path / "sleeper.py", tmp_path / "go"
     script.write_text(SLEEPER)
-    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--max-restarts", "1",
-                                 "--preload", "numpy", str(script), str(go)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=procs.env(), cwd=ROOT)
-    try:
-        ranks = []
-        deadline = time.monotonic() + 60
-        while len(ranks) < 2 and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if "started 0 True" in line:
-                ranks.append(psutil.Process(int(line.split()[-1])))
+    with _running(["--nproc", "2", "--max-restarts", "1", "--preload", "numpy", str(script), str(go)]) as launcher:
+        ranks = [psutil.Process(p) for p in _pids_said(launcher, "started 0 True", 2)]
         assert len(ranks) == 2, "the ranks did not start from the fork server"
         assert [p.ppid() for p in ranks] == [launcher.pid] * 2
-        servers = [c for c in psutil.Process(launcher.pid).children()
-                   if "rtxnet._zygote" in " ".join(c.cmdline()) and c not in ranks]
-        assert len(servers) == 1, servers
-        os.kill(servers[0].pid, signal.SIGKILL)
+        server = _server_of(launcher, ranks)
+        os.kill(server.pid, signal.SIGKILL)
         time.sleep(1.0)
         assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), ranks
         go.write_text("")
         out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     assert launcher.returncode == 0, err[-3000:]
-    assert err.count(f"--preload: the rank fork server (pid {servers[0].pid}) ended") == 1, err[-3000:]
+    assert err.count(f"--preload: the rank fork server (pid {server.pid}) ended") == 1, err[-3000:]
     assert "rank 1 exited with code 1;" in err and "143" not in err, err[-3000:]
     # rank 0 ran on; rank 1's restart (after its own exit) started as a fresh interpreter
     assert out.count("started 1 False") == 1 and "started 1 True" not in out, out
@@ -257,11 +269,12 @@ def test_a_local_module_named_as_a_preloaded_one_is_the_ranks_module(tmp_path):
         assert out.stdout.count("local numpy") == 2, (preload, out.stdout)
 
 
-def _server_of(launcher: subprocess.Popen):
-    """The fork server rtxnet-run ``launcher`` started (its child running rtxnet._zygote), or None."""
+def _server_of(launcher: subprocess.Popen, ranks=()) -> psutil.Process | None:
+    """The fork server of ``launcher`` (its child running ``rtxnet._zygote`` that is none of
+    ``ranks``, whose command line is the server's too), or None."""
     for c in psutil.Process(launcher.pid).children():
         try:
-            if "rtxnet._zygote" in " ".join(c.cmdline()):
+            if "rtxnet._zygote" in " ".join(c.cmdline()) and c.pid not in {int(getattr(r, "pid", r)) for r in ranks}:
                 return c
         except psutil.Error:   # (a child gone meanwhile)
             continue
@@ -274,47 +287,27 @@ def test_a_signal_while_the_server_imports_reaches_every_rank(tmp_path):
     (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(60)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--preload", "slow_import",
-                                 str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=procs.env(), cwd=ROOT)
-    try:
+    with _running(["--nproc", "2", "--preload", "slow_import", str(script)]) as launcher:
         # the signal while the server imports (slow_import sleeps 3 s): once the server is there
         procs.wait_until(lambda: _server_of(launcher) is not None, 30, "the fork server")
         t0 = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=30)
         took = time.monotonic() - t0
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     assert "killing it" not in err and took < 8, (took, err[-3000:])
 
 
 def test_a_stopped_fork_server_does_not_hang_rtxnet_run(tmp_path):
     script = tmp_path / "napper.py"
     script.write_text("import os, time, numpy\nprint('napping', os.getpid(), flush=True)\ntime.sleep(2)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--preload", "numpy",
-                                 str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=procs.env(), cwd=ROOT)
-    server = None
-    try:
-        ranks = []
-        deadline = time.monotonic() + 60
-        while len(ranks) < 2 and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if "napping" in line:
-                ranks.append(int(line.split()[-1]))
-        server = next(c for c in psutil.Process(launcher.pid).children()
-                      if "rtxnet._zygote" in " ".join(c.cmdline()) and c.pid not in ranks)
+    with _running(["--nproc", "2", "--preload", "numpy", str(script)]) as launcher:
+        server = _server_of(launcher, _pids_said(launcher, "napping", 2))
         server.suspend()   # SIGSTOP: the ranks' exits are rtxnet-run's to take all the same
-        out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        if server is not None and server.is_running():
-            server.kill()
+        try:
+            out, err = launcher.communicate(timeout=60)
+        finally:
+            if server.is_running():
+                server.kill()
     assert launcher.returncode == 0, err[-3000:]
     assert "exited with code" not in err, err[-3000:]   # (each rank's own exit 0, not a guess)
 
@@ -337,28 +330,15 @@ def test_what_a_forked_rank_leaves_behind_is_reaped_by_rtxnet_run(tmp_path):
     # left a zombie under it until the job ends
     script, go = tmp_path / "leaver.py", tmp_path / "go"
     script.write_text(LEAVER)
-    launcher = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1",
-                                 "--preload", "numpy", "--grace", "2", str(script), str(go)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=procs.env(), cwd=ROOT)
-    try:
-        orphan = None
-        deadline = time.monotonic() + 60
-        while orphan is None and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if "left" in line:
-                orphan = int(line.split()[-1])
-        assert orphan is not None
+    with _running(["--nproc", "2", "--min-ranks", "1", "--preload", "numpy", "--grace", "2", str(script),
+                   str(go)]) as launcher:
+        orphan = _pids_said(launcher, "left", 1)[0]
         deadline = time.monotonic() + 20
         while psutil.pid_exists(orphan) and time.monotonic() < deadline:
             time.sleep(0.1)
         gone = not psutil.pid_exists(orphan)
         go.write_text("")
         out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     assert "left 1 process running in its process group" in err, err[-3000:]
     assert gone, f"pid {orphan} still exists (a zombie under rtxnet-run?)\n{err[-3000:]}"
     assert launcher.returncode == 0, err[-3000:]
