@@ -393,13 +393,35 @@ def _write_all(out, data: bytes) -> None:
     the pipe, it returns that part, and the rest was lost (a 200 KB line cut at 128 KiB, its next
     line gone, 1 run in 16 under load)."""
     view = memoryview(data)
-    while view:
-        n = out.buffer.write(view)
-        if n is None:    # a non-blocking file that takes nothing now: wait until it does
-            select.select([], [out.buffer], [], 1.0)
-            continue
-        view = view[n:]
-    out.buffer.flush()
+    try:
+        while view:
+            n = out.buffer.write(view)
+            if n is None:    # a non-blocking file that takes nothing now: wait until it does
+                select.select([], [out.buffer], [], 1.0)
+                continue
+            view = view[n:]
+        out.buffer.flush()
+    except BrokenPipeError:
+        _reader_gone(out)
+
+
+def _reader_gone(out) -> None:
+    """``out``'s reader has gone (``rtxnet-run ... | head``): what is written there from now on
+    is dropped (``/dev/null`` on its descriptor) while the job goes on, said once on the other
+    stream. Before, the task copying a rank's output died on ``BrokenPipeError``, nobody read
+    that rank's pipe any more, and the rank blocked for good on its next write once the pipe
+    was full: the job hung. (A training job is not ended by a closed log reader; stop it with
+    Ctrl-C or SIGTERM.)"""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, out.fileno())
+    finally:
+        os.close(null)
+    which = "standard output" if out is sys.stdout else "standard error"
+    other = sys.stderr if out is sys.stdout else sys.stdout
+    with contextlib.suppress(OSError, ValueError):
+        print(f"[rtxnet-run] {which} was closed by its reader: what goes there is dropped from now "
+              f"on; the job goes on (Ctrl-C or SIGTERM stops it)", file=other, flush=True)
 
 
 class Launcher:
@@ -1840,7 +1862,10 @@ def signal_suffix(code: int | None) -> str:
 
 
 def _say(text: str) -> None:
-    print(f"[rtxnet-run] {text}", file=sys.stderr, flush=True)
+    try:
+        print(f"[rtxnet-run] {text}", file=sys.stderr, flush=True)
+    except BrokenPipeError:   # (rtxnet-run ... 2>&1 | head)
+        _reader_gone(sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -2159,3 +2159,31 @@ def test_ranks_a_fault_plan_kills_together_are_named_as_failed_not_stopped(tmp_p
     for r, code in codes.items():
         if r not in named:
             assert f"{r} (exit {code}, " in last, out.stderr[-3000:]
+
+
+def test_a_closed_output_reader_costs_the_job_nothing(tmp_path):
+    # `rtxnet-run ... | head`: once head left, the task copying a rank's output died on
+    # BrokenPipeError, nobody read that rank's pipe and the rank blocked for good once it was
+    # full (300 KB here): the job hung. Its output is dropped from then on, said once.
+    script = tmp_path / "chatty.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        for i in range(3000):
+            print("line", i, "x" * 100, flush=True)
+        print("finished", file=sys.stderr, flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=procs.env(), cwd=ROOT)
+    try:
+        assert proc.stdout.readline().startswith(b"[rank")
+        proc.stdout.close()   # as head does after its lines
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("standard output was closed by its reader") == 1, err[-3000:]
+    assert "[rank0] finished" in err and "[rank1] finished" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
