@@ -34,15 +34,20 @@ once, unprefixed; every rank shares one string hash seed (``PYTHONHASHSEED``); `
 shows two frames of the server's under it.
 
 Protocol, on a ``SOCK_SEQPACKET`` Unix socket pair (one JSON object per packet, never a
-pickle): rtxnet-run sends ``{"op": "spawn", "id", "argv", "env", "cwd"}`` with the write ends
-of the rank's stdout and stderr pipes attached (``SCM_RIGHTS``); this server answers
-``{"op": "ready"}`` or ``{"op": "failed", "why"}`` once, then ``{"op": "spawned", "id", "pid"}``
-(once the rank is a session of its own and rtxnet-run's child) or ``{"op": "spawn_failed", "id",
-"why"}`` per request. The socket's end (rtxnet-run gone or done) ends this server.
+pickle): rtxnet-run sends ``{"op": "spawn", "argv", "env", "cwd"}`` with three descriptors
+attached (``SCM_RIGHTS``): the write ends of the rank's stdout and stderr pipes and of a "hello"
+pipe; this server answers ``{"op": "ready"}`` or ``{"op": "failed", "why"}`` once. The answer to
+a spawn comes on its hello pipe, from the rank itself: ``P<pid>`` once it is a session of its own
+and rtxnet-run's child, so that rtxnet-run knows every rank it has whatever becomes of the server
+meanwhile (a server killed or stopped between a fork and its report left a rank running that
+rtxnet-run did not know, and it started a second one: a breaker's find); ``E <why>`` from a fork
+that failed; the pipe's end without either, a server or rank that died first. The socket's end
+(rtxnet-run gone or done) ends this server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -74,41 +79,36 @@ def _serve(sock: socket.socket, preload: list[str]) -> None:
         return
     _send(sock, op="ready")
     while True:
-        data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 2)
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_PACKET, 3)
         if not data:
             return
         msg = json.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
-        settled_r, settled_w = os.pipe()
         try:
             mid = os.fork()
         except OSError as e:
-            for f in (*fds, settled_r, settled_w):
+            _answer(fds[2], f"E fork: {e}")
+            for f in fds:
                 os.close(f)
-            _send(sock, op="spawn_failed", id=msg["id"], why=f"fork: {e}")
             continue
         if mid == 0:
-            os.close(settled_r)
-            _intermediate(msg, fds, settled_w)   # raises _Child in the rank, exits otherwise
-        for f in (*fds, settled_w):
+            _intermediate(msg, fds)   # raises _Child in the rank, exits otherwise
+        for f in fds:
             os.close(f)
-        # the rank writes its pid once it is a session of its own (rtxnet-run signals its
-        # process group: a signal before its setsid() found no such group) and rtxnet-run's
-        # child (the intermediate process has exited); "E..." is the intermediate's fork error
-        said = b""
-        while chunk := os.read(settled_r, 256):
-            said += chunk
-        os.close(settled_r)
-        os.waitpid(mid, 0)
-        if said.startswith(b"P"):
-            _send(sock, op="spawned", id=msg["id"], pid=int(said[1:]))
-        else:
-            why = said[1:].decode(errors="replace") if said else "the rank ended before it started"
-            _send(sock, op="spawn_failed", id=msg["id"], why=why)
+        os.waitpid(mid, 0)   # (it exits once the rank has called setsid)
 
 
-def _intermediate(msg: dict, fds: list[int], settled_w: int) -> None:
+def _answer(fd: int, text: str) -> bool:
+    """Write one answer line to rtxnet-run's "hello" pipe ``fd``; False when nobody reads it."""
+    try:
+        os.write(fd, f"{text}\n".encode())
+        return True
+    except OSError:
+        return False
+
+
+def _intermediate(msg: dict, fds: list[int]) -> None:
     """The server's child between it and the rank (a double fork, as a daemon is started): it
     forks the rank and exits once the rank is a session of its own, so that the rank's parent
     becomes rtxnet-run (the nearest ``PR_SET_CHILD_SUBREAPER`` above it) and not this server,
@@ -117,11 +117,11 @@ def _intermediate(msg: dict, fds: list[int], settled_w: int) -> None:
     try:
         pid = os.fork()
     except OSError as e:
-        os.write(settled_w, f"Efork: {e}".encode())
+        _answer(fds[2], f"E fork: {e}")
         os._exit(1)
     if pid == 0:
         os.close(setsid_r)
-        raise _Child(msg, fds + [settled_w, setsid_w])
+        raise _Child(msg, fds + [setsid_w])
     os.close(setsid_w)
     os.read(setsid_r, 1)   # (EOF: the rank has called setsid(), or died)
     os._exit(0)
@@ -142,10 +142,11 @@ def _become(msg: dict, fds: list[int], launcher: int, start_env: dict[str, str])
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != launcher:   # rtxnet-run died (its ranks die with it), or is no subreaper
+    # rtxnet-run died (its ranks die with it) or is no subreaper; or it gave up on this spawn
+    # (nobody reads the pipe): either way no rank of its
+    if os.getppid() != launcher or not _answer(fds[2], f"P{os.getpid()}"):
         os._exit(128 + signal.SIGTERM)
-    os.write(fds[2], f"P{os.getpid()}".encode())
-    os.close(fds[2])   # (settled: the server says "spawned")
+    os.close(fds[2])   # (told: rtxnet-run has the rank's pid, from the rank itself)
     os.dup2(fds[0], 1)
     os.dup2(fds[1], 2)
     for f in fds[:2]:
@@ -372,12 +373,38 @@ def become_subreaper() -> None:
         raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
 
 
+# what this process (rtxnet-run) started itself and waits for itself, by pid: never reaped by
+# reap_orphans while its owner has not taken its exit (``returncode`` None)
+_OWNED: dict[int, object] = {}
+_SPAWNING = [0]   # spawns under way: a child whose pid is not known here yet may exist
+
+
+def own(proc):
+    """Record ``proc`` (anything with ``pid`` and ``returncode``) as waited for by its owner;
+    returns it."""
+    _OWNED[proc.pid] = proc
+    return proc
+
+
+@contextlib.contextmanager
+def spawning():
+    """A block that starts a child this process will wait for: :func:`reap_orphans` does
+    nothing meanwhile (the child may be a zombie before its pid is known and :func:`own`-ed)."""
+    _SPAWNING[0] += 1
+    try:
+        yield
+    finally:
+        _SPAWNING[0] -= 1
+
+
 def reap_orphans() -> int:
-    """Reap the zombies among this process's children that are no session leaders: orphans
-    adopted as a subreaper (what a rank started and left behind when it ended), which nothing
-    else waits for. Every process rtxnet-run starts itself (coordinator, guard, fork server,
-    ranks) leads a session of its own and is waited for by its owner: never reaped here. Returns
-    how many were reaped."""
+    """Reap the zombies among this process's children that nothing here waits for: orphans
+    adopted as a subreaper (what a rank started and left behind when it ended, a daemon it
+    started included). What rtxnet-run starts itself (coordinator, guard, fork server, ranks) is
+    :func:`own`-ed and waited for by its owner; nothing is reaped while a spawn is under way
+    (:func:`spawning`). Returns how many were reaped."""
+    if _SPAWNING[0]:
+        return 0
     me = os.getpid()
     try:
         tasks = os.listdir(f"/proc/{me}/task")
@@ -397,13 +424,60 @@ def reap_orphans() -> int:
             except OSError:
                 continue
             # fields: state, ppid, pgrp, session (man 5 proc)
-            if fields[0] == b"Z" and int(fields[1]) == me and int(fields[3]) != pid:
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                    reaped += 1
-                except ChildProcessError:
-                    pass
+            if fields[0] != b"Z" or int(fields[1]) != me:
+                continue
+            owner = _OWNED.get(pid)
+            if owner is not None and getattr(owner, "returncode", None) is None:
+                continue   # (its owner takes its exit)
+            _OWNED.pop(pid, None)
+            try:
+                os.waitpid(pid, os.WNOHANG)
+                reaped += 1
+            except ChildProcessError:
+                pass
+    for pid in [p for p, o in _OWNED.items() if getattr(o, "returncode", None) is not None]:
+        del _OWNED[pid]   # (taken: the number may be another process's later)
     return reaped
+
+
+async def _line_from(fd: int, timeout: float) -> str:
+    """One line (without its newline) read from pipe ``fd``, or what came before its end.
+
+    Raises:
+        TimeoutError: neither within ``timeout`` seconds."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    got = bytearray()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 256)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        got.extend(chunk)
+        if (not chunk or b"\n" in got) and not done.done():
+            done.set_result(None)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+    try:
+        async with asyncio.timeout(timeout):
+            await done
+    finally:
+        loop.remove_reader(fd)
+    return got.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _line_now(fd: int) -> str:
+    """What pipe ``fd`` (non-blocking) holds now, up to its first newline."""
+    try:
+        return os.read(fd, 256).split(b"\n", 1)[0].decode(errors="replace")
+    except OSError:
+        return ""
 
 
 class ForkServer:
@@ -418,8 +492,6 @@ class ForkServer:
         self.trouble = ""          # why it serves no more ("": it serves)
         self.say = None
         self._ready = None         # Future[bool]
-        self._next = 0
-        self._pending: dict[int, tuple] = {}    # spawn id -> (future, stdout fd, stderr fd)
 
     @classmethod
     async def start(cls, modules: list[str], env: dict[str, str], script: str, die_with_parent,
@@ -441,9 +513,10 @@ class ForkServer:
         code = (f"import sys; sys.flags.safe_path or sys.path.__setitem__(0, {folder!r}); "
                 f"from rtxnet._zygote import main; main({theirs.fileno()}, {','.join(modules)!r})")
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-u", "-c", code, pass_fds=[theirs.fileno()], env=env,
-                preexec_fn=die_with_parent, start_new_session=True)
+            with spawning():
+                self.proc = own(await asyncio.create_subprocess_exec(
+                    sys.executable, "-u", "-c", code, pass_fds=[theirs.fileno()], env=env,
+                    preexec_fn=die_with_parent, start_new_session=True))
         finally:
             theirs.close()
         self.sock = mine
@@ -466,20 +539,10 @@ class ForkServer:
             msg = json.loads(data)
             op = msg["op"]
             if op == "ready":
-                self._ready.set_result(True)
+                if not self._ready.done():   # (cancel(): rtxnet-run stopped meanwhile)
+                    self._ready.set_result(True)
             elif op == "failed":
                 self._lost(f"could not import {msg['why']}")
-            elif op == "spawned":
-                fut, _, _ = self._pending.pop(msg["id"])
-                child = PooledProcess(msg["pid"])
-                child.watch()
-                if fut.done():   # (its spawn gave up waiting: the server was given up on)
-                    child.kill()
-                else:
-                    fut.set_result(child)
-            elif op == "spawn_failed":
-                fut, _, _ = self._pending.pop(msg["id"])
-                fut.set_exception(OSError(msg["why"]))
 
     def _lost(self, why: str) -> None:
         """The server is gone or useless: pending spawns start as fresh interpreters. The ranks
@@ -498,10 +561,13 @@ class ForkServer:
             loop.remove_reader(self.sock.fileno())
         if not self._ready.done():
             self._ready.set_result(False)
-        for fut, _, _ in self._pending.values():
-            if not fut.done():
-                fut.set_result(None)
-        self._pending.clear()
+
+    def cancel(self) -> None:
+        """Start no rank any more (rtxnet-run is stopping): a spawn waiting for the server's
+        imports returns None at once, and so does every later one."""
+        self.trouble = self.trouble or "not used: rtxnet-run is stopping"
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(False)
 
     async def spawn(self, argv: list[str], env: dict[str, str], cwd: str) -> PooledProcess | None:
         """Fork a rank running ``python -u argv[0] argv[1:]`` with environment ``env`` in folder
@@ -527,40 +593,51 @@ class ForkServer:
             return None
         if not ready:
             return None
-        loop = asyncio.get_running_loop()
+        with spawning():   # (the rank is this process's child before its pid is known here)
+            child = await self._fork(argv, env, cwd)
+        return own(child) if child is not None else None
+
+    async def _fork(self, argv: list[str], env: dict[str, str], cwd: str) -> PooledProcess | None:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        self._next += 1
-        fut = loop.create_future()
-        self._pending[self._next] = (fut, out_r, err_r)
+        try:
+            hello_r, hello_w = os.pipe()
+        except OSError:
+            for f in (out_r, out_w, err_r, err_w):
+                os.close(f)
+            raise
         try:
             socket.send_fds(self.sock, [json.dumps(
-                {"op": "spawn", "id": self._next, "argv": argv, "env": env, "cwd": cwd}).encode()],
-                [out_w, err_w])
+                {"op": "spawn", "argv": argv, "env": env, "cwd": cwd}).encode()], [out_w, err_w, hello_w])
         except OSError as e:
-            self._pending.pop(self._next, None)
-            fut.set_result(None)
             self._lost(f"took no request: {e}")
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        try:
-            async with asyncio.timeout(ANSWER_S):
-                child = await asyncio.shield(fut)
-        except TimeoutError:
-            # stopped or hung: a rank it forked later would be nobody's; its children get SIGTERM
-            self._lost(f"did not answer a request to start a rank within {ANSWER_S:g} s (stopped, "
-                       f"or hung)")
-            self._kill()
-            child = None
-        except BaseException:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        if child is None:
-            os.close(out_r)
-            os.close(err_r)
+            for f in (out_r, err_r, hello_r):
+                os.close(f)
             return None
+        finally:
+            for f in (out_w, err_w, hello_w):
+                os.close(f)
+        # The rank itself says its pid (once it is a session of its own and this process's
+        # child), whatever becomes of the server meanwhile; "E ..." is a fork that failed; the
+        # end of the pipe without either, a server or rank that died first
+        try:
+            said = await _line_from(hello_r, ANSWER_S)
+        except TimeoutError:
+            said = _line_now(hello_r)   # (a last look: the rank may have said it just now)
+            if not said.startswith("P"):
+                self._lost(f"did not answer a request to start a rank within {ANSWER_S:g} s (stopped, "
+                           f"or hung)")
+                self._kill()
+        finally:
+            os.close(hello_r)   # (a rank that says its pid after this ends by itself)
+        if not said.startswith("P"):
+            os.close(out_r)
+            os.close(err_r)
+            if said.startswith("E"):
+                raise OSError(said[2:])
+            return None
+        child = PooledProcess(int(said[1:]))
+        child.watch()
         child._pipes = [_Pipe(out_r), _Pipe(err_r)]
         child.stdout, child.stderr = (t.reader for t in child._pipes)
         return child
@@ -571,13 +648,17 @@ class ForkServer:
                 self.proc.kill()
 
     async def close(self) -> None:
-        """End the server (its socket closed: it leaves its loop) and wait for it, 5 s at most."""
+        """End the server (its socket closed: it leaves its loop) and wait for it, 5 s at most;
+        one still importing is killed at once (it reads its socket only after its imports, and
+        holds nothing: its ranks are rtxnet-run's)."""
         import asyncio
 
         if self.sock is not None:
             with _suppress_oserror():
                 asyncio.get_running_loop().remove_reader(self.sock.fileno())
             self.sock.close()
+        if self._ready is not None and not (self._ready.done() and self._ready.result()):
+            self._kill()
         if self.proc is not None and self.proc.returncode is None:
             try:
                 async with asyncio.timeout(5):

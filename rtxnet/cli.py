@@ -150,7 +150,9 @@ def _render(status: dict) -> str:
                     else "not heard from since the coordinator started")
             lines.append(f"  rank {m['rank']:>3}{launched}  {_shown(m['host'])}  pid {m['pid']:<8} {beat}{gpus}{waits}")
         if j.get("fenced"):
-            lines.append("  declared lost, not back: " + ", ".join(
+            # (a process, not a rank: its launch rank may be back as a replacement, a new pid; a
+            # fresh user read "not back" as the rank's)
+            lines.append("  processes declared lost, not readmitted (a replacement has a new pid): " + ", ".join(
                 f"pid {f['pid']} on {_shown(f['host'])}{_exited(f)}" for f in j["fenced"]))
     if status.get("jobs_omitted"):
         lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "

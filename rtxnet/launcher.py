@@ -59,8 +59,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import math
 import os
+import resource
 import select
 import shutil
 import signal
@@ -313,19 +315,22 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
     Raises:
         RuntimeError: the daemon exited or did not report its address within 30 s.
     """
-    proc = await asyncio.create_subprocess_exec(
-        # -P: not the working folder first on sys.path, which -m puts there (a json.py in the
-        # folder rtxnet-run was started from broke the daemon's imports: a fresh user's find)
-        sys.executable, "-P", "-m", "coordinator", "--bind", bind, "--journal", journal, *(extra or []),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        # a session of its own: a signal to rtxnet-run's process group (Ctrl-C in a terminal,
-        # coreutils timeout) reaches rtxnet-run, which forwards it to the ranks and stops the
-        # coordinator only once they ended; it stopped at once with the group before, and ranks
-        # finishing on the signal (a last commit, a barrier) hung until their coordinator
-        # timeout (a fresh user's find). It still dies with rtxnet-run (PR_SET_PDEATHSIG).
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    with _zygote.spawning():   # (waited for here, not reaped as an orphan: _zygote.own)
+        proc = _zygote.own(await asyncio.create_subprocess_exec(
+            # -P: not the working folder first on sys.path, which -m puts there (a json.py in
+            # the folder rtxnet-run was started from broke the daemon's imports: a fresh user's
+            # find)
+            sys.executable, "-P", "-m", "coordinator", "--bind", bind, "--journal", journal,
+            *(extra or []), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            # a session of its own: a signal to rtxnet-run's process group (Ctrl-C in a
+            # terminal, coreutils timeout) reaches rtxnet-run, which forwards it to the ranks
+            # and stops the coordinator only once they ended; it stopped at once with the group
+            # before, and ranks finishing on the signal (a last commit, a barrier) hung until
+            # their coordinator timeout (a fresh user's find). It still dies with rtxnet-run
+            # (PR_SET_PDEATHSIG).
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        ))
     asyncio.ensure_future(_pump(proc.stderr, b"[coordinator] ", sys.stderr))
     try:
         async with asyncio.timeout(30):
@@ -340,6 +345,15 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
             raise JournalRefused(journal)
         raise RuntimeError(f"the coordinator failed to start (exit code {proc.returncode}); see its log above")
     return proc, text.split("=", 1)[1]
+
+
+class RankStartError(RuntimeError):
+    """A rank's process could not be started (``OSError`` from ``fork``, ``pipe``: a ``ulimit``
+    reached); ``main`` says it in one line, exit code 1."""
+
+    def __init__(self, rank: int, why: str):
+        self.rank, self.why = rank, why
+        super().__init__(f"rank {rank} could not be started: {why}")
 
 
 class JournalRefused(RuntimeError):
@@ -534,21 +548,42 @@ class Launcher:
                  f"fresh interpreter")
 
     async def _start_rank(self, slot: _Slot):
-        """The rank's process: forked by the fork server, or else a fresh ``python -u``."""
+        """The rank's process: forked by the fork server, or else a fresh ``python -u``; None
+        when rtxnet-run got its stop signal meanwhile (waiting for the server's imports: a
+        rank started then would only be stopped).
+
+        Raises:
+            RankStartError: the process could not be started (no descriptors, processes or
+                memory left: ``ulimit``), one line saying so; was a traceback."""
         env = self._env(slot)
         server = self.fork_server
-        if server is not None:
-            proc = await server.spawn([self.args.script, *self.args.script_args], env, os.getcwd())
-            if proc is not None:
-                return proc
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-u", self.args.script, *self.args.script_args, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent, start_new_session=True,
-        )
+        try:
+            if server is not None:
+                proc = await server.spawn([self.args.script, *self.args.script_args], env, os.getcwd())
+                if proc is not None or self.stop_signal is not None:
+                    return proc
+            with _zygote.spawning():
+                return _zygote.own(await asyncio.create_subprocess_exec(
+                    sys.executable, "-u", self.args.script, *self.args.script_args, env=env,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    preexec_fn=_die_with_parent, start_new_session=True,
+                ))
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                why += f" (ulimit -n is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+            raise RankStartError(slot.rank, why) from e
 
-    async def _spawn(self, slot: _Slot) -> None:
-        slot.proc = await self._start_rank(slot)
+    async def _spawn(self, slot: _Slot) -> bool:
+        """Start ``slot``'s process and what reads its output; False when none was started
+        (rtxnet-run is stopping: see :meth:`_start_rank`).
+
+        Raises:
+            RankStartError: see :meth:`_start_rank`."""
+        proc = await self._start_rank(slot)
+        if proc is None:
+            return False
+        slot.proc = proc
         slot.started_at = time.monotonic()   # (after: not the fork server's imports)
         if self.stop_signal is not None:
             # started after the signal was forwarded (while the fork server still imported)
@@ -562,6 +597,7 @@ class Launcher:
             asyncio.ensure_future(_pump(slot.proc.stderr, prefix, sys.stderr, slot.moved, slot.last_err)),
         ]
         asyncio.ensure_future(self._watch(slot, slot.proc))
+        return True
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
@@ -615,10 +651,10 @@ class Launcher:
         if self._guard is None:
             if line == "done":
                 return
-            self._guard = subprocess.Popen(
+            self._guard = _zygote.own(subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.join(os.path.dirname(__file__), "_groupguard.py"),
                  f"{self.args.grace:g}", str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True))
         if self._guard.stdin is None or self._guard.stdin.closed:
             return
         try:
@@ -644,6 +680,8 @@ class Launcher:
         self.stopping = True   # (the property: wakes restarts waiting out their pause)
         self.stop_signal = signal.Signals(sig).name
         self._stop_signal_at = now
+        if self.fork_server is not None:
+            self.fork_server.cancel()   # (a spawn waiting for its imports starts nothing)
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 _stop(slot.proc, sig)
@@ -984,7 +1022,7 @@ class Launcher:
                         self._respawns.add(task)
                         task.add_done_callback(self._respawns.discard)
                     else:
-                        await self._spawn(slot)
+                        await self._restart(slot, proc, rc, "rtxnet-run is stopping")
                     continue
                 if dropped == _FINISHED_MEANWHILE:
                     # the replacement would only have been turned away (JobFinishedError), which
@@ -1085,15 +1123,26 @@ class Launcher:
             # the event is set: this restart would then be made by a task already cancelled)
             async with asyncio.timeout(slot.pause):
                 await self._stop_event.wait()
-        why = "rtxnet-run is stopping"
-        if not self.stopping:
-            why = _FINISHED_MEANWHILE
-            if not await self._training_finished():
-                try:
-                    await self._spawn(slot)
-                    return
-                except OSError as exc:
-                    why = f"its process could not be started: {exc}"
+        if self.stopping:
+            await self._drop_restart(slot, proc, rc, "rtxnet-run is stopping")
+        elif await self._training_finished():
+            await self._drop_restart(slot, proc, rc, _FINISHED_MEANWHILE)
+        else:
+            await self._restart(slot, proc, rc, "rtxnet-run is stopping")
+
+    async def _restart(self, slot: _Slot, proc, rc: int, unstarted: str) -> None:
+        """Start ``slot``'s next process; if none starts (rtxnet-run stopping: ``unstarted``
+        says why; or its process could not be started), its last exit is queued again to count
+        as final."""
+        try:
+            if await self._spawn(slot):
+                return
+            why = unstarted
+        except RankStartError as exc:
+            why = f"its process could not be started: {exc.why}"
+        await self._drop_restart(slot, proc, rc, why)
+
+    async def _drop_restart(self, slot: _Slot, proc, rc: int, why: str) -> None:
         slot.restarts -= 1
         slot.restart_dropped = why
         await self._exited.put((slot, proc, rc))

@@ -133,7 +133,7 @@ def test_killed_rank_is_reported_to_every_survivor(coordinator, probes):
     # the job: a frozen rank)
     out = subprocess.run([sys.executable, "-m", "rtxnet.cli", "status", "--coordinator", coordinator.address],
                          capture_output=True, text=True, timeout=30)
-    assert re.search(rf"  declared lost, not back: pid {ps[2].pid} on \S+ \(exited\)$", out.stdout, re.M), out.stdout
+    assert re.search(rf"  processes declared lost, not readmitted \(a replacement has a new pid\): pid {ps[2].pid} on \S+ \(exited\)$", out.stdout, re.M), out.stdout
     # a frozen one is still there: not marked
     ps[1].signal(signal.SIGSTOP)
     for p in (ps[0], ps[3]):

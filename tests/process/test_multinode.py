@@ -132,8 +132,10 @@ def test_a_node_cut_off_by_the_network_is_dropped_and_the_other_finishes(hosts, 
     for r in res:   # (a commit_stall event may come too: a slow vote on a loaded machine)
         failure, recovered = [e for e in r["events"] if e["event"] in ("failure", "recovered")]
         # the two are declared lost together or one heartbeat check apart (two epochs; ranks are
-        # renumbered at each, so the second may be "2" again): one recovery either way
-        assert set(failure["lost"]) <= {2, 3} and len(recovered["lost"]) == 2, r["events"]
+        # renumbered at each, so the second may be "2" again): one recovery either way. (Numbered
+        # in their epoch: after an earlier eviction and rejoin, under load, they were [0, 1] in
+        # a CI run; the launch ranks below are the stable names.)
+        assert failure["lost"] and len(recovered["lost"]) == 2, r["events"]
         assert recovered["lost_launch"] == [2, 3], r["events"]   # named as launched: stable
         assert recovered["steps_lost"] == 1, r["events"]
     # the cut-off side cannot reach the coordinator: each of its ranks stops with one clear error

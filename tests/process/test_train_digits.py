@@ -96,12 +96,19 @@ def test_fsdp_continuing_with_two_ranks_loses_one_step_and_keeps_accuracy(fault_
 
 def test_every_rank_killed_restarts_from_the_journaled_checkpoint(tmp_path):
     plan = "; ".join(f"kill:rank={r}:step=35" for r in range(2))
-    run = train(tmp_path, "--max-restarts", "1", "--faults", plan, nproc=2,
-                script_args=("--steps", "45", "--checkpoint-every", "20"))
-    assert run["rc"] == 0, run["stderr"][-4000:]
+    for attempt in (1, 2):
+        run = train(tmp_path / str(attempt), "--max-restarts", "1", "--faults", plan, nproc=2,
+                    script_args=("--steps", "45", "--checkpoint-every", "20"))
+        assert run["rc"] == 0, run["stderr"][-4000:]
+        # Each kill fires once its rank's step 35 has begun. A rank that learned of the other's
+        # loss before that waits for the replacement and hands it step 34 first, so the job
+        # needs no checkpoint (a loaded CI run, once): the plan does not make every rank die
+        # together then. Seen, the run is made again.
+        if "state_synced" not in run["stderr"] or attempt == 2:
+            break
     # No live rank held step 34; the coordinator's store named checkpoint 20, which every
     # restarted rank loaded before training went on.
-    assert run["stderr"].count("restored_from_checkpoint") == 2
+    assert run["stderr"].count("restored_from_checkpoint") == 2, run["stderr"][-6000:]
     assert "job_committed_step=34" in run["stderr"] and "step=20" in run["stderr"]
     # checkpoint 20 holds steps 0..19: training went on at step 20, none skipped (the history
     # of steps 20..34 from before the kill was rolled back with the rest of that state)
