@@ -401,10 +401,12 @@ def reap_orphans() -> int:
     """Reap the zombies among this process's children that nothing here waits for: orphans
     adopted as a subreaper (what a rank started and left behind when it ended, a daemon it
     started included). What rtxnet-run starts itself (coordinator, guard, fork server, ranks) is
-    :func:`own`-ed and waited for by its owner; nothing is reaped while a spawn is under way
-    (:func:`spawning`). Returns how many were reaped."""
-    if _SPAWNING[0]:
-        return 0
+    :func:`own`-ed and waited for by its owner. While a spawn is under way (:func:`spawning`)
+    a zombie that leads its own session is left: it may be a rank whose pid is not known here
+    yet (a forked rank leads its session before it becomes this process's child; a fresh one
+    before its exec). One that leads none is reaped even then (a spawn waiting up to 30 s on a
+    stopped fork server held every orphan's zombie that long: a re-verifier's find). Returns
+    how many were reaped."""
     me = os.getpid()
     try:
         tasks = os.listdir(f"/proc/{me}/task")
@@ -425,6 +427,8 @@ def reap_orphans() -> int:
                 continue
             # fields: state, ppid, pgrp, session (man 5 proc)
             if fields[0] != b"Z" or int(fields[1]) != me:
+                continue
+            if _SPAWNING[0] and int(fields[3]) == pid:   # fields[3]: its session
                 continue
             owner = _OWNED.get(pid)
             if owner is not None and getattr(owner, "returncode", None) is None:
