@@ -395,6 +395,7 @@ class FaultTolerance:
         # it then holds no committed state and takes one from a peer or the newest checkpoint.
         self._holds_state = True
         self._synced_epoch = -1
+        self._synced_at: tuple[int, int] | None = None   # (rank, world size) of the last sync
         self._step_epoch = -1
         self._finished = False   # finish() was called: no step may run any more
         self._noted_through = -1   # the newest epoch whose losses _note_loss_between_steps recorded
@@ -1119,6 +1120,17 @@ class FaultTolerance:
             return
         # (layers built after FaultTolerance was: refused before one rank's state is handed on)
         _refuse_rank_specific(" (at the sync of a new epoch)")
+        before = self._synced_at
+        if (self._holds_state and before is not None and before != (rank, world)
+                and self._laid_out_for() == before):
+            # Shards laid out for the world of the last sync, which changed (FSDP): a rank lost
+            # between steps left this rank's live state as it was (nothing rolled back, so no
+            # load refused it), and the next forward raised ConfigError "the shards are laid
+            # out for world_size(2)" in the world of 1 (a CI run). It holds no state for this
+            # world: a peer's or the newest checkpoint's is loaded, as after a refused roll-back.
+            log.warning("state_laid_out_for_another_world", laid_out_for=list(before), rank=rank,
+                        world_size=world)
+            self._holds_state = False
         mine = np.array([self.committed_step if self._holds_state else -1], dtype=np.int64)
         steps = np.zeros(world, dtype=np.int64)
         await pg.all_gather(steps, mine)
@@ -1221,11 +1233,26 @@ class FaultTolerance:
                               f"layout unlike rank 0's (parameter names, their order, shapes or "
                               f"dtypes); build the same module on every rank")
 
+    def _laid_out_for(self) -> tuple[int, int] | None:
+        """``state.sharded_layout()`` (FSDP: the rank and world size the shards are laid out
+        for), or None where the state has none or it does not answer (a state class with the
+        method for one strategy, called under another: train_digits' under DDP raises
+        ``AttributeError``)."""
+        layout = getattr(self.state, "sharded_layout", None)
+        if not callable(layout):
+            return None
+        try:
+            rank, world = (int(v) for v in layout())
+        except Exception:   # noqa: BLE001 - the user's method: no answer means no layout
+            return None
+        return rank, world
+
     def _synced(self, best: int, epoch: int, rank: int, world: int, src: Any) -> None:
         self.committed_step = best
         self.step = best + 1
         self._holds_state = True
         self._synced_epoch = epoch
+        self._synced_at = (rank, world)
         self._report_joins()
         if hasattr(self.state, "on_world"):
             self.state.on_world(rank, world)

@@ -149,7 +149,8 @@ def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
         assert r["fault_rel"] < TOL, r
 
 
-@pytest.mark.parametrize("mode, after", [("checkpoint", "shrunk"), ("memory", "replaced"),
+@pytest.mark.parametrize("mode, after", [("checkpoint", "shrunk"), ("checkpoint-between", "shrunk"),
+                                         ("memory", "replaced"),
                                          ("memory", "shrunk"), ("checkpoint-corrupt", "shrunk"),
                                          ("memory-initsync", "replaced")])
 def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
@@ -185,13 +186,19 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
     # checkpoint-corrupt: step 8's shard of rank 1 is corrupt, every rank falls back to step 4
     # (before: CheckpointCorruptError ended the job)
     lost = {"memory": "steps lost: 1", "memory-initsync": "steps lost: 1", "checkpoint": "steps lost: 3",
-            "checkpoint-corrupt": "steps lost: 7"}[mode]
+            "checkpoint-between": "steps lost: 3", "checkpoint-corrupt": "steps lost: 7"}[mode]
     assert [line for line in res[0]["report"] if "steps lost" in line][-1].endswith(lost), res[0]["report"]
     assert ("init_sync_skipped" in proc.stderr) == (mode == "memory-initsync"), proc.stderr[-5000:]
     if mode.startswith("memory"):
         assert "restored_from_checkpoint" not in proc.stderr and "state_resharded" in proc.stderr
         if nproc == 3:   # old ranks 0 and 2 from themselves (now 0 and 1), old rank 1 from old 2
             assert "sources={0: 0, 1: 1, 2: 1}" in proc.stderr, proc.stderr[-5000:]
+    elif mode == "checkpoint-between":
+        # rank 1 lost between rank 0's steps: rank 0's live shards, laid out for the world of 2,
+        # are not kept for the world of 1 (before, its next forward raised ConfigError "the
+        # shards are laid out for world_size(2)": a CI run) and checkpoint 8 is loaded
+        assert "state_laid_out_for_another_world" in proc.stderr, proc.stderr[-5000:]
+        assert "restored_from_checkpoint" in proc.stderr, proc.stderr[-5000:]
     else:
         assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
     if mode == "checkpoint-corrupt":
