@@ -9,9 +9,9 @@ later that day (over the 10 minutes aimed at: about 1,000 CPU-seconds, most of i
 processes starting). With rtxnet-run's rank fork server (``--preload auto``: torch imported once
 per launch, not once per rank process) 1230 tests took 535, 547, 599 and 624 s in four
 clean-clone runs (10.2 to 11.8 minutes with the install; 900-990 CPU-seconds): at the 10
-minutes aimed at, not reliably under. The next day 1238 tests took 457 s on idle cores (8.8
-minutes with the install, 768 CPU-seconds), and 736 and 753 s with testers' jobs running beside
-them. A test marked ``exclusive`` (one that measures time: an event-loop
+minutes aimed at, not reliably under. Later, 1238-1239 tests took 457, 541 and 502 s in three
+clean-clone runs on idle cores (8.8, 10.3 and 9.8 minutes with the install; 770-860
+CPU-seconds), and 736 and 753 s with testers' jobs running beside them. A test marked ``exclusive`` (one that measures time: an event-loop
 stall, a deadline's length) runs while the other worker runs nothing: every test holds a
 shared ``flock`` on one file for its whole protocol (module fixtures included), an exclusive
 test an exclusive one; a turnstile lock in front keeps a waiting exclusive test from being
