@@ -2151,15 +2151,23 @@ def _main(argv: list[str] | None) -> int:
 def _faults_for_other_nodes(a: argparse.Namespace) -> str | None:
     """With ``--nnodes``: the faults of the plan (``--faults``, else ``RTXNET_FAULTS``; checked
     already) that name a launch rank of another node, as one line, or None."""
-    plan = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
-    if a.nnodes == 1 or not plan:
+    if a.nnodes == 1:
         return None
-    from .faults import parse_plan
-
     mine = range(a.node_rank * a.nproc, (a.node_rank + 1) * a.nproc)
-    other = [f"{f.text!r} names rank {f.rank}" for f in parse_plan(plan)
+    other = [f"{f.text!r} names rank {f.rank}" for f in _checked_plan(a)
              if f.rank is not None and f.rank >= 0 and f.rank not in mine]   # (-1: rank=any)
     return "faults for other nodes' ranks: " + ", ".join(other) if other else None
+
+
+def _checked_plan(a: argparse.Namespace) -> list:
+    """The faults of the plan the ranks get (``--faults``, else ``RTXNET_FAULTS``), parsed once
+    (``main`` checked it before the launcher started; [] for none)."""
+    if not hasattr(a, "_plan"):
+        from .faults import parse_plan
+
+        text = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+        a._plan = parse_plan(text) if text else []
+    return a._plan
 
 
 def _short_heartbeat_drops(a: argparse.Namespace) -> str | None:
@@ -2168,19 +2176,18 @@ def _short_heartbeat_drops(a: argparse.Namespace) -> str | None:
     one line, or None: the coordinator declares a rank lost only after that long a silence, so
     such a drop may go unnoticed (a fresh user's find: ``seconds=2`` did nothing, silently). A
     script that passes its own ``Timeouts`` may differ: a warning, not an error."""
-    plan = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+    plan = _checked_plan(a)
     if not plan:
         return None
     from transport.errors import ConfigError
 
     from .config import Timeouts
-    from .faults import parse_plan
 
     try:
         limit = Timeouts.from_env().heartbeat_timeout_s
     except (ValueError, ConfigError):   # (a bad variable: _environment_errors said so)
         return None
-    short = [f.text for f in parse_plan(plan)
+    short = [f.text for f in plan
              if f.kind == "drop-heartbeats" and f.seconds is not None and f.seconds <= limit]
     if not short:
         return None
