@@ -141,7 +141,8 @@ class Coordinator:
             "journal_replayed",
             snapshot=snap is not None,
             records=len(records),
-            jobs=len(self.state.jobs),
+            jobs=len(self.state.jobs),   # running or waiting for restarted ranks
+            finished_jobs=len(self.state.finished),   # ended; their ids are refused
             # (each job's epoch only for a handful: thousands would make one line of megabytes)
             epochs={j.job: j.epoch for j in list(self.state.jobs.values())[:20]},
         )

@@ -64,7 +64,13 @@ def test_killed_rank_replaced_gives_the_fault_free_parameters(fault_free, tmp_pa
     run = train(tmp_path, "--max-restarts", "1", "--faults", "kill:rank=2:step=30", script_args=("--steps", "100"))
     assert run["rc"] == 0, run["stderr"][-4000:]
     assert "recovery: fault 'kill:rank=2:step=30': injected on rank 2 at step 30" in run["stdout"]
-    assert "steps lost: 1" in run["stdout"] and run["metrics"]["world_size_end"] == 4
+    # Killed as it began step 30, rank 2 is usually lost in that step's collectives (one step
+    # lost); when rank 0 learns of the loss before it begins step 30 itself (a loaded machine:
+    # one CI run), no step failed and nothing is lost. Either way the parameters are exact.
+    assert ("steps lost: 1" in run["stdout"]
+            or "lost between steps (before step 30): no step failed" in run["stdout"]), run["stdout"]
+    assert all(int(n) <= 1 for n in re.findall(r"steps lost: (\d+)", run["stdout"])), run["stdout"]
+    assert run["metrics"]["world_size_end"] == 4
     want, got = final_params(ref_out, 100), final_params(tmp_path, 100)
     assert want.keys() == got.keys()
     for k in want:
