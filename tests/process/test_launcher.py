@@ -1191,6 +1191,45 @@ def test_a_state_that_cannot_load_a_peers_snapshot_stops_with_the_reason(tmp_pat
     assert "and pass FaultTolerance(load_checkpoint=)" in out.stdout, out.stdout
 
 
+RESTARTS_UNDER_WAY = textwrap.dedent("""
+    import os, sys, time
+    rank, n = int(os.environ["RTXNET_RANK"]), int(os.environ["RTXNET_RESTART_COUNT"])
+    at = float(os.environ["EXIT_AT"])
+    if rank < 2 and n < 2 or rank == 2 and n < 3:
+        sys.exit(3)                                   # quick failures: the pauses grow 0.1, 0.2, 0.4 s
+    if rank < 2 and n == 2:
+        time.sleep(max(0.0, at - time.time()))
+        sys.exit(3)                                   # restarted once more, after a 0.4 s pause
+    if rank == 2:
+        time.sleep(max(0.0, at + 0.1 - time.time()))
+        sys.exit(3)                                   # its restarts spent, within that pause
+    time.sleep(120)                                   # a restart of rank 0 or 1 that was made
+""")
+
+
+def test_a_rank_failing_for_good_while_the_others_restart_stops_the_job_at_once(tmp_path):
+    # Rank 2 fails for good (--max-restarts spent) while ranks 0 and 1 wait out the pause before
+    # their last restart: 2 ranks can come, fewer than --min-ranks 3. The stop was not made, since
+    # no rank was running at that instant, and the restarted ranks ran on (a job of ranks that
+    # ended together took 60 s more, their rendezvous timeout, in 2 runs of 6). Now their
+    # restarts are dropped (or, on a loaded machine that took rank 2's exit after the pause,
+    # the restarted ranks are stopped).
+    script = tmp_path / "restarting.py"
+    script.write_text(RESTARTS_UNDER_WAY)
+    env = procs.env(EXIT_AT=str(time.time() + 5))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "3",
+                          str(script)], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert ("rank 2 failed for good (--max-restarts 3): 2 ranks left, fewer than --min-ranks 3; "
+            "stopping the job") in out.stderr, out.stderr[-3000:]
+    for r in (0, 1):
+        assert (f"rank {r}'s restart was not made (rtxnet-run is stopping); its exit code 3 stands" in out.stderr
+                or "stopped by rtxnet-run (143/137)" in out.stderr), out.stderr[-3000:]
+    assert took < 40, (took, out.stderr[-3000:])
+
+
 def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
     # Before: RuntimeError("Event loop is closed") from every call, the second close() included.
     script = tmp_path / "closed.py"
