@@ -118,6 +118,11 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_BUCKET_CAP_MB = 25.0       # torch DDP's default bucket_cap_mb
 DEFAULT_FIRST_BUCKET_MB = 1.0      # torch DDP's _DEFAULT_FIRST_BUCKET_BYTES: start comms early
+# The broadcasts of parameters and buffers (init_sync, broadcast_parameters, broadcast_buffers)
+# go in pieces of at most this many bytes (a tensor larger than that alone), so a rank holds at
+# most this much beyond its model: torch DDP's broadcast_bucket_size (250 MiB) for
+# _sync_module_states. Before, each dtype went as one buffer: a copy of the whole model.
+BROADCAST_BUCKET_NBYTES = 250 * 1024 * 1024
 _MB = 1024 * 1024
 
 
@@ -843,8 +848,9 @@ class DistributedDataParallel(torch.nn.Module):
         for t in tensors:
             if t.numel():
                 by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            ts = by_dtype[dtype]
+        pieces = [piece for dtype in sorted(by_dtype, key=str)   # the same order on every rank
+                  for piece in broadcast_pieces(by_dtype[dtype], BROADCAST_BUCKET_NBYTES)]
+        for ts in pieces:
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
             if self.device.type == "cuda":
                 _order_default_stream(self.device)   # after the cat that fills flat
@@ -857,6 +863,27 @@ class DistributedDataParallel(torch.nn.Module):
                     n = t.numel()
                     t.copy_(flat[off:off + n].view(t.shape))
                     off += n
+
+
+def broadcast_pieces(tensors: list[torch.Tensor], cap_nbytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` (one dtype), in order, cut into consecutive runs of at most ``cap_nbytes``
+    bytes together; a tensor larger than ``cap_nbytes`` is a run of its own. Every tensor is in
+    exactly one run.
+
+    Raises:
+        ValueError: ``cap_nbytes`` is not positive (names it)."""
+    if cap_nbytes <= 0:
+        raise ValueError(f"cap_nbytes must be positive, got {cap_nbytes!r}")
+    pieces: list[list[torch.Tensor]] = []
+    nbytes = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if not pieces or nbytes + size > cap_nbytes:
+            pieces.append([])
+            nbytes = 0
+        pieces[-1].append(t)
+        nbytes += size
+    return pieces
 
 
 def _mark(t: torch.Tensor) -> tuple:

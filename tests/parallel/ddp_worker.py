@@ -35,6 +35,7 @@ import torch
 
 import rtxnet
 from rtxnet.parallel import DistributedDataParallel
+from rtxnet.parallel import ddp as ddp_module
 from rtxnet.sampler import ElasticDistributedSampler
 from tests.procs import LateLaunch, leave_together, wait_until
 
@@ -83,6 +84,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 LOSS = torch.nn.functional.cross_entropy
 BUCKETS = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)   # several buckets on a tiny model
+# the broadcasts of parameters and buffers in pieces of at most 1 KiB: several on a tiny model
+ddp_module.BROADCAST_BUCKET_NBYTES = 1024
 
 
 def lockstep(ref, ref_opt, model, opt, x, y, B: int, lo: int, n: int, steps: int) -> None:
