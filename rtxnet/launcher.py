@@ -1775,13 +1775,16 @@ def _ranks(items: list) -> str:
 
 ERROR_DIR_PREFIX = "rtxnet-run-errors-"   # + the launcher's pid, in the temporary folder
 JOURNAL_DIR_PREFIX = "rtxnet-journal-"     # + the launcher's pid + "-" + mkdtemp's suffix
+FAULTRUN_DIR_PREFIX = "rtxnet-faultrun-"   # + tools/faultrun.py's pid + "-" + mkdtemp's suffix
 
 
 def _sweep_left_behind() -> None:
     """Remove what launchers killed by SIGKILL left in the temporary folder (this user's only, of
     a launcher pid that no longer runs): their ranks' error-file folders, and the temporary
     journals they made up when no daemon holds them any more (a journal's own files only, then
-    the folder if nothing else is in it: coordinator.journal.remove_journal)."""
+    the folder if nothing else is in it: coordinator.journal.remove_journal); and the events
+    folders of ``tools/faultrun.py`` runs killed by SIGKILL (of a faultrun pid that no longer
+    runs)."""
     from coordinator.journal import journal_in_use, remove_journal
 
     tmp = tempfile.gettempdir()
@@ -1792,11 +1795,12 @@ def _sweep_left_behind() -> None:
     for name in names:
         if name.startswith(ERROR_DIR_PREFIX):
             pid, journal = name[len(ERROR_DIR_PREFIX):], False
-        elif name.startswith(JOURNAL_DIR_PREFIX):
-            pid, sep, _ = name[len(JOURNAL_DIR_PREFIX):].partition("-")
-            if not sep:   # not PID-SUFFIX: no launcher of this version made it
+        elif name.startswith((JOURNAL_DIR_PREFIX, FAULTRUN_DIR_PREFIX)):
+            journal = name.startswith(JOURNAL_DIR_PREFIX)
+            prefix = JOURNAL_DIR_PREFIX if journal else FAULTRUN_DIR_PREFIX
+            pid, sep, _ = name[len(prefix):].partition("-")
+            if not sep:   # not PID-SUFFIX: no launcher (or faultrun) of this version made it
                 continue
-            journal = True
         else:
             continue
         if not pid.isdigit() or int(pid) == os.getpid():

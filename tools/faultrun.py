@@ -356,7 +356,11 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
     Whatever ends the wait (the timeout, :class:`Terminated`, ``KeyboardInterrupt``), the launcher is
     stopped (:func:`_stop`) and the temporary folder removed before the exception goes on.
     """
-    with tempfile.TemporaryDirectory(prefix="rtxnet-faultrun-", ignore_cleanup_errors=True) as tmp:
+    from rtxnet.launcher import FAULTRUN_DIR_PREFIX, _die_with_parent
+
+    # (named after this pid: the launcher removes the folder of a faultrun killed by SIGKILL)
+    with tempfile.TemporaryDirectory(prefix=f"{FAULTRUN_DIR_PREFIX}{os.getpid()}-",
+                                     ignore_cleanup_errors=True) as tmp:
         e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                  RTXNET_METRICS_DIR=tmp, **(env or {}))
         cmd = [sys.executable, "-m", "rtxnet.launcher", "--nproc", str(nproc), "--max-restarts", str(max_restarts),
@@ -368,9 +372,7 @@ def run_plan(plan: str, script_and_args: list[str], *, nproc: int = 4, min_ranks
         err_lines: list[str] = []
         # in the caller's folder: the script and its relative paths are the caller's
         # the launcher gets SIGTERM when this process dies, even by SIGKILL (it ran on with its
-        # ranks to the end: a tester's find), and stops its ranks and coordinator
-        from rtxnet.launcher import _die_with_parent
-
+        # ranks to the end: a tester's find), and stops its ranks and coordinator (_die_with_parent)
         proc = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, errors="replace", preexec_fn=_die_with_parent)
         pumps = [threading.Thread(target=_tee, args=(proc.stdout, None if quiet else sys.stdout, out_lines)),

@@ -833,8 +833,15 @@ def test_faultrun_sigkilled_takes_its_run_with_it(tmp_path):
         for child in run:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
-    # the launcher removed its coordinator's journal; faultrun's own folder stays (SIGKILL)
-    assert [name.startswith("rtxnet-faultrun-") for name in _left_behind(tmp)] == [True]
+    # the launcher removed its coordinator's journal; faultrun's own folder stays (SIGKILL)...
+    assert [name.startswith(f"rtxnet-faultrun-{proc.pid}-") for name in _left_behind(tmp)] == [True]
+    # ... until the next rtxnet-run in that temporary folder (here a rank that exits at once)
+    script = tmp_path / "quick.py"
+    script.write_text("pass\n")
+    done = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "1", str(script)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, env=procs.env(TMPDIR=str(tmp)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _left_behind(tmp) == []
 
 
 def test_a_replacement_that_arrives_after_the_job_finished_exits_0(tmp_path):
