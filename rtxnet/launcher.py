@@ -1271,7 +1271,10 @@ class Launcher:
             await asyncio.sleep(1.0)
             alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None]
             if not alive:
-                return
+                # none started yet (the fork server still importing: torch takes seconds) or all
+                # in their restart pause: look again (it returned for good here, and with
+                # --preload's default no frozen rank was ever killed: a fresh user's find)
+                continue
             st, pids = await self._fenced_pids()
             job = _job_entry(st, self.job) if st is not None else None
             if job is None or job.get("finished_training"):

@@ -1903,19 +1903,28 @@ FREEZES_IN_RENDEZVOUS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("script_text, what, done", [
-    (FREEZES, "declared lost by the coordinator", "done step=20 world=3"),
-    (FREEZES_IN_RENDEZVOUS, "dropped from the rendezvous", "formed world=3"),
-], ids=["mid-training", "in-rendezvous"])
-def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp_path, script_text, what, done):
+@pytest.mark.parametrize("script_text, what, done, slow_preload", [
+    (FREEZES, "declared lost by the coordinator", "done step=20 world=3", False),
+    (FREEZES_IN_RENDEZVOUS, "dropped from the rendezvous", "formed world=3", False),
+    (FREEZES, "declared lost by the coordinator", "done step=20 world=3", True),
+], ids=["mid-training", "in-rendezvous", "mid-training-slow-preload"])
+def test_a_rank_frozen_for_good_while_the_others_wait_is_killed_and_replaced(tmp_path, script_text, what,
+                                                                              done, slow_preload):
     # Before: the others waited out their 60 s rejoin window (300 s rendezvous timeout) and
     # failed, and the frozen rank was never restarted (it had not exited). Now it is killed
     # --lost-grace seconds after it was declared lost (or dropped from the rendezvous, a
-    # tester's find), restarted, and rejoins: the job ends with 3 ranks.
+    # tester's find), restarted, and rejoins: the job ends with 3 ranks. slow_preload: the
+    # fork server imports for 2 s before the first rank starts (as torch does); the watch of
+    # frozen ranks ended for good when it found none running 1 s after the start, and the
+    # frozen rank was never killed (a fresh user's find, with --preload's default).
     script, pidfile = tmp_path / "freezes.py", tmp_path / "frozen.pid"
     script.write_text(script_text)
+    preload = []
+    if slow_preload:
+        (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(2)\n")
+        preload = ["--preload", "slow_import"]
     try:
-        out = run(["--nproc", "3", "--max-restarts", "1", "--lost-grace", "3", str(script), str(pidfile)],
+        out = run(["--nproc", "3", "--max-restarts", "1", "--lost-grace", "3", *preload, str(script), str(pidfile)],
                   timeout=80)
     finally:
         _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
