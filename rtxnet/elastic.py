@@ -812,6 +812,7 @@ class FaultTolerance:
                 except BaseException:
                     if into is not None:   # (cancelled mid-copy: the old snapshot is torn)
                         self._holds_state = False
+                        self._snapshot = None   # (never loaded: a roll-back takes a peer's)
                     raise
                 self._reusable = (self._snapshot, self._snapshot.obj)
             self._holds_state = True
@@ -899,9 +900,17 @@ class FaultTolerance:
             self._event(dict(self._open_failure))
             log.warning("step_failed", step=step, error=type(exc).__name__, message=str(exc),
                         committed_step=self.committed_step)
-        # Roll back to the last committed state.
-        self._holds_state = await self._load_snapshot(self._snapshot, "its own last committed state",
-                                                      quiet=self.sharded_state)
+        # Roll back to the last committed state. In the world it was taken in, the state must
+        # load its own snapshot: an exception of its load_state_dict is the user's, and
+        # propagates (it was swallowed as a refusal: no rank held the state, training went on
+        # "at step 0" with the parameters not rolled back and exit code 0: a breaker's find). In
+        # another world, a layout refusal (FSDP's ConfigError; any, with sharded_state) is
+        # expected: the sync gets a peer's state or a checkpoint.
+        own_world = self._synced_at in (None, (self.pg.rank, self.pg.world_size))
+        self._holds_state = await self._load_snapshot(
+            self._snapshot, "its own last committed state", quiet=self.sharded_state,
+            propagate=lambda exc: own_world or not (self.sharded_state or isinstance(exc, ConfigError)),
+            step=step)
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
             # Nobody was lost (a timeout, a mismatch, a message lost on the way): some ranks may
@@ -1360,15 +1369,31 @@ class FaultTolerance:
         took seconds, and the coordinator declared every rank lost at its first step)."""
         return await asyncio.to_thread(lambda: pack_state(self.state.state_dict(), into=into))
 
-    async def _load_snapshot(self, blob: Any, what: str, quiet: bool = False) -> bool:
+    async def _load_snapshot(self, blob: Any, what: str, quiet: bool = False,
+                             propagate: Callable[[Exception], bool] | None = None,
+                             step: int | None = None) -> bool:
         """Load ``blob`` into the state (in a worker thread, as :meth:`_pack`); False (logged)
         when the state refuses it. ``quiet``: a refusal is expected (sharded state after the
         world changed: the sync reshards it) and logged at debug level only: a user read the
-        line as an error in a recovery that went well."""
+        line as an error in a recovery that went well.
+
+        Raises:
+            Exception: what the state's ``load_state_dict`` raised, where ``propagate(exc)``
+                says it is not a refusal (a note names the roll-back of ``step``)."""
         try:
-            await asyncio.to_thread(lambda: self.state.load_state_dict(unpack_state(blob)))
+            value = await asyncio.to_thread(unpack_state, blob)
+        except Exception as exc:   # noqa: BLE001 - none kept (torn), or not rtxnet's format
+            log.warning("state_unpack_failed", what=what, error=type(exc).__name__, detail=str(exc))
+            return False
+        try:
+            await asyncio.to_thread(self.state.load_state_dict, value)
             return True
         except Exception as exc:   # noqa: BLE001 - the user's loader: any refusal means "cannot"
+            if propagate is not None and propagate(exc):
+                exc.add_note(f"rtxnet: raised by the state's load_state_dict while FaultTolerance "
+                             f"rolled step {step} back to {what} (committed step "
+                             f"{self.committed_step}): a state must load its own state_dict()")
+                raise
             (log.debug if quiet else log.warning)(
                 "state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
                 world_size=self.pg.world_size, rank=self.pg.rank)

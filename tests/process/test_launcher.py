@@ -1230,6 +1230,46 @@ def test_a_rank_failing_for_good_while_the_others_restart_stops_the_job_at_once(
     assert took < 40, (took, out.stderr[-3000:])
 
 
+LOADER_RAISES = textwrap.dedent("""
+    import os
+    import numpy as np
+    import rtxnet
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_timeout_s=1.0, op_s=20, rendezvous_s=60))
+    me, skipped = os.environ["RANK"], False
+
+    class State:
+        value = np.zeros(4)
+        def state_dict(self):
+            return {"value": self.value.copy()}
+        def load_state_dict(self, s):
+            raise KeyError("a bug in the user's load_state_dict")
+
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state)
+    while ft.step < 6:
+        with ft.guard() as step:
+            if me == "1" and step == 3 and not skipped:
+                skipped = True
+                continue                     # the step fails on every rank: each rolls back
+            state.value += pg.all_reduce(np.ones(4))
+    print("finished", state.value.tolist(), flush=True)
+    pg.close()
+""")
+
+
+def test_a_load_state_dict_that_raises_in_a_roll_back_propagates(tmp_path):
+    # A breaker's find: the exception was taken for a refusal of the state; no rank held the
+    # committed state, training went on "at step 0" with the values not rolled back, exit 0.
+    script = tmp_path / "raises.py"
+    script.write_text(LOADER_RAISES)
+    out = run(["--nproc", "2", str(script)], timeout=80)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    assert "finished" not in out.stdout and "state_lost" not in out.stderr, out.stdout + out.stderr[-3000:]
+    assert "KeyError: \"a bug in the user's load_state_dict\"" in out.stderr, out.stderr[-3000:]
+    assert re.search(r"rtxnet: raised by the state's load_state_dict while FaultTolerance rolled step 3 "
+                     r"back to its own last committed state \(committed step 2\)", out.stderr), out.stderr[-3000:]
+
+
 def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
     # Before: RuntimeError("Event loop is closed") from every call, the second close() included.
     script = tmp_path / "closed.py"
