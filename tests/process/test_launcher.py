@@ -1270,6 +1270,20 @@ def test_a_load_state_dict_that_raises_in_a_roll_back_propagates(tmp_path):
                      r"back to its own last committed state \(committed step 2\)", out.stderr), out.stderr[-3000:]
 
 
+def test_ranks_that_end_without_close_do_not_fail_their_peers_last_collective(tmp_path):
+    # A rank that ends without close() is released at exit as a lost rank (no orderly leave).
+    # Its coordinator connection closed before the data it had queued for its peers left: a
+    # peer whose last all_reduce still waited for it got PeerLostError and the job exit code 1,
+    # in 3 to 5 of 12 runs (a breaker's find). Now the data plane is closed first.
+    script = tmp_path / "no_close.py"
+    script.write_text("import numpy as np, rtxnet\npg = rtxnet.init()\nx = np.ones(4, np.float32)\n"
+                      "pg.all_reduce(x, timeout=10)\nprint('sum', float(x.sum()), flush=True)\n")
+    for attempt in range(6):
+        out = run(["--nproc", "4", str(script)], timeout=60)
+        assert out.returncode == 0, (attempt, out.stderr[-3000:])
+        assert out.stdout.count("sum 16.0") == 4, (attempt, out.stdout)
+
+
 def test_a_closed_group_raises_closed_error_and_closes_twice_quietly(tmp_path):
     # Before: RuntimeError("Event loop is closed") from every call, the second close() included.
     script = tmp_path / "closed.py"
