@@ -900,16 +900,17 @@ class FaultTolerance:
             self._event(dict(self._open_failure))
             log.warning("step_failed", step=step, error=type(exc).__name__, message=str(exc),
                         committed_step=self.committed_step)
-        # Roll back to the last committed state. In the world it was taken in, the state must
-        # load its own snapshot: an exception of its load_state_dict is the user's, and
-        # propagates (it was swallowed as a refusal: no rank held the state, training went on
-        # "at step 0" with the parameters not rolled back and exit code 0: a breaker's find). In
-        # another world, a layout refusal (FSDP's ConfigError; any, with sharded_state) is
-        # expected: the sync gets a peer's state or a checkpoint.
-        own_world = self._synced_at in (None, (self.pg.rank, self.pg.world_size))
+        # Roll back to the last committed state. The state must load its own snapshot: an
+        # exception of its load_state_dict is the user's, and propagates (it was swallowed as a
+        # refusal: no rank held the state, training went on "at step 0" with the parameters not
+        # rolled back and exit code 0: a breaker's find). Refusals stay where they are expected,
+        # and the sync gets a peer's state or a checkpoint: rtxnet's own (FSDP's ConfigError: a
+        # layout of another world), and any with sharded_state unless the rank and world are
+        # those of the last sync (a state laid out per rank, refusing another layout).
+        own_world = self._synced_at == (self.pg.rank, self.pg.world_size)
         self._holds_state = await self._load_snapshot(
             self._snapshot, "its own last committed state", quiet=self.sharded_state,
-            propagate=lambda exc: own_world or not (self.sharded_state or isinstance(exc, ConfigError)),
+            propagate=lambda exc: not isinstance(exc, RtxError) and (own_world or not self.sharded_state),
             step=step)
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
