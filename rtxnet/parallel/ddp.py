@@ -60,7 +60,9 @@ checkpoint): nothing is broadcast (call :meth:`DistributedDataParallel.broadcast
 otherwise). New parameters unlike the old in name, order, shape, dtype or device, or a trainable
 one replaced by one that does not require gradients, are refused with ``ConfigError`` (build the
 wrapper again, or load with ``assign=False``, which copies into the existing parameters); a
-parameter frozen when the wrapper was built that requires gradients now is refused as before.
+parameter frozen when the wrapper was built that requires gradients now is refused as before, and
+so is a trainable parameter changed in place (``module.double()``, ``.half()``, ``.to(device)``,
+``requires_grad_(False)`` after wrapping), at the next ``forward``.
 
 **Several forwards before their backwards.** A backward synchronises the gradients of the
 synchronising forward before it. When a second forward ran before the first backward (micro-
@@ -107,8 +109,10 @@ from ._world import (
     broadcastable,
     check_same_layout,
     check_still_frozen,
+    check_unchanged,
     graph_task,
     group_size,
+    laid_out_as,
     skip_init_sync,
 )
 
@@ -218,7 +222,9 @@ class DistributedDataParallel(torch.nn.Module):
         PeerLostError, CollectiveTimeout: the initial broadcast failed.
 
     Later, ``forward`` raises ``ConfigError`` for a parameter frozen at construction that requires
-    gradients now, and for parameters replaced by ones of another name, order, shape, dtype or
+    gradients now, for a trainable one changed in place since (dtype, device, shape or
+    ``requires_grad=False``: ``module.double()`` after wrapping), and for parameters replaced by
+    ones of another name, order, shape, dtype or
     device, or a trainable one by one with ``requires_grad=False`` (parameters replaced by
     like ones are hooked again: see "Replaced parameters" in the module notes); a backward
     raises it as the module notes say (a second forward or backward, reentrant checkpointing,
@@ -335,6 +341,7 @@ class DistributedDataParallel(torch.nn.Module):
         if frozen is None:
             frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad]
         self._names = {id(p): n for n, p in named}
+        self._trainable, self._laid_out = list(named), laid_out_as(named)
         self._frozen = frozen
         trainable = {id(p) for _, p in named}
         self._registered = [(n, p, id(p) in trainable, tuple(p.shape), p.dtype, p.device)
@@ -435,6 +442,7 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._follow_parameters()
         check_still_frozen(self._frozen, "DistributedDataParallel")
+        check_unchanged(self._trainable, self._laid_out, "DistributedDataParallel")
         if self._round_open:
             # The previous backward never finished (an error, or no backward at all after hooks
             # fired): start this step clean.

@@ -115,6 +115,7 @@ from ._world import (
     broadcastable,
     check_same_layout,
     check_still_frozen,
+    check_unchanged,
     graph_task,
     group_size,
     layout_digest,
@@ -401,6 +402,8 @@ class FullyShardedDataParallel(torch.nn.Module):
             self.register_parameter(g.name, g.shard)
 
         self._frozen = list(module.named_parameters())   # the trainable ones were taken out
+        # each flat shard's dtype and device (its shape changes with the world: resharding)
+        self._shard_kinds = {g.name: (g.shard.dtype, g.shard.device) for g in self._groups}
         self._built: tuple[int, dict[str, torch.Tensor]] | None = (self.world_size, built)
         self._hold_built = False
         for g in self._groups:
@@ -476,11 +479,17 @@ class FullyShardedDataParallel(torch.nn.Module):
 
         Raises:
             ConfigError: the group's world size or this rank's rank differs from the layout (see
-                "World size changes" in the module notes: reload a state dict).
+                "World size changes" in the module notes: reload a state dict); a flat shard
+                changed in place since the wrapper was built (``double()``, ``.to()``,
+                ``requires_grad_(False)``: make the change before wrapping); a parameter frozen
+                then requires gradients now.
             PeerLostError, CollectiveTimeout: an all-gather failed; the module resets at the next
                 forward.
         """
         check_still_frozen(self._frozen, "FullyShardedDataParallel")
+        check_unchanged([(g.name, g.shard) for g in self._groups],
+                        [(*self._shard_kinds[g.name], g.shard.shape) for g in self._groups],
+                        "FullyShardedDataParallel")
         if self._built is not None and not self._hold_built:
             self._built = None          # (a full model's memory: see built_sharded_state_dicts)
         if self._backward_open:

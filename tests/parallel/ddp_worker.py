@@ -449,6 +449,18 @@ def reentrant_checkpoint(pg) -> dict:
         out["unfrozen"] = None
     except rtxnet.ConfigError as exc:
         out["unfrozen"] = str(exc)
+    # trainable parameters changed in place after wrapping (a breaker's finds: one rank's frozen
+    # weight halved the others' gradient, silently; double() left replicas of two dtypes)
+    for how in ("double", "frozen"):
+        net = Net2(False)
+        m = DistributedDataParallel(net, pg)
+        m(x[:4]).sum().backward()
+        net.double() if how == "double" else net.b.weight.requires_grad_(False)
+        try:
+            m(x[:4].double() if how == "double" else x[:4])
+            out[f"changed_{how}"] = None
+        except rtxnet.ConfigError as exc:
+            out[f"changed_{how}"] = str(exc)
     return out
 
 

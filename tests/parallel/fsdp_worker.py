@@ -434,6 +434,17 @@ def errors(pg):
         res["err_shape"] = None
     except rtxnet.ConfigError as exc:
         res["err_shape"] = str(exc)
+    # double() after wrapping (a breaker's find: "all_gather output is float32[50], needs
+    # float64", naming no parameter): refused at the next forward, naming the flat shard
+    doubled = FullyShardedDataParallel(make_net(5), pg, init_sync=False)
+    doubled.double()
+    try:
+        doubled(torch.zeros(2, D_IN, dtype=torch.float64))
+        res["err_double"] = None
+    except rtxnet.ConfigError as exc:
+        res["err_double"] = str(exc)
+    except Exception as exc:   # noqa: BLE001 - recorded for the test's message
+        res["err_double"] = f"{type(exc).__name__}: {exc}"
     return res
 
 

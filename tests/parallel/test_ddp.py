@@ -130,6 +130,14 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_naming_it(basic):
                "when the wrapper was built" in (r["unfrozen"] or ""), r
 
 
+def test_parameters_changed_in_place_after_wrapping_are_refused_naming_them(basic):
+    for r in basic:
+        assert ("DistributedDataParallel: trainable parameter(s) changed after the wrapper was built: "
+                "'a.weight' is torch.float64, was torch.float32") in (r["changed_double"] or ""), r
+        assert ("DistributedDataParallel: trainable parameter(s) changed after the wrapper was built: "
+                "'b.weight' has requires_grad=False (module.double()") in (r["changed_frozen"] or ""), r
+
+
 def test_a_world_change_after_micro_batches_or_between_two_forwards_fails_their_sync(tmp_path):
     res = launch(tmp_path, "stale", "--min-ranks", "2")
     assert sorted(r["rank"] for r in res) == [0, 1]   # ranks 2 and 3 left on purpose
