@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import contextvars
 import os
 import sys
 import weakref
@@ -260,6 +261,8 @@ class ProcessGroup:
                 heartbeats and reads).
             ConfigError: it still runs (in another thread).
         """
+        if _VIA_BLOCKING.get():
+            return   # the blocking facade runs it on the group's own loop, whatever loop calls
         made_in = _OPEN_ASYNC.get(self)
         try:
             running = asyncio.get_running_loop()
@@ -593,6 +596,9 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
 # every group this process joined (connect, init) and has not closed, with the loop it runs on;
 # and the joins under way (loop, job, coordinator address)
 _OPEN_ASYNC: weakref.WeakKeyDictionary[ProcessGroup, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
+# set while the blocking facade looks a collective up (BlockingProcessGroup.__getattr__): it runs
+# on the group's loop, so the caller's own running loop, if any, is not the group's concern
+_VIA_BLOCKING: contextvars.ContextVar[bool] = contextvars.ContextVar("rtxnet_via_blocking", default=False)
 _JOINING: list[tuple[asyncio.AbstractEventLoop, str, str]] = []
 
 
@@ -820,7 +826,15 @@ class BlockingProcessGroup:
     async_pg = property(lambda self: self._pg, doc="The underlying async ProcessGroup.")
 
     def __getattr__(self, name: str) -> Any:
-        target = getattr(self._pg, name)
+        # (called inside a running event loop of the caller's, e.g. in asyncio.run: the call
+        # blocks that loop as any blocking call does, and runs on the group's loop; it raised
+        # "made in another event loop (another thread's)", on the caller's own thread: a
+        # breaker's find)
+        via = _VIA_BLOCKING.set(True)
+        try:
+            target = getattr(self._pg, name)
+        finally:
+            _VIA_BLOCKING.reset(via)
         if not callable(target):
             return target
         return _blocking(self._portal, target)
