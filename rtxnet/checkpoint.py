@@ -557,13 +557,21 @@ def release(root: str | os.PathLike) -> None:
         os.close(held[0])
 
 
-def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | None) -> None:
+def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | None,
+           bad: ConfigError | None = None) -> None:
     """Phase 1: every rank saves the same step into the same root, held by this run, or none
     writes anything (a shard in another step's or another root's folder would leave no loadable
-    set)."""
-    got = np.zeros(2 * world, np.int64)
-    pg.all_gather(got, np.array([step, _root_key(root_abs)], np.int64), **_kw(timeout_s))
-    steps, keys = got[0::2], got[1::2]
+    set). ``bad``: this rank's arguments were refused (raised here, after the others were told:
+    they raise ``ConfigError`` naming this rank)."""
+    got = np.zeros(3 * world, np.int64)
+    pg.all_gather(got, np.array([step, _root_key(root_abs), bad is None], np.int64), **_kw(timeout_s))
+    steps, keys, oks = got[0::3], got[1::3], got[2::3]
+    refused = [k for k, v in enumerate(oks.tolist()) if not v]
+    if bad is not None:
+        raise bad
+    if refused:
+        raise ConfigError(f"checkpoint.save: rank(s) {refused} refused their step, keep or metadata "
+                          f"argument (their error names it); nothing was written")
     if len(set(steps.tolist())) > 1:
         by_rank = {k: int(v) for k, v in enumerate(steps)}
         raise CollectiveMismatchError(
@@ -639,7 +647,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             strings, bools, None (e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": s,
             "sampler": sampler.state_dict(), "rng": capture_rng()}``).
         pg: the :class:`rtxnet.BlockingProcessGroup`; ``None`` for a single process.
-        keep: after a successful save, rank 0 deletes all but the newest ``keep`` step folders
+        keep: (rank 0's is used) after a successful save, rank 0 deletes all but the newest ``keep`` step folders
             up to ``step``, the one just saved always among them; a step :func:`latest` found
             corrupt in this process is not counted among them (it is deleted once older than the
             oldest kept). Steps after ``step`` are the abandoned future of a run that went back
@@ -651,7 +659,8 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             saves left (temporary files, a step folder that never got its manifest, shards a
             manifest of an earlier step does not list) is removed.
         metadata: a dict of JSON values stored in the manifest (e.g. the loss; floats finite,
-            keys strings, lists not tuples: it is given back as saved).
+            keys strings, lists not tuples: it is given back as saved); rank 0's is stored (the
+            others' may differ, a time stamp say, and are only checked).
         timeout_s: deadline of each collective, in seconds; ``None`` uses the group's.
 
     Returns:
@@ -666,7 +675,8 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             every rank, ``exc.ranks`` names the failed ranks. Nothing was committed: the step is
             what it was before (a committed step stays committed, with its old shards).
         ConfigError: bad ``step`` (not an integer in 0..2**63-1), ``keep`` or ``metadata`` (not a
-            dict of strict JSON: a float that is not finite, bytes, other objects).
+            dict of strict JSON: a float that is not finite, bytes, other objects); with ``pg``,
+            after the first collective, and the other ranks raise it too, naming this rank.
         KeyboardInterrupt: a Ctrl-C during the save (on the main thread, under Python's own
             SIGINT handler) is raised once the save has ended on every rank, committed or not
             (the message says which; a failure is its cause). A second Ctrl-C is raised at
@@ -682,16 +692,26 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             not, unless this is rank 0 and it had written the manifest).
         CollectiveTimeout: a collective of the save timed out.
     """
-    step = _check_step(step)
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ConfigError(f"keep({keep!r}) must be None or an integer >= 1")
-    _check_metadata(metadata)
+    bad = None
+    try:
+        step = _check_step(step)
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"keep({keep!r}) must be None or an integer >= 1")
+        _check_metadata(metadata)
+    except ConfigError as exc:
+        if pg is None:
+            raise
+        # raised after the first collective, which tells the others (they waited for this
+        # rank's collectives until their deadline, then met its next one: a mismatch naming
+        # neither save nor the value, a breaker's find)
+        bad, step = exc, -1
     world_group, rank, world, epoch = _save_world(pg)
     pin = pg.pinned(world_group) if world_group is not None else contextlib.nullcontext()
     deferred: list[float] = []
     try:
         with pin, _ctrl_c_deferred(step, deferred):
-            folder = _save(Path(root), step, state, pg, rank, world, epoch, keep, metadata, timeout_s)
+            folder = _save(Path(root), step, state, pg, rank, world, epoch, keep, metadata, timeout_s,
+                           bad)
     except Exception as exc:
         if deferred:
             raise KeyboardInterrupt(f"Ctrl-C during checkpoint.save of step {step}, which then failed "
@@ -765,16 +785,16 @@ def _check_metadata(metadata: Any) -> None:
 
 def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, world: int,
           epoch: int | None, keep: int | None, metadata: dict[str, Any] | None,
-          timeout_s: float | None) -> Path:
-    folder = step_dir(root, step)
+          timeout_s: float | None, bad: ConfigError | None = None) -> Path:
     t0 = time.perf_counter()
     if pg is not None:   # Phase 1: the same step and root on every rank, held by this run
         try:
-            _agree(pg, step, str(root.resolve()), world, timeout_s)
+            _agree(pg, step, str(root.resolve()), world, timeout_s, bad)
         except (PeerLostError, ClosedError) as exc:
             raise _group_broke(exc, step, "nothing was written") from exc
     elif (holder := _claim_root(root, pg)) is not None:
         raise _in_use(step, str(root.resolve()), holder, [0])
+    folder = step_dir(root, step)
 
     # Phase 2: this rank's shard, under a name no committed manifest lists.
     err: BaseException | None = None

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,18 @@ def main() -> int:
         res["tp_other_world"] = str(exc)
     res["tp_named_shard"] = checkpoint.load(root / "w1", rank=0)["_checkpoint"]["shard_rank"]
     del tp
+
+    # 11. one rank's bad argument, caught by the script: the other rank is told at once (it
+    # waited out its deadline, 30 s here, then met rank 1's next collective: a breaker's find)
+    t0 = time.monotonic()
+    try:
+        checkpoint.save(root, 50, state(50), pg=pg, keep=-1 if r == 1 else None)
+        res["bad_keep"] = "no error"
+    except rtxnet.ConfigError as exc:
+        res["bad_keep"] = str(exc)
+    res["bad_keep_s"] = time.monotonic() - t0
+    pg.barrier()   # in step after it: the next collective matches on both ranks
+    res["after_bad_keep"] = sorted(p.name for p in root.iterdir())
     (out / f"ckpt-rank{r}.json").write_text(json.dumps(res))
     leave_together(pg, "ckpt", r)
     return 0

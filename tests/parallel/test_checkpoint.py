@@ -79,6 +79,16 @@ def test_a_state_no_load_could_read_is_refused_at_save_time_naming_the_key(two_r
     assert not (root / "step-5" / "manifest.json").exists()
 
 
+def test_one_ranks_bad_argument_is_told_to_the_others_at_once(two_ranks):
+    _, res = two_ranks
+    by_rank = {r["rank"]: r for r in res}
+    assert by_rank[1]["bad_keep"] == "keep(-1) must be None or an integer >= 1", by_rank[1]
+    assert by_rank[0]["bad_keep"] == ("checkpoint.save: rank(s) [1] refused their step, keep or metadata "
+                                      "argument (their error names it); nothing was written"), by_rank[0]
+    for r in res:   # before: rank 0 waited out its 30 s deadline
+        assert r["bad_keep_s"] < 20 and "step-50" not in r["after_bad_keep"], r
+
+
 def test_ranks_saving_different_steps_are_refused_before_anything_is_written(two_ranks):
     root, res = two_ranks
     for r in res:
