@@ -116,11 +116,41 @@ def _parts(name: str, other: str, arg, n: int, N: int, dtype, *, readonly: bool)
         for k, b in enumerate(parts):
             if b.dtype != dtype or b.size != N:
                 raise ValueError(f"{name}[{k}] is {b.dtype}[{b.size}], {other} is {dtype}[{N}]")
+        if not readonly:
+            _refuse_overlapping(name, [b.array for b in parts])
         return parts, [b.flat for b in parts]
     buf = Buffer(arg, readonly=readonly)
     if buf.dtype != dtype or buf.size != n * N:
         raise ValueError(f"{name} is {buf.dtype}[{buf.size}], needs {dtype}[{n} * {N}]")
     return [buf], [buf.flat[k * N:(k + 1) * N] for k in range(n)]
+
+
+try:   # NumPy 2 (1.x: np.byte_bounds)
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:   # pragma: no cover - NumPy 1.x
+    _byte_bounds = np.byte_bounds
+
+
+def _refuse_overlapping(name: str, arrays: list[np.ndarray]) -> None:
+    """Raise ``ValueError`` when two of ``arrays`` (the entries of an output list) share memory:
+    each entry receives another rank's part, so the one written last would win and the result
+    be undefined (``[buf[2:6], buf[4:8]]`` gave garbage, without a word: a breaker's find).
+    Entries sorted by their first byte; only those whose byte ranges overlap are compared
+    exactly (``np.shares_memory``), so interleaved views (``buf[0::2]``, ``buf[1::2]``) pass.
+
+    Raises:
+        ValueError: names the two entries."""
+    spans = sorted((_byte_bounds(a) + (k,) for k, a in enumerate(arrays) if a.size), key=lambda x: x[0])
+    active: list[tuple[int, int, int]] = []
+    for lo, hi, k in spans:
+        active = [x for x in active if x[1] > lo]
+        for _, _, j in active:
+            if np.shares_memory(arrays[j], arrays[k], max_work=10**6):
+                a, b = sorted((j, k))
+                raise ValueError(f"{name}[{a}] and {name}[{b}] share memory: each entry receives "
+                                 f"another rank's part, so they must not overlap; pass entries of "
+                                 f"their own (torch.split/np.split of one buffer are fine)")
+        active.append((lo, hi, k))
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

@@ -182,6 +182,11 @@ def test_mismatch_on_every_rank(what, field):
         assert res[0][2].endswith("ranks disagree on numel: {0: 8, 1: 9, 2: 8} (shapes {0: [8], 1: [9], 2: [8]})"), res[0][2]
 
 
+def _overlapping() -> list[np.ndarray]:
+    buf = np.zeros(8)
+    return [buf[2:6], buf[4:8]]
+
+
 async def early_value_errors(engine):
     g = engine.world
     errors = []
@@ -200,6 +205,8 @@ async def early_value_errors(engine):
         lambda: g.all_reduce(np.ones(3), timeout=-1),
         # a writable output whose elements share memory (torch's expand): refused, not written
         lambda: g.all_reduce(np.lib.stride_tricks.as_strided(np.zeros(1), shape=(3,), strides=(0,))),
+        # output entries that overlap each other (a breaker's find: garbage, without a word)
+        lambda: g.all_gather(_overlapping(), np.ones(4)),
         lambda: g.send(np.ones(3), g.rank),
     ):
         try:
@@ -219,8 +226,9 @@ def test_value_errors_before_anything_is_sent():
     for errors, x0, seq in res:
         assert all(e is not None for e in errors), errors
         assert "bool" in errors[0] and "PROD" in errors[0]
-        assert "strides (0,) has elements that share memory" in errors[-2], errors[-2]
-        assert x0 == 2.0 and seq == 14   # 13 refused collectives and the all_reduce
+        assert "strides (0,) has elements that share memory" in errors[-3], errors[-3]
+        assert errors[-2].startswith("all_gather output[0] and all_gather output[1] share memory"), errors[-2]
+        assert x0 == 2.0 and seq == 15   # 14 refused collectives and the all_reduce
 
 
 async def slow_rank(engine, algo):
