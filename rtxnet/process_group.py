@@ -951,6 +951,7 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
 
 
 AT_EXIT_RELEASE_S = 5.0
+AT_EXIT_DATA_HEAD_S = 0.1   # see _release_at_exit
 
 
 def _release_at_exit(portal: Portal, pg: ProcessGroup) -> None:
@@ -964,12 +965,19 @@ def _release_at_exit(portal: Portal, pg: ProcessGroup) -> None:
 
     async def release() -> None:
         # The data plane first: what this rank sent its peers leaves (the engine lingers up to
-        # CLOSE_LINGER_S) before the coordinator, seeing the connection close, declares it lost.
-        # The other order failed the peers' last collective, which this rank had completed on
-        # its side, in 3 to 5 runs of 12 of a script that ends without close() (a breaker's find).
-        if pg._engine is not None:
-            await pg._engine.aclose()
-        await pg._agent.aclose(leave=False)
+        # CLOSE_LINGER_S), and they get AT_EXIT_DATA_HEAD_S to take it in, before the
+        # coordinator, seeing the connection close, declares this rank lost: a peer whose last
+        # collective, completed on this rank's side, still waited for its data failed with
+        # PeerLostError (in 3 to 5 runs of 12 of a 4-rank script that ends without close(), a
+        # breaker's find; 3 of 16 with the flush alone). A head start, not a guarantee: the
+        # loss and the data reach a peer on two connections (close() leaves in order instead,
+        # and the peers wait for what is in flight).
+        try:
+            if pg._engine is not None:
+                await pg._engine.aclose()
+                await asyncio.sleep(AT_EXIT_DATA_HEAD_S)
+        finally:
+            await pg._agent.aclose(leave=False)
 
     try:
         portal.submit(release).result(timeout=AT_EXIT_RELEASE_S)

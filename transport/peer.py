@@ -287,4 +287,13 @@ class PeerMesh:
             self._stop_auth()
             ctx.term()
 
-        await asyncio.to_thread(finish)
+        try:
+            done = asyncio.get_running_loop().run_in_executor(None, finish)
+        except RuntimeError:
+            # at interpreter exit (a group released by its atexit handler) the default executor
+            # takes no new work ("cannot schedule new futures after interpreter shutdown"): wait
+            # here, on the loop's thread, which nothing else needs any more. Before, the close
+            # raised, the sockets were left to the process's end and the queued messages lost.
+            finish()
+            return
+        await done
