@@ -42,7 +42,10 @@ from rtxnet.config import output_file, positive_seconds
 ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 20.0   # the launcher gives its ranks 10 s (its --grace) after SIGTERM, then kills them
 LAUNCHER_USAGE_ERROR = 2   # rtxnet-run's exit code for arguments it refused before starting anything
-NOT_INJECTED = 4   # the launcher exited 0, but a fault of the plan never fired
+NOT_INJECTED = 4   # the launcher exited 0, but a fault of the plan never fired (or none was felt)
+# kinds of fault that some rank must see as a failure once fired (a pause, a partition or a delay
+# shorter than the timeouts, a coordinator killed and restarted, may rightly go unseen)
+FELT_KINDS = ("kill", "drop-heartbeats")
 
 
 class Terminated(Exception):
@@ -213,7 +216,7 @@ def fault_status(plan: str, output: str, world_size: int | None = None) -> list[
                     else f"launch rank {rank}" + (" (picked by the seed: rank=any)" if f.rank == -1 else ""))
                 reason = (f"no rank said why; {who} it was meant for did not exit normally (a "
                           f"process killed, by a fault or from outside, says nothing at exit)")
-        out.append({"fault": f.text, "index": f.index, "label": label(f, faults),
+        out.append({"fault": f.text, "kind": f.kind, "index": f.index, "label": label(f, faults),
                     "injected": rec["injected"], "ranks": sorted(rec["ranks"]), "reason": reason,
                     "known": rec["injected"] or known})
     return out
@@ -536,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     if level in ("error", "critical"):
         print(f"  (RTXNET_LOG_LEVEL={level} hides the ranks' fault_injected warnings: a fault that "
               f"fired reads as 'no rank said why' below)")
-    for line in report(res["summary"]):
+    lines = report(res["summary"])
+    for line in lines:
         print(f"  {line}")
     lost = sum(x["steps_lost"] for x in res["summary"]["state_lost"])
     # only faults known not to have fired: with RTXNET_LOG_LEVEL above warning the ranks'
@@ -552,6 +556,16 @@ def main(argv: list[str] | None = None) -> int:
         # the script's last step printed "was not injected" and exit code 0)
         rc, why = NOT_INJECTED, (f"{len(missed)} fault(s) of the plan were not injected (why: "
                                  f"above), though the launcher exited 0: the run did not test them")
+    elif rc == 0 and "no failure was observed by the ranks" in lines and (unfelt := [
+            f["label"] for f in res["summary"].get("faults", [])
+            if f["injected"] and f.get("kind") in FELT_KINDS]):
+        # a fault that fired but that no rank felt tested nothing either (a fresh user's find:
+        # drop-heartbeats that fired at step 224 of 300, the run over before the heartbeat
+        # timeout, passed with "no failure was observed")
+        rc, why = NOT_INJECTED, (f"{', '.join(unfelt)} fired but no rank saw a failure, though the "
+                                 f"launcher exited 0: the run did not test recovery (drop-heartbeats "
+                                 f"takes effect after the heartbeat timeout: the script may have "
+                                 f"ended first)")
     print(f"exit code {rc}: {why}")
     return rc
 

@@ -539,6 +539,20 @@ def test_faultrun_fails_a_run_whose_planned_fault_never_fired(tmp_path):
         in proc.stdout, proc.stdout[-2000:]
 
 
+def test_faultrun_fails_a_run_whose_fault_fired_but_no_rank_felt(tmp_path):
+    # a fresh user's find: drop-heartbeats that fired near the end, the run over before the
+    # heartbeat timeout, passed with "no failure was observed by the ranks" and exit code 0
+    proc = _faultrun("--plan", "drop-heartbeats:rank=1:step=4:seconds=30", "--nproc", "2", "--",
+                     "tools/ft_workload.py", "--steps", "5", "--step-sleep", "0", "--out", str(tmp_path / "out"),
+                     env=procs.env(**FAST), timeout=60)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no failure was observed by the ranks" in proc.stdout, proc.stdout[-2000:]
+    assert proc.stdout.rstrip().endswith(
+        "exit code 4: 'drop-heartbeats:rank=1:step=4:seconds=30' fired but no rank saw a failure, though "
+        "the launcher exited 0: the run did not test recovery (drop-heartbeats takes effect after the "
+        "heartbeat timeout: the script may have ended first)"), proc.stdout[-2000:]
+
+
 def test_faultrun_names_each_fault_and_why_it_was_not_injected():
     plan = ("kill:rank=1:step=5; kill:rank=0:at=collective:collective=99; kill-coordinator:step=3; "
             "delay:rank=2:ms=5; kill:rank=1:step=20")
