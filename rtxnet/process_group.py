@@ -577,6 +577,11 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
     from .collectives import WorldView
 
     def on_epoch(m: Membership | None, reason: str) -> None:
+        if engine._closed is not None:
+            # closed before the agent (a group released at exit: _release_at_exit): a view
+            # pushed meanwhile has nobody to serve (it was logged as push_handler_failed with a
+            # ClosedError traceback, a re-verifier's find)
+            return
         if m is None:
             engine.fence("the coordinator declared it lost; rejoin")
             return
