@@ -35,6 +35,7 @@ from transport.errors import (
     RendezvousTimeout,
     RtxError,
     RtxTimeoutError,
+    StateLayoutError,
     TransportError,
 )
 
@@ -118,6 +119,7 @@ __all__ = [
     "ProcessGroup",
     "ProtocolError",
     "ReduceOp",
+    "StateLayoutError",
     "RendezvousError",
     "RendezvousTimeout",
     "RtxError",

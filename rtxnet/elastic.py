@@ -63,6 +63,7 @@ from transport.errors import (
     RendezvousError,
     RtxError,
     RtxTimeoutError,
+    StateLayoutError,
 )
 
 from . import faults as _faults
@@ -903,14 +904,17 @@ class FaultTolerance:
         # Roll back to the last committed state. The state must load its own snapshot: an
         # exception of its load_state_dict is the user's, and propagates (it was swallowed as a
         # refusal: no rank held the state, training went on "at step 0" with the parameters not
-        # rolled back and exit code 0: a breaker's find). Refusals stay where they are expected,
-        # and the sync gets a peer's state or a checkpoint: rtxnet's own (FSDP's ConfigError: a
-        # layout of another world), and any with sharded_state unless the rank and world are
-        # those of the last sync (a state laid out per rank, refusing another layout).
+        # rolled back and exit code 0: a breaker's find; then still for any RtxError, such as a
+        # CheckpointError of the user's own loading: a re-verifier's). Refusals stay where they
+        # are expected, and the sync gets a peer's state or a checkpoint: StateLayoutError
+        # (FSDP's shards of another world or layout), and, with sharded_state outside the last
+        # sync's rank and world, any other (a state of one's own laid out per rank), logged as
+        # a warning: a bug of the loader that the ring copies then mend is not silent either.
         own_world = self._synced_at == (self.pg.rank, self.pg.world_size)
         self._holds_state = await self._load_snapshot(
-            self._snapshot, "its own last committed state", quiet=self.sharded_state,
-            propagate=lambda exc: not isinstance(exc, RtxError) and (own_world or not self.sharded_state),
+            self._snapshot, "its own last committed state",
+            quiet=lambda exc: self.sharded_state and isinstance(exc, StateLayoutError),
+            propagate=lambda exc: not isinstance(exc, StateLayoutError) and (own_world or not self.sharded_state),
             step=step)
         self.step = self.committed_step + 1
         if self.pg.epoch == self._synced_epoch and not self.pg.agent.fenced:
@@ -1370,13 +1374,13 @@ class FaultTolerance:
         took seconds, and the coordinator declared every rank lost at its first step)."""
         return await asyncio.to_thread(lambda: pack_state(self.state.state_dict(), into=into))
 
-    async def _load_snapshot(self, blob: Any, what: str, quiet: bool = False,
+    async def _load_snapshot(self, blob: Any, what: str, quiet: bool | Callable[[Exception], bool] = False,
                              propagate: Callable[[Exception], bool] | None = None,
                              step: int | None = None) -> bool:
         """Load ``blob`` into the state (in a worker thread, as :meth:`_pack`); False (logged)
-        when the state refuses it. ``quiet``: a refusal is expected (sharded state after the
-        world changed: the sync reshards it) and logged at debug level only: a user read the
-        line as an error in a recovery that went well.
+        when the state refuses it. ``quiet`` (or ``quiet(exc)``): a refusal is expected (sharded
+        state after the world changed: the sync reshards it) and logged at debug level only: a
+        user read the line as an error in a recovery that went well.
 
         Raises:
             Exception: what the state's ``load_state_dict`` raised, where ``propagate(exc)``
@@ -1395,7 +1399,7 @@ class FaultTolerance:
                              f"rolled step {step} back to {what} (committed step "
                              f"{self.committed_step}): a state must load its own state_dict()")
                 raise
-            (log.debug if quiet else log.warning)(
+            (log.debug if (quiet(exc) if callable(quiet) else quiet) else log.warning)(
                 "state_load_refused", what=what, error=type(exc).__name__, detail=str(exc),
                 world_size=self.pg.world_size, rank=self.pg.rank)
             return False

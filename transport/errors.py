@@ -68,6 +68,14 @@ class ConfigError(RtxError, ValueError):
     """A configuration value is invalid or values contradict each other."""
 
 
+class StateLayoutError(ConfigError):
+    """A state laid out for another world (rank, world size) or another layout, refused by a
+    sharded module's ``load_state_dict`` (FSDP's shards of another world). ``FaultTolerance``
+    takes it as a refusal to be mended (a peer's state, the ring copies, a checkpoint); any other
+    exception of a state's loader, in a roll-back to its own state, is the user's and propagates.
+    A sharded state of one's own raises it for the same case."""
+
+
 class ProtocolError(RtxError):
     """A message is malformed, oversize, of an unknown type or of another protocol version."""
 

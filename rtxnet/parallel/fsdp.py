@@ -108,7 +108,7 @@ import torch
 
 from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
-from transport.errors import CollectiveMismatchError, ConfigError, PeerLostError
+from transport.errors import CollectiveMismatchError, ConfigError, PeerLostError, StateLayoutError
 
 from ._world import (
     StepWorld,
@@ -972,21 +972,22 @@ class FullyShardedDataParallel(torch.nn.Module):
         collective).
 
         Raises:
-            ConfigError: not such a dict, or saved at another world size, rank or layout (names
-                both); to change the world size use :meth:`load_sharded_state_dicts`.
+            ConfigError: not such a dict. StateLayoutError (a ConfigError): saved at another
+                world size, rank or layout (names both); to change the world size use
+                :meth:`load_sharded_state_dicts`.
         """
         if not isinstance(state, dict) or state.get("format") != FSDP_STATE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ConfigError(f"load_sharded_state_dict: format {got!r}, expected {FSDP_STATE_FORMAT!r}")
         rank, world = _rank_world(self._pg)
         if (state["world_size"], state["rank"]) != (world, rank) or (world, rank) != (self.world_size, self.rank):
-            raise ConfigError(
+            raise StateLayoutError(
                 f"load_sharded_state_dict: saved at world_size({state['world_size']}) "
                 f"rank({state['rank']}), the group has world_size({world}) rank({rank}); to change "
                 "the world size load every saved rank's shards (load_sharded_state_dicts, "
                 "rtxnet.checkpoint.load_all) or a full state dict (load_full_state_dict)")
         if state["layout"] != self._layout():
-            raise ConfigError(f"load_sharded_state_dict: {_layout_diff(state['layout'], self._layout())}")
+            raise StateLayoutError(f"load_sharded_state_dict: {_layout_diff(state['layout'], self._layout())}")
         if self._live or self._pending or self._backward_open:
             self.reset()
         with torch.no_grad():
