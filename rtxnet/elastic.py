@@ -764,11 +764,16 @@ class FaultTolerance:
         pending = None
         if self.sharded_state:
             # before the vote: if the step commits, the predecessor's state of it is here already
+            self._skip_told = ""
             try:
                 self.pg._pinned_world = self.pg.engine.world if self.pg.engine is not None else None
-                pending = await self._ring_exchange(m.rank, m.world_size, self._hosts(m.world_size, m))
+                # (watched for skipped collectives as the vote is: a rank that left the step early
+                # waits here for a predecessor still in a collective it never called; the others
+                # waited out their 60 s collective timeout, a re-verifier's find)
+                pending = await self._skip_watched(
+                    self._ring_exchange(m.rank, m.world_size, self._hosts(m.world_size, m)), step, epoch)
             except RECOVERABLE as exc:
-                await self._recover(exc, step)
+                await self._recover(CollectiveMismatchError(self._skip_told) if self._skip_told else exc, step)
                 return
             finally:
                 self.pg._pinned_world = None
@@ -839,9 +844,15 @@ class FaultTolerance:
         answered a heartbeat sent after its first message came, with the job's committed step
         below ``step``: a peer that went on had been told ``step`` committed before it sent that
         message, and the coordinator decides a step before it answers what it reads later."""
-        vote = asyncio.ensure_future(self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s))
-        engine = self.pg.engine
         self._skip_told = ""
+        return await self._skip_watched(
+            self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s), step, epoch)
+
+    async def _skip_watched(self, what: Any, step: int, epoch: int) -> Any:
+        """Await ``what`` (the vote, or ``sharded_state``'s ring exchange before it), watching
+        for a collective of ``step`` this rank skipped (see :meth:`_vote`); its result."""
+        vote = asyncio.ensure_future(what)
+        engine = self.pg.engine
         try:
             while engine is not None and not self._skip_told:
                 done, _ = await asyncio.wait({vote}, timeout=SKIP_POLL_S)

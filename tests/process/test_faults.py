@@ -132,6 +132,49 @@ pg.close()
 """
 
 
+SKIPS_SHARDED = """
+import json
+import numpy as np
+import rtxnet
+class State:                       # a state per rank (sharded_state): each keeps its own
+    v = 0
+    def state_dict(self): return {"v": self.v}
+    def load_state_dict(self, d): self.v = d["v"]
+    def load_state_dicts(self, ds): self.v = ds[pg.rank]["v"]
+pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, op_s=30.0,
+                                           rendezvous_s=60))
+state, skipped = State(), False
+ft = rtxnet.FaultTolerance(pg, state, sharded_state=True)
+while ft.step < 5:
+    with ft.guard() as step:
+        if step == 3 and pg.rank == 1 and not skipped:
+            skipped = True
+            continue                 # leaves the step without its all_reduce
+        x = np.ones(4)
+        pg.all_reduce(x)
+        state.v += int(x[0])
+ft.finish()
+print(json.dumps({"v": state.v}), flush=True)
+pg.close()
+"""
+
+
+def test_a_skipped_collective_with_sharded_state_fails_the_step_at_once(tmp_path):
+    # A re-verifier's find: with sharded_state the rank that left the step early waited in the
+    # ring exchange before the vote, where skipped collectives were not watched for: the others
+    # waited out their collective timeout (60 s; 30 here).
+    script = tmp_path / "skips_sharded.py"
+    script.write_text(SKIPS_SHARDED)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=90, cwd=ROOT, env=procs.env())
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('{"v": 10}') == 2, proc.stdout   # 5 steps of 1 + 1, step 3 once
+    assert re.search(r"rank 1 ended step 3 while ranks \[0\] wait in collective", proc.stderr), proc.stderr[-3000:]
+    assert took < 25, (took, "the skipped collective was found by its timeout")
+
+
 def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tmp_path):
     # A CollectiveTimeout's ranks were recorded as lost ("lost launch rank 1") though the world
     # never changed: they are the ranks that did not contribute in time.
