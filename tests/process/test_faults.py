@@ -159,16 +159,21 @@ pg.close()
 """
 
 
+def _two_ranks_of(tmp_path: Path, text: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """rtxnet-run of script ``text`` on 2 ranks: its result and how long it took."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=procs.env())
+    return proc, time.monotonic() - t0
+
+
 def test_a_skipped_collective_with_sharded_state_fails_the_step_at_once(tmp_path):
     # A re-verifier's find: with sharded_state the rank that left the step early waited in the
     # ring exchange before the vote, where skipped collectives were not watched for: the others
     # waited out their collective timeout (60 s; 30 here).
-    script = tmp_path / "skips_sharded.py"
-    script.write_text(SKIPS_SHARDED)
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
-                          capture_output=True, text=True, timeout=90, cwd=ROOT, env=procs.env())
-    took = time.monotonic() - t0
+    proc, took = _two_ranks_of(tmp_path, SKIPS_SHARDED, 90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('{"v": 10}') == 2, proc.stdout   # 5 steps of 1 + 1, step 3 once
     assert re.search(r"rank 1 ended step 3 while ranks \[0\] wait in collective", proc.stderr), proc.stderr[-3000:]
@@ -180,11 +185,7 @@ def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tm
     # never changed: they are the ranks that did not contribute in time.
     # A rank that left a step without its collective (`continue` in the guard) voted and waited
     # while the others waited in the collective: both until the 60 s timeout (20 s here).
-    script = tmp_path / "slow_once.py"
-    script.write_text(SLOW_ONCE)
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", str(script)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=procs.env())
+    proc, took = _two_ranks_of(tmp_path, SLOW_ONCE, 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"events"' in line]
     assert len(outs) == 2 and all(o["v"] == 14 for o in outs), outs
@@ -194,7 +195,7 @@ def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tm
     skip = [e for o in outs for e in o["events"] if e["event"] == "recovered" and e["failed_step"] == 5]
     assert len(skip) == 2 and all(e["error"] != "CollectiveTimeout" for e in skip), skip
     assert [e["launch_rank"] for e in skip if e["error"] == "CollectiveMismatchError"] == [1], skip
-    assert time.monotonic() - t0 < 20, "the skipped collective was found by its timeout"
+    assert took < 20, "the skipped collective was found by its timeout"
     rank0 = [o for o in outs if any(e.get("late") for e in o["events"])]
     assert len(rank0) == 1, outs
     e = [e for e in rank0[0]["events"] if e["event"] == "recovered"][0]
