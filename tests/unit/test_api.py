@@ -25,7 +25,7 @@ def test_all_is_pinned():
         "DistributedDataParallel", "FullyShardedDataParallel",
         "ElasticDistributedSampler", "FaultTolerance", "JobFinishedError", "JobFullError", "JournalCorruptError", "JournalError", "LinkBrokenError", "Membership",
         "PeerLostError", "ProcessGroup", "ProtocolError", "ReduceOp", "RendezvousError", "RendezvousTimeout",
-        "RtxError", "RtxTimeoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
+        "RtxError", "RtxTimeoutError", "StateLayoutError", "StepBatch", "Store", "Timeouts", "TransportError", "Work", "checkpoint",
         "connect", "init", "parallel",
     ])
     try:
