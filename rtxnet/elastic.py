@@ -825,9 +825,15 @@ class FaultTolerance:
         elif self._skip_told:
             await self._recover(CollectiveMismatchError(self._skip_told), step)
         else:
-            why = (f"epoch {epoch} -> {self.pg.epoch}" if self.pg.epoch != epoch else
+            now = self.pg.epoch
+            why = (f"epoch {epoch} -> {now}" if now != epoch else
                    f"in epoch {epoch}: another rank voted that it failed, or the vote got no answer")
-            await self._recover(PeerLostError(f"step {step} was not committed ({why})"), step)
+            # the ranks the epochs since lost (each numbered as of the epoch before it), as a
+            # collective's PeerLostError names them: a loss that came during the vote was
+            # recorded as a failure that lost nobody (a CI run of the multi-host cut)
+            lost = [r for e, rs in sorted(self._epoch_lost.items()) if epoch < e <= now for r in rs]
+            await self._recover(PeerLostError(f"step {step} was not committed ({why})", ranks=lost,
+                                              epoch=now if lost else None), step)
 
     async def _vote(self, step: int, epoch: int) -> bool:
         """Vote that ``step`` succeeded here; whether it committed. While the vote is pending,
