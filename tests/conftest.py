@@ -11,7 +11,9 @@ per launch, not once per rank process) 1230 tests took 535, 547, 599 and 624 s i
 clean-clone runs (10.2 to 11.8 minutes with the install; 900-990 CPU-seconds): at the 10
 minutes aimed at, not reliably under. Later, 1238-1239 tests took 457, 541 and 502 s in three
 clean-clone runs on idle cores (8.8, 10.3 and 9.8 minutes with the install; 770-860
-CPU-seconds), and 736 and 753 s with testers' jobs running beside them. A test marked ``exclusive`` (one that measures time: an event-loop
+CPU-seconds), and 736 and 753 s with testers' jobs running beside them; 1248-1251 tests took
+477, 505, 559 and 561 s on idle cores (9.3 to 10.8 minutes with the install; a rank released
+at exit without close() now lingers up to 1 s for its queued messages). A test marked ``exclusive`` (one that measures time: an event-loop
 stall, a deadline's length) runs while the other worker runs nothing: every test holds a
 shared ``flock`` on one file for its whole protocol (module fixtures included), an exclusive
 test an exclusive one; a turnstile lock in front keeps a waiting exclusive test from being
