@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import contextvars
 import os
 import sys
 import weakref
@@ -261,8 +260,6 @@ class ProcessGroup:
                 heartbeats and reads).
             ConfigError: it still runs (in another thread).
         """
-        if _VIA_BLOCKING.get():
-            return   # the blocking facade runs it on the group's own loop, whatever loop calls
         made_in = _OPEN_ASYNC.get(self)
         try:
             running = asyncio.get_running_loop()
@@ -281,23 +278,31 @@ class ProcessGroup:
 
     def __getattr__(self, name: str) -> Any:
         if name in _COLLECTIVES:
-            self._check_loop(name)
-            engine = self.__dict__.get("_engine")
-            if self._agent.fenced:
-                why = getattr(self._agent, "fence_reason", "") or "declared lost"
-                raise PeerLostError(f"{name}: this rank was fenced out of epoch {self._agent.epoch} "
-                                    f"({why}); call pg.rejoin() before any other collective "
-                                    f"(FaultTolerance does it by itself)")
-            if engine is None or engine.world is None:
-                raise ConfigError(f"{name}: the collective engine is not available in this process")
-            pinned = self.__dict__.get("_pinned_world")
-            if pinned is None and not self._agent._closed:   # closed: the call says so
-                self._check_min_ranks(name)
-            target = getattr(pinned or engine.world, name)
-            if name in _COUNTED and os.environ.get("RTXNET_FAULTS"):
-                return _with_fault_point(self, target)
-            return target
+            return self._collective(name)
         raise AttributeError(name)
+
+    def _collective(self, name: str, *, check_loop: bool = True) -> Any:
+        """The collective ``name`` of the world in use (pinned, else current), refused when this
+        rank is fenced or the world is below ``min_ranks``; ``check_loop``: refused from another
+        event loop than the group's (the blocking facade, which runs it on the group's own loop
+        whatever loop calls, passes False)."""
+        if check_loop:
+            self._check_loop(name)
+        engine = self.__dict__.get("_engine")
+        if self._agent.fenced:
+            why = getattr(self._agent, "fence_reason", "") or "declared lost"
+            raise PeerLostError(f"{name}: this rank was fenced out of epoch {self._agent.epoch} "
+                                f"({why}); call pg.rejoin() before any other collective "
+                                f"(FaultTolerance does it by itself)")
+        if engine is None or engine.world is None:
+            raise ConfigError(f"{name}: the collective engine is not available in this process")
+        pinned = self.__dict__.get("_pinned_world")
+        if pinned is None and not self._agent._closed:   # closed: the call says so
+            self._check_min_ranks(name)
+        target = getattr(pinned or engine.world, name)
+        if name in _COUNTED and os.environ.get("RTXNET_FAULTS"):
+            return _with_fault_point(self, target)
+        return target
 
     def _check_min_ranks(self, name: str) -> None:
         """Refuse a collective in a world that shrank below ``min_ranks``: the job's own bound
@@ -577,7 +582,7 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
     from .collectives import WorldView
 
     def on_epoch(m: Membership | None, reason: str) -> None:
-        if engine._closed is not None:
+        if engine.closed:
             # closed before the agent (a group released at exit: _release_at_exit): a view
             # pushed meanwhile has nobody to serve (it was logged as push_handler_failed with a
             # ClosedError traceback, a re-verifier's find)
@@ -601,9 +606,6 @@ def _wire_engine(agent: Agent, engine: Any) -> None:
 # every group this process joined (connect, init) and has not closed, with the loop it runs on;
 # and the joins under way (loop, job, coordinator address)
 _OPEN_ASYNC: weakref.WeakKeyDictionary[ProcessGroup, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
-# set while the blocking facade looks a collective up (BlockingProcessGroup.__getattr__): it runs
-# on the group's loop, so the caller's own running loop, if any, is not the group's concern
-_VIA_BLOCKING: contextvars.ContextVar[bool] = contextvars.ContextVar("rtxnet_via_blocking", default=False)
 _JOINING: list[tuple[asyncio.AbstractEventLoop, str, str]] = []
 
 
@@ -835,11 +837,8 @@ class BlockingProcessGroup:
         # blocks that loop as any blocking call does, and runs on the group's loop; it raised
         # "made in another event loop (another thread's)", on the caller's own thread: a
         # breaker's find)
-        via = _VIA_BLOCKING.set(True)
-        try:
-            target = getattr(self._pg, name)
-        finally:
-            _VIA_BLOCKING.reset(via)
+        target = (self._pg._collective(name, check_loop=False) if name in _COLLECTIVES
+                  else getattr(self._pg, name))
         if not callable(target):
             return target
         return _blocking(self._portal, target)

@@ -703,6 +703,11 @@ class Engine:
         if retire_groups:
             self._groups.clear()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed is not None
+
     async def aclose(self) -> None:
         """Fail what is in flight with ClosedError, close sockets (linger 0), unlink segments."""
         if self._closed is not None:

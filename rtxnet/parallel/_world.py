@@ -169,18 +169,18 @@ def graph_task() -> int | None:
     return None if fn is None else fn()
 
 
-def check_unchanged(params: list[tuple[str, torch.nn.Parameter]],
-                    laid_out: list[tuple[torch.dtype, torch.device, torch.Size]], who: str) -> None:
-    """Raise ``ConfigError`` naming the trainable parameters of ``params`` (``(name,
-    parameter)``) changed in place since the wrapper ``who`` laid its buffers out for them as
-    ``laid_out`` (dtype, device, shape, in the same order): ``module.double()``, ``.half()`` or
+def check_unchanged(laid_out: list[tuple[str, torch.nn.Parameter, tuple, torch.dtype, torch.device]],
+                    who: str) -> None:
+    """Raise ``ConfigError`` naming the trainable parameters of ``laid_out`` (``(name,
+    parameter, shape, dtype, device)``, as the wrapper ``who`` laid its buffers out for them)
+    changed in place since: ``module.double()``, ``.half()`` or
     ``.to(device)`` after wrapping (they change ``param.data``, not the parameter), or
     ``requires_grad_(False)``. Before, DDP reduced on without a word: one rank's frozen weight
     made the others' gradient half of it and its own still moved; ``double()`` on one rank left
     replicas of two dtypes; FSDP said only "all_gather output is float32[50], needs float64" (a
     breaker's finds). One look at each parameter's attributes per forward."""
     changed = []
-    for (n, p), (dtype, device, shape) in zip(params, laid_out, strict=True):
+    for n, p, shape, dtype, device in laid_out:
         if not p.requires_grad:
             changed.append(f"{n!r} has requires_grad=False")
         elif p.dtype != dtype:
@@ -196,11 +196,6 @@ def check_unchanged(params: list[tuple[str, torch.nn.Parameter]],
                           f"its buffers and collectives are laid out for them as they were, and the "
                           f"replicas would differ. Make the change before wrapping, or build the "
                           f"wrapper again (torch DDP and FSDP ask the same)")
-
-
-def laid_out_as(params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[torch.dtype, torch.device, torch.Size]]:
-    """``(dtype, device, shape)`` of each parameter now, for :func:`check_unchanged`."""
-    return [(p.dtype, p.device, p.shape) for _, p in params]
 
 
 def check_still_frozen(frozen: list[tuple[str, torch.nn.Parameter]], who: str) -> None:

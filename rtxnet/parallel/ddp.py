@@ -112,7 +112,6 @@ from ._world import (
     check_unchanged,
     graph_task,
     group_size,
-    laid_out_as,
     skip_init_sync,
 )
 
@@ -341,11 +340,12 @@ class DistributedDataParallel(torch.nn.Module):
         if frozen is None:
             frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad]
         self._names = {id(p): n for n, p in named}
-        self._trainable, self._laid_out = list(named), laid_out_as(named)
         self._frozen = frozen
         trainable = {id(p) for _, p in named}
         self._registered = [(n, p, id(p) in trainable, tuple(p.shape), p.dtype, p.device)
                             for n, p in self.module.named_parameters()]
+        # the trainable ones' rows, as check_unchanged takes them at each forward
+        self._laid_out = [(n, p, *rest) for n, p, tr, *rest in self._registered if tr]
         self._places = self._where_everything_sits()
         self._buckets = self._build_buckets([p for _, p in named])
         self._where: dict[int, tuple[_Bucket, int]] = {}
@@ -442,7 +442,7 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._follow_parameters()
         check_still_frozen(self._frozen, "DistributedDataParallel")
-        check_unchanged(self._trainable, self._laid_out, "DistributedDataParallel")
+        check_unchanged(self._laid_out, "DistributedDataParallel")
         if self._round_open:
             # The previous backward never finished (an error, or no backward at all after hooks
             # fired): start this step clean.

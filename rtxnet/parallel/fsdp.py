@@ -487,8 +487,7 @@ class FullyShardedDataParallel(torch.nn.Module):
                 forward.
         """
         check_still_frozen(self._frozen, "FullyShardedDataParallel")
-        check_unchanged([(g.name, g.shard) for g in self._groups],
-                        [(*self._shard_kinds[g.name], g.shard.shape) for g in self._groups],
+        check_unchanged([(g.name, g.shard, g.shard.shape, *self._shard_kinds[g.name]) for g in self._groups],
                         "FullyShardedDataParallel")
         if self._built is not None and not self._hold_built:
             self._built = None          # (a full model's memory: see built_sharded_state_dicts)
