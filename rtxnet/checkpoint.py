@@ -1119,6 +1119,12 @@ def _prune(root: Path, keep: int, saved: int) -> None:
     cutoff = complete[-keep] if len(complete) > keep else -1
     for s in _steps(root):
         if s < cutoff or s > saved:
+            # the manifest first: the step is uncommitted before any shard goes, so a reader in
+            # another process that finds a shard missing can tell a pruned step (its manifest
+            # gone too) from a corrupt one (_StepRemoved); a crash between the two leaves an
+            # uncommitted folder, which the next save's sweep removes
+            with contextlib.suppress(FileNotFoundError):
+                (step_dir(root, s) / MANIFEST).unlink()
             shutil.rmtree(step_dir(root, s), ignore_errors=True)
             log.info("checkpoint_pruned", step=s, why="after the step saved" if s > saved else "older")
 
@@ -1142,11 +1148,18 @@ def read_manifest(root: str | os.PathLike, step: int) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: step {step} was never committed", step=step)
     try:
-        m = json.loads(path.read_bytes())
+        m = json.loads(_read_manifest_bytes(path, step))
         _check_manifest(m, step)
     except (ValueError, KeyError, TypeError, IsADirectoryError) as exc:
         raise CheckpointCorruptError(f"{path}: not a valid manifest ({exc})", path=path, step=step) from exc
     return m
+
+
+def _read_manifest_bytes(path: Path, step: int) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:   # there a moment ago: pruned since
+        raise _StepRemoved(path.parent, step) from exc
 
 
 def _is_int(v: Any) -> bool:
@@ -1194,6 +1207,25 @@ def _check_manifest(m: Any, step: int) -> None:
         raise ValueError(f"files lists {extra}, which are no shard of its world of {world}")
 
 
+class _StepRemoved(CheckpointError):
+    """A step removed while this process read it: pruned (``save(keep=)``) by a run writing to
+    the same root. Not corrupt: :func:`latest` goes on to an older step, :func:`load` and
+    :func:`load_all` without a step take the newest again."""
+
+    def __init__(self, folder: Path, step: int):
+        super().__init__(f"{folder} was removed while it was read (step {step} pruned by a save "
+                         f"with keep= in another process?)", step=step)
+
+
+def _missing_shard(path: Path, step: int, exc: FileNotFoundError) -> CheckpointError:
+    """The error for a listed shard that is not there: the step was pruned meanwhile when its
+    manifest is gone too (a prune removes the manifest first), else the step is corrupt."""
+    if not (path.parent / MANIFEST).exists():
+        return _StepRemoved(path.parent, step)
+    return CheckpointCorruptError(f"{path} is listed in the manifest but missing", path=path,
+                                  step=step)
+
+
 def _verify_shard(path: Path, entry: dict[str, Any], step: int) -> None:
     """Check ``path``'s size and SHA-256 against its manifest entry, streaming it (the GIL is
     released on each 16 MiB chunk)."""
@@ -1202,8 +1234,7 @@ def _verify_shard(path: Path, entry: dict[str, Any], step: int) -> None:
         if size == int(entry["nbytes"]):
             size, digest = _hash_file(path)
     except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"{path} is listed in the manifest but missing", path=path,
-                                     step=step) from exc
+        raise _missing_shard(path, step, exc) from exc
     if size != int(entry["nbytes"]):
         raise CheckpointCorruptError(f"{path}: {size} bytes, manifest says {entry['nbytes']}",
                                      path=path, step=step)
@@ -1243,10 +1274,36 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
     """
     if before is not None and (isinstance(before, bool) or not isinstance(before, int | np.integer)):
         raise ConfigError(f"before({before!r}) must be None or an integer step")
+    for _ in range(_PRUNED_RETRIES):
+        changed = _mtime_ns(root)
+        found, pruned = _newest_intact(root, verify_shards, before)
+        # none found because a run saving there with keep= pruned a step as it was read: the
+        # step that run committed just before may be missing from the listing (a folder made
+        # during a readdir may or may not be in it, POSIX says), so list again while the root
+        # changes under the scan
+        if found is not None or not (pruned or _mtime_ns(root) != changed):
+            return found
+    return None
+
+
+def _mtime_ns(root: str | os.PathLike) -> int | None:
+    try:
+        return os.stat(root).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _newest_intact(root: str | os.PathLike, verify_shards: bool,
+                   before: int | None) -> tuple[int | None, bool]:
+    """(the newest intact step of one listing of ``root`` or None, whether a step listed had no
+    manifest or lost it while it was read: a step being saved or pruned, so worth a new look)."""
+    pruned = False
     for s in reversed(_steps(Path(root))):
         if before is not None and s >= before:
             continue
         if not (step_dir(root, s) / MANIFEST).exists():
+            # uncommitted: being saved (committed by now, perhaps), or pruned since the listing
+            pruned = True
             continue
         try:
             verify(root, s) if verify_shards else read_manifest(root, s)
@@ -1255,9 +1312,10 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
             _CORRUPT_SEEN.add((str(Path(root).resolve()), s))
             continue
         except CheckpointError:   # the manifest went between the two looks (pruned meanwhile)
+            pruned = True
             continue
-        return s
-    return None
+        return s, pruned
+    return None, pruned
 
 
 def _resolve_step(root: str | os.PathLike, step: int | None) -> int:
@@ -1276,6 +1334,8 @@ def _load_shard(root: str | os.PathLike, step: int, m: dict[str, Any], shard: in
         # from the path (the file verified just now: shard names are never written twice), as
         # torch then reads it with the GIL released; from a BytesIO it held the GIL throughout
         return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError as exc:   # verified a moment ago: pruned since
+        raise _missing_shard(path, step, exc) from exc
     except pickle.UnpicklingError as exc:
         # intact (its SHA-256 matches) but holding what weights_only refuses: written by another
         # tool or an older rtxnet that did not check the state at save time
@@ -1299,22 +1359,53 @@ def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str,
         the whole checkpoint.
 
     Raises:
-        CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed.
+        CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed,
+            or it was removed while it was read (pruned by a save with ``keep`` in another
+            process; without ``step`` the newest step is taken again, up to 8 times).
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or a shard's size or SHA-256 differs from the
             manifest (names the file).
     """
-    step = _resolve_step(root, step)
-    m = read_manifest(root, step)
-    saved_world = int(m["world_size"])
-    out = []
-    for q in range(saved_world):
-        state = _load_shard(root, step, m, q)
-        state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": q,
-                                "resharded": False}
-        out.append(state)
-    log.info("checkpoint_loaded_all", step=step, saved_world_size=saved_world)
-    return out
+    def read(step: int) -> list[dict[str, Any]]:
+        m = read_manifest(root, step)
+        saved_world = int(m["world_size"])
+        out = []
+        for q in range(saved_world):
+            state = _load_shard(root, step, m, q)
+            state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": q,
+                                    "resharded": False}
+            out.append(state)
+        log.info("checkpoint_loaded_all", step=step, saved_world_size=saved_world)
+        return out
+
+    return _read_newest(root, step, read)
+
+
+# how many times load/load_all without a step take the newest step again when the one they read
+# is pruned meanwhile (a save with keep= in another process; each try reads a newer step)
+_PRUNED_RETRIES = 8
+
+
+def _read_newest(root: str | os.PathLike, step: int | None, read: Any) -> Any:
+    """``read(step)``; with ``step`` None, of the newest intact step, taken again when the step
+    read is removed meanwhile (:class:`_StepRemoved`: a run saving there with ``keep=`` pruned
+    it, a tester's find: a bare ``FileNotFoundError`` before). A step given is not replaced."""
+    if step is not None:
+        return read(_check_step(step))
+    for attempt in range(_PRUNED_RETRIES):
+        s = _resolve_step(root, None)
+        try:
+            return read(s)
+        except CheckpointError as exc:
+            # latest() found s committed a moment ago: with its manifest gone now (a prune
+            # removes it first) it was pruned, whatever the read tripped on
+            gone = isinstance(exc, _StepRemoved) or (
+                not isinstance(exc, CheckpointCorruptError)
+                and not (step_dir(root, s) / MANIFEST).exists())
+            if not gone or attempt == _PRUNED_RETRIES - 1:
+                raise
+            log.info("checkpoint_pruned_while_read", step=s, retry="the newest step again")
+    raise AssertionError("unreachable")
 
 
 def _refuse_resharding(root: Any, step: int, saved_world: int, world: int | None, rank: int) -> None:
@@ -1351,7 +1442,9 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
         "world_size", "shard_rank", "resharded"}`` (``resharded``: rank 0's shard stood in).
 
     Raises:
-        CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed.
+        CheckpointError: no committed checkpoint under ``root``, or ``step`` was never committed,
+            or it was removed while it was read (pruned by a save with ``keep`` in another
+            process; without ``step`` the newest step is taken again, up to 8 times).
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or the shard's size or SHA-256 differs from the
             manifest (names the file); such a checkpoint is never loaded.
@@ -1365,7 +1458,6 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
     """
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0):
         raise ConfigError(f"checkpoint.load: rank({rank!r}) must be an int >= 0")
-    step = _resolve_step(root, step)
     # a rank given names its shard itself (a 2-D mesh resumed with fewer data-parallel ranks may
     # take the first ranks' shards): only the world size is not checked then
     world = int(pg.world_size) if pg is not None and rank is None else None
@@ -1379,13 +1471,17 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
                               f"({', '.join(held[:4])}): pass pg= (its rank's shard) or rank=")
     if rank is None:
         rank = pg.rank if pg is not None else 0
-    m = read_manifest(root, step)
-    saved_world = int(m["world_size"])
-    if rank >= saved_world or (world is not None and world != saved_world):
-        _refuse_resharding(root, step, saved_world, world, rank)
-    shard = rank if rank < saved_world else 0
-    state = _load_shard(root, step, m, shard)
-    state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": shard,
-                            "resharded": shard != rank}
-    log.info("checkpoint_loaded", step=step, shard_rank=shard, saved_world_size=saved_world)
-    return state
+
+    def read(step: int) -> dict[str, Any]:
+        m = read_manifest(root, step)
+        saved_world = int(m["world_size"])
+        if rank >= saved_world or (world is not None and world != saved_world):
+            _refuse_resharding(root, step, saved_world, world, rank)
+        shard = rank if rank < saved_world else 0
+        state = _load_shard(root, step, m, shard)
+        state["_checkpoint"] = {"step": step, "world_size": saved_world, "shard_rank": shard,
+                                "resharded": shard != rank}
+        log.info("checkpoint_loaded", step=step, shard_rank=shard, saved_world_size=saved_world)
+        return state
+
+    return _read_newest(root, step, read)

@@ -705,3 +705,48 @@ def test_a_manifest_not_listing_a_shard_for_every_rank_is_not_committed(tmp_path
         with pytest.raises(CheckpointCorruptError, match=re.escape(what)) as info:
             call(tmp_path, 2)
         assert info.value.path == manifest and str(manifest) in str(info.value)
+
+
+def test_reading_a_root_another_process_prunes_never_fails_on_a_vanished_file(tmp_path):
+    """A breaker's find: ``load`` of a root a running job saves to with ``keep=1`` raised a bare
+    ``FileNotFoundError`` (the step pruned between the look and the read) and ``latest`` found no
+    step at all now and then. Now: the newest is taken again, and a step given that vanished is a
+    ``CheckpointError``. A real writer process, real files, 4 s of racing (about one failure a
+    second before)."""
+    import time
+
+    root = tmp_path / "root"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch\nfrom rtxnet import checkpoint\ns = 0\n"
+         "while True:\n    checkpoint.save(sys.argv[1], s, {'w': torch.zeros(20000)}, keep=1)\n"
+         "    s += 1\n", str(root)],
+        env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    failures: collections.Counter = collections.Counter()
+    loads = 0
+    try:
+        deadline = time.monotonic() + 60
+        while checkpoint.latest(root) is None:
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer saved nothing"
+            time.sleep(0.05)
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            try:
+                state = checkpoint.load(root)
+                assert state["w"].shape == (20000,)
+                loads += 1
+                if checkpoint.latest(root) is None:
+                    failures["latest found nothing"] += 1
+            except Exception as exc:   # noqa: BLE001 - every kind is a failure, counted by kind
+                failures[f"{type(exc).__name__}: {exc}"] += 1
+            old = max(0, state["_checkpoint"]["step"] - 1) if loads else 0
+            try:
+                checkpoint.load(root, old)   # pruned by now, or about to be
+            except CheckpointError:
+                pass
+            except Exception as exc:   # noqa: BLE001
+                failures[f"load(step) {type(exc).__name__}: {exc}"] += 1
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert loads > 20, loads
+    assert not failures, dict(failures)

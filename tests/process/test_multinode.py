@@ -243,10 +243,17 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
         # host 0's ranks: the loss, then the comeback's joins at step boundaries (no ClosedError;
         # its two ranks may join in one epoch or two); the new ranks: nothing failed for them
         if r["rank"] < 2:
+            # on loaded cores host 1's first ranks may join after host 0's began (--min-ranks 2):
+            # joins before the loss (a CI run under load). The rest is read from the loss on.
+            evs = [e for e in r["events"] if e["event"] != "commit_stall"]
+            first = next(i for i, e in enumerate(evs) if e["event"] in ("failure", "lost_between_steps"))
+            assert {e["event"] for e in evs[:first]} <= {"joined"}, r["events"]
+            evs = evs[first:]
+            kinds = [e["event"] for e in evs]
             # (the host's two ranks may be lost in two epochs: one just after a step committed,
             # a loss between steps, the other failing the next step)
-            between = [e for e in r["events"] if e["event"] == "lost_between_steps"]
-            events = [e for e in r["events"] if e["event"] not in ("commit_stall", "lost_between_steps")]
+            between = [e for e in evs if e["event"] == "lost_between_steps"]
+            events = [e for e in evs if e["event"] != "lost_between_steps"]
             if kinds[0] == "lost_between_steps":
                 kinds = kinds[1:]
             if kinds[:2] == ["failure", "recovered"]:
@@ -260,7 +267,7 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
                 assert events[0]["error"] == "ClosedError" and kinds[1] == "joined", r["events"]
                 kinds = kinds[1:]
             assert set(kinds) == {"joined"}, r["events"]
-            assert sorted(x for e in r["events"] if e["event"] == "joined" for x in e["added_launch"]) \
+            assert sorted(x for e in evs if e["event"] == "joined" for x in e["added_launch"]) \
                 == [2, 3], r["events"]
         else:   # (one may see the other join after it)
             assert set(kinds) <= {"joined"}, r["events"]
