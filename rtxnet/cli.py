@@ -119,10 +119,6 @@ def _jsonable(obj: Any) -> Any:
 def _render(status: dict) -> str:
     jobs, finished = status["jobs"], status["finished"]
     lines = [] if jobs or status.get("jobs_omitted") else ["no jobs"]
-    if finished:
-        more = status.get("finished_total", len(finished)) - len(finished)
-        lines.append(f"finished (ids not reusable){f', newest {len(finished)} of {len(finished) + more}' if more else ''}: "
-                     + ", ".join(f"{_shown(j)} ({last_committed(s)})" for j, s in finished.items()))
     for j in jobs:
         lines.append(
             f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
@@ -157,6 +153,10 @@ def _render(status: dict) -> str:
     if status.get("jobs_omitted"):
         lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "
                      f"message)")
+    if finished:   # after the running jobs, which are what one looks for (a fresh user's remark)
+        more = status.get("finished_total", len(finished)) - len(finished)
+        lines.append(f"finished (ids not reusable){f', newest {len(finished)} of {len(finished) + more}' if more else ''}: "
+                     + ", ".join(f"{_shown(j)} ({last_committed(s)})" for j, s in finished.items()))
     return "\n".join(lines)
 
 

@@ -472,6 +472,17 @@ def test_status_names_the_launch_rank_of_a_member_renumbered_after_a_loss():
     assert [row.split("  h  ")[0] for row in rows] == ["  rank   0", "  rank   1 (launch rank 2)", "  rank   2"], rows
 
 
+def test_status_text_lists_running_jobs_before_the_finished_ids():
+    # a fresh user's remark: the finished ids came first, the running job below them
+    from rtxnet.cli import _render
+
+    body = {"jobs": [{"job": "live", "state": "running", "epoch": 0, "world_size": 1, "min_ranks": 1,
+                      "max_ranks": 1, "pending": 0, "committed_step": 3, "kv_keys": 0,
+                      "members": []}], "finished": {"old": 9}, "finished_total": 1}
+    lines = _render(body).splitlines()
+    assert lines[0].startswith("job live: running") and lines[-1].startswith("finished (ids not reusable): old"), lines
+
+
 def test_abandoned_rendezvous_is_forgotten_and_a_new_launch_starts_afresh():
     h = Harness()
     h.join("a", job="ghost", min_ranks=2, max_ranks=2)
