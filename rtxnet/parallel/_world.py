@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -170,7 +171,7 @@ def graph_task() -> int | None:
 
 
 def check_unchanged(laid_out: list[tuple[str, torch.nn.Parameter, tuple, torch.dtype, torch.device]],
-                    who: str) -> None:
+                    who: str, describe: Callable[[str], str] = repr) -> None:
     """Raise ``ConfigError`` naming the trainable parameters of ``laid_out`` (``(name,
     parameter, shape, dtype, device)``, as the wrapper ``who`` laid its buffers out for them)
     changed in place since: ``module.double()``, ``.half()`` or
@@ -178,17 +179,18 @@ def check_unchanged(laid_out: list[tuple[str, torch.nn.Parameter, tuple, torch.d
     ``requires_grad_(False)``. Before, DDP reduced on without a word: one rank's frozen weight
     made the others' gradient half of it and its own still moved; ``double()`` on one rank left
     replicas of two dtypes; FSDP said only "all_gather output is float32[50], needs float64" (a
-    breaker's finds). One look at each parameter's attributes per forward."""
+    breaker's finds). One look at each parameter's attributes per forward. ``describe`` shows a
+    name in the message (FSDP's flat shards name the module's parameters they hold)."""
     changed = []
     for n, p, shape, dtype, device in laid_out:
         if not p.requires_grad:
-            changed.append(f"{n!r} has requires_grad=False")
+            changed.append(f"{describe(n)} has requires_grad=False")
         elif p.dtype != dtype:
-            changed.append(f"{n!r} is {p.dtype}, was {dtype}")
+            changed.append(f"{describe(n)} is {p.dtype}, was {dtype}")
         elif p.device != device:
-            changed.append(f"{n!r} is on {p.device}, was on {device}")
+            changed.append(f"{describe(n)} is on {p.device}, was on {device}")
         elif p.shape != shape:
-            changed.append(f"{n!r} has shape {tuple(p.shape)}, was {tuple(shape)}")
+            changed.append(f"{describe(n)} has shape {tuple(p.shape)}, was {tuple(shape)}")
     if changed:
         shown = shown_list(changed, 8, "; ")
         raise ConfigError(f"{who}: trainable parameter(s) changed after the wrapper was built: {shown} "

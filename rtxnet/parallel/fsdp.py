@@ -107,7 +107,7 @@ import structlog
 import torch
 
 from rtxnet.collectives import ReduceOp
-from rtxnet.config import is_seconds
+from rtxnet.config import is_seconds, shown_list
 from transport.errors import CollectiveMismatchError, ConfigError, PeerLostError, StateLayoutError
 
 from ._world import (
@@ -488,7 +488,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         """
         check_still_frozen(self._frozen, "FullyShardedDataParallel")
         check_unchanged([(g.name, g.shard, g.shard.shape, *self._shard_kinds[g.name]) for g in self._groups],
-                        "FullyShardedDataParallel")
+                        "FullyShardedDataParallel", self._describe_flat)
         if self._built is not None and not self._hold_built:
             self._built = None          # (a full model's memory: see built_sharded_state_dicts)
         if self._backward_open:
@@ -720,6 +720,11 @@ class FullyShardedDataParallel(torch.nn.Module):
                     with self._step_world.pinned():
                         self._pg.broadcast(broadcastable(flat), src=0, **self._kw)
                     t.copy_(flat.view(t.shape))
+
+    def _describe_flat(self, name: str) -> str:
+        """A flat shard's name with the module's parameters it holds, for an error message."""
+        held = [repr(f) for g in self._groups if g.name == name for s in g.slots for f in s.fqns]
+        return f"{name!r} (the flat shard of {shown_list(held, 4)})"
 
     def _check_layout(self, step: StepWorld | None = None) -> None:
         """Raises ConfigError when the world this runs in (the step's pinned world group under

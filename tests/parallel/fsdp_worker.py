@@ -435,7 +435,7 @@ def errors(pg):
     except rtxnet.ConfigError as exc:
         res["err_shape"] = str(exc)
     # double() after wrapping (a breaker's find: "all_gather output is float32[50], needs
-    # float64", naming no parameter): refused at the next forward, naming the flat shard
+    # float64", naming no parameter): refused at the next forward, naming the flat shard and the parameters it holds
     doubled = FullyShardedDataParallel(make_net(5), pg, init_sync=False)
     doubled.double()
     try:

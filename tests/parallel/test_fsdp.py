@@ -123,7 +123,8 @@ def test_bad_arguments_get_errors_naming_the_value(basic):
     for r in basic:   # refused on every rank, naming the rank unlike rank 0
         assert r["err_order"].startswith("FSDP: the replicas differ: rank(s) [1] have parameters"), r["err_order"]
         assert re.match(r"FullyShardedDataParallel: trainable parameter\(s\) changed after the wrapper was "
-                        r"built: '\w+' is torch.float64, was torch.float32", r["err_double"] or ""), r["err_double"]
+                        r"built: '\w+' \(the flat shard of '[\w.]+weight', .*\) is torch.float64, was "
+                        r"torch.float32", r["err_double"] or ""), r["err_double"]
 
 
 def test_activation_checkpointing_matches_one_process_and_a_weight_read_outside_its_unit_is_refused(basic):
