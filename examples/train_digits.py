@@ -792,6 +792,10 @@ def _plot(path: Path, history: list[list[float]], events: list[dict[str, Any]], 
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.set_yscale("log")
+    if labelled and len(h):
+        # room above the curve for the events' labels (they overlapped its start)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, hi * 6)
     ax.set_title(f"digits MLP, rtxnet {strategy.upper()}")
     ax.grid(alpha=0.3)
     ax.legend()
