@@ -212,9 +212,16 @@ class Op:
         missing = sorted(self.group.ranks[g] for g in self._pending)
         if not missing and self._suspect is not None:
             missing = [self._suspect.peer]   # waiting for a verdict on its broken stream
+        hint = ""
+        if self.seq == 0 and "#" in self.group.gid and missing:
+            # a group of new_group, at its first operation: a rank that made a group of other
+            # ranks (or made this one fewer times) never takes part, and only this deadline
+            # says so (a breaker's find: the message named the rank, not the likely cause)
+            hint = (f" (the group's first operation: did rank(s) {missing} call "
+                    f"new_group({self.group.ranks}) too, as often and in the same order?)")
         self.fail(CollectiveTimeout(
             f"{self.name} (group {self.group.gid!r}, seq {self.seq}) timed out after "
-            f"{self.timeout_s:g} s waiting for ranks {missing}", ranks=missing, op=self.name))
+            f"{self.timeout_s:g} s waiting for ranks {missing}{hint}", ranks=missing, op=self.name))
 
     async def recv(self, g: int, step: int, kind: Kind = Kind.DATA) -> tuple[Any, Any]:
         """The (meta, payload) group rank ``g`` sent at ``step``; waits within the deadline."""

@@ -338,3 +338,38 @@ def test_a_recv_refused_on_its_rank_takes_its_message_so_the_next_recv_gets_the_
     _, (errors, got) = run_world(2, a_recv_refused)
     assert len(errors) == 2 and all("timeout must be a positive number of seconds" in e for e in errors), errors
     assert got == {1: [2.0] * 4, 2: [2.0] * 4}, got
+
+
+async def mismatched_new_group(engine):
+    # a breaker's find: rank 0 made new_group([0, 1]), rank 1 new_group([0, 1, 2]); the timeout
+    # named the rank waited for, not the likely cause
+    r = engine.world.rank
+    g = engine.world.new_group([0, 1] if r == 0 else [0, 1, 2])
+    try:
+        await g.all_reduce(np.ones(2, np.float32), timeout=1.0)
+    except CollectiveTimeout as exc:
+        msg = str(exc)
+    else:
+        msg = None
+    # a later operation of a group made alike on its ranks says nothing of new_group
+    ok = engine.world.new_group([1, 2])
+    a = np.ones(2, np.float32)
+    late = None
+    if ok is not None:
+        await ok.all_reduce(a)
+        try:
+            if r == 1:   # rank 2 does not take part
+                await ok.all_reduce(a, timeout=0.3)
+        except CollectiveTimeout as exc:
+            late = str(exc)
+    return msg, float(a[0]), late
+
+
+def test_a_new_group_made_of_other_ranks_elsewhere_times_out_naming_the_likely_cause():
+    res = run_world(3, mismatched_new_group)
+    assert "did rank(s) [1] call new_group([0, 1]) too, as often and in the same order?" in res[0][0], res[0]
+    assert "did rank(s) [0] call new_group([0, 1, 2]) too" in res[1][0] \
+        or "did rank(s) [0] call new_group([0, 1, 2]) too" in res[2][0], res
+    assert [r[1] for r in res] == [1.0, 2.0, 2.0]
+    # the second operation of a group: no such hint
+    assert res[1][2] is not None and "waiting for ranks [2]" in res[1][2] and "new_group" not in res[1][2], res[1]
