@@ -1274,9 +1274,10 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
     """
     if before is not None and (isinstance(before, bool) or not isinstance(before, int | np.integer)):
         raise ConfigError(f"before({before!r}) must be None or an integer step")
+    corrupt: set[int] = set()   # found corrupt in this call: not read again on a new look
     for _ in range(_PRUNED_RETRIES):
         changed = _mtime_ns(root)
-        found, pruned = _newest_intact(root, verify_shards, before)
+        found, pruned = _newest_intact(root, verify_shards, before, corrupt)
         # none found because a run saving there with keep= pruned a step as it was read: the
         # step that run committed just before may be missing from the listing (a folder made
         # during a readdir may or may not be in it, POSIX says), so list again while the root
@@ -1293,13 +1294,13 @@ def _mtime_ns(root: str | os.PathLike) -> int | None:
         return None
 
 
-def _newest_intact(root: str | os.PathLike, verify_shards: bool,
-                   before: int | None) -> tuple[int | None, bool]:
+def _newest_intact(root: str | os.PathLike, verify_shards: bool, before: int | None,
+                   corrupt: set[int]) -> tuple[int | None, bool]:
     """(the newest intact step of one listing of ``root`` or None, whether a step listed had no
     manifest or lost it while it was read: a step being saved or pruned, so worth a new look)."""
     pruned = False
     for s in reversed(_steps(Path(root))):
-        if before is not None and s >= before:
+        if (before is not None and s >= before) or s in corrupt:
             continue
         if not (step_dir(root, s) / MANIFEST).exists():
             # uncommitted: being saved (committed by now, perhaps), or pruned since the listing
@@ -1310,6 +1311,7 @@ def _newest_intact(root: str | os.PathLike, verify_shards: bool,
         except CheckpointCorruptError as exc:
             log.warning("checkpoint_corrupt", step=s, path=str(exc.path), error=str(exc))
             _CORRUPT_SEEN.add((str(Path(root).resolve()), s))
+            corrupt.add(s)
             continue
         except CheckpointError:   # the manifest went between the two looks (pruned meanwhile)
             pruned = True
