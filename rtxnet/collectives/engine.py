@@ -849,17 +849,40 @@ class Engine:
         gid = op.group.gid
         if op.seq > self._watermark.get(gid, -1):
             self._watermark[gid] = op.seq
+            if self._early:
+                self._forget_early(gid, op.seq)   # of a call cancelled while queued
         self._apply_when_idle()
 
     def _abort_peers(self, op: Op, exc: BaseException) -> None:
         """Tell the group's other ranks that this operation failed here."""
+        self._abort_seq(op.group, op.seq, exc)
+
+    def _abort_seq(self, group, seq: int, exc: BaseException) -> None:
         ranks = list(getattr(exc, "ranks", []) or [])
         meta = [type(exc).__name__, str(exc), ranks]
-        for g in op.peers:
+        for g in range(group.size):
+            if g == group.rank:
+                continue
             try:
-                self._send(op.group.ranks[g], Kind.ABORT, op.group.gid, op.seq, 0, meta, None)
+                self._send(group.ranks[g], Kind.ABORT, group.gid, seq, 0, meta, None)
             except RtxError:
                 return
+
+    def _abort_unstarted(self, group, seq: int, exc: BaseException) -> None:
+        """Operation ``seq`` of ``group`` ends here before it began (cancelled while queued
+        behind earlier ones): the peers' operation of that number fails at once with ``exc``
+        (their later ones stay paired with this rank's), and what they sent for it is dropped."""
+        if self._closed is not None or self.view is None or group.epoch != self.view.epoch:
+            return
+        self._abort_seq(group, seq, exc)
+        self._forget_early(group.gid, seq)
+
+    def _forget_early(self, gid: str, upto: int) -> None:
+        """Drop the messages kept for operations of ``gid`` numbered up to ``upto`` that never
+        ran here (those arriving later are dropped by the watermark once a later one ends)."""
+        for key in [k for k in self._early if k[0] == gid and k[1] <= upto]:
+            self._early.pop(key, None)
+            self._early_at.pop(key, None)
 
     def _p2p_discard(self, gid: str, src_world: int, tag: int) -> None:
         """A recv refused on this rank (a bad argument) still takes its message, the next one

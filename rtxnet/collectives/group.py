@@ -374,9 +374,18 @@ class Group:
         done = loop.create_future()
         self._tail = done
         try:
-            if prev is not None:
-                await asyncio.shield(prev)
-            await engine.wait_not_held()
+            try:
+                if prev is not None:
+                    await asyncio.shield(prev)
+                await engine.wait_not_held()
+            except asyncio.CancelledError:
+                # cancelled (Ctrl-C, task.cancel()) while queued: its number is taken, so the
+                # peers' call of that number would wait out its deadline, and every later call
+                # here would be one ahead of theirs (a breaker's find: the next call then timed
+                # out on one rank and succeeded on the other). They are told, as for a call
+                # cancelled while running.
+                engine._abort_unstarted(self, seq, CollectiveError("cancelled on that rank"))
+                raise
             self._check_usable()
             if self._aborts != aborts:
                 raise self._abort_exc

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rtxnet.collectives.reduce_ops import ReduceOp
-from transport.errors import CollectiveMismatchError, CollectiveTimeout
+from transport.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
 
 from .harness import run_world
 
@@ -373,3 +373,45 @@ def test_a_new_group_made_of_other_ranks_elsewhere_times_out_naming_the_likely_c
     assert [r[1] for r in res] == [1.0, 2.0, 2.0]
     # the second operation of a group: no such hint
     assert res[1][2] is not None and "waiting for ranks [2]" in res[1][2] and "new_group" not in res[1][2], res[1]
+
+
+async def cancelled_while_queued(engine):
+    # a breaker's find: a call cancelled while it waited behind an earlier one of its group
+    # (Ctrl-C on a blocking call queued after an async_op, task.cancel()) told nobody: the peer's
+    # call of that number waited out its deadline, and the next call timed out on one rank and
+    # succeeded on the other
+    g = engine.world
+    loop = asyncio.get_running_loop()
+    out = {}
+    a, b = np.ones(4, np.float32), np.full(4, 2, np.float32)
+    if g.rank == 0:
+        ta = asyncio.ensure_future(g.all_reduce(a, timeout=20))
+        tb = asyncio.ensure_future(g.all_reduce(b, timeout=20))
+        await asyncio.sleep(0.3)
+        tb.cancel()
+        await asyncio.gather(ta, tb, return_exceptions=True)
+        out["B"] = "cancelled" if tb.cancelled() else "not cancelled"
+    else:
+        await asyncio.sleep(1.0)
+        await g.all_reduce(a, timeout=20)
+        t0 = loop.time()
+        try:
+            await g.all_reduce(b, timeout=20)
+            out["B"] = "ok"
+        except CollectiveError as exc:
+            out["B"] = str(exc)
+        out["B_s"] = loop.time() - t0
+    out["A"] = float(a[0])
+    for name in ("C", "D"):
+        c = np.full(4, float(g.rank + 1), np.float32)
+        await g.all_reduce(c, timeout=5)
+        out[name] = float(c[0])
+    return out
+
+
+def test_a_call_cancelled_while_queued_fails_the_peers_matching_call_at_once():
+    res = run_world(2, cancelled_while_queued, timeout_s=60)
+    assert res[0]["B"] == "cancelled", res
+    assert "rank 0 failed all_reduce (group 'w', seq 1): cancelled on that rank" in res[1]["B"], res
+    assert res[1]["B_s"] < 5, res
+    assert [(r["A"], r["C"], r["D"]) for r in res] == [(2.0, 3.0, 3.0)] * 2, res
