@@ -106,6 +106,7 @@ from transport.errors import (
     CollectiveMismatchError,
     ConfigError,
     ProtocolError,
+    RtxError,
     RtxTimeoutError,
     TransportError,
 )
@@ -518,6 +519,7 @@ class PipelineSchedule:
         # locally and are reduced once, after the last backward (a DDP backward synchronises only
         # one forward's gradient; the others' would stay on each replica)
         ddp = st.module if isinstance(st.module, DistributedDataParallel) else None
+        interrupted: BaseException | None = None
         try:
             with world.pinned():
                 if failure is None:
@@ -527,12 +529,26 @@ class PipelineSchedule:
                     except Exception as exc:
                         failure = exc
                         self._abort_neighbours(exc)
+                    except BaseException as exc:
+                        # KeyboardInterrupt (Ctrl-C on this rank alone), SystemExit in a module:
+                        # the other stages are told and the step ends on every stage, then it is
+                        # raised here (a breaker's find: they waited out their timeout, and this
+                        # stage's next step timed out too)
+                        interrupted = exc
+                        failure = RtxError(f"stage {st.stage_index} was interrupted "
+                                           f"({type(exc).__name__})")
+                        self._abort_neighbours(failure)
                 if failure is None and ddp is not None:
                     try:
                         ddp.sync_gradients()
                     except Exception as exc:
                         failure = exc
-                self._agree(failure, rank)
+                try:
+                    self._agree(failure, rank)
+                except Exception:
+                    if interrupted is not None:
+                        raise interrupted from None
+                    raise
         except BaseException as exc:
             log.warning("pipeline_step_failed", stage=st.stage_index, step=step_no,
                         error=type(exc).__name__, detail=str(exc))

@@ -299,16 +299,16 @@ class _DetachesInput(torch.nn.Module):
 
 
 class _FailsOnCall(torch.nn.Module):
-    """``inner``, except that its ``n``-th call raises RuntimeError."""
+    """``inner``, except that its ``n``-th call raises RuntimeError (or ``exc``)."""
 
-    def __init__(self, inner: torch.nn.Module, n: int):
+    def __init__(self, inner: torch.nn.Module, n: int, exc: BaseException | None = None):
         super().__init__()
-        self.inner, self.n, self.calls = inner, n, 0
+        self.inner, self.n, self.calls, self.exc = inner, n, 0, exc
 
     def forward(self, x):
         self.calls += 1
         if self.calls == self.n:
-            raise RuntimeError(f"user bug on call {self.n}")
+            raise self.exc or RuntimeError(f"user bug on call {self.n}")
         return self.inner(x)
 
 
@@ -496,6 +496,28 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
         res[f"abort_module/{name}"] = {"error": err, "seconds": seconds,
                                        "next_loss": None if loss is None else float(loss),
                                        "ref_loss": float(LOSS(full_model(20)(x), y))}
+
+    # The same with a KeyboardInterrupt (Ctrl-C on that rank alone): the others were not told and
+    # waited out their timeout, and stage 1's next step timed out too (a breaker's find)
+    part = stage_of(full_model(20), g4.rank, 4)
+    if g4.rank == 1:
+        part = _FailsOnCall(part, 2, KeyboardInterrupt())
+    st_k = PipelineStage(part, g4)
+    sched = ScheduleGPipe(st_k, 4, LOSS, timeout_s=20)
+    x, y = data((P_B, P_D), P_C, seed=30)
+    t0 = time.monotonic()
+    try:
+        sched.step(x if st_k.is_first else None, y if st_k.is_last else None)
+        err = "no error"
+    except BaseException as exc:   # noqa: BLE001 - the test asserts on the type and message
+        err = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    for p in part.parameters():
+        p.grad = None
+    loss = sched.step(x if st_k.is_first else None, y if st_k.is_last else None)
+    res["abort_module_interrupt"] = {"error": err, "seconds": seconds,
+                                     "next_loss": None if loss is None else float(loss),
+                                     "ref_loss": float(LOSS(full_model(20)(x), y))}
 
     # Stage 2's backward raises: the last stage had finished its part (it returned the loss
     # before); the step's closing agreement makes it raise too.

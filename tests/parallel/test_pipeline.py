@@ -134,6 +134,16 @@ def test_a_stage_whose_module_raises_fails_every_stage_at_once_and_the_next_step
     assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
 
 
+def test_a_stage_interrupted_by_keyboard_interrupt_fails_every_stage_at_once_and_the_next_step_runs(pp):
+    res = [r["abort_module_interrupt"] for r in pp]
+    assert res[1]["error"] == "KeyboardInterrupt: ", res
+    assert res[0]["error"].startswith("ConfigError: a later stage (after stage 0) failed this step"), res
+    for s in (2, 3):
+        assert res[s]["error"].startswith("ConfigError: stage 1 failed this step"), res
+    assert all(r["seconds"] < 10 for r in res), res
+    assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
+
+
 def test_a_pipeline_on_the_same_group_works_again_after_a_replacement_joins(tmp_path):
     # the tags' step numbers count per group object and epoch: the survivors' count went on
     # after the failure while the replacement started at 0, so every step after it timed out
