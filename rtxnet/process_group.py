@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
+import inspect
 import os
 import sys
 import weakref
@@ -86,6 +88,28 @@ def _utf8(text: str, what: str) -> bytes:
                           f"for a value") from None
 
 
+def _loop_checked(pg: Any, name: str, target: Any) -> Any:
+    """``target`` whose coroutine, when it runs, first checks the loop it runs in
+    (``pg._check_loop``): the look-up's own check passes outside any loop, as in
+    ``asyncio.run(pg.all_reduce(x))`` after ``connect()``'s loop ended, where the collective then
+    waited out its deadline and named a live peer (a breaker's find)."""
+    @functools.wraps(target)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        res = target(*args, **kwargs)
+        if not inspect.iscoroutine(res):
+            return res   # new_group: no communication, no loop
+
+        async def checked() -> Any:
+            try:
+                pg._check_loop(name)
+            except BaseException:
+                res.close()
+                raise
+            return await res
+        return checked()
+    return call
+
+
 class Store:
     """The job's key-value store on the coordinator (journaled; survives coordinator restarts).
 
@@ -95,8 +119,11 @@ class Store:
     naming it.
     """
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: Agent, check_loop: Any = None):
         self._agent = agent
+        # the group's check of the calling loop (the store's requests from another loop got
+        # "no answer within 10 s" with the coordinator up: a breaker's find)
+        self._check = check_loop or (lambda name: None)
 
     @staticmethod
     def _k(key: str) -> str:
@@ -136,6 +163,7 @@ class Store:
                 than 1 MiB of UTF-8; the key or a str value is not valid UTF-8.
             TypeError: ``key`` is not a str, ``value`` not bytes or str.
         """
+        self._check("store.set")
         await self._agent.kv_set(self._k(key), self._b(value, key))
 
     async def get(self, key: str) -> bytes | None:
@@ -144,6 +172,7 @@ class Store:
         Raises:
             TypeError: ``key`` is not a str.
         """
+        self._check("store.get")
         return await self._agent.kv_get(self._k(key))
 
     async def wait(self, keys: list[str] | str, timeout: float | None = None) -> dict[str, bytes]:
@@ -155,6 +184,7 @@ class Store:
                 2**20 keys; the job has 4,096 waits open, or 2**20 keys waited on, already.
             TypeError: a key is not a str.
         """
+        self._check("store.wait")
         if timeout is not None and not is_seconds(timeout):
             raise ConfigError(f"store.wait: timeout must be a finite number of seconds > 0, got {timeout!r}")
         # (bytes would be taken as a sequence of ints: "got int (100)" for b"d", a tester's find)
@@ -176,6 +206,7 @@ class Store:
                 to learn what happened.
             TypeError: ``key`` is not a str, ``expected`` or ``value`` not bytes or str.
         """
+        self._check("store.compare_set")
         key = self._k(key)
         return await self._agent.kv_cas(key, None if expected is None else self._b(expected, key, "expected value"),
                                         self._b(value, key))
@@ -190,6 +221,7 @@ class Store:
                 key to learn what happened.
             TypeError: ``key`` is not a str.
         """
+        self._check("store.delete")
         return await self._agent.kv_del(self._k(key))
 
     def epoch_key(self, key: str) -> str:
@@ -211,7 +243,7 @@ class ProcessGroup:
         self._agent = agent
         self._engine = engine
         self.timeouts = timeouts
-        self.store = Store(agent)
+        self.store = Store(agent, self._check_loop)
         if engine is not None:
             engine.kv = self.store   # NCCL unique ids travel through the journaled store
         # While a FaultTolerance step runs, collectives go to the world group of the epoch the step
@@ -258,7 +290,7 @@ class ProcessGroup:
         Raises:
             ClosedError: that loop has ended (its ``asyncio.run`` returned, ending the group's
                 heartbeats and reads).
-            ConfigError: it still runs (in another thread).
+            ConfigError: it still runs (in another thread), or is open but not running.
         """
         made_in = _OPEN_ASYNC.get(self)
         try:
@@ -272,6 +304,12 @@ class ProcessGroup:
                               f"(its asyncio.run() returned, which ended the group's heartbeats): a "
                               f"group serves the loop its connect() ran in; await its aclose() here "
                               f"(it still holds its rank in the job), then connect in this loop")
+        if not made_in.is_running():
+            # (one thread, two loops: "another thread's" misled; its heartbeats wait meanwhile)
+            raise ConfigError(f"{name}: this process group was made in another event loop, which is "
+                              f"not running now: a group serves only the loop its connect() ran in; "
+                              f"run the call in that loop (loop.run_until_complete), whose turns also "
+                              f"carry the group's heartbeats")
         raise ConfigError(f"{name}: this process group was made in another event loop (another "
                           f"thread's): a group serves only the loop its connect() ran in; from other "
                           f"threads use the blocking group of rtxnet.init()")
@@ -301,7 +339,9 @@ class ProcessGroup:
             self._check_min_ranks(name)
         target = getattr(pinned or engine.world, name)
         if name in _COUNTED and os.environ.get("RTXNET_FAULTS"):
-            return _with_fault_point(self, target)
+            target = _with_fault_point(self, target)
+        if check_loop:
+            return _loop_checked(self, name, target)
         return target
 
     def _check_min_ranks(self, name: str) -> None:

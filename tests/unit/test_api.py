@@ -477,10 +477,34 @@ def test_a_group_is_refused_in_another_event_loop_than_its_own(coordinator):
             await pg.commit(0)
         await pg.aclose()
 
+    # the call made outside any loop, run in another (a breaker's find: it passed the look-up's
+    # check and waited out its deadline naming a live peer; the store got "no answer")
+    with pytest.raises(errors.ClosedError, match=r"^all_reduce: this process group was made in an "
+                                                 r"event loop that has ended"):
+        asyncio.run(pg.all_reduce(np.ones(2), timeout=5))
+    with pytest.raises(errors.ClosedError, match=r"^store.set: this process group was made in an "
+                                                 r"event loop that has ended"):
+        asyncio.run(pg.store.set("k", b"v"))
     asyncio.run(elsewhere(pg))
     assert pg._engine._closed is not None and pg._agent._closed
     del pg
     gc.collect()    # (returns: nothing of the group waits in zmq_ctx_term)
+
+    # made in a loop that is open but not running: refused naming that, not "another thread's"
+    idle = asyncio.new_event_loop()
+    try:
+        pg = idle.run_until_complete(make("idle-loop"))
+        with pytest.raises(errors.ConfigError, match=r"^all_reduce: this process group was made in "
+                                                     r"another event loop, which is not running now"):
+            asyncio.run(pg.all_reduce(np.ones(2), timeout=5))
+        with pytest.raises(errors.ConfigError, match=r"^store.get: .* not running now"):
+            asyncio.run(pg.store.get("k"))
+        y = np.ones(2)
+        idle.run_until_complete(pg.all_reduce(y))   # its own loop: served
+        assert y.tolist() == [1.0, 1.0]
+        idle.run_until_complete(pg.aclose())
+    finally:
+        idle.close()
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
