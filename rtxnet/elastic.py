@@ -744,8 +744,18 @@ class FaultTolerance:
                     await self._wait_world()
                     await self._sync()
                     self._sync_timeouts = 0
+                    if self._synced_epoch != self.pg.epoch:
+                        continue   # the world changed again as the sync ended: re-form in it
                 if self._open_failure is not None:
                     await self._close_failure()
+                if self._synced_epoch != self.pg.epoch:
+                    # A loss that came between the end of the sync and the step (during the
+                    # failure's closing, which awaits the store): the step began in the new
+                    # world with the state synced for the old one, below min_world_size, and an
+                    # FSDP state laid out for the old world failed the forward with ConfigError,
+                    # which ended the rank and with it the committed state (a fresh user's find,
+                    # 2 of 8 runs of a second kill during the sync). Re-form first.
+                    continue
                 self._step_epoch = self.pg.epoch
                 if self.pg.engine is not None:
                     self.pg._pinned_world = self.pg.engine.world
@@ -1752,6 +1762,7 @@ class FaultTolerance:
         losses = [{"epoch": e, "ranks": r} for e, r in sorted(self._epoch_lost.items())
                   if e > f["epoch"]]
         lost_launch = [self.launch_rank] if f.get("fenced") else self._lost_launch(f, losses)
+        epoch, world = self.pg.epoch, self.pg.world_size   # the world recovered into (before the await)
         injected = await self._injection_time(f["t_detected"], lost_launch)
         rec = {
             "event": "recovered",
@@ -1765,8 +1776,8 @@ class FaultTolerance:
             "late": f.get("late", []),   # a CollectiveTimeout's ranks, numbered as of f["epoch"]
             "late_launch": self._launch_ranks(f.get("late_epoch", f["epoch"]), f.get("late", [])),
             "fenced": f.get("fenced", False),
-            "epoch": self.pg.epoch,
-            "world_size": self.pg.world_size,
+            "epoch": epoch,
+            "world_size": world,
             "t_detected": f["t_detected"],
             "t_recovered": now,
             "t_injected": injected,
