@@ -4,6 +4,7 @@ counts what was suppressed)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -44,13 +45,19 @@ def test_a_flood_of_garbage_leaves_the_daemon_serving_with_a_bounded_log(coordin
     def counted():
         return [line for line in coordinator.log.splitlines() if "protocol_error" in line]
 
-    procs.wait_until(lambda: any("suppressed_before" in ln and "suppressed_before=0" not in ln
-                                 for ln in counted()), 5, "the line counting suppressed errors")
-    lines = counted()
+    def accounted() -> tuple[int, int]:
+        lines = counted()
+        return len(lines), sum(int(m) for ln in lines for m in re.findall(r"suppressed_before=(\d+)", ln))
+
+    # every one of the 3001 logged or counted: the daemon's log reaches this process through a
+    # pipe, and on loaded cores its last lines came after the first counting one (a fresh user's
+    # run read (40, 2313): 648 not yet read, not lost)
+    with contextlib.suppress(AssertionError):
+        procs.wait_until(lambda: sum(accounted()) == 3001, 10, "every garbage message logged or counted")
+    n_lines, suppressed = accounted()
     budget = LogBudget().per_window
-    assert len(lines) <= budget * (int(elapsed / LogBudget().window_s) + 2), len(lines)
-    suppressed = sum(int(m) for ln in lines for m in re.findall(r"suppressed_before=(\d+)", ln))
-    assert len(lines) + suppressed == 3001, (len(lines), suppressed)
+    assert n_lines <= budget * (int(elapsed / LogBudget().window_s) + 2), n_lines
+    assert n_lines + suppressed == 3001, (n_lines, suppressed)
     assert coordinator.proc.poll() is None
 
 
