@@ -481,13 +481,14 @@ class ColumnParallelLinear(_ParallelLinear):
         ``[*, O/W]``.
 
         Raises:
-            ValueError: ``x``'s last dimension is not ``I`` (names both).
+            TypeError: ``x`` is not a torch.Tensor.
+            ValueError: ``x`` is 0-d, or its last dimension is not ``I`` (names both).
             ConfigError: the group's size changed since the layer was built.
             PeerLostError, CollectiveTimeout: a collective failed (also from backward).
             CollectiveMismatchError: ranks fed inputs of different shapes or dtypes.
         """
         self._check_world()
-        if x.shape[-1] != self.in_features:
+        if _last_dim("ColumnParallelLinear", x) != self.in_features:
             raise ValueError(f"ColumnParallelLinear: input last dimension({x.shape[-1]}) != "
                              f"in_features({self.in_features})")
         x = copy_to_parallel(x, self._pg, self.timeout_s)
@@ -558,14 +559,15 @@ class RowParallelLinear(_ParallelLinear):
         Returns ``[*, O]``, identical on every rank.
 
         Raises:
-            ValueError: ``x``'s last dimension is not the expected one (names both).
+            TypeError: ``x`` is not a torch.Tensor.
+            ValueError: ``x`` is 0-d, or its last dimension is not the expected one (names both).
             ConfigError: the group's size changed since the layer was built.
             PeerLostError, CollectiveTimeout: a collective failed (also from backward).
             CollectiveMismatchError: ranks fed inputs of different shapes or dtypes.
         """
         self._check_world()
         want = self.in_per_rank if self.input_is_parallel else self.in_features
-        if x.shape[-1] != want:
+        if _last_dim("RowParallelLinear", x) != want:
             what = "in_features/W" if self.input_is_parallel else "in_features"
             raise ValueError(f"RowParallelLinear: input last dimension({x.shape[-1]}) != "
                              f"{what}({want})")
@@ -578,6 +580,18 @@ class RowParallelLinear(_ParallelLinear):
         return (f"in_features={self.in_features} ({self.in_per_rank} on rank {self.rank} of "
                 f"{self.world_size}), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+def _last_dim(who: str, x: Any) -> int:
+    """``x``'s last dimension; ``TypeError`` for what is not a tensor, ``ValueError`` for a 0-d
+    one (a NumPy input raised AttributeError, a 0-d one IndexError: a breaker's find)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{who}: the input must be a torch.Tensor [*, in_features], got "
+                        f"{type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"{who}: the input is 0-d; it needs a last dimension of in features "
+                         f"([*, in_features])")
+    return x.shape[-1]
 
 
 def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
@@ -596,12 +610,21 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
         timeout_s: as :class:`ColumnParallelLinear`.
 
     Raises:
-        ConfigError: a name that is not an ``nn.Linear`` submodule, ``down``'s in_features other
-            than ``up``'s out_features (names swapped), or the hidden size (``up``'s out_features)
-            not divisible by the group size; names them.
+        ConfigError: a name that is not a str naming an ``nn.Linear`` submodule, ``up`` and
+            ``down`` naming the same layer, ``down``'s in_features other than ``up``'s
+            out_features (names swapped), or the hidden size (``up``'s out_features) not
+            divisible by the group size; names them.
     """
+    if isinstance(up, str) and isinstance(down, str) and up == down:
+        # (accepted before: the row layer replaced the column one, and the first forward failed
+        # naming neither argument, a breaker's find)
+        raise ConfigError(f"shard_mlp: up({up!r}) and down({down!r}) name the same layer: up is the "
+                          f"first nn.Linear of the MLP, down the second")
     layers = {}
     for role, name in (("up", up), ("down", down)):
+        if not isinstance(name, str):
+            raise ConfigError(f"shard_mlp: {role}({name!r}) must be a str, the dotted name of an "
+                              f"nn.Linear submodule")
         try:
             sub = module.get_submodule(name)
         except AttributeError as exc:

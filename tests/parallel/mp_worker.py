@@ -167,6 +167,12 @@ def tp_case(pg, tag: str) -> dict:
         "row_input_dim": error_of(lambda: rw(torch.zeros(2, D_H))),
         "shard_mlp_name": error_of(lambda: shard_mlp(MLP(), pg, up="fc1", down="nope")),
         "shard_mlp_swapped": error_of(lambda: shard_mlp(MLP(), pg, up="fc2", down="fc1")),
+        # (a breaker's finds: the same name twice was accepted, then a forward naming neither
+        # failed; a 0-d input raised IndexError, a NumPy one AttributeError)
+        "shard_mlp_same": error_of(lambda: shard_mlp(MLP(), pg, up="fc1", down="fc1")),
+        "shard_mlp_not_str": error_of(lambda: shard_mlp(MLP(), pg, up=0, down="fc2")),
+        "column_input_0d": error_of(lambda: c(torch.tensor(1.0))),
+        "row_input_numpy": error_of(lambda: rw(torch.zeros(2, D_H).numpy())),
     }
     return {f"{tag}/{k}": v for k, v in res.items()}
 

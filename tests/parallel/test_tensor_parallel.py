@@ -74,6 +74,12 @@ def test_bad_sizes_and_inputs_are_refused_naming_the_values(tp):
         assert e["shard_mlp_swapped"] == ("ConfigError: shard_mlp: up('fc2') has out_features(5) and "
                                           "down('fc1') in_features(6): down must take what up gives "
                                           "(are the names swapped?)"), e
+        assert e["shard_mlp_same"] == ("ConfigError: shard_mlp: up('fc1') and down('fc1') name the same "
+                                       "layer: up is the first nn.Linear of the MLP, down the second"), e
+        assert e["shard_mlp_not_str"].startswith("ConfigError: shard_mlp: up(0) must be a str"), e
+        assert e["column_input_0d"].startswith("ValueError: ColumnParallelLinear: the input is 0-d"), e
+        assert e["row_input_numpy"] == ("TypeError: RowParallelLinear: the input must be a torch.Tensor "
+                                        "[*, in_features], got ndarray"), e
         assert r["w2/errors"]["column_out_features"].endswith("out_features(9) is not divisible "
                                                               "by the tensor-parallel group size(2)")
 
