@@ -120,13 +120,22 @@ def _render(status: dict) -> str:
     jobs, finished = status["jobs"], status["finished"]
     lines = [] if jobs or status.get("jobs_omitted") else ["no jobs"]
     for j in jobs:
-        lines.append(
-            f"job {_shown(j['job'])}: {j['state']}, epoch {j['epoch']}, world size {j['world_size']} "
-            f"(min {j['min_ranks']}, max {j['max_ranks']}), "
+        # a running world below its minimum, its members waiting for it to grow, says so (a
+        # fresh user read "running" there as training); the rendezvous count only where anyone
+        # waits in one (it said "0 joined and waiting" of every running job)
+        waiting = [m["waiting_for"] for m in j["members"] if m.get("waiting_for")]
+        state = j["state"]
+        if state == "running" and waiting:
+            state = f"running, waiting for a world of {max(waiting)}"
+        pending = ""
+        if j["pending"] or j["state"] == "rendezvous" or j.get("missing_ranks"):
             # (a fresh user read "pending 2" as two ranks missing: they are the ones that came)
-            f"{j['pending']} joined and waiting for the next epoch"
-            + (f" (missing ranks {', '.join(map(str, j['missing_ranks']))})" if j.get("missing_ranks") else "")
-            + ", "
+            pending = (f"{j['pending']} joined and waiting for the next epoch"
+                       + (f" (missing ranks {', '.join(map(str, j['missing_ranks']))})"
+                          if j.get("missing_ranks") else "") + ", ")
+        lines.append(
+            f"job {_shown(j['job'])}: {state}, epoch {j['epoch']}, world size {j['world_size']} "
+            f"(min {j['min_ranks']}, max {j['max_ranks']}), {pending}"
             f"{last_committed(j['committed_step'])}, {j['kv_keys']} key(s)"
             + (", training finished (admits no ranks)" if j.get("finished_training") else "")
         )

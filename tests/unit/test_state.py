@@ -483,6 +483,26 @@ def test_status_text_lists_running_jobs_before_the_finished_ids():
     assert lines[0].startswith("job live: running") and lines[-1].startswith("finished (ids not reusable): old"), lines
 
 
+def test_status_text_says_a_running_world_waits_to_grow_and_counts_joiners_only_where_any_wait():
+    # a fresh user's remarks: every running job said "0 joined and waiting for the next epoch",
+    # and "running" where every member waited for the world to grow back to its minimum
+    from rtxnet.cli import _render
+
+    def job(state, pending, waiting_for=None):
+        return {"job": state, "state": state, "epoch": 3, "world_size": 2, "min_ranks": 3, "max_ranks": 3,
+                "pending": pending, "committed_step": 7, "kv_keys": 0,
+                "members": [{"rank": 0, "host": "h", "pid": 11, "heartbeat_age_s": 0.1,
+                             "waiting_for": waiting_for}]}
+
+    lines = _render({"jobs": [job("running", 0, 3), job("rendezvous", 1)], "finished": {}}).splitlines()
+    head = [ln for ln in lines if ln.startswith("job ")]
+    assert head[0].startswith("job running: running, waiting for a world of 3, epoch 3") \
+        and "joined and waiting" not in head[0], head
+    assert "1 joined and waiting for the next epoch, last committed" in head[1], head
+    plain = _render({"jobs": [job("running", 0)], "finished": {}}).splitlines()[0]
+    assert plain.startswith("job running: running, epoch 3") and "joined" not in plain, plain
+
+
 def test_abandoned_rendezvous_is_forgotten_and_a_new_launch_starts_afresh():
     h = Harness()
     h.join("a", job="ghost", min_ranks=2, max_ranks=2)
