@@ -774,7 +774,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     if t in ("heartbeat", "leave", "reform", "finish", "rewind") and msg["identity"] != identity:
         actions.append(_not_yours(identity, msg))
         return
-    if t.startswith("kv_") and "" in (msg["keys"] if t == "kv_wait" else [msg["key"]]):
+    if t.startswith("kv_") and t != "kv_unwait" and "" in (msg["keys"] if t == "kv_wait" else [msg["key"]]):
         actions.append(_error(identity, msg, "ConfigError", f"{t}: a store key must not be empty"))
         return
     if t == "heartbeat":
@@ -838,6 +838,11 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             job.kv_waiters.append(waiter)
             job.kv_parked_nbytes += nbytes
             state.kv_waiting.setdefault(identity, set()).add(job.job)
+    elif t == "kv_unwait":
+        # only the asker's own wait (identity and request id): one client cannot end another's
+        gone = [w for w in job.kv_waiters if w.identity == identity and w.rid == msg["wait_rid"]]
+        _unpark(state, job, gone)
+        actions.append(_reply(identity, msg, job, withdrawn=bool(gone)))
     elif t == "kv_cas":
         current = job.kv.get(msg["key"])
         if current == msg["expected"]:
@@ -1346,6 +1351,7 @@ def _status(state: State, now: float, only: str | None = None) -> list[dict[str,
             "committed_step": job.committed_step,
             "finished_training": job.finished_training,
             "kv_keys": len(job.kv),
+            "kv_waits": len(job.kv_waiters),   # store waits parked now (at most MAX_KV_WAITERS)
             "members": [
                 # no identity: it is the agent's ZeroMQ routing id, and a client that knows it
                 # could take over the agent's connection (ROUTER_HANDOVER)

@@ -10,6 +10,7 @@ fenced out (declared lost while frozen or cut off).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -147,6 +148,7 @@ class Agent:
         self.gone = asyncio.Event()
         self._client: ControlClient | None = None
         self._hb_task: asyncio.Task | None = None
+        self._withdrawals: set[asyncio.Task] = set()   # kv_unwait requests in flight
         self._joining = False
         self._closed = False
         self._leaving = False
@@ -355,14 +357,14 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------
     async def _request(self, mtype: str, *, deadline_s: float | None = None, epoch: int | None = None,
-                       **fields: Any) -> dict[str, Any]:
+                       on_cancel: Callable[[int], Any] | None = None, **fields: Any) -> dict[str, Any]:
         """Send ``mtype`` with this agent's job, token and epoch (``epoch`` names another)."""
         if self._closed or self._client is None:
             raise ClosedError("agent is closed" if self._closed else "agent has not joined")
         try:
             return await self._client.request(mtype, job=self.job, epoch=self.epoch if epoch is None else epoch,
                                               deadline_s=deadline_s or self.timeouts.request_s,
-                                              **{"token": self.token, **fields})
+                                              on_cancel=on_cancel, **{"token": self.token, **fields})
         except RtxTimeoutError as exc:
             since = self._unreachable_since
             if since is None:
@@ -539,8 +541,23 @@ class Agent:
         # (request_s, 10 s by default, made a wait(timeout=2) on a frozen coordinator take 12 s:
         # a tester's find)
         body = await self._request("kv_wait", deadline_s=timeout_s + min(2.0, self.timeouts.request_s),
-                                   keys=list(keys), timeout_s=float(timeout_s))
+                                   on_cancel=self._withdraw_wait, keys=list(keys), timeout_s=float(timeout_s))
         return body["values"]
+
+    def _withdraw_wait(self, rid: int) -> None:
+        """A ``kv_wait`` cancelled here (``asyncio.wait_for``, Ctrl-C in the blocking store) is
+        withdrawn at the coordinator, where it stayed parked until its own timeout: 4,096 such
+        waits refused every wait of the job (a breaker's find). Best effort, in the background."""
+        if self._closed or self._client is None:
+            return
+
+        async def withdraw() -> None:
+            with contextlib.suppress(Exception):
+                await self._request("kv_unwait", wait_rid=rid)
+
+        task = asyncio.get_running_loop().create_task(withdraw())
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
 
     async def kv_cas(self, key: str, expected: bytes | None, value: bytes) -> tuple[bool, bytes | None]:
         body = await self._request("kv_cas", key=key, expected=None if expected is None else bytes(expected), value=bytes(value))

@@ -137,6 +137,7 @@ def _render(status: dict) -> str:
             f"job {_shown(j['job'])}: {state}, epoch {j['epoch']}, world size {j['world_size']} "
             f"(min {j['min_ranks']}, max {j['max_ranks']}), {pending}"
             f"{last_committed(j['committed_step'])}, {j['kv_keys']} key(s)"
+            + (f", {j['kv_waits']} store wait(s) open" if j.get("kv_waits") else "")
             + (", training finished (admits no ranks)" if j.get("finished_training") else "")
         )
         for m in j["members"]:

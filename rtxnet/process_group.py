@@ -176,7 +176,8 @@ class Store:
         return await self._agent.kv_get(self._k(key))
 
     async def wait(self, keys: list[str] | str, timeout: float | None = None) -> dict[str, bytes]:
-        """Wait until every key exists; returns their values.
+        """Wait until every key exists; returns their values. Cancelled (``asyncio.wait_for``,
+        Ctrl-C in the blocking store), the wait is withdrawn at the coordinator.
 
         Raises:
             RtxTimeoutError: some key is still missing after ``timeout`` seconds (names them).

@@ -199,12 +199,15 @@ class ControlClient:
         if os.getpid() != self._pid:
             raise ClosedError("control channel was made in another process (fork); make a new one")
 
-    async def request(self, mtype: str, *, job: str, epoch: int, deadline_s: float, **fields: Any) -> dict[str, Any]:
+    async def request(self, mtype: str, *, job: str, epoch: int, deadline_s: float,
+                      on_cancel: Callable[[int], Any] | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait for its answer.
 
         Args:
             mtype: a request type of :mod:`transport.wire`.
             deadline_s: seconds to wait for the answer.
+            on_cancel: called with the request id when this call is cancelled after the request
+                was sent (``kv_wait``: to withdraw it at the coordinator).
             fields: the message's own fields (see :mod:`transport.wire`).
 
         Returns:
@@ -237,6 +240,11 @@ class ControlClient:
                     reply = await fut
             except TimeoutError:
                 raise RtxTimeoutError(f"{mtype} to {self.address}: no answer within {deadline_s:g} s") from None
+            except asyncio.CancelledError:
+                # (the task's cancel cancels the future it awaits: cancelled, not answered)
+                if on_cancel is not None and (not fut.done() or fut.cancelled()):
+                    on_cancel(rid)
+                raise
         finally:
             self._pending.pop(rid, None)
             self._resend.pop(rid, None)

@@ -36,6 +36,9 @@ Message types and their meaning:
 - ``leave``: orderly exit of a rank; distinct from a crash.
 - ``kv_set`` / ``kv_get`` / ``kv_wait`` / ``kv_cas`` / ``kv_del``: the job's key-value store. A
   ``kv_wait`` reply comes when the key exists or the request's ``timeout_s`` runs out.
+- ``kv_unwait``: the client's ``kv_wait`` of request id ``wait_rid`` was cancelled: the
+  coordinator forgets it (it stayed parked until its timeout, and 4,096 cancelled waits refused
+  every wait of the job: a breaker's find); the reply says whether it was still ``withdrawn``.
 - ``commit``: a rank's vote that ``step`` succeeded (or failed) in ``epoch``; the reply comes once
   every member voted (``committed`` true only if all voted success) or the epoch changed.
 - ``reform``: a member's request to open a new epoch with the same members, after an operation
@@ -140,6 +143,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
     "kv_set": {"key": (str, True), "value": (bytes, True)},
     "kv_get": {"key": (str, True)},
     "kv_wait": {"keys": (list, True), "timeout_s": (_Num, True)},
+    "kv_unwait": {"wait_rid": (int, True)},
     "kv_cas": {
         "key": (str, True),
         "expected": ((bytes, _Opt), True),  # None: the key must be absent
@@ -190,7 +194,7 @@ MESSAGES: dict[str, dict[str, tuple[Any, bool]]] = {
 CLAIM_STALE_S = 5.0
 
 REQUESTS = frozenset(
-    {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
+    {"join", "heartbeat", "leave", "kv_set", "kv_get", "kv_wait", "kv_unwait", "kv_cas", "kv_del", "commit", "reform",
      "finish", "rewind", "status", "claim"}
 )
 PUSHES = frozenset({"epoch", "fenced"})

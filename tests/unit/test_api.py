@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -528,6 +530,35 @@ def test_a_group_is_refused_in_another_event_loop_than_its_own(coordinator):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.mark.timeout(60)
+def test_store_waits_cancelled_here_are_withdrawn_at_the_coordinator(coordinator):
+    """A breaker's find: a cancelled store.wait stayed parked at the coordinator until its own
+    timeout (600 s here), and 4,096 of them refused every wait of the job. Each is withdrawn."""
+    from rtxnet.cli import _status
+
+    async def main():
+        async with await rtxnet.connect(coordinator.address, job="unwait", world_size=1) as pg:
+            for _ in range(20):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(pg.store.wait(["never"], timeout=600), 0.02)
+
+            async def parked() -> int:
+                body = await _status(coordinator.address, 10, "unwait")
+                return next(j["kv_waits"] for j in body["jobs"] if j["job"] == "unwait")
+
+            deadline = time.monotonic() + 10
+            while (n := await parked()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            # a wait that is answered still works, and one parked now is counted
+            waiter = asyncio.ensure_future(pg.store.wait(["later"], timeout=30))
+            await asyncio.sleep(0.2)
+            counted = await parked()
+            await pg.store.set("later", b"1")
+            return n, counted, await waiter
+
+    assert asyncio.run(main()) == (0, 1, {"later": b"1"})
 
 
 @pytest.mark.timeout(60)

@@ -353,6 +353,26 @@ def test_kv_set_get_wait_cas_delete():
     assert err and err[0]["error"] == "RtxTimeoutError" and "never" in err[0]["message"]
 
 
+def test_a_cancelled_kv_wait_is_withdrawn_by_its_own_client_only():
+    # a breaker's find: cancelled waits stayed parked until their timeout, and 4,096 of them
+    # refused every wait of the job
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=2)
+    h.join("b", min_ranks=2, max_ranks=2)
+    assert h.req("a", "kv_wait", epoch=0, keys=["x"], timeout_s=600.0) == []   # parked
+    rid = h.rid
+    job = h.state.jobs["j"]
+    assert len(job.kv_waiters) == 1 and job.kv_parked_nbytes > 0
+    other = h.req("b", "kv_unwait", epoch=0, wait_rid=rid)[0].msg["body"]
+    assert other == {"withdrawn": False} and len(job.kv_waiters) == 1   # not b's to end
+    mine = h.req("a", "kv_unwait", epoch=0, wait_rid=rid)[0].msg["body"]
+    assert mine == {"withdrawn": True} and job.kv_waiters == [] and job.kv_parked_nbytes == 0
+    assert "a" not in h.state.kv_waiting
+    woke = h.req("b", "kv_set", epoch=0, key="x", value=b"1")
+    assert [s.identity for s in woke] == ["b"], woke   # nobody answered for the withdrawn wait
+    assert h.req("a", "kv_unwait", epoch=0, wait_rid=rid)[0].msg["body"] == {"withdrawn": False}
+
+
 @pytest.mark.parametrize("n, shown, more", [(1, 1, ""), (10, 10, ""), (11, 10, " ... and 1 more"),
                                             (100_000, 10, " ... and 99990 more")])
 def test_a_kv_wait_timeout_names_the_first_ten_missing_keys_and_counts_the_rest(n, shown, more):
