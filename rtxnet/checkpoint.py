@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -1119,14 +1120,57 @@ def _prune(root: Path, keep: int, saved: int) -> None:
     cutoff = complete[-keep] if len(complete) > keep else -1
     for s in _steps(root):
         if s < cutoff or s > saved:
-            # the manifest first: the step is uncommitted before any shard goes, so a reader in
-            # another process that finds a shard missing can tell a pruned step (its manifest
-            # gone too) from a corrupt one (_StepRemoved); a crash between the two leaves an
-            # uncommitted folder, which the next save's sweep removes
-            with contextlib.suppress(FileNotFoundError):
-                (step_dir(root, s) / MANIFEST).unlink()
-            shutil.rmtree(step_dir(root, s), ignore_errors=True)
-            log.info("checkpoint_pruned", step=s, why="after the step saved" if s > saved else "older")
+            manifest = step_dir(root, s) / MANIFEST
+            try:
+                fd = os.open(manifest, os.O_RDONLY)
+            except OSError:
+                fd = None   # no manifest (uncommitted), or not readable: nothing to lock
+            try:
+                if fd is not None and s < cutoff:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        # a reader holds it (_held_step: load, load_all, latest's check): left
+                        # for a later save's prune, older than the kept ones then too (under a
+                        # writer with keep=1 a read of a few MB never finished, each step pruned
+                        # under it: a re-verifier's find)
+                        log.info("checkpoint_prune_deferred", step=s, why="being read")
+                        continue
+                # the manifest first: the step is uncommitted before any shard goes, so a reader
+                # in another process that finds a shard missing can tell a pruned step (its
+                # manifest gone too) from a corrupt one (_StepRemoved); a crash between the two
+                # leaves an uncommitted folder, which the next save's sweep removes
+                with contextlib.suppress(FileNotFoundError):
+                    manifest.unlink()
+                shutil.rmtree(step_dir(root, s), ignore_errors=True)
+                log.info("checkpoint_pruned", step=s, why="after the step saved" if s > saved else "older")
+            finally:
+                if fd is not None:
+                    os.close(fd)
+
+
+@contextlib.contextmanager
+def _held_step(root: str | os.PathLike, step: int) -> Any:
+    """Hold ``step`` against a prune while it is read: a shared ``flock`` on its manifest, which a
+    prune (``save(keep=)``, in any process) asks for exclusively and, refused, leaves the step for
+    a later save. Raises :class:`_StepRemoved` when the manifest was removed by the time the lock
+    came (its link count 0); without a manifest nothing is held (the read says why). Where the
+    file system has no ``flock`` across hosts, a read can still lose the step to a prune, which
+    :func:`_read_newest` retries."""
+    path = step_dir(root, step) / MANIFEST
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):   # (no flock there: unheld, as before)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:
+            raise _StepRemoved(path.parent, step)
+        yield
+    finally:
+        os.close(fd)
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -1307,7 +1351,8 @@ def _newest_intact(root: str | os.PathLike, verify_shards: bool, before: int | N
             pruned = True
             continue
         try:
-            verify(root, s) if verify_shards else read_manifest(root, s)
+            with _held_step(root, s):
+                verify(root, s) if verify_shards else read_manifest(root, s)
         except CheckpointCorruptError as exc:
             log.warning("checkpoint_corrupt", step=s, path=str(exc.path), error=str(exc))
             _CORRUPT_SEEN.add((str(Path(root).resolve()), s))
@@ -1393,11 +1438,14 @@ def _read_newest(root: str | os.PathLike, step: int | None, read: Any) -> Any:
     read is removed meanwhile (:class:`_StepRemoved`: a run saving there with ``keep=`` pruned
     it, a tester's find: a bare ``FileNotFoundError`` before). A step given is not replaced."""
     if step is not None:
-        return read(_check_step(step))
+        step = _check_step(step)
+        with _held_step(root, step):
+            return read(step)
     for attempt in range(_PRUNED_RETRIES):
         s = _resolve_step(root, None)
         try:
-            return read(s)
+            with _held_step(root, s):
+                return read(s)
         except CheckpointError as exc:
             # latest() found s committed a moment ago: with its manifest gone now (a prune
             # removes it first) it was pruned, whatever the read tripped on

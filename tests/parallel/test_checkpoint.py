@@ -750,3 +750,44 @@ def test_reading_a_root_another_process_prunes_never_fails_on_a_vanished_file(tm
         writer.wait(timeout=30)
     assert loads > 20, loads
     assert not failures, dict(failures)
+
+
+def test_reads_longer_than_a_save_are_not_starved_by_the_prunes_of_a_keep_1_writer(tmp_path):
+    """A re-verifier's find: under a writer saving 1 MB a step with ``keep=1``, three readers'
+    ``load_all(root)`` used up their 8 new looks in 20 of 55 calls (each step pruned while it was
+    read). A step being read now holds off its prune (a shared flock on its manifest); the prune
+    leaves it for a later save. Three reader processes, 4 s, a 2 MB state."""
+    import time
+
+    root = tmp_path / "root"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch\nfrom rtxnet import checkpoint\ns = 0\n"
+         "while True:\n    checkpoint.save(sys.argv[1], s, {'w': torch.full((500_000,), float(s))}, keep=1)\n"
+         "    s += 1\n", str(root)],
+        env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reader = ("import collections, json, sys, time\nfrom rtxnet import checkpoint\n"
+              "root, end = sys.argv[1], time.monotonic() + float(sys.argv[2])\n"
+              "ok, bad = 0, collections.Counter()\n"
+              "while time.monotonic() < end:\n"
+              "    try:\n"
+              "        st = checkpoint.load_all(root)[0]\n"
+              "        assert float(st['w'][0]) == st['_checkpoint']['step'] == float(st['w'][-1])\n"
+              "        ok += 1\n"
+              "    except Exception as exc:\n"
+              "        bad[f'{type(exc).__name__}: {exc}'[:160]] += 1\n"
+              "print(json.dumps([ok, bad]))\n")
+    try:
+        deadline = time.monotonic() + 60
+        while checkpoint.latest(root) is None:
+            assert writer.poll() is None and time.monotonic() < deadline, "the writer saved nothing"
+            time.sleep(0.05)
+        readers = [subprocess.Popen([sys.executable, "-c", reader, str(root), "4"], env=procs.env(),
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                   for _ in range(3)]
+        got = [json.loads(r.communicate(timeout=60)[0].strip().splitlines()[-1]) for r in readers]
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert all(ok > 0 and not bad for ok, bad in got), got
+    # the steps a prune left for later are gone once a later save pruned again
+    assert len(checkpoint._steps(root)) <= 4, checkpoint._steps(root)
