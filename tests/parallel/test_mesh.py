@@ -20,7 +20,8 @@ from tests.collectives.harness import run_world
 
 pytestmark = pytest.mark.timeout(120)
 
-OP_S = 5.0   # each collective's deadline: the old code's mismatch waits it out
+OP_S = 15.0   # each collective's deadline: the old code's mismatch waits it out (5 s was missed once by a
+#               rank of a clean-clone run on cores loaded 5 times over)
 
 
 class _CurrentWorld:
