@@ -177,3 +177,38 @@ class Portal:
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+def loop_refusal(what: str, home: asyncio.AbstractEventLoop | None) -> Exception | None:
+    """Why ``what`` may not run in the running event loop when the group lives in ``home`` (the
+    loop its sockets and tasks were made in; from another one a collective waited out its
+    deadline naming a live peer: testers' finds), or None where it may (same loop, no running
+    loop, no home known).
+
+    Returns:
+        ``ClosedError`` when ``home`` has ended (its ``asyncio.run`` returned, ending the group's
+        heartbeats and reads); ``ConfigError`` when it is open but not running, or runs in
+        another thread.
+    """
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    if home is None or running is home:
+        return None
+    from transport.errors import ClosedError, ConfigError
+
+    if home.is_closed():
+        return ClosedError(f"{what}: this process group was made in an event loop that has ended "
+                           f"(its asyncio.run() returned, which ended the group's heartbeats): a "
+                           f"group serves the loop its connect() ran in; await its aclose() here "
+                           f"(it still holds its rank in the job), then connect in this loop")
+    if not home.is_running():
+        # (one thread, two loops: "another thread's" misled; its heartbeats wait meanwhile)
+        return ConfigError(f"{what}: this process group was made in another event loop, which is "
+                           f"not running now: a group serves only the loop its connect() ran in; "
+                           f"run the call in that loop (loop.run_until_complete), whose turns also "
+                           f"carry the group's heartbeats")
+    return ConfigError(f"{what}: this process group was made in another event loop (another "
+                       f"thread's): a group serves only the loop its connect() ran in; from other "
+                       f"threads use the blocking group of rtxnet.init()")

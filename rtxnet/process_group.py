@@ -44,7 +44,7 @@ from transport.logconfig import env_flag
 
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
-from .portal import Portal, Work, wait_for
+from .portal import Portal, Work, loop_refusal, wait_for
 
 __all__ = ["ProcessGroup", "BlockingProcessGroup", "Store", "connect", "init"]
 
@@ -293,27 +293,9 @@ class ProcessGroup:
                 heartbeats and reads).
             ConfigError: it still runs (in another thread), or is open but not running.
         """
-        made_in = _OPEN_ASYNC.get(self)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        if made_in is None or running is made_in:
-            return
-        if made_in.is_closed():
-            raise ClosedError(f"{name}: this process group was made in an event loop that has ended "
-                              f"(its asyncio.run() returned, which ended the group's heartbeats): a "
-                              f"group serves the loop its connect() ran in; await its aclose() here "
-                              f"(it still holds its rank in the job), then connect in this loop")
-        if not made_in.is_running():
-            # (one thread, two loops: "another thread's" misled; its heartbeats wait meanwhile)
-            raise ConfigError(f"{name}: this process group was made in another event loop, which is "
-                              f"not running now: a group serves only the loop its connect() ran in; "
-                              f"run the call in that loop (loop.run_until_complete), whose turns also "
-                              f"carry the group's heartbeats")
-        raise ConfigError(f"{name}: this process group was made in another event loop (another "
-                          f"thread's): a group serves only the loop its connect() ran in; from other "
-                          f"threads use the blocking group of rtxnet.init()")
+        wrong = loop_refusal(name, _OPEN_ASYNC.get(self))
+        if wrong is not None:
+            raise wrong
 
     def __getattr__(self, name: str) -> Any:
         if name in _COLLECTIVES:
@@ -460,6 +442,7 @@ class ProcessGroup:
                 fault injection), naming why.
             RendezvousTimeout: the job did not take it in within ``Timeouts.rendezvous_s``.
         """
+        self._check_loop("rejoin")
         if not self._agent.fenced:
             raise ConfigError(f"rejoin: this rank was not declared lost (it is rank {self.rank} of "
                               f"epoch {self.epoch}); nothing to rejoin")
@@ -492,6 +475,7 @@ class ProcessGroup:
                 the request deadline).
             RendezvousError: this rank is no longer a member (it was declared lost).
         """
+        self._check_loop("reform")
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)
                                   or not 0 <= epoch <= self.epoch):
             raise ValueError(f"reform: epoch must be an epoch this rank was in, 0..{self.epoch}, "
@@ -504,6 +488,7 @@ class ProcessGroup:
 
     async def status(self) -> list[dict[str, Any]]:
         """Every job on the coordinator, as ``rtxnet status`` shows them."""
+        self._check_loop("status")
         return await self._agent.status()
 
     async def aclose(self) -> None:

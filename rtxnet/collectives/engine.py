@@ -715,6 +715,11 @@ class Engine:
         """Whether :meth:`aclose` was called."""
         return self._closed is not None
 
+    @property
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine's sockets read in (None before it started)."""
+        return getattr(self._mesh, "_loop", None)
+
     async def aclose(self) -> None:
         """Fail what is in flight with ClosedError, close sockets (linger 0), unlink segments."""
         if self._closed is not None:

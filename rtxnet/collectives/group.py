@@ -68,6 +68,7 @@ from rtxnet.collectives.ring import (
     ring_reduce_scatter,
 )
 from rtxnet.config import is_seconds
+from rtxnet.portal import loop_refusal
 from transport.errors import (
     ClosedError,
     CollectiveError,
@@ -257,6 +258,11 @@ class Group:
     # -- plumbing ----------------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
+        wrong = loop_refusal(f"group {self.gid!r}", self.engine.home_loop)
+        if wrong is not None:
+            # (subgroups of new_group/split are not wrapped by the ProcessGroup's check: from
+            # another loop they waited out their deadline, a re-verifier's find)
+            raise wrong
         fenced = self.engine.fenced
         if fenced is not None:
             raise PeerLostError(f"group {self.gid!r} of epoch {self.epoch}: {fenced}") from fenced

@@ -469,7 +469,21 @@ def test_a_group_is_refused_in_another_event_loop_than_its_own(coordinator):
     async def make(job):
         return await rtxnet.connect(coordinator.address, job=job, world_size=1)
 
-    pg = asyncio.run(make("ended-loop"))
+    subs = []
+
+    async def make_with_sub(job):
+        pg = await make(job)
+        subs.append(pg.new_group([0]))
+        return pg
+
+    pg = asyncio.run(make_with_sub("ended-loop"))
+    # a subgroup made in that loop, and reform (a re-verifier's find: they waited out their
+    # deadlines, the subgroup's naming a live peer)
+    with pytest.raises(errors.ClosedError, match=r"^group '0#0': this process group was made in an "
+                                                 r"event loop that has ended"):
+        asyncio.run(subs[0].all_reduce(np.ones(2), timeout=5))
+    with pytest.raises(errors.ClosedError, match=r"^reform: this process group was made in an event loop"):
+        asyncio.run(pg.reform(timeout=5))
 
     async def elsewhere(pg):
         with pytest.raises(errors.ClosedError, match=r"^all_reduce: this process group was made in an "
