@@ -707,6 +707,16 @@ def test_a_manifest_not_listing_a_shard_for_every_rank_is_not_committed(tmp_path
         assert info.value.path == manifest and str(manifest) in str(info.value)
 
 
+def _keep_1_writer(root: Path, n: int) -> subprocess.Popen:
+    """A process saving steps 0, 1, 2, ... of ``{"w": float32[n] filled with the step}`` under
+    ``root`` with ``keep=1``, as fast as it can, until killed."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch\nfrom rtxnet import checkpoint\ns = 0\n"
+         "while True:\n    checkpoint.save(sys.argv[1], s, {'w': torch.full((int(sys.argv[2]),), float(s))}, keep=1)\n"
+         "    s += 1\n", str(root), str(n)],
+        env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def test_reading_a_root_another_process_prunes_never_fails_on_a_vanished_file(tmp_path):
     """A breaker's find: ``load`` of a root a running job saves to with ``keep=1`` raised a bare
     ``FileNotFoundError`` (the step pruned between the look and the read) and ``latest`` found no
@@ -716,11 +726,7 @@ def test_reading_a_root_another_process_prunes_never_fails_on_a_vanished_file(tm
     import time
 
     root = tmp_path / "root"
-    writer = subprocess.Popen(
-        [sys.executable, "-c", "import sys, torch\nfrom rtxnet import checkpoint\ns = 0\n"
-         "while True:\n    checkpoint.save(sys.argv[1], s, {'w': torch.zeros(20000)}, keep=1)\n"
-         "    s += 1\n", str(root)],
-        env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    writer = _keep_1_writer(root, 20000)
     failures: collections.Counter = collections.Counter()
     loads = 0
     try:
@@ -760,11 +766,7 @@ def test_reads_longer_than_a_save_are_not_starved_by_the_prunes_of_a_keep_1_writ
     import time
 
     root = tmp_path / "root"
-    writer = subprocess.Popen(
-        [sys.executable, "-c", "import sys, torch\nfrom rtxnet import checkpoint\ns = 0\n"
-         "while True:\n    checkpoint.save(sys.argv[1], s, {'w': torch.full((500_000,), float(s))}, keep=1)\n"
-         "    s += 1\n", str(root)],
-        env=procs.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    writer = _keep_1_writer(root, 500_000)
     reader = ("import collections, json, sys, time\nfrom rtxnet import checkpoint\n"
               "root, end = sys.argv[1], time.monotonic() + float(sys.argv[2])\n"
               "ok, bad = 0, collections.Counter()\n"
