@@ -13,7 +13,9 @@ minutes aimed at, not reliably under. Later, 1238-1239 tests took 457, 541 and 5
 clean-clone runs on idle cores (8.8, 10.3 and 9.8 minutes with the install; 770-860
 CPU-seconds), and 736 and 753 s with testers' jobs running beside them; 1248-1251 tests took
 477, 505, 559 and 561 s on idle cores (9.3 to 10.8 minutes with the install; a rank released
-at exit without close() now lingers up to 1 s for its queued messages). A test marked ``exclusive`` (one that measures time: an event-loop
+at exit without close() now lingers up to 1 s for its queued messages), and 1261 tests 590 s
+(11.3 minutes with the install) on 2026-12-07; with testers' jobs beside them (a load of about
+10) 929 to 1394 s. A test marked ``exclusive`` (one that measures time: an event-loop
 stall, a deadline's length) runs while the other worker runs nothing: every test holds a
 shared ``flock`` on one file for its whole protocol (module fixtures included), an exclusive
 test an exclusive one; a turnstile lock in front keeps a waiting exclusive test from being
