@@ -351,6 +351,17 @@ def fault(pg, steps=5, B=12):
                 os._exit(0)
         die.step = -1
         net.register_forward_pre_hook(die)
+    else:
+        def began(*_):
+            # step 2's forward has begun here (DDP's own forward pinned the world of 4 before the
+            # module's hooks run): only then may rank 3 die. Set before the forward, a survivor
+            # descheduled on loaded cores began it after rank 3's loss and ran the step in the
+            # world of 3 without a failure (a clean-clone run's rank 1)
+            if began.step == 2 and not began.told:
+                began.told = True
+                pg.store.set(f"fault/step1/{r0}", b"1")
+        began.step, began.told = -1, False
+        net.register_forward_pre_hook(began)
     failures = []
     for s in range(steps):
         xb, yb = x[s * B:(s + 1) * B], y[s * B:(s + 1) * B]
@@ -360,11 +371,11 @@ def fault(pg, steps=5, B=12):
         snapshot = sampler.state_dict()
         if r0 == 1 and s == 2:
             late.armed = pg.epoch    # before rank 3 may die: armed with the epoch step 2 began in
-        if r0 != 3 and s == 2:
-            pg.store.set(f"fault/step1/{r0}", b"1")
         while True:
             if r0 == 3:
                 die.step = s
+            else:
+                began.step = s
             sampler.set_world(pg.rank, pg.world_size)
             b = sampler.next_batch()
             idx = torch.tensor(b.indices)
