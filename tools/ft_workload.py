@@ -89,6 +89,10 @@ def main() -> int:
                 time.sleep(args.step_sleep)
                 pg.all_reduce(c)
                 state.x = (state.x + c) % P
+        # training is over: no rank joins now (a replacement restarted in the last steps was
+        # admitted after them without it, stranded alone when the others left, and rtxnet-run
+        # stopped it: exit 143 for a job that succeeded, a clean-clone run's find)
+        ft.finish()
     except rtxnet.JobFinishedError as exc:
         print(f"this rank was away until the job finished: {exc}", file=sys.stderr)
         pg.close()
