@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import functools
 import inspect
 import os
 import sys
@@ -93,7 +92,6 @@ def _loop_checked(pg: Any, name: str, target: Any) -> Any:
     (``pg._check_loop``): the look-up's own check passes outside any loop, as in
     ``asyncio.run(pg.all_reduce(x))`` after ``connect()``'s loop ended, where the collective then
     waited out its deadline and named a live peer (a breaker's find)."""
-    @functools.wraps(target)
     def call(*args: Any, **kwargs: Any) -> Any:
         res = target(*args, **kwargs)
         if not inspect.iscoroutine(res):

@@ -484,6 +484,9 @@ class Engine:
         self._running: dict[tuple[str, int], Op] = {}
         self._early: dict[tuple[str, int], list] = {}
         self._early_at: dict[tuple[str, int], float] = {}   # when its first message came
+        # group id -> the newest number cancelled while queued (_abort_unstarted): messages for
+        # it may still come, dropped once a later operation of the group ends
+        self._unstarted: dict[str, int] = {}
         self._watermark: dict[str, int] = {}
         self._p2p_msgs: dict[tuple[str, int, int], deque] = {}
         self._p2p_waiters: dict[tuple[str, int, int], deque] = {}
@@ -588,6 +591,7 @@ class Engine:
         self._running.clear()
         self._early.clear()
         self._early_at.clear()
+        self._unstarted.clear()
         self._watermark.clear()
         self._p2p_msgs.clear()
         self._group_counter.clear()
@@ -854,7 +858,9 @@ class Engine:
         gid = op.group.gid
         if op.seq > self._watermark.get(gid, -1):
             self._watermark[gid] = op.seq
-            if self._early:
+            cancelled = self._unstarted.get(gid)
+            if cancelled is not None and cancelled <= op.seq:
+                del self._unstarted[gid]
                 self._forget_early(gid, op.seq)   # of a call cancelled while queued
         self._apply_when_idle()
 
@@ -881,6 +887,7 @@ class Engine:
             return
         self._abort_seq(group, seq, exc)
         self._forget_early(group.gid, seq)
+        self._unstarted[group.gid] = max(seq, self._unstarted.get(group.gid, seq))
 
     def _forget_early(self, gid: str, upto: int) -> None:
         """Drop the messages kept for operations of ``gid`` numbered up to ``upto`` that never
