@@ -188,7 +188,9 @@ def test_a_fork_server_killed_costs_its_ranks_nothing(tmp_path):
         out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, err[-3000:]
     assert err.count(f"--preload: the rank fork server (pid {server.pid}) ended") == 1, err[-3000:]
-    assert "rank 1 exited with code 1;" in err and "143" not in err, err[-3000:]
+    # 143 as a rank's exit only: a job id (8 random hex digits) may hold "143" too
+    assert "rank 1 exited with code 1;" in err, err[-3000:]
+    assert not re.search(r"code 143|exit 143|\(143/137\)", err), err[-3000:]
     # rank 0 ran on; rank 1's restart (after its own exit) started as a fresh interpreter
     assert out.count("started 1 False") == 1 and "started 1 True" not in out, out
 
