@@ -611,7 +611,7 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
 
     Raises:
         ConfigError: a name that is not a str naming an ``nn.Linear`` submodule, ``up`` and
-            ``down`` naming the same layer, ``down``'s in_features other than ``up``'s
+            ``down`` naming the same layer (the same name, or one ``nn.Linear`` under two names), ``down``'s in_features other than ``up``'s
             out_features (names swapped), or the hidden size (``up``'s out_features) not
             divisible by the group size; names them.
     """
@@ -632,6 +632,11 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
         if not isinstance(sub, torch.nn.Linear):
             raise ConfigError(f"shard_mlp: {role}({name!r}) is a {type(sub).__name__}, not an nn.Linear")
         layers[role] = sub
+    if layers["up"] is layers["down"]:
+        # one nn.Linear under two attribute names (accepted before: both names then held the
+        # row layer, sharded from the same weights as the column one)
+        raise ConfigError(f"shard_mlp: up({up!r}) and down({down!r}) are the same nn.Linear under two "
+                          f"names: up is the first nn.Linear of the MLP, down the second")
     if layers["up"].out_features != layers["down"].in_features:
         # (names swapped, or not one MLP: it failed only at the first forward, naming neither)
         raise ConfigError(

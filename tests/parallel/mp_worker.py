@@ -89,6 +89,12 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
+def _aliased(m: MLP) -> MLP:
+    """``m`` with its fc1 under a second name too."""
+    m.alias = m.fc1
+    return m
+
+
 def tp_case(pg, tag: str) -> dict:
     W, r = tp_size(pg), pg.rank
     res: dict = {}
@@ -170,6 +176,7 @@ def tp_case(pg, tag: str) -> dict:
         # (a breaker's finds: the same name twice was accepted, then a forward naming neither
         # failed; a 0-d input raised IndexError, a NumPy one AttributeError)
         "shard_mlp_same": error_of(lambda: shard_mlp(MLP(), pg, up="fc1", down="fc1")),
+        "shard_mlp_alias": error_of(lambda: shard_mlp(_aliased(MLP()), pg, up="fc1", down="alias")),
         "shard_mlp_not_str": error_of(lambda: shard_mlp(MLP(), pg, up=0, down="fc2")),
         "column_input_0d": error_of(lambda: c(torch.tensor(1.0))),
         "row_input_numpy": error_of(lambda: rw(torch.zeros(2, D_H).numpy())),

@@ -76,6 +76,9 @@ def test_bad_sizes_and_inputs_are_refused_naming_the_values(tp):
                                           "(are the names swapped?)"), e
         assert e["shard_mlp_same"] == ("ConfigError: shard_mlp: up('fc1') and down('fc1') name the same "
                                        "layer: up is the first nn.Linear of the MLP, down the second"), e
+        assert e["shard_mlp_alias"] == ("ConfigError: shard_mlp: up('fc1') and down('alias') are the same "
+                                        "nn.Linear under two names: up is the first nn.Linear of the MLP, "
+                                        "down the second"), e
         assert e["shard_mlp_not_str"].startswith("ConfigError: shard_mlp: up(0) must be a str"), e
         assert e["column_input_0d"].startswith("ValueError: ColumnParallelLinear: the input is 0-d"), e
         assert e["row_input_numpy"] == ("TypeError: RowParallelLinear: the input must be a torch.Tensor "
