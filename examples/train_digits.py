@@ -573,7 +573,15 @@ def main(argv: list[str] | None = None) -> int:
         raise
     duration_s = time.perf_counter() - t0
     rank0.close()
-    final_world, acc = after_training(pg, ft, state, save_checkpoint, resumed_from, xte, yte)
+    try:
+        final_world, acc = after_training(pg, ft, state, save_checkpoint, resumed_from, xte, yte)
+    except rtxnet.JobFinishedError as exc:
+        # Frozen or cut off after the last step (the final checkpoint, the evaluation) until the
+        # others went on without it: they write the result, not this rank (before, it wrote its
+        # own over theirs and exited 1 at the end).
+        log.warning("job_finished_without_this_rank", error=str(exc))
+        pg.close()
+        return 0
     if rank0.is_me():   # asked once, now: rank 0 of the epoch the run ended in writes everything
         out.mkdir(parents=True, exist_ok=True)   # the process that made it may be gone
         events = _events(ft.events)
@@ -623,14 +631,17 @@ def after_training(pg, ft, state, save_checkpoint, resumed_from, xte,
                 try:
                     save_checkpoint(state.step)
                 except (rtxnet.RtxError, OSError) as exc:
-                    if pg.epoch != world[0]:
-                        raise
+                    if pg.epoch != world[0] or isinstance(exc, rtxnet.PeerLostError):
+                        raise   # a rank lost (maybe this one): finish() again, below
                     log.warning("final_checkpoint_failed", error=str(exc))
             with torch.no_grad():   # FSDP: a forward gathers the shards (every rank runs it)
                 model = state.model if state.sharded else state.model.module
                 return world, float((model(xte).argmax(1) == yte).float().mean())
         except rtxnet.RtxError as exc:
-            if pg.epoch == world[0] or attempt == AFTER_TRAINING_TRIES:
+            # a rank lost: the epoch changed, or not yet here (a peer's abort came first, or this
+            # rank was the one declared lost: finish() raises JobFinishedError then)
+            lost = pg.epoch != world[0] or isinstance(exc, rtxnet.PeerLostError)
+            if not lost or attempt == AFTER_TRAINING_TRIES:
                 raise
             log.warning("world_changed_after_training", error=f"{type(exc).__name__}: {exc}",
                         world_size=pg.world_size, attempt=attempt)
@@ -646,16 +657,22 @@ def leave_together(pg, world: tuple[int, int, int]) -> None:
     warning, not the job."""
     epoch, me, n = world
     keys = [f"train_digits/done/{epoch}/{r}" for r in range(n)]
-    pg.store.set(keys[me], b"1")
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            pg.store.wait(keys, timeout=1.0)
-            return
-        except rtxnet.RtxTimeoutError as exc:
-            if pg.epoch != epoch or time.monotonic() >= deadline:
-                log.warning("leave_without_peers", error=str(exc))
+    try:
+        pg.store.set(keys[me], b"1")
+        while True:
+            try:
+                pg.store.wait(keys, timeout=1.0)
                 return
+            except rtxnet.RtxTimeoutError as exc:
+                if pg.epoch != epoch or time.monotonic() >= deadline:
+                    log.warning("leave_without_peers", error=str(exc))
+                    return
+    except rtxnet.RtxError as exc:
+        # this rank declared lost while it wrote the result (starved or frozen over the heartbeat
+        # timeout), and the others gone with the job: the result stands (before: exit 1, a
+        # re-verifier's find, "RendezvousError: unknown job")
+        log.warning("leave_without_peers", error=f"{type(exc).__name__}: {exc}")
 
 
 def _configure_logs(*, info: bool) -> None:

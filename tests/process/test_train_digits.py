@@ -183,6 +183,23 @@ def test_rank0_killed_the_new_rank0_writes_every_output(tmp_path, mode):
     assert "[rank1] train: 100%" in run["stderr"]      # the progress bar moved on with rank 0
 
 
+def test_rank0_frozen_in_the_final_checkpoint_leaves_the_result_to_the_others(tmp_path):
+    # Rank 0 stopped (SIGSTOP) for 4 s in the final checkpoint, past the heartbeat timeout: the
+    # others finish without it and the new rank 0 writes the result. Before, rank 0 woke up
+    # fenced, evaluated anyway, wrote its own metrics over theirs (world of 3, no event) and
+    # exited 1 ("RendezvousError: unknown job" as it left).
+    run = train(tmp_path, "--min-ranks", "2", "--faults", "pause:rank=0:at=checkpoint:step=20:seconds=4",
+                nproc=3, script_args=("--steps", "20", "--checkpoint-every", "10"))
+    assert run["rc"] == 0, run["stderr"][-4000:]
+    m = run["metrics"]
+    assert m is not None and m["world_size_end"] == 2 and m["steps"] == 20, run["stderr"][-4000:]
+    assert [e["event"] for e in m["events"]] == ["lost_between_steps"], m["events"]
+    assert "[rank0] " in run["stderr"] and re.search(r"\[rank0\].*job_finished_without_this_rank", run["stderr"])
+    acc = [line for line in run["stdout"].splitlines() if "test_accuracy=" in line]
+    assert len(acc) == 1 and not acc[0].startswith("[rank0]"), run["stdout"]
+    assert len(re.findall(r"\[info\s*\] done\s", run["stderr"])) == 1, run["stderr"][-4000:]
+
+
 @pytest.mark.timeout(120)
 def test_coordinator_killed_at_rendezvous_is_reported_as_injected(tmp_path):
     run = train(tmp_path, "--faults", "kill-coordinator:at=rendezvous", nproc=2, script_args=("--steps", "10"))
