@@ -1148,6 +1148,10 @@ class FaultTolerance:
         await self.pg._until_world_entered()   # a view held for an orderly leave: entered first
         with self.pg.pinned():
             await self._sync_pinned()
+        # every rank goes on from the synced state: the point-to-point messages earlier changes
+        # discarded belong to steps now redone (a pipeline stage's recv would raise for them)
+        if self.pg.engine is not None:
+            self.pg.engine.forget_p2p_dropped()
 
     async def _sync_pinned(self) -> None:
         pg = self.pg
