@@ -39,6 +39,7 @@ on Linux) just before it acts, so survivors can measure detection latency and re
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -448,6 +449,8 @@ _CURRENT: list[Injector | None] = []
 # Records of faults that fired where no store existed yet (``at=rendezvous``, before the join);
 # :func:`store_unrecorded` writes them once the process has a group.
 _UNRECORDED: list[dict[str, Any]] = []
+# event loop -> the future of the fault point firing in it now (see apoint)
+_FIRING: dict[Any, Any] = {}
 
 
 def current() -> Injector | None:
@@ -491,18 +494,35 @@ async def apoint(at: str, *, pg: Any = None, step: int | None = None) -> None:
             await store_unrecorded(pg.store)
         except RtxError as exc:
             log.warning("fault_record_failed", error=str(exc))
+    loop = asyncio.get_running_loop()
+    while (busy := _FIRING.get(loop)) is not None:
+        # another point of this process is firing (its record on its way to the store): wait,
+        # so that nothing runs past this point before that fault acts. Before, DDP's next
+        # bucket (its own task) passed its collective point meanwhile and posted its all_reduce
+        # ahead of the one the fault was for: the peers saw a dtype mismatch, not a kill (a
+        # breaker's find, 4 of 4 with at=collective under DDP).
+        await asyncio.shield(busy)
     world = pg.world_size if pg is not None else 1
-    for f in inj.due(at, rank=_launch_rank(pg), world_size=world, step=step):
-        rec = inj.record(f, rank=_launch_rank(pg), step=step)
-        if pg is not None:
-            swapped, _ = await pg.store.compare_set(f"faults/{f.index}", None, json.dumps(rec))
-            if not swapped:
-                continue
-        else:
-            _UNRECORDED.append(rec)
-        log.warning("fault_injected", fault=f.text, index=f.index, rank=rec["rank"], at=at,
-                    **({} if step is None else {"step": step}))
-        inj.act(f, agent=pg.agent if pg is not None else None, engine=pg.engine if pg is not None else None)
+    due = inj.due(at, rank=_launch_rank(pg), world_size=world, step=step)
+    if not due:
+        return
+    _FIRING[loop] = done = loop.create_future()
+    try:
+        for f in due:
+            rec = inj.record(f, rank=_launch_rank(pg), step=step)
+            if pg is not None:
+                swapped, _ = await pg.store.compare_set(f"faults/{f.index}", None, json.dumps(rec))
+                if not swapped:
+                    continue
+            else:
+                _UNRECORDED.append(rec)
+            log.warning("fault_injected", fault=f.text, index=f.index, rank=rec["rank"], at=at,
+                        **({} if step is None else {"step": step}))
+            inj.act(f, agent=pg.agent if pg is not None else None,
+                    engine=pg.engine if pg is not None else None)
+    finally:
+        del _FIRING[loop]
+        done.set_result(None)
 
 
 async def store_unrecorded(store: Any) -> None:

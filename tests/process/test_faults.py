@@ -507,6 +507,24 @@ def test_kill_before_a_numbered_collective(tmp_path):
     assert all(e["lost"] == [1] for e in recoveries(results))
 
 
+def test_a_kill_before_a_ddp_buckets_collective_is_a_loss_not_a_mismatch(tmp_path):
+    # DDP issues a step's float32 and float64 bucket all_reduces from the backward, each in its
+    # own task: while the first waited in its fault point (the fault's record on its way to the
+    # store), the second passed its own and posted its all_reduce first, and the peers failed
+    # with CollectiveMismatchError (dtypes float32 against float64), not PeerLostError (a
+    # breaker's find, 4 of 4; 2 of 3 collective numbers here on the code before).
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--max-restarts", "1", "--faults",
+         "kill:rank=1:at=collective:collective=7", "tests/process/ddp_buckets_worker.py"],
+        capture_output=True, text=True, timeout=100, cwd=ROOT, env=procs.env(**FAST))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "CollectiveMismatchError" not in proc.stderr, proc.stderr[-5000:]
+    failed = re.findall(r"step_failed .* error=(\w+)", proc.stderr)
+    assert failed and set(failed) == {"PeerLostError"}, proc.stderr[-5000:]
+    finals = re.findall(r"\[rank\d\] FINAL (\w+)", proc.stdout)
+    assert len(finals) == 3 and len(set(finals)) == 1, proc.stdout[-3000:]
+
+
 def test_kill_during_rendezvous_then_restart(tmp_path):
     results, proc = run_job(tmp_path, "kill:rank=3:at=rendezvous", "--max-restarts", "1")
     assert len(results) == 4 and "rank 3 exited with code 137; restart 1/1" in proc.stderr
