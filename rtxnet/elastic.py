@@ -263,6 +263,12 @@ class FaultTolerance:
             holding rank-specific state (tensor-parallel layers over more than one rank, or
             whatever :func:`note_rank_specific` recorded; names them), here or, for layers built
             later, from ``guard``/``aguard`` at the next sync.
+        TypeError, ValueError (here, and from ``guard``/``aguard`` on the rank whose state
+            changed, when a commit snapshots it): ``state.state_dict()`` holds what a snapshot
+            cannot (:func:`rtxnet.statesync.pack_state`): a value or key of a type it does not
+            take (TypeError), a container that contains itself or containers nested more than
+            ``statesync.MAX_DEPTH`` deep (ValueError); the message names the key path
+            (``state.rng.state``). Ints of any size are taken (a NumPy ``Generator``'s state).
         RendezvousError (from ``guard``/``aguard``): the world stayed below ``min_world_size``
             for ``rejoin_window_s`` after a loss (no replacement came).
     """

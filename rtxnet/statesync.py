@@ -2,7 +2,10 @@
 
 A state is any nesting of dict (str or int keys), list, tuple, None, bool, int, float, str,
 bytes, NumPy arrays and torch tensors (any device; they come back on the CPU, or on ``device``
-when given). The layout of a blob::
+when given), at most ``MAX_DEPTH`` containers deep and without cycles. Ints of any size are
+exact: those outside msgpack's range (-2**63 .. 2**64-1, e.g. the 128-bit ints of a NumPy
+``Generator``'s ``bit_generator.state``) are encoded as a msgpack ExtType (code ``_EXT_BIGINT``:
+the int's signed little-endian two's-complement bytes), never pickled. The layout of a blob::
 
     u64 little-endian  length of the msgpack header
     header             the structure, with each array replaced by {"__a": i, "dtype", "shape", "kind"}
@@ -27,6 +30,9 @@ import numpy as np
 __all__ = ["pack_state", "unpack_state"]
 
 _ALIGN = 64
+MAX_DEPTH = 100   # containers (dict, list, tuple) nested in a state, at most
+_EXT_BIGINT = 1   # msgpack ExtType code of an int outside msgpack's range (-2**63 .. 2**64-1)
+_INT_MIN, _INT_MAX = -2**63, 2**64 - 1
 _TORCH_DTYPES: dict[str, Any] = {}
 
 
@@ -54,25 +60,42 @@ def pack_state(state: Any, *, into: np.ndarray | None = None) -> memoryview:
             Every view of ``into`` sees the new bytes: the caller vouches that none is read.
 
     Raises:
-        TypeError: a value of an unsupported type (names it and where it was found); ``into``
-            is then unchanged.
+        TypeError: a value (or dict key) of an unsupported type (names its type and its key
+            path, e.g. ``state.rng.state``); ``into`` is then unchanged.
+        ValueError: a container that contains itself, or containers nested more than
+            ``MAX_DEPTH`` deep (names the key path); ``into`` is then unchanged.
     """
     arrays: list[np.ndarray] = []
+    open_ids: dict[int, str] = {}   # id -> key path of the containers being encoded (cycles)
 
-    def enc(v: Any, where: str) -> Any:
-        if v is None or isinstance(v, bool | int | float | str | bytes):
+    def enc(v: Any, where: str, depth: int = 0) -> Any:
+        if v is None or isinstance(v, bool | float | str | bytes):
             return v
-        if isinstance(v, dict):
-            return {"__d": [[k if isinstance(k, str | int) else _bad(k, where), enc(x, f"{where}.{k}")] for k, x in v.items()]}
-        if isinstance(v, tuple):
-            return {"__t": [enc(x, f"{where}[{i}]") for i, x in enumerate(v)]}
-        if isinstance(v, list):
-            return [enc(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, int):
+            return _int(v)
+        if isinstance(v, dict | tuple | list):
+            if id(v) in open_ids:
+                raise ValueError(f"{_short(where)}: a {type(v).__name__} that contains itself (it is "
+                                 f"{_short(open_ids[id(v)])}) cannot be part of a synced state")
+            if depth >= MAX_DEPTH:
+                raise ValueError(f"{_short(where)}: containers nested more than {MAX_DEPTH} deep "
+                                 f"cannot be part of a synced state")
+            open_ids[id(v)] = where
+            try:
+                if isinstance(v, dict):
+                    return {"__d": [[_int(k) if isinstance(k, int) else k if isinstance(k, str) else _bad(k, where),
+                                     enc(x, f"{where}.{k}", depth + 1)] for k, x in v.items()]}
+                if isinstance(v, tuple):
+                    return {"__t": [enc(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]}
+                return [enc(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+            finally:
+                del open_ids[id(v)]
         if isinstance(v, np.ndarray):
             arrays.append(np.ascontiguousarray(v))
             return {"__a": len(arrays) - 1, "dtype": v.dtype.str, "shape": list(v.shape), "kind": "numpy"}
         if isinstance(v, np.generic):
-            return enc(v.item(), where)
+            item = v.item()   # (a longdouble's is itself: a bare RecursionError before)
+            return _bad(v, where) if isinstance(item, np.generic) else enc(item, where, depth)
         if type(v).__module__.startswith("torch") and hasattr(v, "detach"):
             torch = _torch()
             t = v.detach().to("cpu").contiguous()
@@ -108,7 +131,25 @@ def pack_state(state: Any, *, into: np.ndarray | None = None) -> memoryview:
 
 
 def _bad(v: Any, where: str):
-    raise TypeError(f"{where}: values of type {type(v).__name__} cannot be part of a synced state")
+    raise TypeError(f"{_short(where)}: values of type {type(v).__name__} cannot be part of a synced state")
+
+
+def _short(where: str, keep: int = 100) -> str:
+    """A key path for a one-line message: its middle elided when it is long (deep nesting)."""
+    return where if len(where) <= 2 * keep else f"{where[:keep]}...{where[-keep:]}"
+
+
+def _int(v: int) -> Any:
+    """An int as msgpack holds it: itself within msgpack's range, else an ExtType of its bytes."""
+    if isinstance(v, bool) or _INT_MIN <= v <= _INT_MAX:
+        return v
+    return msgpack.ExtType(_EXT_BIGINT, int(v).to_bytes(v.bit_length() // 8 + 1, "little", signed=True))
+
+
+def _ext(code: int, data: bytes) -> Any:
+    if code != _EXT_BIGINT:
+        raise ValueError(f"unknown msgpack extension type {code} in a state blob")
+    return int.from_bytes(data, "little", signed=True)
 
 
 def unpack_state(blob: Any, *, device: Any = None) -> Any:
@@ -127,7 +168,7 @@ def unpack_state(blob: Any, *, device: Any = None) -> Any:
     (hlen,) = struct.unpack("<Q", mv[:8])
     if 8 + hlen > len(mv):
         raise ValueError("state blob header runs past its end")
-    tree = msgpack.unpackb(mv[8:8 + hlen], raw=False, strict_map_key=False)
+    tree = msgpack.unpackb(mv[8:8 + hlen], raw=False, strict_map_key=False, ext_hook=_ext)
     pos = [8 + hlen]
 
     def dec(v: Any) -> Any:
