@@ -191,6 +191,26 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{_check_step(step)}"
 
 
+def _check_pg(pg: Any, fn: str, *, required: bool = False) -> None:
+    """Refuse a ``pg`` that is not the blocking process group of :func:`rtxnet.init` (``None``
+    unless ``required``): a subgroup (``pg.split``, ``pg.new_group``) has no job store and
+    raised ``AttributeError`` ('Group' object has no attribute 'store'), on some ranks only for
+    :func:`record`; the async group of ``rtxnet.connect()`` returned coroutines nothing awaited."""
+    from rtxnet.collectives.group import Group
+    from rtxnet.process_group import BlockingProcessGroup, ProcessGroup, _BlockingProxy
+
+    if (pg is None and not required) or isinstance(pg, BlockingProcessGroup):
+        return
+    inner = pg._obj if isinstance(pg, _BlockingProxy) else pg   # (a blocking subgroup)
+    why = (": rtxnet.connect()'s group is async, and the checkpoint functions block"
+           if isinstance(inner, ProcessGroup) else
+           ": a subgroup (pg.split, pg.new_group) has no job store; pass the whole group"
+           if isinstance(inner, Group) else "")
+    raise ConfigError(f"checkpoint.{fn}: pg must be the process group of rtxnet.init()"
+                      f"{'' if required else ' (or None: a single process)'}, got "
+                      f"{type(inner).__name__}{why}")
+
+
 def _write_atomic(path: Path, data: bytes, *, sync_folder: bool = True) -> None:
     """Write ``data`` to a temporary name, fsync, rename over ``path``, fsync the folder (unless
     ``sync_folder`` is False: the caller does, knowing the rename happened).
@@ -536,8 +556,10 @@ def hold(root: str | os.PathLike, *, pg: Any = None) -> None:
 
     Raises:
         CheckpointError: another run holds ``root`` (names its job).
-        ConfigError: ``root`` exists and is not a folder.
+        ConfigError: ``root`` exists and is not a folder; ``pg`` is not the process
+            group of :func:`rtxnet.init` or None (a subgroup: names its type).
     """
+    _check_pg(pg, "hold")
     root = Path(root)
     if root.exists() and not root.is_dir():   # a file: it warned that it was not locked, and held nothing
         raise ConfigError(f"root {str(root)!r} is not a folder: checkpoint.hold takes the folder "
@@ -675,8 +697,10 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             manifest or could not see a rank's shard (a root not shared by the ranks); raised on
             every rank, ``exc.ranks`` names the failed ranks. Nothing was committed: the step is
             what it was before (a committed step stays committed, with its old shards).
-        ConfigError: bad ``step`` (not an integer in 0..2**63-1), ``keep`` or ``metadata`` (not a
-            dict of strict JSON: a float that is not finite, bytes, other objects); with ``pg``,
+        ConfigError: ``pg`` is not the process group of :func:`rtxnet.init` or None (a subgroup
+            from ``pg.split``/``pg.new_group``: names its type), raised before any communication;
+            bad ``step`` (not an integer in 0..2**63-1), ``keep`` or ``metadata`` (not a dict
+            of strict JSON: a float that is not finite, bytes, other objects); with ``pg``,
             after the first collective, and the other ranks raise it too, naming this rank.
         KeyboardInterrupt: a Ctrl-C during the save (on the main thread, under Python's own
             SIGINT handler) is raised once the save has ended on every rank, committed or not
@@ -693,6 +717,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             not, unless this is rank 0 and it had written the manifest).
         CollectiveTimeout: a collective of the save timed out.
     """
+    _check_pg(pg, "save")
     bad = None
     try:
         step = _check_step(step)
@@ -991,8 +1016,11 @@ def record(root: str | os.PathLike, step: int, *, pg: Any) -> None:
 
     Raises:
         CheckpointError, CheckpointCorruptError: ``step`` of ``root`` has no valid manifest.
+        ConfigError: ``pg`` is not the process group of :func:`rtxnet.init` (a subgroup: names
+            its type; raised on every rank), or ``step`` is not an integer in 0..2**63-1.
         RtxError: the store refused the record (a full store; names it).
     """
+    _check_pg(pg, "record", required=True)
     m = read_manifest(root, step)
     if pg.rank == 0:
         _record(pg, Path(root), step, int(m["world_size"]))

@@ -13,7 +13,9 @@ Scenarios, in order, all ranks together:
     7. ranks passing different roots (``ROOT/r<rank>``) are refused before anything is written;
     8. ``ROOT/held``, which another run holds (the test process), is refused on every rank;
     9. rank 0 cannot write step 40's manifest (a folder in its place): every rank names why;
-    10. with a tensor-parallel layer, loading a checkpoint of a world of one is refused.
+    10. with a tensor-parallel layer, loading a checkpoint of a world of one is refused;
+    11. one rank's bad ``keep``: the other rank is told at once;
+    12. a subgroup (``pg.split``, ``pg.new_group``) as ``pg`` of save/hold/record: refused.
 Each rank writes ``OUT_DIR/ckpt-rank<r>.json``.
 
     ckpt_worker.py ROOT OUT_DIR kill        (under ``--nproc 2 --min-ranks 1``)
@@ -177,6 +179,22 @@ def main() -> int:
     res["bad_keep_s"] = time.monotonic() - t0
     pg.barrier()   # in step after it: the next collective matches on both ranks
     res["after_bad_keep"] = sorted(p.name for p in root.iterdir())
+
+    # 12. a subgroup (pg.split, pg.new_group) as pg: refused on every rank, before any
+    # communication (AttributeError: 'Group' object has no attribute 'store' before, and
+    # record raised on rank 0 only: rank 1 returned None)
+    sub = pg.split(color=0)
+    ng = pg.new_group([0, 1])
+    for name, call in [("save_split", lambda: checkpoint.save(root / "sub", 60, state(60), pg=sub)),
+                       ("save_new_group", lambda: checkpoint.save(root / "sub", 60, state(60), pg=ng)),
+                       ("hold_split", lambda: checkpoint.hold(root / "sub", pg=sub)),
+                       ("record_split", lambda: checkpoint.record(root, 1, pg=sub))]:
+        try:
+            res[name] = f"no error: {call()}"
+        except Exception as exc:  # noqa: BLE001 - the test checks what it was
+            res[name] = f"{type(exc).__name__}: {exc}"
+    res["sub_root_made"] = (root / "sub").exists()
+    pg.barrier()   # in step after it
     (out / f"ckpt-rank{r}.json").write_text(json.dumps(res))
     leave_together(pg, "ckpt", r)
     return 0

@@ -18,6 +18,7 @@ import procs
 import pytest
 import torch
 
+import rtxnet
 from rtxnet import checkpoint
 from rtxnet.checkpoint import CheckpointCorruptError, CheckpointError
 from transport.errors import ConfigError
@@ -87,6 +88,44 @@ def test_one_ranks_bad_argument_is_told_to_the_others_at_once(two_ranks):
                                       "argument (their error names it); nothing was written"), by_rank[0]
     for r in res:   # before: rank 0 waited out its 30 s deadline
         assert r["bad_keep_s"] < 20 and "step-50" not in r["after_bad_keep"], r
+
+
+def test_a_subgroup_as_pg_is_refused_on_every_rank_before_any_communication(two_ranks):
+    root, res = two_ranks
+    told = ("pg must be the process group of rtxnet.init(){}, got Group: a subgroup (pg.split, "
+            "pg.new_group) has no job store; pass the whole group")
+    for r in res:
+        for key, fn, none_ok in [("save_split", "save", True), ("save_new_group", "save", True),
+                                 ("hold_split", "hold", True), ("record_split", "record", False)]:
+            assert r[key] == f"ConfigError: checkpoint.{fn}: " + told.format(
+                " (or None: a single process)" if none_ok else ""), (r["rank"], key, r[key])
+        assert not r["sub_root_made"], r
+    assert not (root / "sub").exists()
+
+
+def test_pg_other_than_init_s_group_is_refused(coordinator, tmp_path, monkeypatch):
+    cwd, tmp_path = tmp_path / "cwd", tmp_path / "ck"   # (the coordinator's journal is in tmp_path)
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    with rtxnet.init(coordinator.address, job="ckpt-pg-kinds", world_size=1) as pg:
+        checkpoint.save(tmp_path, 1, {"a": 1}, pg=pg)
+        for bad, got in [(pg.async_pg, "got ProcessGroup: rtxnet.connect()'s group is async, and the "
+                                       "checkpoint functions block"),
+                         (pg.split(color=0), "got Group: a subgroup"), ("pg", "got str")]:
+            for fn, call in [("save", lambda bad=bad: checkpoint.save(tmp_path, 2, {"a": 2}, pg=bad)),
+                             ("hold", lambda bad=bad: checkpoint.hold(tmp_path / "h", pg=bad)),
+                             ("record", lambda bad=bad: checkpoint.record(tmp_path, 1, pg=bad))]:
+                with pytest.raises(ConfigError, match=rf"^checkpoint\.{fn}: pg must be the process group of "
+                                                      rf"rtxnet\.init\(\).*, {re.escape(got)}"):
+                    call()
+        # record needs the job's store: None is refused too (AttributeError before)
+        with pytest.raises(ConfigError, match=r"^checkpoint\.record: pg must be the process group of "
+                                              r"rtxnet\.init\(\), got NoneType$"):
+            checkpoint.record(tmp_path, 1, pg=None)
+        checkpoint.record(tmp_path, 1, pg=pg)
+        pg.barrier(timeout=10)   # in step after the refusals
+    assert checkpoint.latest(tmp_path) == 1 and not (tmp_path / "h").exists()
+    assert not any(cwd.iterdir())   # nothing written into the current folder
 
 
 def test_ranks_saving_different_steps_are_refused_before_anything_is_written(two_ranks):
