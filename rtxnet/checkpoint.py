@@ -187,8 +187,25 @@ def _check_step(step: Any) -> int:
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
-    """``root/step-<step>``."""
+    """``root/step-<step>``.
+
+    Raises:
+        ConfigError: ``root`` is empty, or ``step`` is not an integer in 0..2**63-1.
+    """
+    _check_root(root, "step_dir")
     return Path(root) / f"step-{_check_step(step)}"
+
+
+def _check_root(root: Any, fn: str, what: str = "root") -> None:
+    """Refuse an empty ``root`` (``""``: ``Path("")`` is the current folder, where a save wrote
+    ``step-N`` unasked, a breaker's find). What is not a path at all is left to ``Path()``."""
+    try:
+        empty = os.fspath(root) in ("", b"")
+    except TypeError:
+        return
+    if empty:
+        raise ConfigError(f"checkpoint.{fn}: {what} {root!r} is empty: give the checkpoint folder "
+                          f"('.' for the current one)")
 
 
 def _check_pg(pg: Any, fn: str, *, required: bool = False) -> None:
@@ -403,9 +420,11 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
     Raises:
         OSError: the lock file cannot be opened or locked (the folder is missing or read-only, or
             the file system has no ``flock``).
+        ConfigError: ``folder`` is empty.
     """
     import fcntl
 
+    _check_root(folder, "claim_folder", "folder")
     path = Path(folder) / lock_name
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -556,10 +575,11 @@ def hold(root: str | os.PathLike, *, pg: Any = None) -> None:
 
     Raises:
         CheckpointError: another run holds ``root`` (names its job).
-        ConfigError: ``root`` exists and is not a folder; ``pg`` is not the process
+        ConfigError: ``root`` is empty, or exists and is not a folder; ``pg`` is not the process
             group of :func:`rtxnet.init` or None (a subgroup: names its type).
     """
     _check_pg(pg, "hold")
+    _check_root(root, "hold")
     root = Path(root)
     if root.exists() and not root.is_dir():   # a file: it warned that it was not locked, and held nothing
         raise ConfigError(f"root {str(root)!r} is not a folder: checkpoint.hold takes the folder "
@@ -574,7 +594,12 @@ def hold(root: str | os.PathLike, *, pg: Any = None) -> None:
 def release(root: str | os.PathLike) -> None:
     """Give up this process's hold of checkpoint folder ``root`` (:func:`hold`, or the first
     :func:`save` there), so that another run may save there while this process lives; a later
-    save here holds it again. Nothing happens when this process does not hold it."""
+    save here holds it again. Nothing happens when this process does not hold it.
+
+    Raises:
+        ConfigError: ``root`` is empty.
+    """
+    _check_root(root, "release")
     held = _HELD.pop(str(Path(root).resolve()), None)
     if held is not None and held[0] >= 0:
         os.close(held[0])
@@ -593,7 +618,7 @@ def _agree(pg: Any, step: int, root_abs: str, world: int, timeout_s: float | Non
     if bad is not None:
         raise bad
     if refused:
-        raise ConfigError(f"checkpoint.save: rank(s) {refused} refused their step, keep or metadata "
+        raise ConfigError(f"checkpoint.save: rank(s) {refused} refused their step, root, keep or metadata "
                           f"argument (their error names it); nothing was written")
     if len(set(steps.tolist())) > 1:
         by_rank = {k: int(v) for k, v in enumerate(steps)}
@@ -699,9 +724,10 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             what it was before (a committed step stays committed, with its old shards).
         ConfigError: ``pg`` is not the process group of :func:`rtxnet.init` or None (a subgroup
             from ``pg.split``/``pg.new_group``: names its type), raised before any communication;
-            bad ``step`` (not an integer in 0..2**63-1), ``keep`` or ``metadata`` (not a dict
-            of strict JSON: a float that is not finite, bytes, other objects); with ``pg``,
-            after the first collective, and the other ranks raise it too, naming this rank.
+            bad ``step`` (not an integer in 0..2**63-1), ``root`` (empty), ``keep`` or
+            ``metadata`` (not a dict of strict JSON: a float that is not finite, bytes, other
+            objects); with ``pg``, after the first collective, and the other ranks raise it
+            too, naming this rank.
         KeyboardInterrupt: a Ctrl-C during the save (on the main thread, under Python's own
             SIGINT handler) is raised once the save has ended on every rank, committed or not
             (the message says which; a failure is its cause). A second Ctrl-C is raised at
@@ -721,6 +747,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     bad = None
     try:
         step = _check_step(step)
+        _check_root(root, "save")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(f"keep({keep!r}) must be None or an integer >= 1")
         _check_metadata(metadata)
@@ -1017,10 +1044,12 @@ def record(root: str | os.PathLike, step: int, *, pg: Any) -> None:
     Raises:
         CheckpointError, CheckpointCorruptError: ``step`` of ``root`` has no valid manifest.
         ConfigError: ``pg`` is not the process group of :func:`rtxnet.init` (a subgroup: names
-            its type; raised on every rank), or ``step`` is not an integer in 0..2**63-1.
+            its type; raised on every rank), ``root`` is empty, or ``step`` is not an integer
+            in 0..2**63-1.
         RtxError: the store refused the record (a full store; names it).
     """
     _check_pg(pg, "record", required=True)
+    _check_root(root, "record")
     m = read_manifest(root, step)
     if pg.rank == 0:
         _record(pg, Path(root), step, int(m["world_size"]))
@@ -1215,7 +1244,9 @@ def read_manifest(root: str | os.PathLike, step: int) -> dict[str, Any]:
         CheckpointCorruptError: the manifest is not valid JSON of the expected form (names the
             file and what is wrong: a missing or mistyped field, a rank of its world without a
             shard, a shard without its size and SHA-256).
+        ConfigError: ``root`` is empty, or ``step`` is not an integer in 0..2**63-1.
     """
+    _check_root(root, "read_manifest")
     path = step_dir(root, step) / MANIFEST
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: step {step} was never committed", step=step)
@@ -1324,7 +1355,9 @@ def verify(root: str | os.PathLike, step: int) -> dict[str, Any]:
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or a shard is missing or its size or SHA-256
             differs from the manifest (names the shard).
+        ConfigError: ``root`` is empty, or ``step`` is not an integer in 0..2**63-1.
     """
+    _check_root(root, "verify")
     m = read_manifest(root, step)
     for name in m["shards"]:
         _verify_shard(step_dir(root, step) / name, m["files"][name], step)
@@ -1341,9 +1374,10 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
     before a step that could not be loaded).
 
     Raises:
-        ConfigError: ``before`` is not None or an integer.
+        ConfigError: ``root`` is empty, or ``before`` is not None or an integer.
         OSError: a manifest or shard exists but cannot be read (e.g. permissions).
     """
+    _check_root(root, "latest")
     if before is not None and (isinstance(before, bool) or not isinstance(before, int | np.integer)):
         raise ConfigError(f"before({before!r}) must be None or an integer step")
     corrupt: set[int] = set()   # found corrupt in this call: not read again on a new look
@@ -1440,7 +1474,10 @@ def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str,
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or a shard's size or SHA-256 differs from the
             manifest (names the file).
+        ConfigError: ``root`` is empty, or ``step`` is not None or an integer in 0..2**63-1.
     """
+    _check_root(root, "load_all")
+
     def read(step: int) -> list[dict[str, Any]]:
         m = read_manifest(root, step)
         saved_world = int(m["world_size"])
@@ -1526,7 +1563,7 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or the shard's size or SHA-256 differs from the
             manifest (names the file); such a checkpoint is never loaded.
-        ConfigError: ``rank`` is not an int >= 0 (names it); or the checkpoint's world size
+        ConfigError: ``root`` is empty; ``rank`` is not an int >= 0 (names it); or the checkpoint's world size
             differs from ``pg``'s (checked when ``rank`` is not given), or it has no shard
             ``rank``, while this process holds state that
             differs per rank (tensor-parallel layers, pipeline stages), which another rank's
@@ -1534,6 +1571,7 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
             state, neither ``pg`` nor ``rank`` given. Build the model before loading: state
             built after the load is not known to it.
     """
+    _check_root(root, "load")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0):
         raise ConfigError(f"checkpoint.load: rank({rank!r}) must be an int >= 0")
     # a rank given names its shard itself (a 2-D mesh resumed with fewer data-parallel ranks may

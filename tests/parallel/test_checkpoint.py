@@ -84,7 +84,7 @@ def test_one_ranks_bad_argument_is_told_to_the_others_at_once(two_ranks):
     _, res = two_ranks
     by_rank = {r["rank"]: r for r in res}
     assert by_rank[1]["bad_keep"] == "keep(-1) must be None or an integer >= 1", by_rank[1]
-    assert by_rank[0]["bad_keep"] == ("checkpoint.save: rank(s) [1] refused their step, keep or metadata "
+    assert by_rank[0]["bad_keep"] == ("checkpoint.save: rank(s) [1] refused their step, root, keep or metadata "
                                       "argument (their error names it); nothing was written"), by_rank[0]
     for r in res:   # before: rank 0 waited out its 30 s deadline
         assert r["bad_keep_s"] < 20 and "step-50" not in r["after_bad_keep"], r
@@ -122,10 +122,38 @@ def test_pg_other_than_init_s_group_is_refused(coordinator, tmp_path, monkeypatc
         with pytest.raises(ConfigError, match=r"^checkpoint\.record: pg must be the process group of "
                                               r"rtxnet\.init\(\), got NoneType$"):
             checkpoint.record(tmp_path, 1, pg=None)
+        for fn, call in [("save", lambda: checkpoint.save("", 2, {"a": 2}, pg=pg)),   # (after its first collective)
+                         ("record", lambda: checkpoint.record("", 1, pg=pg))]:
+            with pytest.raises(ConfigError, match=rf"^checkpoint\.{fn}: root '' is empty"):
+                call()
         checkpoint.record(tmp_path, 1, pg=pg)
         pg.barrier(timeout=10)   # in step after the refusals
     assert checkpoint.latest(tmp_path) == 1 and not (tmp_path / "h").exists()
     assert not any(cwd.iterdir())   # nothing written into the current folder
+
+
+def test_an_empty_root_is_refused_by_every_function_that_takes_one(tmp_path, monkeypatch):
+    # save("", ...) wrote step-N into the current folder before
+    monkeypatch.chdir(tmp_path)
+    checkpoint.save(tmp_path / "ok", 1, {"a": 1})
+    calls = {"save": lambda r: checkpoint.save(r, 1, {"a": 1}),
+             "hold": lambda r: checkpoint.hold(r),
+             "release": lambda r: checkpoint.release(r),
+             "step_dir": lambda r: checkpoint.step_dir(r, 1),
+             "read_manifest": lambda r: checkpoint.read_manifest(r, 1),
+             "verify": lambda r: checkpoint.verify(r, 1),
+             "latest": lambda r: checkpoint.latest(r),
+             "load": lambda r: checkpoint.load(r, 1),
+             "load_all": lambda r: checkpoint.load_all(r)}
+    (tmp_path / "step-1").mkdir()   # were "" the current folder, these would find a step
+    for fn, call in calls.items():
+        with pytest.raises(ConfigError, match=rf"^checkpoint\.{fn}: root '' is empty: give the checkpoint "
+                                              rf"folder \('\.' for the current one\)$"):
+            call("")
+    with pytest.raises(ConfigError, match=r"^checkpoint\.claim_folder: folder '' is empty"):
+        checkpoint.claim_folder("", "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok", "step-1"]   # nothing written here
+    assert not any((tmp_path / "step-1").iterdir())
 
 
 def test_ranks_saving_different_steps_are_refused_before_anything_is_written(two_ranks):
