@@ -11,6 +11,11 @@ epoch>, "pid": int, "type": "ValueError", "message": "..."}``. Python calls the 
 (a stop) is not recorded, nor is ``SystemExit``, which Python handles without the hook. A script
 that catches an exception and ends with an exit code of its own calls :func:`record` first.
 JSON, never pickle: the launcher reads it as data.
+
+Next to it, ``rtxnet.init`` (and ``rtxnet.connect``) creates ``<error file>.init`` as it starts
+joining (:func:`mark_init`): the launcher tells by it a rank that never reached ``init`` (stuck
+before it: a hung data download), which it stops once the job has finished without it and every
+other rank ended, from one still ending its own work after the job, which it leaves alone.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from typing import Any
 
 ENV = "RTXNET_ERROR_FILE"
+INIT_SUFFIX = ".init"   # <error file>.init: this rank's process reached rtxnet.init (mark_init)
 MAX_MESSAGE = 2000   # characters of the exception's message kept
 # Errors a rank raises because another rank (or its link) went: the launcher looks past them for
 # the first failure (rtxnet.launcher._root_cause).
@@ -39,6 +45,26 @@ def record(exc: BaseException) -> None:
             write(path, exc)
         except OSError:
             pass
+
+
+def mark_init() -> None:
+    """Tell rtxnet-run that this rank's process reached ``rtxnet.init`` (or ``connect``): create
+    ``<error file>.init``. Does nothing without ``RTXNET_ERROR_FILE``; never raises (a file that
+    cannot be made is skipped: the launcher then takes the rank for one that never joined only
+    once the job finished without it and every other rank ended)."""
+    path = os.environ.get(ENV)
+    if path:
+        try:
+            with open(path + INIT_SUFFIX, "a", encoding="utf-8"):
+                pass
+        except OSError:
+            pass
+
+
+def reached_init(path: str | None) -> bool:
+    """Whether a process given ``path`` as its error file reached ``rtxnet.init`` (see
+    :func:`mark_init`); True when ``path`` is None (nothing to tell by: taken as joined)."""
+    return path is None or os.path.exists(path + INIT_SUFFIX)
 
 
 def install() -> None:

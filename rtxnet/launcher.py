@@ -34,7 +34,9 @@ grow, as the coordinator's status shows. The exit code is 0 when every rank's la
 the code of the first rank whose last process failed (128+N for signal N); a replacement that
 failed after the job had finished (every member left in order, as the coordinator says), or a
 rank declared lost that woke after it and raised ``JobFinishedError``, or a rank whose paused
-restart was not made because training finished meanwhile, counts as exited 0. A
+restart was not made because training finished meanwhile, counts as exited 0. A rank declared
+lost whose process still runs, or one that never reached ``rtxnet.init`` (stuck before it), is
+killed (137) 5 s after every other rank ended once the job finished without it. A
 ``--journal`` the coordinator cannot use (exit code 3: held by another, corrupt) exits 2.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
@@ -1323,29 +1325,48 @@ class Launcher:
         (a tester's find: the others finished in 2 s, the launcher waited on). Kill it (SIGKILL:
         a stopped process takes no other signal), saying why; its exit code (137) stands, as a
         rank killed any other way. A fenced rank that is alive and hears it (one turned away at
-        the end of training, one that wakes) exits by itself within the grace. Asked of the
-        coordinator every second (its ``fenced`` processes by host and pid, or the ones it
-        held when the job ended); returns when no rank runs."""
+        the end of training, one that wakes) exits by itself within the grace. So is a rank that
+        never reached ``rtxnet.init`` (stuck before it: a hung data download; it made no
+        ``<error file>.init``, see ``errorfile.mark_init``) while the others, at ``--min-ranks``,
+        trained without it and ended (a breaker's find: rtxnet-run waited for it forever); one
+        that reaches ``init`` within the grace is turned away (``JobFinishedError``) and exits by
+        itself. While the job runs, or a rank that did join still runs (its own work after the
+        job), nothing is killed. Asked of the coordinator every second (its ``fenced`` processes
+        by host and pid, or the ones it held when the job ended); returns when no rank runs."""
         stuck_since: float | None = None
+        killed: set[int] = set()        # pids killed here (reaped soon after)
         while not self.stopping:
-            alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None]
+            alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None
+                     and s.proc.pid not in killed]
             if not alive:
                 return
             st, pids = await self._fenced_pids()
             if st is not None:
-                if all(s.proc.pid in pids for s in alive):
+                # (a fenced rank reached init: "never joined" only of one that is not fenced)
+                absent = {s.rank for s in alive if s.proc.pid not in pids
+                          and not errorfile.reached_init(s.error_path)}
+                if all(s.proc.pid in pids or s.rank in absent for s in alive):
                     now = time.monotonic()
                     stuck_since = now if stuck_since is None else stuck_since
                     if now - stuck_since >= FENCED_GRACE_S:
                         ended = "finished" if self.job in st["finished"] else "finished training"
+                        stuck_since = None
                         for s in alive:
-                            _say(f"rank {s.rank} (pid {s.proc.pid}) was declared lost by the "
-                                 f"coordinator (its heartbeats stopped: frozen or cut off; or "
-                                 f"evicted, alive but late in the others' collectives) and still "
-                                 f"runs {FENCED_GRACE_S:g} s after every other rank ended; job "
-                                 f"{self.job} {ended} without it: killing it (SIGKILL)")
+                            if s.rank in absent and errorfile.reached_init(s.error_path):
+                                continue    # it reached init just now: turned away, it ends by itself
+                            killed.add(s.proc.pid)
+                            if s.rank in absent:
+                                _say(f"rank {s.rank} (pid {s.proc.pid}) never joined job {self.job} "
+                                     f"(it has not reached rtxnet.init()) and still runs "
+                                     f"{FENCED_GRACE_S:g} s after every other rank ended; the job "
+                                     f"{ended} without it: killing it (SIGKILL)")
+                            else:
+                                _say(f"rank {s.rank} (pid {s.proc.pid}) was declared lost by the "
+                                     f"coordinator (its heartbeats stopped: frozen or cut off; or "
+                                     f"evicted, alive but late in the others' collectives) and still "
+                                     f"runs {FENCED_GRACE_S:g} s after every other rank ended; job "
+                                     f"{self.job} {ended} without it: killing it (SIGKILL)")
                             _kill(s.proc)
-                        return
                 else:
                     stuck_since = None
             await asyncio.sleep(1.0)

@@ -41,6 +41,7 @@ from transport.errors import (
 )
 from transport.logconfig import env_flag
 
+from . import errorfile
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
 from .portal import Portal, Work, loop_refusal, wait_for
@@ -677,6 +678,9 @@ async def _refuse_a_second_rank(settings: dict[str, Any], joining: list[tuple[An
 async def _connect(coordinator=None, *, job=None, token=None, rank=None, world_size=None,
                    min_ranks=None, max_ranks=None, last_call_s=None, timeouts=None,
                    bind_host=None, info=None) -> ProcessGroup:
+    # for rtxnet-run: this rank reached init (a rank that never does is stopped once the job
+    # finished without it and the others ended; rtxnet.launcher._end_fenced_leftovers)
+    errorfile.mark_init()
     settings = _settings(coordinator, job, token, rank, world_size, min_ranks, max_ranks, last_call_s)
     loop = asyncio.get_running_loop()
     before = list(_JOINING)              # no await between this look and the append below

@@ -1837,6 +1837,70 @@ def test_a_rank_frozen_for_good_is_killed_once_the_others_finished(tmp_path):
     assert took < 40, took
 
 
+NEVER_JOINS = textwrap.dedent("""
+    import os, pathlib, sys, time
+    import numpy as np
+    import rtxnet
+
+    launch, ft_variant, pidfile = int(os.environ["RANK"]), sys.argv[1] == "ft", pathlib.Path(sys.argv[2])
+    if launch == 1:                       # stuck before init for good (a hung data download)
+        pidfile.write_text(str(os.getpid()))
+        time.sleep(100000)
+    pg = rtxnet.init()
+
+    class State:
+        x = 0
+        def state_dict(self):
+            return {"x": self.x}
+        def load_state_dict(self, d):
+            self.x = d["x"]
+
+    if ft_variant:
+        ft = rtxnet.FaultTolerance(pg, State())
+        while ft.step < 5:
+            with ft.guard():
+                pg.barrier()
+        ft.finish()
+    else:
+        for _ in range(5):
+            pg.all_reduce(np.ones(4))
+    if launch == 2:
+        # its own work after the job (FaultTolerance: after finish(), before close): it joined,
+        # so it is not stopped, and rank 1 is stopped only after it ended
+        if not ft_variant:
+            pg.close()
+        time.sleep(4)
+        print("done lingering", flush=True)
+    pg.close()
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("variant", ["ft", "plain"])
+def test_a_rank_that_never_joins_is_killed_once_the_others_finished(tmp_path, variant):
+    # a breaker's find: with --min-ranks 2 of 3, launch rank 1 never reached rtxnet.init() (stuck
+    # before it); ranks 0 and 2 formed a world of 2, finished and exited 0, and rtxnet-run waited
+    # for rank 1 forever. Now it is killed as a rank declared lost is: FENCED_GRACE_S after every
+    # other rank ended (rank 2 ends last, 4 s after the job: not killed, it joined), exit 137
+    script, pidfile = tmp_path / "never_joins.py", tmp_path / "stuck.pid"
+    script.write_text(NEVER_JOINS)
+    try:
+        t0 = time.monotonic()
+        out = run(["--nproc", "3", "--min-ranks", "2", str(script), variant, str(pidfile)], timeout=40)
+        took = time.monotonic() - t0
+    finally:
+        _kill_pid_in(pidfile)   # the process, should the launcher not have ended it
+    assert "[rank0] done" in out.stdout and "[rank2] done lingering" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) never joined job \S+ \(it has not reached rtxnet.init\(\)\) and "
+                     r"still runs 5 s after every other rank ended; the job finished without it: killing "
+                     r"it \(SIGKILL\)", out.stderr), out.stderr[-3000:]
+    assert out.stderr.count("killing it") == 1, out.stderr[-3000:]   # (not rank 2, which joined)
+    assert "rank 2 exited with code" not in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 137, (out.returncode, out.stderr[-2000:])
+    assert 9 <= took < 30, took   # rank 2's 4 s after the job, then the 5 s grace
+
+
 CORRUPT_NEWEST = textwrap.dedent("""
     import os, pathlib, sys
     import torch
