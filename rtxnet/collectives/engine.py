@@ -491,11 +491,12 @@ class Engine:
         self._p2p_msgs: dict[tuple[str, int, int], deque] = {}
         self._p2p_waiters: dict[tuple[str, int, int], deque] = {}
         # point-to-point messages a membership change discarded before any recv here took them
-        # (buffered, or of the old epoch and arriving after it): sender's data endpoint (stable
-        # across renumbering) -> (how many, the epoch they were sent in, the epoch that dropped
-        # them). The next recv from that sender raises instead of taking a later message as if
-        # nothing were missing (a breaker's find: 3 of 10 runs skipped up to 3,000 messages).
-        self._p2p_dropped: dict[str, tuple[int, int, int]] = {}
+        # (buffered, or of the old epoch and arriving after it): (sender's data endpoint, stable
+        # across renumbering; tag) -> (how many, the epoch they were sent in, the epoch that
+        # dropped them). The next recv from that sender with that tag raises instead of taking
+        # a later message as if nothing were missing (a breaker's find: 3 of 10 runs skipped up
+        # to 3,000 messages; per tag, a re-verifier's: a stream per tag missed it on the others).
+        self._p2p_dropped: dict[tuple[str, int], tuple[int, int, int]] = {}
         self._old_endpoints: dict[int, dict[int, str]] = {}   # the last few epochs' endpoints
         self._future_msgs: list = []
         self._groups: list = []
@@ -593,8 +594,8 @@ class Engine:
                           grace_s=leave_grace_s)
                 return
             self._fail_all(exc, retire_groups=True)
-            for (_gid, src, _tag), msgs in self._p2p_msgs.items():
-                self._note_p2p_dropped(old.endpoints.get(src), len(msgs), old.epoch, view.epoch)
+            for (_gid, src, tag), msgs in self._p2p_msgs.items():
+                self._note_p2p_dropped(old.endpoints.get(src), tag, len(msgs), old.epoch, view.epoch)
             self._old_endpoints[old.epoch] = dict(old.endpoints)
             for e in sorted(self._old_endpoints)[:-4]:
                 del self._old_endpoints[e]
@@ -802,9 +803,9 @@ class Engine:
             if h.job == v.job and h.epoch < v.epoch and h.kind == Kind.P2P and h.meta is not None:
                 # a send that returned on its rank, arriving after this rank left its epoch
                 # (a refusal notice has no data: its meta is [_REFUSED, why]; counted all the same)
-                self._note_p2p_dropped(self._old_endpoints.get(h.epoch, {}).get(h.src), 1, h.epoch,
-                                       v.epoch)
-                self._fail_p2p_waiter(self._old_endpoints.get(h.epoch, {}).get(h.src))
+                sender = self._old_endpoints.get(h.epoch, {}).get(h.src)
+                self._note_p2p_dropped(sender, h.step, 1, h.epoch, v.epoch)
+                self._fail_p2p_waiter(sender, h.step)
             return
         if h.kind == Kind.P2P:
             key = (h.group, h.src, h.step)
@@ -928,40 +929,41 @@ class Engine:
             return
         self._p2p_waiters.setdefault(key, deque()).append(_P2PDiscard())
 
-    def _note_p2p_dropped(self, endpoint: str | None, n: int, sent_in: int, dropped_at: int) -> None:
+    def _note_p2p_dropped(self, endpoint: str | None, tag: int, n: int, sent_in: int,
+                          dropped_at: int) -> None:
         if endpoint is None or n <= 0:
             return
-        before = self._p2p_dropped.get(endpoint, (0, sent_in, dropped_at))
-        self._p2p_dropped[endpoint] = (before[0] + n, min(before[1], sent_in), dropped_at)
+        before = self._p2p_dropped.get((endpoint, tag), (0, sent_in, dropped_at))
+        self._p2p_dropped[endpoint, tag] = (before[0] + n, min(before[1], sent_in), dropped_at)
 
-    def _p2p_dropped_error(self, src_world: int) -> PeerLostError | None:
-        """The error of the next recv from ``src_world`` after a membership change discarded
-        messages it had sent (once: the mark is cleared), or None."""
+    def _p2p_dropped_error(self, src_world: int, tag: int) -> PeerLostError | None:
+        """The error of the next recv from ``src_world`` with ``tag`` after a membership change
+        discarded messages it had sent with that tag (once: the mark is cleared), or None."""
         ep = self.view.endpoints.get(src_world) if self.view is not None else None
-        dropped = self._p2p_dropped.pop(ep, None) if ep is not None else None
+        dropped = self._p2p_dropped.pop((ep, tag), None) if ep is not None else None
         if dropped is None:
             return None
         n, sent_in, dropped_at = dropped
         return PeerLostError(
-            f"recv from rank {src_world}: {n} message(s) it sent in epoch {sent_in} were never "
-            f"received here: the membership change to epoch {dropped_at} discarded them (a "
-            f"send returns once its message is on its way); the exchange is broken: redo it "
-            f"from a state both ranks know (FaultTolerance retries the step)",
+            f"recv from rank {src_world} tag {tag}: {n} message(s) it sent with that tag in epoch "
+            f"{sent_in} were never received here: the membership change to epoch {dropped_at} "
+            f"discarded them (a send returns once its message is on its way); the exchange is "
+            f"broken: redo it from a state both ranks know (FaultTolerance retries the step)",
             ranks=[src_world], epoch=dropped_at)
 
-    def _fail_p2p_waiter(self, endpoint: str | None) -> None:
-        """A recv of the current epoch already waiting for the sender whose old-epoch message
-        was just dropped: it fails now (else it would take that sender's next message)."""
+    def _fail_p2p_waiter(self, endpoint: str | None, tag: int) -> None:
+        """A recv of the current epoch already waiting for the sender and tag whose old-epoch
+        message was just dropped: it fails now (else it would take that sender's next message)."""
         v = self.view
-        if endpoint is None or v is None or endpoint not in self._p2p_dropped:
+        if endpoint is None or v is None or (endpoint, tag) not in self._p2p_dropped:
             return
         src = next((r for r, ep in v.endpoints.items() if ep == endpoint), None)
         for key, dq in self._p2p_waiters.items():
-            if key[1] != src:
+            if key[1] != src or key[2] != tag:
                 continue
             for w in dq:
                 if isinstance(w, _P2PWaiter) and not w.future.done():
-                    exc = self._p2p_dropped_error(src)
+                    exc = self._p2p_dropped_error(src, tag)
                     dq.remove(w)
                     w.handle.cancel()
                     w.future.set_exception(exc)
@@ -975,7 +977,7 @@ class Engine:
 
     async def _p2p_recv(self, gid: str, src_world: int, tag: int, timeout_s: float):
         await self.wait_not_held()
-        dropped = self._p2p_dropped_error(src_world) if self._p2p_dropped else None
+        dropped = self._p2p_dropped_error(src_world, tag) if self._p2p_dropped else None
         if dropped is not None:
             raise dropped
         key = (gid, src_world, tag)
