@@ -422,8 +422,6 @@ def claim_folder(folder: str | os.PathLike, run: str, *, lock_name: str = ROOT_L
             the file system has no ``flock``).
         ConfigError: ``folder`` is empty.
     """
-    import fcntl
-
     _check_root(folder, "claim_folder", "folder")
     path = Path(folder) / lock_name
     try:
@@ -457,8 +455,6 @@ def _share_lock(fd: int, path: Path, wait_s: float) -> str | None:
     """Take a shared ``flock`` on ``fd`` (``path``'s), waiting up to ``wait_s`` seconds while
     another process holds it exclusively (it is writing its run there): None once taken, else a
     line saying so."""
-    import fcntl
-
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -475,8 +471,6 @@ def _claim_read_only(path: Path, run: str, wait_s: float) -> tuple[int | None, s
     ``(None, holder)`` while a process holds it for another run; ``(fd, None)`` (a shared lock)
     while one holds it for ``run``; ``(None, None)`` when nobody holds it (this process cannot
     write its run there: it goes on unlocked). A missing file raises the ``PermissionError``."""
-    import fcntl
-
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         try:

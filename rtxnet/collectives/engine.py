@@ -800,9 +800,8 @@ class Engine:
                 self._future_msgs.append((h, payload))
             return
         if h.job != v.job or h.epoch < v.epoch or not 0 <= h.src < v.world_size:
-            if h.job == v.job and h.epoch < v.epoch and h.kind == Kind.P2P and h.meta is not None:
+            if h.job == v.job and h.epoch < v.epoch and h.kind == Kind.P2P:
                 # a send that returned on its rank, arriving after this rank left its epoch
-                # (a refusal notice has no data: its meta is [_REFUSED, why]; counted all the same)
                 sender = self._old_endpoints.get(h.epoch, {}).get(h.src)
                 self._note_p2p_dropped(sender, h.step, 1, h.epoch, v.epoch)
                 self._fail_p2p_waiter(sender, h.step)

@@ -615,11 +615,6 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
             out_features (names swapped), or the hidden size (``up``'s out_features) not
             divisible by the group size; names them.
     """
-    if isinstance(up, str) and isinstance(down, str) and up == down:
-        # (accepted before: the row layer replaced the column one, and the first forward failed
-        # naming neither argument, a breaker's find)
-        raise ConfigError(f"shard_mlp: up({up!r}) and down({down!r}) name the same layer: up is the "
-                          f"first nn.Linear of the MLP, down the second")
     layers = {}
     for role, name in (("up", up), ("down", down)):
         if not isinstance(name, str):
@@ -633,10 +628,11 @@ def shard_mlp(module: torch.nn.Module, pg: Any, *, up: str, down: str,
             raise ConfigError(f"shard_mlp: {role}({name!r}) is a {type(sub).__name__}, not an nn.Linear")
         layers[role] = sub
     if layers["up"] is layers["down"]:
-        # one nn.Linear under two attribute names (accepted before: both names then held the
-        # row layer, sharded from the same weights as the column one)
-        raise ConfigError(f"shard_mlp: up({up!r}) and down({down!r}) are the same nn.Linear under two "
-                          f"names: up is the first nn.Linear of the MLP, down the second")
+        # the same name, or one nn.Linear under two names (accepted before: the row layer
+        # replaced the column one, and the first forward failed naming neither; breakers' finds)
+        same = "name the same layer" if up == down else "are the same nn.Linear under two names"
+        raise ConfigError(f"shard_mlp: up({up!r}) and down({down!r}) {same}: up is the first "
+                          f"nn.Linear of the MLP, down the second")
     if layers["up"].out_features != layers["down"].in_features:
         # (names swapped, or not one MLP: it failed only at the first forward, naming neither)
         raise ConfigError(
