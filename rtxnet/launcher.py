@@ -1441,7 +1441,8 @@ class Launcher:
             return
         for s in late:
             who = (f"rank {s.rank}'s replacement (restart {s.restarts})" if s.restarts else
-                   f"rank {s.rank}, declared lost and woken (JobFinishedError),")
+                   f"rank {s.rank}, turned away by the finished job (JobFinishedError: declared "
+                   f"lost and woken, or it reached rtxnet.init() after the end),")
             _say(f"{who} exited with code {s.returncode} after job {self.job} had finished (its "
                  f"last members left in order): the job's result stands; not counted as a failure")
             s.returncode = 0
