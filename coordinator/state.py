@@ -97,6 +97,11 @@ class Job:
     committed_step: int = -1
     committed_epoch: int = -1   # the epoch the last step was committed in
     commit_metadata: dict = field(default_factory=dict)
+    # (routing identity, request id) of the last MAX_KV_ANSWERS compare_sets that swapped and
+    # deletes that deleted, journaled with their write: such a request resent after a
+    # coordinator restart (its answer lost with the old daemon) gets the answer it had, where
+    # evaluating it again would find its own write and answer "not swapped" / "not there".
+    kv_answers: dict[tuple[str, int], bool] = field(default_factory=dict)
     # A member said training is over (``finish``): no rank is admitted any more (see _finish).
     finished_training: bool = False
     fenced: set[str] = field(default_factory=set)  # identities declared lost
@@ -403,11 +408,13 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
         job.votes.clear()
         job.vote_metadata.clear()
     elif kind == "kv_set":
+        _keep_answer(job, rec)
         old = job.kv.get(rec["key"])
         job.kv_nbytes += _kv_item_nbytes(rec["key"], rec["value"]) - (
             0 if old is None else _kv_item_nbytes(rec["key"], old))
         job.kv[rec["key"]] = rec["value"]
     elif kind == "kv_del":
+        _keep_answer(job, rec)
         old = job.kv.pop(rec["key"], None)
         if old is not None:
             job.kv_nbytes -= _kv_item_nbytes(rec["key"], old)
@@ -461,6 +468,20 @@ def _fenced_procs(identities: set[str]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: (d["host"], d["pid"]))[:FENCED_SHOWN]
 
 
+MAX_KV_ANSWERS = 1024   # compare_set/delete answers a job keeps for resent requests (Job.kv_answers)
+
+
+def _keep_answer(job: Job, rec: dict[str, Any]) -> None:
+    """Keep the answer of the compare_set or delete that wrote ``rec`` (its ``by``: routing
+    identity and request id), the oldest dropped past ``MAX_KV_ANSWERS``."""
+    by = rec.get("by")
+    if by is None:
+        return
+    job.kv_answers[(by[0], by[1])] = True
+    while len(job.kv_answers) > MAX_KV_ANSWERS:
+        del job.kv_answers[next(iter(job.kv_answers))]
+
+
 def snapshot(state: State) -> dict[str, Any]:
     """The journaled part of ``state`` as a msgpack-able dict (for compaction)."""
     return {
@@ -476,6 +497,7 @@ def snapshot(state: State) -> dict[str, Any]:
                 "epoch": j.epoch,
                 "members": {r: m.public() for r, m in j.members.items()},
                 "kv": dict(j.kv),
+                "kv_answers": [list(k) for k in j.kv_answers],
                 "committed_step": j.committed_step,
                 "committed_epoch": j.committed_epoch,
                 "commit_metadata": j.commit_metadata,
@@ -508,6 +530,7 @@ def restore(snap: dict[str, Any], now: float) -> State:
         job.finished_training = bool(j.get("finished_training", False))
         job.kv = dict(j["kv"])
         job.kv_nbytes = sum(_kv_item_nbytes(k, v) for k, v in job.kv.items())
+        job.kv_answers = {(k[0], k[1]): True for k in j.get("kv_answers", [])}
         job.committed_step = j["committed_step"]
         job.commit_metadata = j["commit_metadata"]
     return state
@@ -812,6 +835,11 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_reply(identity, msg, job, left=False))
     elif t == "kv_set" and (why := _kv_refusal(state, job, msg["key"], msg["value"])):
         actions.append(_error(identity, msg, "ConfigError", why))
+    elif t in ("kv_cas", "kv_del") and (identity, msg["rid"]) in job.kv_answers:
+        # sent again after a coordinator restart: it took effect before (journaled), its answer
+        # was lost with the daemon that gave it
+        actions.append(_reply(identity, msg, job, swapped=True, value=msg["value"]) if t == "kv_cas"
+                       else _reply(identity, msg, job, deleted=True))
     elif t == "kv_cas" and job.kv.get(msg["key"]) == msg["expected"] and (
             why := _kv_refusal(state, job, msg["key"], msg["value"])):
         actions.append(_error(identity, msg, "ConfigError", why))
@@ -846,7 +874,8 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     elif t == "kv_cas":
         current = job.kv.get(msg["key"])
         if current == msg["expected"]:
-            _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
+            _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"],
+                                     "by": [identity, msg["rid"]]}, now)
             actions.append(_reply(identity, msg, job, swapped=True, value=msg["value"]))
             _wake_kv(state, job, msg["key"], actions)
         else:
@@ -854,7 +883,7 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
     elif t == "kv_del":
         existed = msg["key"] in job.kv
         if existed:
-            _record(state, actions, {"k": "kv_del", "job": job.job, "key": msg["key"]}, now)
+            _record(state, actions, {"k": "kv_del", "job": job.job, "key": msg["key"], "by": [identity, msg["rid"]]}, now)
         actions.append(_reply(identity, msg, job, deleted=existed))
     elif t == "commit":
         _commit(state, job, identity, msg, now, actions)

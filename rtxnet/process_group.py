@@ -200,10 +200,10 @@ class Store:
             ``(swapped, current_value)``.
 
         Raises:
-            RtxTimeoutError: no answer within the request deadline. A compare-and-set is never
-                sent twice (a second send could find its own first write and report a lost
-                race), so one in flight when the coordinator dies fails this way; read the key
-                to learn what happened.
+            RtxTimeoutError: no answer within the request deadline. One in flight when the
+                coordinator dies is sent again when it is back; the coordinator journals the
+                request's id with the write, so a repeat of one that swapped gets
+                ``(True, value)`` again (not a lost race against its own write).
             TypeError: ``key`` is not a str, ``expected`` or ``value`` not bytes or str.
         """
         self._check("store.compare_set")
@@ -215,10 +215,9 @@ class Store:
         """Remove ``key``; True if it existed.
 
         Raises:
-            RtxTimeoutError: no answer within the request deadline. A delete is never sent twice
-                (a second send would find the key gone and answer False for a key this call
-                removed), so one in flight when the coordinator dies fails this way; read the
-                key to learn what happened.
+            RtxTimeoutError: no answer within the request deadline. One in flight when the
+                coordinator dies is sent again when it is back, and a repeat of one that
+                removed the key answers True again (journaled with the delete).
             TypeError: ``key`` is not a str.
         """
         self._check("store.delete")

@@ -84,6 +84,11 @@ async def main(cfg: dict) -> int:
                 emit(event="result", cmd=name, ok=True, value=await pg.store.get(cmd["key"]))
             elif name == "kv_wait":
                 emit(event="result", cmd=name, ok=True, values=await pg.store.wait(cmd["keys"], cmd.get("timeout", 10)))
+            elif name == "kv_cas":
+                swapped, value = await pg.store.compare_set(cmd["key"], cmd["expected"], cmd["value"])
+                emit(event="result", cmd=name, ok=True, swapped=swapped, value=value)
+            elif name == "kv_del":
+                emit(event="result", cmd=name, ok=True, deleted=await pg.store.delete(cmd["key"]))
             elif name == "status":
                 emit(event="result", cmd=name, ok=True, jobs=await pg.status())
             elif name == "commit":

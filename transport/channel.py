@@ -119,12 +119,14 @@ def process_context() -> zmq.asyncio.Context:
 # Requests sent again (same request id; a ``timeout_s`` in it lowered by the time already spent,
 # so a wait does not start over) when the connection to the coordinator comes back after a drop:
 # a coordinator that died took those in flight with it, and the agent would otherwise wait out
-# the request's whole deadline. Each is idempotent. Not ``kv_cas``: a second send can find its
-# own first write and answer "not swapped" (two callers would both believe they lost, or a retry
-# loop would count twice). Not ``kv_del``, for the same reason: the second answer says the key
-# was not there (a tester's find: delete() returned False for a key it had deleted). Not
+# the request's whole deadline. Each is idempotent, or made so by the coordinator: a ``kv_cas``
+# or ``kv_del`` sent again would find its own first write and answer "not swapped" / "not there"
+# (two callers would both believe they lost; delete() returned False for a key it had deleted, a
+# tester's find), so the coordinator journals the (routing id, request id) of each that wrote
+# and answers a repeat as the first time (``coordinator.state.Job.kv_answers``). Not
 # ``join``/``leave``/``heartbeat``: the agent repeats those itself, knowing the membership.
-RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "commit", "reform", "finish", "status"})
+RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
+                                 "finish", "status"})
 
 
 async def _monitor_events(monitor: zmq.asyncio.Socket):

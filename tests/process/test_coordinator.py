@@ -1161,6 +1161,55 @@ def test_a_store_wait_keeps_its_deadline_across_a_coordinator_restart_and_a_froz
     assert "it is down, frozen or restarting" in r["message"], r
 
 
+def test_compare_set_and_delete_across_a_coordinator_restart_are_answered_once_and_rightly(coordinator, probes):
+    """A compare_set or delete in flight when the coordinator died was not sent again (it would
+    find its own write and answer "not swapped"): it failed after the 10 s request deadline (a
+    breaker's note: a job's first checkpoint save stalled 10 s). Now it is sent again at once, and
+    the coordinator answers a repeat of one that wrote as it did the first time, from the journal."""
+    import zmq
+
+    p = probes(coordinator.address, job="cas", world_size=1, timeouts={**FAST, "request_s": 10.0})
+    p.expect("joined")
+    p.cmd("kv_set", key="gone", value="1")
+    for cmd, args, want in (("kv_cas", {"key": "leader", "expected": None, "value": "me"}, {"swapped": True, "value": "me"}),
+                            ("kv_del", {"key": "gone"}, {"deleted": True})):
+        coordinator.signal(signal.SIGSTOP)   # the request reaches a daemon that dies before it reads it
+        try:
+            p.submit(cmd, **args)
+            time.sleep(0.5)
+        finally:
+            coordinator.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        coordinator.start()                  # same port, same journal
+        r = p.expect("result", timeout=20, cmd=cmd)
+        assert r["ok"] and {k: r[k] for k in want} == want, r
+        assert time.monotonic() - t0 < 6, time.monotonic() - t0   # (before: RtxTimeoutError at 10 s)
+    # the repeat of a request that wrote, from the same routing id, after another restart: the
+    # first answer (replayed from the journal), where a new request is evaluated afresh
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"raw-client")
+    try:
+        dealer.connect(coordinator.address)
+
+        def ask(rid, **fields):
+            dealer.send(encode(wire.make("kv_cas", rid=rid, job="cas", epoch=0, token="", **fields)))
+            assert dealer.poll(10_000), "no answer"
+            reply = decode(dealer.recv())
+            assert reply["t"] == "reply", reply
+            return reply["body"]
+
+        assert ask(7, key="k", expected=None, value=b"1") == {"swapped": True, "value": b"1"}
+        coordinator.kill(signal.SIGKILL)
+        coordinator.start()
+        assert ask(7, key="k", expected=None, value=b"1") == {"swapped": True, "value": b"1"}
+        assert ask(8, key="k", expected=None, value=b"1") == {"swapped": False, "value": b"1"}
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
 def test_status_of_an_ipc_address_nothing_listens_at_says_so_at_once(tmp_path):
     # it waited out the whole timeout and said only "no answer" (a tester's find)
     sock = tmp_path / "none.sock"

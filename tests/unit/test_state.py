@@ -404,6 +404,47 @@ def test_commit_needs_every_member_and_fails_on_epoch_change():
     assert replies and replies[0]["body"]["committed"] is False and "epoch changed" in replies[0]["body"]["reason"]
 
 
+def test_a_compare_set_or_delete_sent_again_gets_the_answer_it_had_across_replay_and_snapshot():
+    """A kv_cas or kv_del the client sends again (same routing id and request id: its answer was
+    lost with a coordinator that died after journaling the write) gets the first answer; evaluated
+    again it found its own write ("not swapped", "not there"). Kept through replay and snapshot."""
+    from coordinator.state import MAX_KV_ANSWERS
+
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+
+    def again(msg):   # the same request, as the client's resend after a reconnect
+        return h.run(Request("a", msg))[0].msg["body"]
+
+    h.req("a", "kv_cas", epoch=0, key="x", expected=None, value=b"1")
+    cas = wire.validate(wire.make("kv_cas", rid=h.rid, job="j", epoch=0, token="t", key="x", expected=None, value=b"1"))
+    h.req("a", "kv_del", epoch=0, key="y")            # not there: nothing written, nothing kept
+    h.req("a", "kv_set", epoch=0, key="z", value=b"z")
+    h.req("a", "kv_del", epoch=0, key="z")
+    dele = wire.validate(wire.make("kv_del", rid=h.rid, job="j", epoch=0, token="t", key="z"))
+    assert again(cas) == {"swapped": True, "value": b"1"}
+    assert again(dele) == {"deleted": True}
+    # another request (another id) is evaluated: the key holds its value, z is gone
+    assert h.req("a", "kv_cas", epoch=0, key="x", expected=None, value=b"1")[0].msg["body"]["swapped"] is False
+    assert h.req("a", "kv_del", epoch=0, key="z")[0].msg["body"]["deleted"] is False
+    assert h.state.jobs["j"].kv == {"x": b"1"} and len(h.state.jobs["j"].kv_answers) == 2
+    for st in (State(), None):
+        if st is not None:
+            for rec in h.records:
+                apply_record(st, rec, 5.0)
+        else:
+            packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False,
+                                     strict_map_key=False)
+            st = restore(packed, 5.0)
+        assert st.jobs["j"].kv_answers == h.state.jobs["j"].kv_answers
+        h.state = st
+        assert again(cas) == {"swapped": True, "value": b"1"} and again(dele) == {"deleted": True}
+    for i in range(MAX_KV_ANSWERS):   # bounded: the oldest go first
+        h.req("a", "kv_cas", epoch=0, key=f"k{i}", expected=None, value=b"v")
+    assert len(h.state.jobs["j"].kv_answers) == MAX_KV_ANSWERS
+    assert ("a", cas["rid"]) not in h.state.jobs["j"].kv_answers
+
+
 def test_replaying_the_records_rebuilds_the_same_journaled_state():
     h = Harness()
     for i in "abc":
