@@ -33,7 +33,6 @@ import structlog
 
 from transport import wire
 from transport.errors import (
-    ClosedError,
     ConfigError,
     PeerLostError,
     RendezvousTimeout,

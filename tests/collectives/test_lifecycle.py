@@ -13,7 +13,7 @@ import pytest
 import rtxnet.collectives as collectives
 from rtxnet.collectives import Engine, Work, WorldView
 from transport import shm
-from transport.errors import ClosedError, CollectiveTimeout, ConfigError, PeerLostError
+from transport.errors import ClosedError, ConfigError, PeerLostError
 
 from .harness import RankError, run_world
 

@@ -239,8 +239,7 @@ def test_a_second_loss_as_the_sync_ends_is_re_formed_before_the_next_step(tmp_pa
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = [json.loads(p.read_text()) for p in sorted(out.glob("final-*.json"))]
     assert len(results) == 4, proc.stderr[-3000:]
-    import numpy as np
-    from ft_workload import P, SHARDS, contribution, initial
+    from ft_workload import SHARDS, P, contribution, initial
     x = initial(64)
     for step in range(20):
         x = (x + contribution(x, step, range(SHARDS))) % P
