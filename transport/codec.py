@@ -71,6 +71,38 @@ def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> bytes:
     return data
 
 
+def _map_header(n: int) -> bytes:
+    """msgpack's header of a map of ``n`` entries (fixmap, map 16 or map 32)."""
+    if n <= 15:
+        return bytes([0x80 | n])
+    if n <= 0xFFFF:
+        return b"\xde" + n.to_bytes(2, "big")
+    return b"\xdf" + n.to_bytes(4, "big")
+
+
+def encode_with_packed(head: dict[str, Any], key: str, packed: bytes, *,
+                       limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The msgpack bytes of ``{**head, key: value}`` where ``packed`` is ``encode(value)``
+    already: one large value sent to many (a status answer) is encoded once, and each message
+    costs a copy of it. ``key`` must not be in ``head``.
+
+    Raises:
+        ProtocolError: as :func:`encode`, for ``head`` or the whole message's size.
+    """
+    data = encode(head, limits=limits)
+    first = data[0]
+    if first & 0xF0 == 0x80:
+        n, rest = first & 0x0F, data[1:]
+    elif first == 0xDE:
+        n, rest = int.from_bytes(data[1:3], "big"), data[3:]
+    else:
+        n, rest = int.from_bytes(data[1:5], "big"), data[5:]
+    out = b"".join((_map_header(n + 1), rest, encode(key), packed))
+    if len(out) > limits.max_message_nbytes:
+        raise ProtocolError(f"message of {len(out)} bytes exceeds the limit of {limits.max_message_nbytes} bytes")
+    return out
+
+
 def decode(data: bytes | memoryview, *, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Unpack one msgpack object from ``data`` under ``limits``.
 

@@ -206,6 +206,89 @@ def test_a_client_that_never_reads_its_answers_holds_a_bounded_part_of_the_daemo
     assert coordinator.proc.poll() is None
 
 
+@pytest.mark.timeout(150)
+def test_clients_asking_for_status_without_reading_neither_stall_the_daemon_nor_fill_its_memory(coordinator):
+    # A breaker's find: with 300 jobs (a status answer of 111 KB) one client sending 4,000 status
+    # requests it never read stalled the daemon 24-35 s (longer than the ranks' 30 s coordinator
+    # timeout) and took 0.9 GB; 16 such clients, 221 s and 6.6 GB. Each answer was computed and
+    # encoded anew and held until the batch was sent. Now one answer is shared until something
+    # changes, encoded once, dropped unencoded when the client's backlog is full, and all
+    # backlogs together hold at most BACKLOG_TOTAL_MAX_NBYTES.
+    import psutil
+    import zmq
+
+    from transport.channel import BACKLOG_TOTAL_MAX_NBYTES, SEND_PIPE_MESSAGES
+
+    daemon = psutil.Process(coordinator.proc.pid)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for i in range(300):            # jobs forming (2 ranks asked for, 1 came), long names
+            ident = f"n{i}-" + "x" * 200
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, ident.encode())
+            s.connect(coordinator.address)
+            s.send(encode(wire.make("join", rid=1, job=f"job{i}-" + "y" * 200, identity=ident, token="",
+                                    rank=0, min_ranks=2, max_ranks=2, last_call_s=0.0, heartbeat_timeout_s=120.0,
+                                    endpoint="tcp://127.0.0.1:9", host="h" * 128, pid=1,
+                                    info={f"k{j}": "v" * 100 for j in range(60)})))
+            socks.append(s)
+        with procs.dealer(coordinator.address, timeout_s=30) as d:
+            d.send(encode(wire.make("status", rid=1)))
+            size = len(_answer_raw(d))
+            assert size > 50_000, size
+            before = daemon.memory_info().rss
+            floods = []
+            for _ in range(6):
+                f = ctx.socket(zmq.DEALER)
+                f.setsockopt(zmq.LINGER, 0)
+                f.setsockopt(zmq.RCVHWM, 1)
+                f.setsockopt(zmq.SNDHWM, 0)
+                f.connect(coordinator.address)
+                floods.append(f)
+            socks += floods
+            req = encode(wire.make("status", rid=2))
+            for _ in range(1000):
+                for f in floods:
+                    f.send(req)
+            t0 = time.monotonic()
+            d.send(encode(wire.make("status", rid=3)))
+            assert decode(_answer_raw(d, 3))["rid"] == 3
+            took = time.monotonic() - t0
+            procs.wait_until(lambda: "reply_dropped" in coordinator.log, 60, "answers dropped")
+            # the whole flood handled: the daemon idle for a second
+            cpu = [sum(daemon.cpu_times()[:2])]
+
+            def idle() -> bool:
+                time.sleep(1.0)
+                cpu.append(sum(daemon.cpu_times()[:2]))
+                return cpu[-1] - cpu[-2] < 0.1
+
+            procs.wait_until(idle, 90, "the daemon idle after the flood")
+            grew = daemon.memory_info().rss - before
+            d.send(encode(wire.make("status", rid=4)))
+            assert decode(_answer_raw(d, 4))["rid"] == 4
+        bound = BACKLOG_TOTAL_MAX_NBYTES + 6 * SEND_PIPE_MESSAGES * size + (96 << 20)   # + sockets
+        assert grew < bound, (grew >> 20, bound >> 20)     # before: 1.3 GB
+        assert took < 15, took                             # before: 36 s
+        stalls = [float(x) for x in re.findall(r"coordinator_stalled\s+seconds=([0-9.]+)", coordinator.log)]
+        assert max(stalls, default=0) < 10, stalls
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+    assert coordinator.proc.poll() is None
+
+
+def _answer_raw(d, rid: int = 1) -> bytes:
+    """The raw bytes of the answer to request ``rid``."""
+    while True:
+        raw = d.recv()
+        if decode(raw)["rid"] == rid:
+            return raw
+
+
 def test_a_wait_sent_again_on_a_new_connection_under_the_same_id_is_answered(coordinator):
     # A client that closed and reconnected at once under the same routing id (as an agent does
     # after a drop) parked its wait again; the old connection's close, seen after it, dropped the

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transport import wire
-from transport.codec import Limits, decode, encode
+from transport.codec import Limits, decode, encode, encode_with_packed
 from transport.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,6 +33,21 @@ small_values = st.recursive(
 @settings(max_examples=150, deadline=None)
 def test_round_trip_preserves_values_and_keeps_bytes_as_bytes(v):
     assert decode(encode(v)) == v
+
+
+@given(st.dictionaries(st.text(max_size=10).filter(lambda k: k != "body"), small_values, max_size=20), values)
+@settings(max_examples=100, deadline=None)
+def test_a_message_with_a_value_encoded_before_is_the_message_encoded_whole(head, body):
+    # (a status answer encoded once for many replies: the bytes must be exactly encode's)
+    assert encode_with_packed(head, "body", encode(body)) == encode({**head, "body": body})
+
+
+def test_a_message_with_a_value_encoded_before_keeps_the_size_limit():
+    head = {f"k{i}": i for i in range(20)}       # (a map 16 header, past fixmap's 15)
+    packed = encode(b"x" * 900)
+    assert decode(encode_with_packed(head, "body", packed)) == {**head, "body": b"x" * 900}
+    with pytest.raises(ProtocolError, match="exceeds the limit of 1000 bytes"):
+        encode_with_packed(head, "body", packed, limits=Limits(max_message_nbytes=1000))
 
 
 @given(st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**64)))

@@ -325,8 +325,27 @@ def test_a_join_may_not_publish_more_than_status_can_carry(monkeypatch):
     body = h.req("c", "status")[0].msg["body"]
     assert body["jobs"][0]["members"][0]["info"] == {"x": "y" * 2000} and not body["info_omitted"]
     monkeypatch.setattr(st, "STATUS_MAX_NBYTES", 1000)   # many members' info: left out, not an error
+    h.tick()   # (an event: the answer above, shared until something happens, is computed anew)
     body = h.req("c", "status")[0].msg["body"]
     assert body["jobs"][0]["members"][0]["info"] == {} and body["info_omitted"]
+
+
+def test_a_status_answer_is_shared_until_something_happens():
+    """Status requests with nothing in between share one answer (a flood of them cost the daemon
+    a computation and an encoding each: a breaker's find); any other event, or another job asked
+    about, computes it anew."""
+    h = Harness()
+    h.join("a", min_ranks=1, max_ranks=1)
+    first = h.req("x", "status", job="")[0].msg["body"]
+    again = h.req("y", "status", job="")[0].msg
+    assert again["body"] is first and again["rid"] == h.rid
+    assert h.req("x", "status", job="j")[0].msg["body"] is not first   # another question
+    h.req("a", "kv_set", epoch=0, key="k", value=b"v")
+    assert h.req("x", "status", job="")[0].msg["body"] is not first
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    h.clock.now += 5.0                      # the ages it shows: another batch, another answer
+    later = h.req("x", "status", job="")[0].msg["body"]
+    assert later["jobs"][0]["members"][0]["heartbeat_age_s"] == 5.0
 
 
 def test_kv_set_get_wait_cas_delete():
