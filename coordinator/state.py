@@ -1228,7 +1228,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
     job = state.jobs.get(job_id)
-    if job is None and len(state.jobs) >= MAX_JOBS:
+    if job is None and len(state.jobs) >= MAX_JOBS and not _drop_a_silent_forming_job(state, now, actions):
         # running, forming and crashed (kept for restarts) jobs: each is in every snapshot
         return refuse("RendezvousError", f"this coordinator holds {len(state.jobs)} jobs, the most "
                       f"it keeps (MAX_JOBS); job {job_id[:100]!r} cannot start until one ends or a "
@@ -1312,6 +1312,26 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         _admit(state, job, now, actions)
 
 
+def _drop_a_silent_forming_job(state: State, now: float, actions: list[Action]) -> bool:
+    """With ``MAX_JOBS`` held, make room for a new job: drop the forming job whose joiners have
+    all been silent longest, ``FORMING_SILENT_S`` at least (a live joiner heartbeats every
+    fraction of a second; one client holding 4,000 connections, each joining a job of its own
+    with a heartbeat timeout of an hour, kept every new job out for that hour: a breaker's find).
+    Running and crashed jobs are kept. Whether one was dropped; O(jobs), only when full."""
+    oldest, chosen = now - FORMING_SILENT_S, None
+    for job in state.jobs.values():
+        if job.formed or not job.pending:
+            continue
+        heard = max(m.last_seen for m in job.pending.values())
+        if heard <= oldest:
+            oldest, chosen = heard, job
+    if chosen is None:
+        return False
+    _unpark(state, chosen, list(chosen.kv_waiters))
+    _record(state, actions, {"k": "job_drop", "job": chosen.job}, now)
+    return True
+
+
 def _join_window_s(job: Job) -> float:
     """How long a joiner of a job that commits steps waits for the next step decision: three
     mean step periods, at least the heartbeat timeout."""
@@ -1352,6 +1372,7 @@ _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{
 MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
 MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
 MAX_JOBS = 4096               # jobs a coordinator holds at once (running, forming, crashed)
+FORMING_SILENT_S = 10.0       # a forming job silent this long may make room for a new one when full
 MAX_HOST_BYTES = wire.MAX_HOST_BYTES   # bytes (UTF-8) of a member's host name
 MAX_TOKEN = wire.MAX_TOKEN             # characters of a job token
 MAX_ENDPOINT = 512            # characters of a member's data endpoint

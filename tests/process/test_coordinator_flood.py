@@ -281,6 +281,39 @@ def test_clients_asking_for_status_without_reading_neither_stall_the_daemon_nor_
     assert coordinator.proc.poll() is None
 
 
+@pytest.mark.timeout(120)
+def test_joins_from_connections_closed_at_once_leave_no_job_behind(coordinator):
+    # A breaker's find: of 4,000 joins each sent on a connection closed 2 ms later, 115 left their
+    # job forming for the joiner's whole heartbeat timeout (an hour here): the daemon read the
+    # close before the join and could not tell whose it was. The answer to the join finding the
+    # connection gone now counts as its disconnect.
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        for i in range(1500):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            ident = f"gone-{i}"
+            s.setsockopt(zmq.ROUTING_ID, ident.encode())
+            s.connect(coordinator.address)
+            s.send(encode(wire.make("join", rid=1, job=f"gone-job-{i}", identity=ident, token="", rank=0,
+                                    min_ranks=2, max_ranks=2, last_call_s=0.0, heartbeat_timeout_s=3600.0,
+                                    endpoint="tcp://127.0.0.1:9", host="h", pid=1)))
+            time.sleep(0.002)
+            s.close(0)
+    finally:
+        ctx.term()
+
+    def left() -> list:
+        return [j["job"] for j in procs.coordinator_jobs(coordinator.address, timeout_s=10)]
+
+    # (before: 35 of 1,500 stayed, in one run here)
+    with contextlib.suppress(AssertionError):
+        procs.wait_until(lambda: not left(), 15, "every forming job dropped")
+    assert left() == []
+
+
 def _answer_raw(d, rid: int = 1) -> bytes:
     """The raw bytes of the answer to request ``rid``."""
     while True:

@@ -776,6 +776,38 @@ def test_the_same_silence_without_a_stall_loses_every_rank():
     assert h.state.jobs["j"].members == {}
 
 
+def test_a_full_coordinator_drops_the_forming_job_silent_longest_for_a_new_one(monkeypatch):
+    """One client holding 4,000 connections, each joining a job of its own (waiting for a second
+    rank, heartbeat timeout an hour), kept every new job out for that hour (a breaker's find).
+    When full, a new job now takes the place of the forming job whose joiners have been silent
+    longest, FORMING_SILENT_S at least; running jobs and forming ones that heartbeat are kept."""
+    import coordinator.state as st
+
+    monkeypatch.setattr(st, "MAX_JOBS", 4)
+    h = Harness()
+    assert not errors(h.join("run", job="running", min_ranks=1, max_ranks=1))     # formed
+    for k in range(3):                       # forming: 1 of 2 ranks, an hour's heartbeat timeout
+        assert not errors(h.join(f"f{k}", job=f"forming{k}", hb=3600.0))
+        h.clock.now += 1.0
+    h.clock.now += st.FORMING_SILENT_S - 1.5  # forming0 silent 11.5 s, forming1 10.5 s, forming2 9.5 s
+    h.req("f0", "heartbeat", job="forming0", identity="f0")   # alive: not dropped
+    err = errors(h.join("n1", job="new1", min_ranks=1, max_ranks=1))
+    assert not err, err
+    assert set(h.state.jobs) == {"running", "forming0", "forming2", "new1"}
+    assert "f1" not in h.state.where and h.records[-3] == {"k": "job_drop", "job": "forming1"}
+    err = errors(h.join("n2", job="new2", min_ranks=1, max_ranks=1))   # none silent long enough
+    assert err and "the most it keeps (MAX_JOBS); job 'new2' cannot start" in err[0]["message"], err
+    h.clock.now += 1.0                       # forming2 silent 10.5 s now
+    assert not errors(h.join("n2", job="new2", min_ranks=1, max_ranks=1))
+    assert set(h.state.jobs) == {"running", "forming0", "new1", "new2"}
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 0.0)
+    assert set(replayed.jobs) == set(h.state.jobs)
+    # the dropped one's joiner, heartbeating again, hears its job is unknown (and joins anew)
+    assert h.req("f1", "heartbeat", job="forming1", identity="f1")[0].msg["body"]["state"] == "unknown"
+
+
 def test_a_flood_of_jobs_is_bounded_and_status_always_fits(monkeypatch):
     """50,000 one-rank jobs from one client made every status answer too large for one message:
     `rtxnet status` and every `rtxnet-run --coordinator` failed for the hour crashed jobs are kept.
