@@ -760,7 +760,7 @@ class _LineStream:
 def _events(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keep = ("event", "step", "failed_step", "resumed_step", "steps_lost", "error", "lost",
             "lost_launch", "added", "added_launch", "epoch", "world_size", "time_to_recover_s",
-            "detection_latency_s")
+            "detection_latency_s", "seconds")   # (seconds: how long a commit_stall's vote waited)
     return [{k: e[k] for k in keep if k in e} for e in raw]
 
 

@@ -589,8 +589,10 @@ class Agent:
                 f"restarts its own)", address=self.coordinator, silent_s=silent)
 
     async def commit(self, step: int, *, ok: bool = True, metadata: dict | None = None,
-                     timeout_s: float) -> dict[str, Any]:
-        """Vote on ``step``; returns the coordinator's decision ``{committed, step, reason}``.
+                     timeout_s: float, epoch: int | None = None) -> dict[str, Any]:
+        """Vote on ``step`` as a member of ``epoch`` (default: the current one); returns the
+        coordinator's decision ``{committed, step, reason}``. A vote for an epoch this agent has
+        left is answered "epoch changed" at once, without asking.
 
         Votes are idempotent, so the vote is re-sent every few heartbeat timeouts until the
         overall ``timeout_s``: a coordinator that restarted meanwhile (losing unjournaled votes)
@@ -604,7 +606,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         attempt_s = max(4 * self.timeouts.heartbeat_timeout_s, 1.0)
-        epoch = self.epoch
+        epoch = self.epoch if epoch is None else epoch
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:

@@ -404,6 +404,7 @@ class FaultTolerance:
         self._synced_epoch = -1
         self._synced_at: tuple[int, int] | None = None   # (rank, world size) of the last sync
         self._step_epoch = -1
+        self._step_t0 = 0.0   # time.monotonic() when the current step began
         self._finished = False   # finish() was called: no step may run any more
         self._noted_through = -1   # the newest epoch whose losses _note_loss_between_steps recorded
         self.events: list[dict[str, Any]] = []
@@ -763,6 +764,7 @@ class FaultTolerance:
                     # 2 of 8 runs of a second kill during the sync). Re-form first.
                     continue
                 self._step_epoch = self.pg.epoch
+                self._step_t0 = time.monotonic()
                 if self.pg.engine is not None:
                     self.pg._pinned_world = self.pg.engine.world
                 return self.step
@@ -805,6 +807,10 @@ class FaultTolerance:
             # (A step that then did not commit is a failure, reported as one: a stall "with no
             # step lost" beside "failure at step N; steps lost: 1" read as a contradiction.)
             injected = await self._injection_time(t0 + waited)
+            if injected is not None and injected < self._step_t0:
+                # a fault of an earlier step (a kill 106 steps before) did not stall this vote: a
+                # fresh user's metrics.json had 5.1 s "to recover" for a vote that waited 1.00 s
+                injected = None
             self._event({"event": "commit_stall", "step": step, "seconds": round(waited, 4),
                          "committed": committed, "t_start": t0, "t_injected": injected,
                          "time_to_recover_s": None if injected is None else round(t0 + waited - injected, 4)})
@@ -868,7 +874,8 @@ class FaultTolerance:
         message, and the coordinator decides a step before it answers what it reads later."""
         self._skip_told = ""
         return await self._skip_watched(
-            self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s), step, epoch)
+            # (cast in the step's epoch: read by commit later, it could be a newer one's)
+            self.pg.commit(step, {"epoch": epoch}, timeout=self.commit_timeout_s, epoch=epoch), step, epoch)
 
     async def _skip_watched(self, what: Any, step: int, epoch: int) -> Any:
         """Await ``what`` (the vote, or ``sharded_state``'s ring exchange before it), watching
@@ -1398,7 +1405,9 @@ class FaultTolerance:
         """Why no checkpoint could stand in, in words (after :meth:`_restore_checkpoint`)."""
         if self.load_checkpoint is None:
             return ("save checkpoints with rtxnet.checkpoint.save(..., pg=pg) and pass "
-                    "FaultTolerance(load_checkpoint=)")
+                    "FaultTolerance(load_checkpoint=)" + (
+                        " (the checkpoint functions need the blocking group of rtxnet.init())"
+                        if self._portal is None else ""))
         if not getattr(self, "_checkpoint_recorded", False):
             return ("load_checkpoint was given, but the job has recorded no checkpoint yet: "
                     "rtxnet.checkpoint.save(..., pg=pg) records one")

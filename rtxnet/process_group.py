@@ -397,11 +397,16 @@ class ProcessGroup:
             self._pinned_world = old
 
     async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,
-                     timeout: float | None = None) -> bool:
+                     timeout: float | None = None, epoch: int | None = None) -> bool:
         """Vote that ``step`` succeeded (``ok``) on this rank; returns whether the step committed.
 
         The step counts only when every member of the epoch voted success; the coordinator
         journals it before answering. False when a member voted failure or the epoch changed.
+        ``epoch``: the epoch the step ran in (``pg.epoch`` when it began); default the current
+        one. Give it: a vote cast after the membership changed mid-step would otherwise be cast
+        in the new epoch, whose members never vote on that step, and wait out ``timeout`` (a
+        fresh user's find: FaultTolerance's training stood 60 s); for a left epoch it is False
+        at once.
 
         Raises:
             ConfigError: ``step`` is not an int in 0..2**63-1 (a bool is refused), ``ok`` not a bool,
@@ -411,6 +416,8 @@ class ProcessGroup:
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < 2**63:
             raise ConfigError(f"commit: step({step!r}) must be an int in 0..2**63-1")
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0):
+            raise ConfigError(f"commit: epoch({epoch!r}) must be None or an int >= 0")
         if not isinstance(ok, (bool, np.bool_)):
             raise ConfigError(f"commit: ok({ok!r}) must be a bool")
         if metadata is not None and not isinstance(metadata, dict):
@@ -420,7 +427,8 @@ class ProcessGroup:
             raise ConfigError(bad)
         self._check_loop("commit")
         body = await self._agent.commit(step, ok=ok, metadata=metadata,
-                                        timeout_s=timeout if timeout is not None else self.timeouts.op_s)
+                                        timeout_s=timeout if timeout is not None else self.timeouts.op_s,
+                                        epoch=None if epoch is None else int(epoch))
         return bool(body["committed"])
 
     async def rejoin(self) -> Membership:
