@@ -575,9 +575,10 @@ def main(argv=None):
     p.add_argument("--json", "--out", dest="json", type=output_file, help="write JSON rows here")
     p.add_argument("--plot", type=output_file, help="PNG path (default: the JSON path with .png)")
     given = sys.argv[1:] if argv is None else list(argv)
-    for value in given:   # argparse reads "-1KiB" as an unknown option ("-2" it passes to the type)
+    for i, value in enumerate(given):   # argparse reads "-1KiB" as an unknown option ("-2" it passes to the type)
         if re.fullmatch(r"-\d\S*", value) and not re.fullmatch(r"-\d+", value):
-            p.error(f"bad value {value!r}: sizes are positive")
+            flag = next((g for g in reversed(given[:i]) if g.startswith("--")), None)
+            p.error(f"{'argument ' + flag + ': ' if flag else ''}bad value {value!r}: sizes are positive")
     args = p.parse_args(given)
     cuda = args.device == "cuda"
     if args.sizes is None:
