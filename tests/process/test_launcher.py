@@ -1685,7 +1685,8 @@ def test_a_rank_lost_after_the_last_step_costs_nothing_with_finish(tmp_path, kil
         assert "step_after_finish=refused" in line, out
     if kill_at == "before-finish":
         assert sorted(line.split("turned_away=")[1][0] for line in out) == ["0", "1"], out
-        assert "turned away: " in proc.stderr and "finished training (last committed step 4)" in proc.stderr
+        assert ("turned away: " in proc.stderr and "finished training (last committed step 4)" in proc.stderr), \
+            proc.stdout[-2000:] + proc.stderr[-4000:]
         assert ("rank 2's replacement (restart 1) exited with code 3 after job" in proc.stderr
                 and "not counted as a failure" in proc.stderr), proc.stderr[-3000:]
     else:
