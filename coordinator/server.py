@@ -27,7 +27,9 @@ from .state import (
     Request,
     Send,
     State,
+    StatusQuery,
     Tick,
+    answer_status,
     apply_record,
     restore,
     snapshot,
@@ -134,6 +136,7 @@ class Coordinator:
             rec = self._replayed(raw, _JOURNAL_LIMITS, what)
             self._applied(lambda rec=rec: apply_record(self.state, rec, now), what)
         self.state.dead_job_ttl_s = self.dead_job_ttl_s
+        self.state.defer_status = True   # answered after each batch, once per question (_run)
         for job in self.state.jobs.values():
             if job.formed and not job.members:
                 job.empty_since = now   # the TTL of a dead job restarts with the daemon
@@ -194,6 +197,7 @@ class Coordinator:
 
     async def _run(self, batch: list, now: float) -> None:
         sends: list[Send] = []
+        queries: list[StatusQuery] = []
         wrote = False
         for ev in batch:
             try:
@@ -220,6 +224,8 @@ class Coordinator:
                     if act.data["k"] == "epoch":
                         log.info("epoch_opened", job=act.data["job"], epoch=act.data["epoch"],
                                  world_size=len(act.data["members"]))
+                elif isinstance(act, StatusQuery):
+                    queries.append(act)
                 else:
                     sends.append(act)
         if wrote:
@@ -227,6 +233,11 @@ class Coordinator:
             if (self.journal.records_since_snapshot >= self._compact_at_records
                     or self.journal.bytes_since_snapshot >= self._compact_at_nbytes):
                 self._compact()
+        if queries:   # (the state after every event of the batch, each question once)
+            try:
+                sends += answer_status(self.state, queries, now)
+            except Exception:
+                log.exception("status_failed", queries=len(queries))
         for s in sends:
             self.server.send(s.identity, s.msg)
 

@@ -155,12 +155,12 @@ class State:
     claims: dict[tuple[str, int], tuple[str, int, float, float, tuple[int, int] | None, str]] = field(default_factory=dict)
     # Not journaled: identity -> the jobs where it has a kv_wait parked (for its disconnect)
     kv_waiting: dict[str, set[str]] = field(default_factory=dict)
-    # Not journaled: bumped by every event but a status request; the status answer of
-    # (job asked about, version, now) is computed once and shared by the replies that ask it
-    # again before anything changes (a client sending 4,000 status requests it never read, each
-    # answer 111 KB, stalled the daemon 24-35 s and held 0.9 GB: a breaker's find)
-    version: int = 0
-    status_cache: tuple[tuple[str, int, float], dict[str, Any]] | None = None
+    # Not journaled, set by the daemon: status requests become StatusQuery actions, answered once
+    # the batch's events are applied, each distinct question once (answer_status): a client
+    # sending 4,000 status requests it never read, each answer 111 KB, stalled the daemon 24-35 s
+    # and held 0.9 GB (a breaker's find), and sharing an answer only until the next event was
+    # defeated by a cheap request between each two (a re-verifier's find: 15 s, 2 GB, a job lost)
+    defer_status: bool = False
 
 
 @dataclass(eq=False)
@@ -210,7 +210,15 @@ class Send:
     msg: dict[str, Any]
 
 
-Action = Record | Send
+@dataclass(frozen=True)
+class StatusQuery:
+    """A status request, answered after the batch (see ``State.defer_status``, answer_status)."""
+
+    identity: str
+    msg: dict[str, Any]
+
+
+Action = Record | Send | StatusQuery
 Event = Request | Disconnect | Tick
 
 
@@ -602,8 +610,6 @@ def step(state: State, event: Event, now: float) -> tuple[State, list[Action]]:
         ``(state, actions)``; ``state`` is the same object, updated.
     """
     actions: list[Action] = []
-    if not (isinstance(event, Request) and event.msg["t"] == "status"):
-        state.version += 1
     if isinstance(event, Tick):
         if event.stalled_s > 0:
             for job in state.jobs.values():
@@ -756,10 +762,44 @@ def _fail_commit_waiters(job: Job, actions: list[Action], why: str) -> None:
     job.commit_waiters.clear()
 
 
-def _status_reply(identity: str, req: dict, body: dict[str, Any]) -> Send:
-    """A status answer holding ``body`` itself, not a copy: the control server encodes a body it
-    has just encoded once (``ControlServer.send_raw``)."""
-    return Send(identity, wire.make("reply", rid=req["rid"], job=req["job"], epoch=-1, ok=True, body=body))
+def answer_status(state: State, queries: list[StatusQuery], now: float) -> list[Send]:
+    """The answers to ``queries``: each distinct question (the job asked about, or all) computed
+    once, its body shared by the answers that ask it (not copied: the control server encodes a
+    body it has just encoded once, ``ControlServer.send_raw``)."""
+    bodies: dict[str, dict[str, Any]] = {}
+    out = []
+    for q in queries:
+        body = bodies.get(q.msg["job"])
+        if body is None:
+            body = bodies[q.msg["job"]] = _status_body(state, q.msg["job"], now)
+        out.append(Send(q.identity, wire.make("reply", rid=q.msg["rid"], job=q.msg["job"], epoch=-1,
+                                              ok=True, body=body)))
+    return out
+
+
+def _status_body(state: State, only: str, now: float) -> dict[str, Any]:
+    """The status answer about job ``only`` ("": every job)."""
+    # finished job ids (they cannot be used again): the one asked about, or the newest ones
+    if only:
+        fin = {only: state.finished[only]} if only in state.finished else {}
+    else:
+        fin = dict(list(state.finished.items())[-STATUS_FINISHED:])
+    jobs = _status(state, now, only=only or None)
+    omitted = _nbytes(jobs) > STATUS_MAX_NBYTES
+    if omitted:
+        for j in jobs:
+            for m in j["members"]:
+                m["info"] = {}
+    # still too large (thousands of jobs): the first ones that fit, and how many were left out
+    total, size, kept = len(jobs), 0, []
+    for j in jobs:
+        size += _nbytes(j)
+        if size > STATUS_MAX_NBYTES:
+            break
+        kept.append(j)
+    at_end = {j: state.fenced_at_end[j] for j in fin if j in state.fenced_at_end} if only else {}
+    return {"jobs": kept, "jobs_omitted": total - len(kept), "finished": fin,
+            "finished_total": len(state.finished), "info_omitted": omitted, "fenced_at_end": at_end}
 
 
 def _reply_raw(job: Job, ident: str, rid: int, **body: Any) -> Send:
@@ -769,33 +809,10 @@ def _reply_raw(job: Job, ident: str, rid: int, **body: Any) -> Send:
 def _request(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     t = msg["t"]
     if t == "status":
-        key = (msg["job"], state.version, now)
-        if state.status_cache is not None and state.status_cache[0] == key:
-            actions.append(_status_reply(identity, msg, state.status_cache[1]))
-            return
-        # finished job ids (they cannot be used again): the one asked about, or the newest ones
-        if msg["job"]:
-            fin = {msg["job"]: state.finished[msg["job"]]} if msg["job"] in state.finished else {}
+        if state.defer_status:
+            actions.append(StatusQuery(identity, msg))
         else:
-            fin = dict(list(state.finished.items())[-STATUS_FINISHED:])
-        jobs = _status(state, now, only=msg["job"] or None)
-        omitted = _nbytes(jobs) > STATUS_MAX_NBYTES
-        if omitted:
-            for j in jobs:
-                for m in j["members"]:
-                    m["info"] = {}
-        # still too large (thousands of jobs): the first ones that fit, and how many were left out
-        total, size, kept = len(jobs), 0, []
-        for j in jobs:
-            size += _nbytes(j)
-            if size > STATUS_MAX_NBYTES:
-                break
-            kept.append(j)
-        at_end = {j: state.fenced_at_end[j] for j in fin if j in state.fenced_at_end} if msg["job"] else {}
-        body = {"jobs": kept, "jobs_omitted": total - len(kept), "finished": fin,
-                "finished_total": len(state.finished), "info_omitted": omitted, "fenced_at_end": at_end}
-        state.status_cache = (key, body)
-        actions.append(_status_reply(identity, msg, body))
+            actions.extend(answer_status(state, [StatusQuery(identity, msg)], now))
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
@@ -1404,9 +1421,7 @@ def _nbytes(obj: Any) -> int:
 
 def _status(state: State, now: float, only: str | None = None) -> list[dict[str, Any]]:
     out = []
-    for job in state.jobs.values():
-        if only is not None and job.job != only:
-            continue
+    for job in state.jobs.values() if only is None else [state.jobs[only]] if only in state.jobs else []:
         out.append({
             "job": job.job,
             # "crashed": formed, every member lost; kept for restarted ranks (dead_job_ttl_s)

@@ -325,27 +325,37 @@ def test_a_join_may_not_publish_more_than_status_can_carry(monkeypatch):
     body = h.req("c", "status")[0].msg["body"]
     assert body["jobs"][0]["members"][0]["info"] == {"x": "y" * 2000} and not body["info_omitted"]
     monkeypatch.setattr(st, "STATUS_MAX_NBYTES", 1000)   # many members' info: left out, not an error
-    h.tick()   # (an event: the answer above, shared until something happens, is computed anew)
     body = h.req("c", "status")[0].msg["body"]
     assert body["jobs"][0]["members"][0]["info"] == {} and body["info_omitted"]
 
 
-def test_a_status_answer_is_shared_until_something_happens():
-    """Status requests with nothing in between share one answer (a flood of them cost the daemon
-    a computation and an encoding each: a breaker's find); any other event, or another job asked
-    about, computes it anew."""
+def test_status_questions_of_a_batch_are_answered_once_each_after_it():
+    """The daemon answers status after each batch of events, each distinct question once, its
+    answer shared (a flood of status requests cost a computation and an encoding each: a
+    breaker's find; an answer shared only until the next event was defeated by a cheap request
+    between each two: a re-verifier's find). The answers show the state after the whole batch."""
+    from coordinator.state import StatusQuery, answer_status
+
     h = Harness()
     h.join("a", min_ranks=1, max_ranks=1)
-    first = h.req("x", "status", job="")[0].msg["body"]
-    again = h.req("y", "status", job="")[0].msg
-    assert again["body"] is first and again["rid"] == h.rid
-    assert h.req("x", "status", job="j")[0].msg["body"] is not first   # another question
-    h.req("a", "kv_set", epoch=0, key="k", value=b"v")
-    assert h.req("x", "status", job="")[0].msg["body"] is not first
-    h.req("a", "heartbeat", epoch=0, identity="a")
-    h.clock.now += 5.0                      # the ages it shows: another batch, another answer
-    later = h.req("x", "status", job="")[0].msg["body"]
-    assert later["jobs"][0]["members"][0]["heartbeat_age_s"] == 5.0
+    h.state.defer_status = True
+    queries = []
+    for i in range(50):        # status, then a request answered with an error, again and again
+        queries += [a for a in h.run(Request("x", wire.validate(wire.make("status", rid=1000 + i))))]
+        assert errors(h.req("x", "kv_get", job="nope", epoch=0, key="k"))
+    queries += h.run(Request("y", wire.validate(wire.make("status", rid=2000, job="j"))))
+    h.req("a", "kv_set", epoch=0, key="k", value=b"v")     # after the questions, in the batch
+    assert len(queries) == 51 and all(isinstance(q, StatusQuery) for q in queries)
+    sends = answer_status(h.state, queries, h.clock.now)
+    assert [s.msg["rid"] for s in sends] == [1000 + i for i in range(50)] + [2000]
+    assert all(s.msg["body"] is sends[0].msg["body"] for s in sends[:50])
+    assert sends[50].msg["body"] is not sends[0].msg["body"]
+    assert sends[0].msg["body"]["jobs"][0]["kv_keys"] == 1     # the batch's end
+    assert [j["job"] for j in sends[50].msg["body"]["jobs"]] == ["j"]
+    # another batch, another answer (the ages it shows move on)
+    h.clock.now += 5.0
+    later = answer_status(h.state, queries[:1], h.clock.now)[0].msg["body"]
+    assert later is not sends[0].msg["body"] and later["jobs"][0]["members"][0]["heartbeat_age_s"] >= 5.0
 
 
 def test_kv_set_get_wait_cas_delete():
