@@ -1421,7 +1421,8 @@ def _nbytes(obj: Any) -> int:
 
 def _status(state: State, now: float, only: str | None = None) -> list[dict[str, Any]]:
     out = []
-    for job in state.jobs.values() if only is None else [state.jobs[only]] if only in state.jobs else []:
+    jobs = state.jobs.values() if only is None else [state.jobs[only]] if only in state.jobs else []
+    for job in jobs:
         out.append({
             "job": job.job,
             # "crashed": formed, every member lost; kept for restarted ranks (dead_job_ttl_s)

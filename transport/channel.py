@@ -432,8 +432,7 @@ class ControlServer:
         self._backlog_nbytes: dict[bytes, int] = {}
         self._backlog_total = 0   # bytes in every client's backlog (BACKLOG_TOTAL_MAX_NBYTES)
         # the last large reply body encoded, and its bytes: a body sent to many (the status
-        # answer the coordinator shares among the requests that ask it before anything changes)
-        # is encoded once
+        # answer the coordinator shares among the requests of one batch that ask it) is encoded once
         self._memo: tuple[Any, bytes] | None = None
         self._drainer: asyncio.Task | None = None
         self._drop_log = LogBudget()
@@ -578,19 +577,20 @@ class ControlServer:
         self._queue.put_nowait(Disconnected(ident_b.decode("utf-8", "surrogateescape")))
 
     def _encode(self, msg: dict[str, Any]) -> bytes:
-        """``encode(msg)``, a reply's body taken from the memo when it is the same object as the
-        last large one (see ``_memo``)."""
+        """``encode(msg)``; a reply whose body is the same object as the last large one encoded
+        (see ``_memo``) reuses its bytes. Small replies (heartbeats, votes) take the plain path."""
         body = msg.get("body")
-        if msg.get("t") != "reply" or not isinstance(body, dict):
-            return encode(msg, limits=self._limits)
-        if self._memo is not None and self._memo[0] is body:
-            packed = self._memo[1]
-        else:
-            packed = encode(body, limits=self._limits)
-            if len(packed) >= _MEMO_MIN_NBYTES:
-                self._memo = (body, packed)   # (held: its id is not reused while it is)
-        return encode_with_packed({k: v for k, v in msg.items() if k != "body"}, "body", packed,
-                                  limits=self._limits)
+        head = None
+        if msg.get("t") == "reply" and isinstance(body, dict) and next(reversed(msg)) == "body":
+            head = {k: v for k, v in msg.items() if k != "body"}
+            if self._memo is not None and self._memo[0] is body:
+                return encode_with_packed(head, "body", self._memo[1], limits=self._limits)
+        data = encode(msg, limits=self._limits)
+        if head is not None and len(data) >= _MEMO_MIN_NBYTES:
+            # the body is the message's last entry: its bytes end the message's
+            prefix = len(encode_with_packed(head, "body", b"", limits=self._limits))
+            self._memo = (body, data[prefix:])   # (held: its id is not reused while it is)
+        return data
 
     def _backlog_full(self, ident_b: bytes, nbytes: int) -> bool:
         """Whether ``nbytes`` more do not fit in the client's backlog (or in all backlogs)."""

@@ -137,3 +137,26 @@ def test_validate_never_raises_anything_but_protocol_error(m):
         wire.validate(m)
     except ProtocolError:
         pass
+
+
+def test_a_large_reply_body_sent_again_is_the_same_bytes_as_encoded_whole():
+    # (the control server keeps the last large body's bytes, cut from the message that carried
+    # it, and splices them into the next reply holding the same body object)
+    import asyncio
+
+    from transport.channel import ControlServer
+
+    async def main():
+        srv = ControlServer("tcp://127.0.0.1:0")
+        try:
+            body = {"jobs": [{"job": f"j{i}", "x": "y" * 100} for i in range(300)]}
+            for rid in (1, 2, 3):
+                msg = wire.make("reply", rid=rid, job="j", epoch=-1, ok=True, body=body)
+                assert srv._encode(msg) == encode(msg)
+            assert srv._memo is not None and srv._memo[0] is body
+            small = wire.make("reply", rid=4, job="j", epoch=0, ok=True, body={"state": "member"})
+            assert srv._encode(small) == encode(small) and srv._memo[0] is body
+        finally:
+            await srv.aclose()
+
+    asyncio.run(main())
