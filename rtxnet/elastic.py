@@ -76,8 +76,10 @@ __all__ = ["FaultTolerance", "Stateful", "RECOVERABLE", "note_rank_specific"]
 
 log = structlog.get_logger(__name__)
 
-# p2p tags of the sharded-state ring exchange (size, then blob)
-_RING_TAG = 0x52494E47
+# p2p tags of the sharded-state ring exchange (size, then blob): _RING_TAG + 2 * epoch and the
+# next, so that a message of an exchange an epoch change broke never pairs with one of a later
+# epoch (see _ring_exchange); high, away from the tags a user's own sends pick
+_RING_TAG = 0x52494E47 << 28
 
 # Errors a step can die of that re-forming the group answers.
 RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
@@ -789,7 +791,7 @@ class FaultTolerance:
                 # waits here for a predecessor still in a collective it never called; the others
                 # waited out their 60 s collective timeout, a re-verifier's find)
                 pending = await self._skip_watched(
-                    self._ring_exchange(m.rank, m.world_size, self._hosts(m.world_size, m)), step, epoch)
+                    self._ring_exchange(m.rank, m.world_size, epoch, self._hosts(m.world_size, m)), step, epoch)
             except RECOVERABLE as exc:
                 await self._recover(CollectiveMismatchError(self._skip_told) if self._skip_told else exc, step)
                 return
@@ -1507,20 +1509,29 @@ class FaultTolerance:
         return [k for k in range(old_world)
                 if rank in (order[k % w], order[(k % w + 1) % w])]
 
-    async def _ring_exchange(self, rank: int, world: int, hosts: list[str] | None = None) -> dict[int, Any]:
+    async def _ring_exchange(self, rank: int, world: int, epoch: int, hosts: list[str]) -> dict[int, Any]:
         """Send this rank's state to its ring successor and take its predecessor's (sharded
-        state; :meth:`_ring_order` over ``hosts``, default the current membership's); returns
-        ``{rank: own blob, predecessor: its blob}``."""
+        state; :meth:`_ring_order` over ``hosts``, the world of ``epoch``'s); returns
+        ``{rank: own blob, predecessor: its blob}``.
+
+        The tags name the epoch: a predecessor's message that an epoch change broke off before
+        it was taken here is marked dropped by the engine (its next receive from that peer and
+        tag raises PeerLostError), and with one tag for all epochs the next sync's receive from
+        the same peer raised it at once; the rank then synced again alone in the same epoch
+        while the others stepped (CollectiveMismatchError, all_gather against all_reduce, or
+        timeouts, four times: the job ended; a CI run, 7 of 24 runs under load of a job of 4
+        that lost 2 ranks in one recovery)."""
         own = await self._pack()
         if world == 1:
             return {rank: own}
-        nxt, prv = self._ring_neighbours(rank, hosts if hosts is not None else self._hosts(world))
+        nxt, prv = self._ring_neighbours(rank, hosts)
+        tag = _RING_TAG + 2 * epoch
         n_in = np.zeros(1, dtype=np.int64)
-        await asyncio.gather(self.pg.send(np.array([len(own)], dtype=np.int64), nxt, tag=_RING_TAG),
-                             self.pg.recv(n_in, prv, tag=_RING_TAG))
+        await asyncio.gather(self.pg.send(np.array([len(own)], dtype=np.int64), nxt, tag=tag),
+                             self.pg.recv(n_in, prv, tag=tag))
         got = np.empty(int(n_in[0]), dtype=np.uint8)
-        await asyncio.gather(self.pg.send(np.frombuffer(own, dtype=np.uint8), nxt, tag=_RING_TAG + 1),
-                             self.pg.recv(got, prv, tag=_RING_TAG + 1))
+        await asyncio.gather(self.pg.send(np.frombuffer(own, dtype=np.uint8), nxt, tag=tag + 1),
+                             self.pg.recv(got, prv, tag=tag + 1))
         return {rank: own, prv: got}
 
     async def _sync_sharded(self, job_committed: int) -> int:
@@ -1528,7 +1539,12 @@ class FaultTolerance:
         its owner or its ring successor) and reshards it with ``state.load_state_dicts``, or all
         load the newest checkpoint when some rank's state is gone. Returns the committed step."""
         pg = self.pg
-        epoch, rank, world = pg.epoch, pg.rank, pg.world_size
+        # read once: the hosts of the ring are those of the world the sync is pinned to (read
+        # again later, they were the next epoch's when it came during the sync: a world of 4
+        # with the host of rank 3 unknown, another ring order)
+        m = pg.membership
+        epoch, rank, world = m.epoch, m.rank, m.world_size
+        hosts = self._hosts(world, m)
         ring, kept = self._ring, self._ring_kept
         if ring is None:     # a fresh process: its state as built (the snapshot), nothing committed
             built_rank, built_world = self._built
@@ -1566,7 +1582,7 @@ class FaultTolerance:
             at_best = next((qs for w0, qs in sorted(built.items(), key=lambda kv: (kv[0] != world, -kv[0]))
                             if {int(rows[q, 4]) for q in qs} >= set(range(w0))), None)
             if at_best is None and rebuildable:
-                return await self._rebuild_as_built(rank, world, epoch)
+                return await self._rebuild_as_built(rank, world, epoch, hosts)
             if at_best is None:
                 # (a tester's find: with a rank lost before the first sync had copied its shards,
                 # this said only "start the ranks together", and they had been)
@@ -1625,7 +1641,7 @@ class FaultTolerance:
             holders.get(q) == (q, 0) for q in range(world)) and bool(both[:, 14].all())
         source = "in place" if in_place else "ring"
         if not covered and not fresh and best < 0 and rebuildable:
-            return await self._rebuild_as_built(rank, world, epoch)
+            return await self._rebuild_as_built(rank, world, epoch, hosts)
         if best < job_committed or not covered and not fresh:
             restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
             if restored is not None:
@@ -1664,14 +1680,14 @@ class FaultTolerance:
                 q0, slot0 = holders[0]
                 self._ring_kept = {
                     "step": best, "epoch": int(both[q0, 6 * slot0 + 2]), "world": old_world,
-                    "blobs": {k: blobs[k] for k in self._kept_after_sync(old_world, self._hosts(world), rank)}}
+                    "blobs": {k: blobs[k] for k in self._kept_after_sync(old_world, hosts, rank)}}
                 if not self._ring_kept["blobs"]:
                     self._ring_kept = None
             del blobs
         await _faults.apoint("sync", pg=pg, step=best + 1)   # fault injection: "during the re-form"
         if source != "in place" or ring is None:
             # a new world, a checkpoint or the first sync: this world's ring of the committed state
-            blobs = await self._ring_exchange(rank, world)
+            blobs = await self._ring_exchange(rank, world, epoch, hosts)
             if source != "ring":    # (a ring sync set the one it keeps above)
                 self._ring_kept = None
             self._snapshot = blobs[rank]
@@ -1680,7 +1696,7 @@ class FaultTolerance:
             self._ring_kept = None
         return best
 
-    async def _rebuild_as_built(self, rank: int, world: int, epoch: int) -> int:
+    async def _rebuild_as_built(self, rank: int, world: int, epoch: int, hosts: list[str]) -> int:
         """Nothing committed, and the states as built are not all here (a rank lost before the
         first sync had copied its shards to its ring successor): every rank loads every rank's
         state as built (``state.built_state_dicts()``, the same on every rank), resharded for
@@ -1689,7 +1705,7 @@ class FaultTolerance:
         await asyncio.to_thread(lambda: self.state.load_state_dicts(states))
         log.warning("state_rebuilt_as_built", built_world_size=len(states), world_size=world,
                     why="a rank was lost before the first sync had copied its state")
-        blobs = await self._ring_exchange(rank, world)
+        blobs = await self._ring_exchange(rank, world, epoch, hosts)
         self._ring_kept = None
         self._snapshot = blobs[rank]
         self._ring = {"step": -1, "epoch": epoch, "world": world, "blobs": blobs}
