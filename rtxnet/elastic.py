@@ -405,6 +405,9 @@ class FaultTolerance:
         self._holds_state = True
         self._synced_epoch = -1
         self._synced_at: tuple[int, int] | None = None   # (rank, world size) of the last sync
+        # until when the syncs of one recovery wait for a rank declared lost that holds a
+        # committed state no live rank has (_wait_for_holders); None: no such wait began
+        self._holders_until: float | None = None
         self._step_epoch = -1
         self._step_t0 = 0.0   # time.monotonic() when the current step began
         self._finished = False   # finish() was called: no step may run any more
@@ -1308,6 +1311,7 @@ class FaultTolerance:
         return rank, world
 
     def _synced(self, best: int, epoch: int, rank: int, world: int, src: Any) -> None:
+        self._holders_until = None
         self.committed_step = best
         self.step = best + 1
         self._holds_state = True
@@ -1642,6 +1646,8 @@ class FaultTolerance:
         source = "in place" if in_place else "ring"
         if not covered and not fresh and best < 0 and rebuildable:
             return await self._rebuild_as_built(rank, world, epoch, hosts)
+        if not covered and not fresh:
+            await self._wait_for_holders(epoch, sorted(set(range(old_world)) - set(holders)), old_world)
         if best < job_committed or not covered and not fresh:
             restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
             if restored is not None:
@@ -1695,6 +1701,33 @@ class FaultTolerance:
         else:
             self._ring_kept = None
         return best
+
+    async def _wait_for_holders(self, epoch: int, missing: list[int], old_world: int) -> None:
+        """No live rank holds the committed state of ranks ``missing`` (of the world of
+        ``old_world``): wait, up to twice the heartbeat timeout from the first such sync of this
+        recovery, for the membership to change, and raise ``ClosedError`` when it does (the ranks
+        sync again in the new world). A rank declared lost for silence (frozen, cut off) that
+        comes back within that time rejoins with its state. Before, a frozen rank whose ring
+        successor was killed in the same step ended the job with "the committed state ... is
+        gone" while it lived, or sent every rank to an older checkpoint (a breaker's find:
+        pause:rank=1 4 s and kill:rank=2 at one step, --min-ranks 2 of 4, 6 of 6 runs). Every
+        rank decides alike (``missing`` is from the sync's all_gather); returns at once past the
+        deadline, so a state truly gone costs at most that wait."""
+        now = time.monotonic()
+        if self._holders_until is None:
+            self._holders_until = now + 2 * self.pg.agent.timeouts.heartbeat_timeout_s
+        remaining = self._holders_until - now
+        if remaining <= 0:
+            return
+        log.warning("waiting_for_state_holders", ranks=missing, of_world_size=old_world, epoch=epoch,
+                    seconds=round(remaining, 2),
+                    why="no live rank holds their committed state; a rank declared lost may rejoin with it")
+        try:
+            await self.pg.agent.wait_epoch(epoch, timeout_s=remaining, or_fenced=True)
+        except RtxTimeoutError:
+            return
+        raise ClosedError(f"membership changed (epoch {epoch} -> {self.pg.epoch}) while waiting for "
+                          f"the committed state of ranks {missing}: sync again")
 
     async def _rebuild_as_built(self, rank: int, world: int, epoch: int, hosts: list[str]) -> int:
         """Nothing committed, and the states as built are not all here (a rank lost before the

@@ -150,6 +150,27 @@ def test_a_lost_host_costs_no_sharded_state(tmp_path):
         assert r["steps"] == 10 and r["world_size"] == 2 and r["rel"] < TOL, r
 
 
+def test_a_frozen_rank_whose_ring_successor_died_rejoins_with_its_state(tmp_path):
+    # FSDP of 4 with sharded_state, --min-ranks 2, no checkpoint: at step 6 launch rank 1 is
+    # stopped (SIGSTOP) for 4 s and launch rank 2, its ring successor, killed. Rank 1 is declared
+    # lost, and no live rank holds its committed state. Before, the others ended the job at once
+    # ("the committed state of ranks [1] ... is gone ... both were lost") while rank 1 lived (a
+    # breaker's find, 6 of 6 runs, pauses and partitions). Now they wait up to twice the
+    # heartbeat timeout for it: it rejoins with its state, and the world of 3 ends equal to one
+    # process, one step lost.
+    proc = _launch(["--nproc", "4", "--min-ranks", "2",
+                    "--faults", "pause:rank=1:step=6:seconds=4; kill:rank=2:step=6",
+                    str(HERE / "fsdp_ft_worker.py"), str(tmp_path), "10", "memory-nockpt"], 120)
+    res = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert not STATE_GONE.search(proc.stderr), proc.stderr[-6000:]
+    assert "waiting_for_state_holders" in proc.stderr, proc.stderr[-6000:]
+    # (the launcher's exit code is the killed rank's 137)
+    assert "ranks 0, 1, 3 exited 0" in proc.stderr and len(res) == 3, proc.stderr[-6000:]
+    for r in res:
+        assert r["steps"] == 10 and r["world_size"] == 3 and r["rel"] < TOL, r
+        assert any("steps lost: 1" in line for line in r["report"]), r["report"]
+
+
 def test_a_rank_lost_in_the_first_sync_is_named_as_missing_from_its_world(tmp_path):
     # Rank 0 dies in the first sync, before its slices reached its ring successor; the state
     # (not FSDPState) cannot rebuild them, so the job ends. Before, the message said the states
