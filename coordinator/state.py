@@ -1232,9 +1232,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if not (math.isfinite(msg["heartbeat_timeout_s"]) and math.isfinite(msg["last_call_s"])):
         return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) and "
                       f"last_call_s({msg['last_call_s']}) must be finite")
-    if not (0 < msg["heartbeat_timeout_s"] <= MAX_SECONDS and 0 <= msg["last_call_s"] <= MAX_SECONDS):
+    if not (MIN_HEARTBEAT_TIMEOUT_S <= msg["heartbeat_timeout_s"] <= MAX_SECONDS
+            and 0 <= msg["last_call_s"] <= MAX_SECONDS):
         return refuse("ConfigError", f"heartbeat_timeout_s({msg['heartbeat_timeout_s']}) must be in "
-                      f"(0, {MAX_SECONDS:g}] and last_call_s({msg['last_call_s']}) in [0, {MAX_SECONDS:g}]")
+                      f"[{MIN_HEARTBEAT_TIMEOUT_S:g}, {MAX_SECONDS:g}] and last_call_s({msg['last_call_s']}) "
+                      f"in [0, {MAX_SECONDS:g}]")
     if not 0 < msg["pid"] < 2**31:
         return refuse("ConfigError", f"join.pid({msg['pid']}) is not a process id")
     bad = _not_json_like(msg.get("info") or {}, "join.info", MAX_INFO_NBYTES,
@@ -1387,6 +1389,10 @@ STATUS_FINISHED = 20   # finished job ids a status lists (the newest)
 MAX_RANKS = 65536      # ranks of one job
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})(\?bulk=(?P<bulk>\d{1,5}))?")
 MAX_SECONDS = 3600.0   # the longest heartbeat timeout or last call a join may ask for
+# the shortest heartbeat timeout a join may ask for: rtxnet.Timeouts' shortest heartbeat interval
+# (config.MIN_HEARTBEAT_INTERVAL_S); below it a job formed and crashed at once (1e-300 was taken:
+# a breaker's find)
+MIN_HEARTBEAT_TIMEOUT_S = 0.01
 MAX_INFO_NBYTES = 16 * 1024   # a member's published info (topology), encoded
 MAX_JOBS = 4096               # jobs a coordinator holds at once (running, forming, crashed)
 FORMING_SILENT_S = 10.0       # a forming job silent this long may make room for a new one when full

@@ -585,7 +585,7 @@ class FaultTolerance:
                 if self._open_failure is not None:
                     await self._close_failure()
             except RECOVERABLE as exc:
-                await self._recover(exc, self.step)
+                await self._recover(exc, self.step, in_step=False)
         return answer["turned_away"]
 
     def _lost_after_training(self) -> JobFinishedError:
@@ -774,7 +774,7 @@ class FaultTolerance:
                     self.pg._pinned_world = self.pg.engine.world
                 return self.step
             except RECOVERABLE as exc:
-                await self._recover(exc, self.step)
+                await self._recover(exc, self.step, in_step=False)
                 await asyncio.sleep(0)     # a retry that fails at once must not starve the loop
 
     async def _end(self, step: int) -> None:
@@ -913,7 +913,9 @@ class FaultTolerance:
                 vote.cancel()
                 await asyncio.gather(vote, return_exceptions=True)
 
-    async def _recover(self, exc: BaseException, step: int) -> None:
+    async def _recover(self, exc: BaseException, step: int, *, in_step: bool = True) -> None:
+        """Roll back after ``exc`` failed ``step`` (``in_step``: in the step or its vote; else in
+        the sync or the failure's closing before it, where none of it ran)."""
         self.pg._pinned_world = None
         if self.pg.agent.closed:
             # the group was closed (close(), or the release at interpreter exit after Ctrl-C):
@@ -928,8 +930,15 @@ class FaultTolerance:
             # a fence (-1) counts once: a later failure of a rank fenced before, and rejoined, is
             # detected when it happens (its time to recover was measured from the old fence)
             self._epoch_seen.pop(-1, None)
+            at_step = step
+            if not in_step and self._synced_epoch < 0:
+                # a process that never synced (a replacement, a fresh start) counts steps from 0:
+                # its failure is at the job's next step (a breaker read "failure at step 0" of a
+                # replacement whose sync before step 4 lost a rank)
+                with contextlib.suppress(ConfigError):
+                    at_step = max(step, self.pg.membership.committed_step + 1)
             self._open_failure = {
-                "event": "failure", "step": step, "error": type(exc).__name__, "message": str(exc),
+                "event": "failure", "step": at_step, "in_step": in_step, "error": type(exc).__name__, "message": str(exc),
                 # only a PeerLostError's ranks are lost; a CollectiveTimeout's did not contribute
                 # in time (slow, frozen for a while) and may still be members
                 "lost": list(exc.ranks) if isinstance(exc, PeerLostError) else [],
@@ -1836,7 +1845,9 @@ class FaultTolerance:
             "event": "recovered",
             "failed_step": f["step"],
             "resumed_step": self.step,
-            "steps_lost": max(0, f["step"] - self.committed_step),
+            # a failure in a sync lost no work of its step (the step had not begun): before, a
+            # rank lost in the first sync was reported "steps lost: 1" with nothing committed
+            "steps_lost": max(0, f["step"] - self.committed_step - (0 if f.get("in_step", True) else 1)),
             "error": f["error"],
             "lost": [r for x in losses for r in x["ranks"]] if losses else f["lost"],
             "losses": losses,

@@ -284,7 +284,9 @@ def test_a_joiner_lost_in_the_sync_of_its_join_costs_at_most_one_step(tmp_path, 
     assert len(res) == 2 and "state_resharded" in errs[2], err[-6000:]
     for r in res:
         assert r["steps"] == 6 and r["world_size"] == 2 and r["rel"] < TOL, r
-        assert [line for line in r["report"] if "steps lost" in line][-1].endswith("steps lost: 1"), r
+        # at most one: 0 for a rank still in the sync when the joiner died (no step had begun),
+        # 1 for one whose step then failed
+        assert re.search(r"steps lost: [01]$", [line for line in r["report"] if "steps lost" in line][-1]), r
 
 
 def test_sharded_state_lost_with_every_rank_is_reported_and_training_starts_again(tmp_path):

@@ -94,7 +94,9 @@ def test_fsdp_continuing_with_two_ranks_loses_one_step_and_keeps_accuracy(fault_
     assert run["metrics"]["world_size_end"] == 2 and run["metrics"]["steps"] == 300
     assert "state_rebuilt_as_built" in run["stderr"] and "state_resharded" in run["stderr"], run["stderr"][-4000:]
     lost = re.findall(r"steps lost: (\d+)", run["stdout"])
-    assert lost and set(lost) == {"1"}, run["stdout"]
+    # the kill at step 30 loses that step; the one in the first sync none (no step had begun:
+    # "steps lost: 1" before, with nothing committed, a breaker's find)
+    assert lost and set(lost) == {"0", "1"}, run["stdout"]
     assert abs(run["metrics"]["test_accuracy"] - ref["metrics"]["test_accuracy"]) <= 0.005
     shards = sorted(p.name for p in (tmp_path / "checkpoints" / "step-300").glob("rank-*.pt"))
     assert shards == ["rank-0.pt", "rank-1.pt"], shards   # one per rank, resharded

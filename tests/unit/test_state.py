@@ -314,7 +314,11 @@ def test_a_join_may_not_publish_more_than_status_can_carry(monkeypatch):
 
     h = Harness()
     err = errors(h.join("a", hb=1e9))
-    assert err and "heartbeat_timeout_s(1000000000.0) must be in (0, 3600]" in err[0]["message"], err
+    assert err and "heartbeat_timeout_s(1000000000.0) must be in [0.01, 3600]" in err[0]["message"], err
+    # nor less than the shortest heartbeat interval (1e-300 formed a job that crashed at once)
+    for hb in (1e-300, 0.005):
+        err = errors(h.join("a", hb=hb))
+        assert err and f"heartbeat_timeout_s({hb}) must be in [0.01, 3600]" in err[0]["message"], err
     sends = h.req("b", "join", job="j", identity="b", token="t", rank=None, min_ranks=1, max_ranks=2,
                   last_call_s=0.0, heartbeat_timeout_s=2.0, endpoint="tcp://h:1", host="h", pid=1,
                   info={"x": "y" * (17 * 1024)})
