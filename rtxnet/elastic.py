@@ -81,6 +81,13 @@ log = structlog.get_logger(__name__)
 # epoch (see _ring_exchange); high, away from the tags a user's own sends pick
 _RING_TAG = 0x52494E47 << 28
 
+class _SyncAgain(ClosedError):
+    """The membership changed while a sync waited for state holders (``_wait_for_holders``):
+    the sync begins again in the new world. Not a failure: nothing ran, nothing is rolled back
+    (a replacement reported it as "failure at step 6 (ClosedError, no rank lost)": a
+    re-verifier's find)."""
+
+
 # Errors a step can die of that re-forming the group answers.
 RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
 # While a step's vote is pending: how often to look for a collective this rank skipped, and how
@@ -584,6 +591,8 @@ class FaultTolerance:
                     await self._sync()
                 if self._open_failure is not None:
                     await self._close_failure()
+            except _SyncAgain:
+                continue
             except RECOVERABLE as exc:
                 await self._recover(exc, self.step, in_step=False)
         return answer["turned_away"]
@@ -773,6 +782,8 @@ class FaultTolerance:
                 if self.pg.engine is not None:
                     self.pg._pinned_world = self.pg.engine.world
                 return self.step
+            except _SyncAgain:
+                continue
             except RECOVERABLE as exc:
                 await self._recover(exc, self.step, in_step=False)
                 await asyncio.sleep(0)     # a retry that fails at once must not starve the loop
@@ -1568,7 +1579,11 @@ class FaultTolerance:
         more = list(kept["blobs"])[2:] if kept is not None else []
         # the last column: this rank's live state is the one its row names (see in_place below)
         mine += [int(self._built_held), len(more), int(self._holds_state)]
-        both = np.zeros((world, 15), dtype=np.int64)
+        # and how long this recovery's wait for state holders has left, in ms (-1: none began
+        # here; a replacement's), so that every rank waits alike (_wait_for_holders)
+        mine += [-1 if self._holders_until is None
+                 else max(0, int((self._holders_until - time.monotonic()) * 1000))]
+        both = np.zeros((world, 16), dtype=np.int64)
         await pg.all_gather(both, np.array(mine, dtype=np.int64))
         # the kept rings' further ranks (a kept ring may hold more than two: _kept_after_sync),
         # in a second round only when some rank has any
@@ -1656,7 +1671,9 @@ class FaultTolerance:
         if not covered and not fresh and best < 0 and rebuildable:
             return await self._rebuild_as_built(rank, world, epoch, hosts)
         if not covered and not fresh:
-            await self._wait_for_holders(epoch, sorted(set(range(old_world)) - set(holders)), old_world)
+            left_ms = [int(v) for v in both[:, 15] if v >= 0]
+            await self._wait_for_holders(epoch, sorted(set(range(old_world)) - set(holders)), old_world,
+                                         min(left_ms) / 1000 if left_ms else None)
         if best < job_committed or not covered and not fresh:
             restored = await self._restore_checkpoint(best if covered or fresh else -1, job_committed)
             if restored is not None:
@@ -1711,7 +1728,8 @@ class FaultTolerance:
             self._ring_kept = None
         return best
 
-    async def _wait_for_holders(self, epoch: int, missing: list[int], old_world: int) -> None:
+    async def _wait_for_holders(self, epoch: int, missing: list[int], old_world: int,
+                                left_s: float | None) -> None:
         """No live rank holds the committed state of ranks ``missing`` (of the world of
         ``old_world``): wait, up to twice the heartbeat timeout from the first such sync of this
         recovery, for the membership to change, and raise ``ClosedError`` when it does (the ranks
@@ -1720,12 +1738,15 @@ class FaultTolerance:
         successor was killed in the same step ended the job with "the committed state ... is
         gone" while it lived, or sent every rank to an older checkpoint (a breaker's find:
         pause:rank=1 4 s and kill:rank=2 at one step, --min-ranks 2 of 4, 6 of 6 runs). Every
-        rank decides alike (``missing`` is from the sync's all_gather); returns at once past the
-        deadline, so a state truly gone costs at most that wait."""
+        rank decides alike, from the sync's all_gather: ``missing``, and ``left_s``, the least
+        time left of the ranks whose wait began (None: none began; a replacement's own deadline
+        made it wait its whole wait, the others blocked in their checkpoint restore meanwhile: a
+        re-verifier's find, 6.1 s); returns at once past the deadline, so a state truly gone
+        costs at most that wait."""
         now = time.monotonic()
-        if self._holders_until is None:
-            self._holders_until = now + 2 * self.pg.agent.timeouts.heartbeat_timeout_s
-        remaining = self._holders_until - now
+        wait_s = 2 * self.pg.agent.timeouts.heartbeat_timeout_s if left_s is None else left_s
+        self._holders_until = now + wait_s
+        remaining = wait_s
         if remaining <= 0:
             return
         log.warning("waiting_for_state_holders", ranks=missing, of_world_size=old_world, epoch=epoch,
@@ -1735,8 +1756,8 @@ class FaultTolerance:
             await self.pg.agent.wait_epoch(epoch, timeout_s=remaining, or_fenced=True)
         except RtxTimeoutError:
             return
-        raise ClosedError(f"membership changed (epoch {epoch} -> {self.pg.epoch}) while waiting for "
-                          f"the committed state of ranks {missing}: sync again")
+        raise _SyncAgain(f"membership changed (epoch {epoch} -> {self.pg.epoch}) while waiting for "
+                         f"the committed state of ranks {missing}: sync again")
 
     async def _rebuild_as_built(self, rank: int, world: int, epoch: int, hosts: list[str]) -> int:
         """Nothing committed, and the states as built are not all here (a rank lost before the
