@@ -333,6 +333,49 @@ def test_a_ring_message_dropped_by_an_epoch_change_does_not_fail_the_next_sync(t
         assert o["loads"] == 2, (o, proc.stderr[-3000:])
 
 
+_LOST_AFTER_THE_LAST_COLLECTIVE = textwrap.dedent("""
+    import json, os, signal, time
+    import numpy as np, rtxnet
+    launch = int(os.environ["RTXNET_RANK"])
+    class State:
+        v = 0
+        def state_dict(self): return {"v": self.v}
+        def load_state_dict(self, d): self.v = d["v"]
+    pg = rtxnet.init()
+    state = State()
+    ft = rtxnet.FaultTolerance(pg, state)
+    while ft.step < 5:
+        with ft.guard() as step:
+            x = np.ones(4)
+            pg.all_reduce(x)
+            if step == 3 and os.environ.get("RTXNET_RESTART_COUNT", "0") == "0":
+                if launch == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)   # after the step's only collective
+                time.sleep(1.0)          # the others vote once the loss is known
+            state.v += 1
+    ft.finish()
+    print(json.dumps({"v": state.v, "events": ft.events}), flush=True)
+    pg.close()
+""")
+
+
+def test_a_rank_lost_after_the_steps_last_collective_is_named_by_the_failure(tmp_path):
+    # A CI run of the multi-host cut: the network went as the step's all_reduce returned, the
+    # others saw the loss only at their vote ("membership changed during step 28"), and the
+    # failure named no rank ("lost": []). It names the ranks the change lost now.
+    script = tmp_path / "lost_late.py"
+    script.write_text(_LOST_AFTER_THE_LAST_COLLECTIVE)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--min-ranks", "2",
+                           str(script)], capture_output=True, text=True, timeout=90, cwd=ROOT, env=procs.env())
+    outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"events"' in line]
+    assert "ranks 0, 1 exited 0" in proc.stderr and len(outs) == 2, proc.stderr[-4000:]
+    for o in outs:
+        assert o["v"] == 5, o
+        failure = [e for e in o["events"] if e["event"] == "failure"]
+        assert len(failure) == 1 and failure[0]["step"] == 3 and failure[0]["lost"] == [2], o["events"]
+        assert "membership changed during step 3" in failure[0]["message"], failure
+
+
 def test_a_late_rank_is_named_and_a_skipped_collective_fails_the_step_at_once(tmp_path):
     # A CollectiveTimeout's ranks were recorded as lost ("lost launch rank 1") though the world
     # never changed: they are the ranks that did not contribute in time.
