@@ -1749,8 +1749,8 @@ class FaultTolerance:
                                 left_s: float | None) -> None:
         """No live rank holds the committed state of ranks ``missing`` (of the world of
         ``old_world``): wait, up to twice the heartbeat timeout from the first such sync of this
-        recovery, for the membership to change, and raise ``ClosedError`` when it does (the ranks
-        sync again in the new world). A rank declared lost for silence (frozen, cut off) that
+        recovery, for the membership to change, and raise ``_SyncAgain`` (a ``ClosedError``) when
+        it does (the ranks sync again in the new world). A rank declared lost for silence (frozen, cut off) that
         comes back within that time rejoins with its state. Before, a frozen rank whose ring
         successor was killed in the same step ended the job with "the committed state ... is
         gone" while it lived, or sent every rank to an older checkpoint (a breaker's find:
@@ -1760,17 +1760,15 @@ class FaultTolerance:
         made it wait its whole wait, the others blocked in their checkpoint restore meanwhile: a
         re-verifier's find, 6.1 s); returns at once past the deadline, so a state truly gone
         costs at most that wait."""
-        now = time.monotonic()
         wait_s = 2 * self.pg.agent.timeouts.heartbeat_timeout_s if left_s is None else left_s
-        self._holders_until = now + wait_s
-        remaining = wait_s
-        if remaining <= 0:
+        self._holders_until = time.monotonic() + wait_s
+        if wait_s <= 0:
             return
         log.warning("waiting_for_state_holders", ranks=missing, of_world_size=old_world, epoch=epoch,
-                    seconds=round(remaining, 2),
+                    seconds=round(wait_s, 2),
                     why="no live rank holds their committed state; a rank declared lost may rejoin with it")
         try:
-            await self.pg.agent.wait_epoch(epoch, timeout_s=remaining, or_fenced=True)
+            await self.pg.agent.wait_epoch(epoch, timeout_s=wait_s, or_fenced=True)
         except RtxTimeoutError:
             return
         raise _SyncAgain(f"membership changed (epoch {epoch} -> {self.pg.epoch}) while waiting for "
