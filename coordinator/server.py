@@ -136,7 +136,6 @@ class Coordinator:
             rec = self._replayed(raw, _JOURNAL_LIMITS, what)
             self._applied(lambda rec=rec: apply_record(self.state, rec, now), what)
         self.state.dead_job_ttl_s = self.dead_job_ttl_s
-        self.state.defer_status = True   # answered after each batch, once per question (_run)
         for job in self.state.jobs.values():
             if job.formed and not job.members:
                 job.empty_since = now   # the TTL of a dead job restarts with the daemon

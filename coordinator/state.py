@@ -155,12 +155,6 @@ class State:
     claims: dict[tuple[str, int], tuple[str, int, float, float, tuple[int, int] | None, str]] = field(default_factory=dict)
     # Not journaled: identity -> the jobs where it has a kv_wait parked (for its disconnect)
     kv_waiting: dict[str, set[str]] = field(default_factory=dict)
-    # Not journaled, set by the daemon: status requests become StatusQuery actions, answered once
-    # the batch's events are applied, each distinct question once (answer_status): a client
-    # sending 4,000 status requests it never read, each answer 111 KB, stalled the daemon 24-35 s
-    # and held 0.9 GB (a breaker's find), and sharing an answer only until the next event was
-    # defeated by a cheap request between each two (a re-verifier's find: 15 s, 2 GB, a job lost)
-    defer_status: bool = False
 
 
 @dataclass(eq=False)
@@ -212,7 +206,11 @@ class Send:
 
 @dataclass(frozen=True)
 class StatusQuery:
-    """A status request, answered after the batch (see ``State.defer_status``, answer_status)."""
+    """A status request. The caller of ``step`` answers it with :func:`answer_status` once the
+    batch's events are applied, each distinct question once: a client sending 4,000 status
+    requests it never read, each answer 111 KB, stalled the daemon 24-35 s and held 0.9 GB (a
+    breaker's find), and sharing an answer only until the next event was defeated by a cheap
+    request between each two (a re-verifier's find: 15 s, 2 GB, a job lost)."""
 
     identity: str
     msg: dict[str, Any]
@@ -809,10 +807,7 @@ def _reply_raw(job: Job, ident: str, rid: int, **body: Any) -> Send:
 def _request(state: State, identity: str, msg: dict, now: float, actions: list[Action]) -> None:
     t = msg["t"]
     if t == "status":
-        if state.defer_status:
-            actions.append(StatusQuery(identity, msg))
-        else:
-            actions.extend(answer_status(state, [StatusQuery(identity, msg)], now))
+        actions.append(StatusQuery(identity, msg))
         return
     if t == "join":
         _join(state, identity, msg, now, actions)
