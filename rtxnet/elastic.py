@@ -797,14 +797,13 @@ class FaultTolerance:
         m = self.pg.membership          # read once: epoch, rank and world of this vote agree
         epoch = m.epoch
         if epoch != self._step_epoch:
-            # the ranks the first change lost, numbered in the step's epoch (a failure's "lost"
-            # was empty when the step's collectives had ended before a loss they never met: a CI
-            # run of the multi-host cut, the network cut as the step's all_reduce returned)
-            first = self._step_epoch + 1
-            lost = self._epoch_lost.get(first, [])
+            # (named by the ranks the change lost: a failure's "lost" was empty when the step's
+            # collectives had ended before a loss they never met, a CI run of the multi-host cut,
+            # the network cut as the step's all_reduce returned)
+            lost = self._lost_since(self._step_epoch, epoch)
             await self._recover(PeerLostError(
                 f"membership changed during step {step} (epoch {self._step_epoch} -> {epoch})"
-                + (f": ranks {lost} lost" if lost else ""), ranks=lost, epoch=first if lost else None), step)
+                + (f": ranks {lost} lost" if lost else ""), ranks=lost, epoch=epoch if lost else None), step)
             return
         pending = None
         if self.sharded_state:
@@ -883,10 +882,9 @@ class FaultTolerance:
             now = self.pg.epoch
             why = (f"epoch {epoch} -> {now}" if now != epoch else
                    f"in epoch {epoch}: another rank voted that it failed, or the vote got no answer")
-            # the ranks the epochs since lost (each numbered as of the epoch before it), as a
-            # collective's PeerLostError names them: a loss that came during the vote was
-            # recorded as a failure that lost nobody (a CI run of the multi-host cut)
-            lost = [r for e, rs in sorted(self._epoch_lost.items()) if epoch < e <= now for r in rs]
+            # (a loss that came during the vote was recorded as a failure that lost nobody: a CI
+            # run of the multi-host cut)
+            lost = self._lost_since(epoch, now)
             await self._recover(PeerLostError(f"step {step} was not committed ({why})", ranks=lost,
                                               epoch=now if lost else None), step)
 
@@ -1506,10 +1504,14 @@ class FaultTolerance:
         await self.pg.broadcast(buf, src)
         return data if data is not None else buf
 
-    def _hosts(self, world: int, m: Any = None) -> list[str]:
-        """The host of each rank of the world of membership ``m`` (default the current one; the
-        same on every rank; ``""`` where unknown)."""
-        m = self.pg.membership if m is None else m
+    def _lost_since(self, epoch: int, now: int) -> list[int]:
+        """The ranks the epochs after ``epoch`` up to ``now`` lost (each numbered as of the epoch
+        before it), as a collective's PeerLostError names them."""
+        return [r for e, rs in sorted(self._epoch_lost.items()) if epoch < e <= now for r in rs]
+
+    def _hosts(self, world: int, m: Any) -> list[str]:
+        """The host of each rank of the world of membership ``m`` (the same on every rank; ``""``
+        where unknown)."""
         members = getattr(m, "members", None) or {}
         return [str((members.get(q) or {}).get("host") or "") for q in range(world)]
 
