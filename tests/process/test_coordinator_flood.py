@@ -235,6 +235,9 @@ def test_clients_asking_for_status_without_reading_neither_stall_the_daemon_nor_
                                     endpoint="tcp://127.0.0.1:9", host="h" * 128, pid=1,
                                     info={f"k{j}": "v" * 100 for j in range(60)})))
             socks.append(s)
+        # every join read (on 300 connections, a status may come first: a CI run measured 38 KB)
+        procs.wait_until(lambda: len(procs.coordinator_jobs(coordinator.address, timeout_s=30)) >= 300,
+                         30, "the 300 jobs forming")
         with procs.dealer(coordinator.address, timeout_s=30) as d:
             d.send(encode(wire.make("status", rid=1)))
             size = len(_answer_raw(d))
