@@ -307,6 +307,19 @@ _RING_MESSAGE_OF_A_LEFT_EPOCH = textwrap.dedent("""
 """)
 
 
+def _four_ranks_losing_launch_rank_3_at_step_3(tmp_path, script_text: str):
+    """Run ``script_text`` as a job of 4 (``--min-ranks 2``, no restarts) whose launch rank 3
+    is SIGKILLed at step 3; returns the launcher's CompletedProcess and the JSON lines the
+    ranks printed with an ``"errors"`` key."""
+    script = tmp_path / "job.py"
+    script.write_text(script_text)
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "2",
+                           "--max-restarts", "0", "--faults", "kill:rank=3:step=3", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=procs.env())
+    outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"errors"' in line]
+    return proc, outs
+
+
 def test_a_ring_message_dropped_by_an_epoch_change_does_not_fail_the_next_sync(tmp_path):
     """The CI's find (a tensor-parallel job of 4, two ranks killed in one recovery; 7 of 24 runs
     under load): a rank's ring predecessor sent its state in a sync that a second loss ended
@@ -315,12 +328,7 @@ def test_a_ring_message_dropped_by_an_epoch_change_does_not_fail_the_next_sync(t
     again alone in the same epoch while the others stepped: CollectiveMismatchError (all_gather
     against all_reduce) or timeouts, four times, and the job ended. The mark belongs to an
     exchange the sync abandons: every sync now begins without it."""
-    script = tmp_path / "ring.py"
-    script.write_text(_RING_MESSAGE_OF_A_LEFT_EPOCH)
-    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "2",
-                           "--max-restarts", "0", "--faults", "kill:rank=3:step=3", str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=procs.env())
-    outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"errors"' in line]
+    proc, outs = _four_ranks_losing_launch_rank_3_at_step_3(tmp_path, _RING_MESSAGE_OF_A_LEFT_EPOCH)
     # (the launcher's exit code is the killed ranks' 137)
     assert "ranks 0, 1 exited 0" in proc.stderr and len(outs) == 2, proc.stderr[-5000:]
     for o in outs:
@@ -382,12 +390,7 @@ def test_states_received_in_a_sync_that_a_second_loss_ended_are_kept(tmp_path):
     # copy was on the second lost rank had reached the survivors, which dropped it with the
     # failed sync, and the job ended ("the committed state of ranks [2] ... is gone"). They keep
     # what they received now, as after a sync that ends.
-    script = tmp_path / "second_loss.py"
-    script.write_text(_STATES_RECEIVED_BEFORE_A_SECOND_LOSS)
-    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "2",
-                           "--max-restarts", "0", "--faults", "kill:rank=3:step=3", str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=procs.env())
-    outs = [json.loads(line.split("] ", 1)[1]) for line in proc.stdout.splitlines() if '"errors"' in line]
+    proc, outs = _four_ranks_losing_launch_rank_3_at_step_3(tmp_path, _STATES_RECEIVED_BEFORE_A_SECOND_LOSS)
     assert "ranks 0, 1 exited 0" in proc.stderr and len(outs) == 2, proc.stderr[-5000:]
     for o in outs:
         assert o["v"] == 6 and o["world"] == 2, (o, proc.stderr[-3000:])
@@ -403,16 +406,13 @@ def test_a_sync_that_fails_the_same_way_each_time_ends_with_an_error_not_a_spin(
     # timeout. A sync that fails without a membership change now asks for a fresh epoch (every
     # rank syncs again together) and counts as a failure of the step: the job ends after
     # max_step_retries with an error that names it.
-    script = tmp_path / "stale.py"
-    script.write_text(_STATES_RECEIVED_BEFORE_A_SECOND_LOSS.replace(
+    stale = _STATES_RECEIVED_BEFORE_A_SECOND_LOSS.replace(
         'world_broadcast = type(apg).__getattr__   # (the world\'s in use at each call)',
         'stale = apg.broadcast   # epoch 0\'s world').replace(
-        'await world_broadcast(apg, "broadcast")(', 'await stale('))
-    assert "await stale(" in script.read_text()
+        'await world_broadcast(apg, "broadcast")(', 'await stale(')
+    assert "await stale(" in stale
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "4", "--min-ranks", "2",
-                           "--max-restarts", "0", "--faults", "kill:rank=3:step=3", str(script)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=procs.env())
+    proc, _ = _four_ranks_losing_launch_rank_3_at_step_3(tmp_path, stale)
     took = time.monotonic() - t0
     assert proc.returncode != 0
     for r in (0, 1, 2):
