@@ -5,7 +5,8 @@ A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=va
     kill:rank=2:step=30                  SIGKILL the rank at the start of step 30
     pause:rank=1:step=50:seconds=3       SIGSTOP the rank for 3 s (a helper process sends SIGCONT)
     drop-heartbeats:rank=3:after=10s     stop heartbeats 10 s after start (for seconds=S, or for good)
-    delay:rank=0:ms=200                  add 200 ms before every step of the rank (a slow rank)
+    delay:rank=0:ms=200                  add 200 ms before every step of the rank (a slow rank;
+                                         with step=N before step N alone)
     partition:rank=2:step=40:seconds=5   cut the rank off (no heartbeats, no peer traffic) for 5 s
     kill-coordinator:step=60             SIGKILL the coordinator at step 60 (rtxnet-run restarts it)
     seed=7                               seeds the choice of rank=any (default 0)
@@ -63,6 +64,12 @@ KINDS = ("kill", "pause", "drop-heartbeats", "delay", "partition", "kill-coordin
 POINTS = ("step", "collective", "checkpoint", "sync", "rendezvous")
 _INT_FIELDS = {"step", "collective", "seed"}
 _FLOAT_FIELDS = {"seconds", "ms", "after"}
+_MAX_INT = 2**63 - 1   # (a step or count beyond int64 could never come)
+# the fields each kind takes (beyond rank, at, step and collective, which every kind takes): a
+# field a kind ignored was taken silently, and the run tested another plan than it said (a
+# breaker's find: delay:...:step=5 delayed every step)
+_KIND_FIELDS = {"kill": set(), "kill-coordinator": set(), "pause": {"seconds"}, "partition": {"seconds"},
+                "delay": {"ms"}, "drop-heartbeats": {"after", "seconds"}}
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,22 @@ def _number(key: str, raw: str, part: str) -> float:
         ok, allowed = 0 < v <= MAX_FAULT_S, f"of seconds above 0 and at most {MAX_FAULT_S:g}"
     if not ok:   # NaN compares false, so it lands here too
         raise ValueError(f"{part!r}: {key}={raw!r} must be a finite number {allowed}")
+    return v
+
+
+def _integer(key: str, raw: str, part: str, what: str) -> int:
+    """The value of an integer field: ASCII digits (``int()`` took ``"١"``, an Arabic-Indic
+    one), 0..2**63-1.
+
+    Raises:
+        ValueError: not such an integer; names the value."""
+    if not (raw.isascii() and raw.isdigit()):
+        if raw.isascii() and raw.startswith("-") and raw[1:].isdigit():
+            raise ValueError(f"{part!r}: {key}={raw!r} must not be negative")
+        raise ValueError(f"{part!r}: {key}={raw!r} is not {what}")
+    v = int(raw)
+    if v > _MAX_INT:
+        raise ValueError(f"{part!r}: {key}={raw!r} is above 2**63-1")
     return v
 
 
@@ -169,23 +192,13 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
                     else:
                         args["rank"] = rng.randrange(world_size)
                     continue
-                try:
-                    args["rank"] = int(v)
-                except ValueError:
-                    raise ValueError(f"{part!r}: rank={v!r} is not an integer or 'any'") from None
-                if args["rank"] < 0:
-                    raise ValueError(f"{part!r}: rank={v!r} must be >= 0")
+                args["rank"] = _integer(k, v, part, "an integer or 'any'")
             elif k == "at":
                 if v not in POINTS:
                     raise ValueError(f"{part!r}: at={v!r} is not one of {', '.join(POINTS)}")
                 args["at"] = v
             elif k in _INT_FIELDS:
-                try:
-                    args[k] = int(v)
-                except ValueError:
-                    raise ValueError(f"{part!r}: {k}={v!r} is not an integer") from None
-                if args[k] < 0:
-                    raise ValueError(f"{part!r}: {k}={v!r} must not be negative")
+                args[k] = _integer(k, v, part, "an integer")
                 if k == "collective" and args[k] == 0:   # counted from 1: the first is collective=1
                     raise ValueError(f"{part!r}: collective={v!r} must be >= 1 (the first collective is 1)")
             elif k in _FLOAT_FIELDS:
@@ -195,6 +208,24 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
         if "collective" in args and "at" not in args:
             args["at"] = "collective"
         at = args.get("at", "step")
+        extra = sorted(set(args) & set(_FLOAT_FIELDS) - _KIND_FIELDS[kind])
+        if extra:
+            takes = sorted(_KIND_FIELDS[kind])
+            raise ValueError(f"{part!r}: {kind} takes no {'/'.join(extra)} (its fields: rank, at, step, "
+                             f"collective{''.join(', ' + t for t in takes)})")
+        if at == "collective" and "step" in args:
+            raise ValueError(f"{part!r}: step={kv['step']!r} and collective={kv.get('collective')!r} name two "
+                             f"points: at=collective fires before the N-th collective of the rank, "
+                             f"whatever its step; give one of them")
+        if at == "rendezvous" and ("step" in args or "collective" in args):
+            raise ValueError(f"{part!r}: at=rendezvous fires before the rank joins, at no step or "
+                             f"collective: drop step=/collective=")
+        if at != "collective" and "collective" in args:
+            raise ValueError(f"{part!r}: collective={kv['collective']!r} needs at=collective (not at={at})")
+        if "after" in args and ("step" in args or at != "step"):
+            raise ValueError(f"{part!r}: after={kv['after']!r} makes drop-heartbeats time-based "
+                             f"(seconds from the rank's start); step=/at= make it fire at a point: "
+                             f"give one of them")
         if kind in ("kill", "pause", "partition", "kill-coordinator") and at == "step" and "step" not in args:
             raise ValueError(f"{part!r}: {kind} needs step=N (or at=collective/checkpoint/sync/rendezvous)")
         if at == "collective" and "collective" not in args:
@@ -285,7 +316,7 @@ class Injector:
         for f in self.faults:
             if f.index in self.fired or f.at != at or not self._mine(f, rank, world_size):
                 continue
-            if f.kind == "delay" and at == "step":
+            if f.kind == "delay" and at == "step" and f.step is None:
                 out.append(f)  # every step
                 continue
             if f.kind == "drop-heartbeats" and f.step is None:

@@ -56,6 +56,38 @@ def test_a_field_seed_or_fault_given_twice_is_named(plan, says):
 
 
 
+@pytest.mark.parametrize(("plan", "says"), [
+    # a breaker's plans, each taken before and run as another plan than it said
+    ("kill:rank=1:step=20:collective=3", "step='20' and collective='3' name two points"),
+    ("kill:rank=1:step=2:seconds=5", "kill takes no seconds (its fields: rank, at, step, collective)"),
+    ("kill:rank=1:step=2:ms=5", "kill takes no ms"),
+    ("kill-coordinator:step=3:seconds=9", "kill-coordinator takes no seconds"),
+    ("pause:rank=1:step=2:seconds=1:ms=5", "pause takes no ms (its fields: rank, at, step, collective, seconds)"),
+    ("delay:rank=0:ms=5:seconds=2", "delay takes no seconds"),
+    ("drop-heartbeats:rank=1:after=1:step=4:seconds=3", "after='1' makes drop-heartbeats time-based"),
+    ("drop-heartbeats:rank=1:after=1:at=sync", "after='1' makes drop-heartbeats time-based"),
+    ("kill:rank=1:at=rendezvous:step=2", "at=rendezvous fires before the rank joins"),
+    ("kill:rank=1:at=checkpoint:collective=2", "collective='2' needs at=collective (not at=checkpoint)"),
+    ("kill:rank=1:step=99999999999999999999999", "step='99999999999999999999999' is above 2**63-1"),
+    ("kill:rank=\u0661:step=2", "rank='\u0661' is not an integer or 'any'"),
+    ("kill:rank=-1:step=2", "rank='-1' must not be negative"),
+    ("kill:rank=1:step=+2", "step='+2' is not an integer"),
+], ids=["step-and-collective", "kill-seconds", "kill-ms", "coordinator-seconds", "pause-ms", "delay-seconds",
+        "after-and-step", "after-and-at", "rendezvous-step", "collective-without-at", "huge", "non-ascii",
+        "negative", "plus"])
+def test_a_field_the_fault_would_ignore_is_refused(plan, says):
+    with pytest.raises(ValueError) as info:
+        parse_plan(plan)
+    assert str(info.value).startswith(f"{plan!r}: {says}"), info.value
+
+
+def test_a_delay_with_a_step_delays_that_step_alone():
+    # (it delayed every step: its step= was ignored)
+    inj = Injector("delay:rank=0:ms=1:step=5; delay:rank=1:ms=1")
+    fired = {r: [s for s in range(10) if inj.due("step", rank=r, world_size=2, step=s)] for r in (0, 1)}
+    assert fired == {0: [5], 1: list(range(10))}
+
+
 @pytest.mark.parametrize("plan", [";;", " ; ", "seed=3", "seed=3;"])
 def test_a_plan_that_names_no_fault_is_refused_but_the_empty_plan_is_taken(plan):
     # (a shell variable left empty inside --faults "$A;$B" would otherwise run with no fault)
