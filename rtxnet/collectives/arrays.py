@@ -90,12 +90,8 @@ class Buffer:
     def __init__(self, t, *, readonly: bool = False):
         a = as_numpy(t)
         self.array = a
-        if a.flags.c_contiguous:
-            self.flat = a.reshape(-1)
-            self._scratch = False
-        else:
-            self.flat = np.ascontiguousarray(a).reshape(-1)
-            self._scratch = True
+        # (refused before the copy below: torch.ones(1).expand(2**40) allocated 4 TiB for its
+        # contiguous copy, MemoryError, instead of this ValueError: a breaker's find)
         if not readonly and not a.flags.writeable:
             raise ValueError("output array is read-only")
         if not readonly and _self_overlapping(a):
@@ -104,6 +100,12 @@ class Buffer:
                 f"memory (a stride of 0: torch's expand, np.broadcast_to): a result written in "
                 f"place would be undefined, as torch.distributed refuses it; pass one with memory "
                 f"of its own (.clone(), np.array(a))")
+        if a.flags.c_contiguous:
+            self.flat = a.reshape(-1)
+            self._scratch = False
+        else:
+            self.flat = np.ascontiguousarray(a).reshape(-1)
+            self._scratch = True
 
     @property
     def dtype(self) -> np.dtype:

@@ -853,6 +853,7 @@ class Group:
         Raises:
             CollectiveMismatchError: ``field == "splits"`` when a rank's output size for a peer
             differs from what that peer sends; others as :meth:`all_reduce`.
+            ValueError: two entries of an ``output`` list share memory (names them).
         """
         if is_gpu_array(input):
             return await self._gpu().all_to_all(output, input, timeout)
@@ -877,6 +878,9 @@ class Group:
             out_chunks = [obuf.flat[k * m:(k + 1) * m] for k in range(n)]
             out_bufs = [obuf]
         else:
+            # (overlapping entries were taken, and the result hung on the order of the writes:
+            # a breaker's find; all_gather refused them)
+            _refuse_overlapping("all_to_all output", [b.array for b in outs])
             out_chunks = [b.flat for b in outs]
             out_bufs = outs
         for a in in_chunks + out_chunks:

@@ -207,6 +207,11 @@ async def early_value_errors(engine):
         lambda: g.all_reduce(np.lib.stride_tricks.as_strided(np.zeros(1), shape=(3,), strides=(0,))),
         # output entries that overlap each other (a breaker's find: garbage, without a word)
         lambda: g.all_gather(_overlapping(), np.ones(4)),
+        # the same in all_to_all (taken: the result hung on the order of the writes)
+        lambda: g.all_to_all(_overlapping(), [np.ones(4), np.ones(4)]),
+        # a stride-0 output of 2**40 elements: refused before a 8 TiB contiguous copy was
+        # made (MemoryError, a breaker's find)
+        lambda: g.all_reduce(np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**40,), strides=(0,))),
         lambda: g.send(np.ones(3), g.rank),
     ):
         try:
@@ -226,9 +231,11 @@ def test_value_errors_before_anything_is_sent():
     for errors, x0, seq in res:
         assert all(e is not None for e in errors), errors
         assert "bool" in errors[0] and "PROD" in errors[0]
-        assert "strides (0,) has elements that share memory" in errors[-3], errors[-3]
-        assert errors[-2].startswith("all_gather output[0] and all_gather output[1] share memory"), errors[-2]
-        assert x0 == 2.0 and seq == 15   # 14 refused collectives and the all_reduce
+        assert "strides (0,) has elements that share memory" in errors[-5], errors[-5]
+        assert errors[-4].startswith("all_gather output[0] and all_gather output[1] share memory"), errors[-4]
+        assert errors[-3].startswith("all_to_all output[0] and all_to_all output[1] share memory"), errors[-3]
+        assert "output array of shape (1099511627776,) and strides (0,) has elements that share memory" in errors[-2]
+        assert x0 == 2.0 and seq == 17   # 16 refused collectives and the all_reduce
 
 
 async def slow_rank(engine, algo):
