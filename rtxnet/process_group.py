@@ -24,6 +24,7 @@ import contextlib
 import inspect
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -57,6 +58,66 @@ _COLLECTIVES = frozenset({
 
 
 _COUNTED = _COLLECTIVES - {"new_group", "split", "send", "recv"}
+# the blocking calls that one thread at a time may make on a group (send/recv are matched by
+# peer and tag, not by their order)
+_ONE_THREAD = _COLLECTIVES - {"send", "recv"}
+
+
+class _OneThreadAtATime:
+    """Refuses blocking collectives of one group called from two threads at once.
+
+    Collectives are matched across ranks in the order they reach the group; threads reach it in
+    an order that differs between ranks, and same-kind, same-shape calls were then matched with
+    another thread's data on the peer: silently wrong results that differed between ranks (a
+    breaker's find: 8 threads each all-reducing ``full(1000, i)``, 1 of 30 rounds wrong). A call
+    made while another thread is in a collective of the same group raises ``ConfigError`` before
+    it is sent, and the call it overlapped raises it too once its operation has ended (its
+    result cannot be trusted). Calls that never overlap are not seen: threads that take turns
+    must do so in the same order on every rank. Groups are told apart (a subgroup per thread
+    is fine); ``async_op=True`` calls count while they are being issued."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside: dict[int, dict[int, list]] = {}   # id(group) -> thread id -> [calls, overlapped by]
+
+    @contextlib.contextmanager
+    def call(self, group: Any, name: str) -> Iterator[None]:
+        me, who = threading.get_ident(), threading.current_thread().name
+        with self._lock:
+            inside = self._inside.setdefault(id(group), {})
+            others = {t: e for t, e in inside.items() if t != me}
+            if others:
+                for e in others.values():
+                    e[1] = e[1] or who
+                names = sorted({e[2] for e in others.values()})
+                raise ConfigError(
+                    f"{name}: called from thread {who!r} while thread(s) {names} are in a "
+                    f"collective of the same group: collectives are matched across ranks in the "
+                    f"order they reach the group, and threads reach it in an order that differs "
+                    f"between ranks (same-shaped calls would be matched with another thread's data "
+                    f"on the peer: wrong results). Call a group's collectives from one thread, or "
+                    f"give each thread a group of its own (pg.new_group)")
+            entry = inside.setdefault(me, [0, None, who])
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                entry[0] -= 1
+                overlapped = entry[1]
+                if entry[0] == 0:
+                    del inside[me]
+                    if not inside:
+                        self._inside.pop(id(group), None)
+        if overlapped is not None:
+            raise ConfigError(
+                f"{name}: thread {overlapped!r} called a collective of the same group while this "
+                f"one (thread {who!r}) was in it: the ranks may have matched the two calls with "
+                f"each other's data, so this result is not to be trusted. Call a group's "
+                f"collectives from one thread, or give each thread a group of its own (pg.new_group)")
+
+
+_ONE_THREAD_AT_A_TIME = _OneThreadAtATime()
 
 
 def _with_fault_point(pg: ProcessGroup, fn: Any) -> Any:
@@ -875,7 +936,7 @@ class BlockingProcessGroup:
                   else getattr(self._pg, name))
         if not callable(target):
             return target
-        return _blocking(self._portal, target)
+        return _blocking(self._portal, target, one_thread=(self._pg, name) if name in _ONE_THREAD else None)
 
     def pinned(self, world: Any = None) -> Any:
         """:meth:`ProcessGroup.pinned` (``with pg.pinned(): ...``); ``world`` as
@@ -906,16 +967,28 @@ class _BlockingProxy:
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._obj, name)
-        return _blocking(self._portal, target) if callable(target) else target
+        if not callable(target):
+            return target
+        group = name in _ONE_THREAD and hasattr(self._obj, "all_reduce")   # (not the store)
+        return _blocking(self._portal, target, one_thread=(self._obj, name) if group else None)
 
     def __dir__(self) -> list[str]:
         # the wrapped object's names (help() and tab completion listed none: a fresh user's find)
         return sorted(set(dir(self._obj)) | set(object.__dir__(self)))
 
 
-def _blocking(portal: Portal, fn: Any) -> Any:
+def _blocking(portal: Portal, fn: Any, *, one_thread: Any = None) -> Any:
+    """``fn`` (a method of the async group or its store) called from the caller's thread and run
+    on the group's loop; ``one_thread``: ``(group, name)`` when ``fn`` is the collective ``name``
+    of ``group`` (:class:`_OneThreadAtATime`)."""
     def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         portal.check_open()
+        if one_thread is None:
+            return run(args, async_op, kwargs)
+        with _ONE_THREAD_AT_A_TIME.call(*one_thread):
+            return run(args, async_op, kwargs)
+
+    def run(args: tuple, async_op: bool, kwargs: dict) -> Any:
         result = fn(*args, **kwargs)
         if not asyncio.iscoroutine(result):
             return _wrap(portal, result)
