@@ -720,8 +720,9 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             from ``pg.split``/``pg.new_group``: names its type), raised before any communication;
             bad ``step`` (not an integer in 0..2**63-1), ``root`` (empty), ``keep`` or
             ``metadata`` (not a dict of strict JSON: a float that is not finite, bytes, other
-            objects); with ``pg``, after the first collective, and the other ranks raise it
-            too, naming this rank.
+            objects), or a save into ``root`` that runs in this process already (another
+            thread's: names its step and thread); with ``pg``, after the first collective, and
+            the other ranks raise it too, naming this rank.
         KeyboardInterrupt: a Ctrl-C during the save (on the main thread, under Python's own
             SIGINT handler) is raised once the save has ended on every rank, committed or not
             (the message says which; a failure is its cause). A second Ctrl-C is raised at
@@ -739,12 +740,14 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
     """
     _check_pg(pg, "save")
     bad = None
+    saving = None
     try:
         step = _check_step(step)
         _check_root(root, "save")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(f"keep({keep!r}) must be None or an integer >= 1")
         _check_metadata(metadata)
+        saving = _one_save_per_root(Path(root), step)
     except ConfigError as exc:
         if pg is None:
             raise
@@ -764,10 +767,39 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
             raise KeyboardInterrupt(f"Ctrl-C during checkpoint.save of step {step}, which then failed "
                                     f"({type(exc).__name__}: {exc})") from exc
         raise
+    finally:
+        if saving is not None:
+            with _SAVING_LOCK:
+                _SAVING.pop(saving, None)
     if deferred:
         raise KeyboardInterrupt(f"Ctrl-C during checkpoint.save of step {step}, which ended first: "
                                 f"committed ({folder})")
     return folder
+
+
+# root (resolved) -> (step, thread name) of the save into it running in this process
+_SAVING: dict[str, tuple[int, str]] = {}
+_SAVING_LOCK = threading.Lock()
+
+
+def _one_save_per_root(root: Path, step: int) -> str:
+    """Mark a save of ``step`` into ``root`` as running in this process; returns the key to
+    unmark. Two threads saving into one root at once removed each other's temporary files
+    (``FileNotFoundError`` on the manifest's: a breaker's find, 1 of 4 runs).
+
+    Raises:
+        ConfigError: a save into ``root`` runs in this process already (names its step and
+            thread)."""
+    key, me = str(root.resolve()), threading.current_thread().name
+    with _SAVING_LOCK:
+        other = _SAVING.get(key)
+        if other is None:
+            _SAVING[key] = (step, me)
+    if other is not None:
+        raise ConfigError(f"checkpoint.save of step {step} into {key}: the save of step {other[0]} into "
+                          f"it runs in this process (thread {other[1]!r}); saves of one root run one "
+                          f"after the other")
+    return key
 
 
 @contextlib.contextmanager
@@ -1055,28 +1087,42 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _CORRUPT_SEEN: set[tuple[str, int]] = set()
 
 
-def _check_loadable(v: Any, where: str) -> None:
+def _check_loadable(v: Any, where: str, within: dict[int, str] | None = None) -> None:
     """Refuse, naming where it is, a value ``torch.load(weights_only=True)`` would refuse (NumPy
     arrays and scalars, arbitrary objects): saved, it would make a checkpoint that no load can
-    read. Containers and tensors are walked; any other leaf is tried on its own.
+    read. Containers and tensors are walked; any other leaf is tried on its own. ``within``:
+    the containers on the path to ``v`` (id -> path).
 
     Raises:
         TypeError: names the value's path and type.
+        ValueError: a container holds itself (a cycle; names both paths: it was a
+            RecursionError that named no key, a breaker's find).
     """
     # exact types: np.float64 and np.str_ subclass float and str but a safe load refuses them;
     # and a tensor subclass (a custom Parameter) is refused by a safe load too (a tester's find:
     # it was saved, then every load said "cannot be loaded safely"), so it is tried below
     if type(v) in _PLAIN or type(v) in (torch.Tensor, torch.nn.Parameter):
         return
-    if type(v) in (dict, collections.OrderedDict):
-        for k, x in v.items():
-            _check_loadable(k, f"{where} key {k!r}")
-            _check_loadable(x, f"{where}[{k!r}]")
-        return
-    if type(v) in (list, tuple, set):
-        for i, x in enumerate(v):
-            _check_loadable(x, f"{where}[{i}]")
-        return
+    container = type(v) in (dict, collections.OrderedDict, list, tuple, set)
+    if container:
+        within = {} if within is None else within
+        if id(v) in within:
+            raise ValueError(f"{where} is {within[id(v)]} itself (the state holds a cycle), which a "
+                             f"checkpoint cannot hold")
+        within[id(v)] = where
+    try:
+        if type(v) in (dict, collections.OrderedDict):
+            for k, x in v.items():
+                _check_loadable(k, f"{where} key {k!r}", within)
+                _check_loadable(x, f"{where}[{k!r}]", within)
+            return
+        if container:
+            for i, x in enumerate(v):
+                _check_loadable(x, f"{where}[{i}]", within)
+            return
+    finally:
+        if container:
+            del within[id(v)]
     buf = io.BytesIO()
     try:
         torch.save(v, buf)

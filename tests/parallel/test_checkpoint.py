@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -860,3 +861,45 @@ def test_reads_longer_than_a_save_are_not_starved_by_the_prunes_of_a_keep_1_writ
     assert all(ok > 0 and not bad for ok, bad in got), got
     # the steps a prune left for later are gone once a later save pruned again
     assert len(checkpoint._steps(root)) <= 4, checkpoint._steps(root)
+
+
+def test_a_second_save_into_a_root_while_another_thread_saves_there_is_refused(tmp_path):
+    # A breaker's find: threads saving steps 20 and 21 into one root at once removed each other's
+    # temporary files (FileNotFoundError on the manifest's, 1 of 4 runs), an error that did not
+    # say what was wrong. The second save is refused at once, naming the first.
+    import threading
+
+    big = {"w": torch.zeros(8 << 20, dtype=torch.uint8)}     # a save that takes a while
+    done: dict[str, object] = {}
+
+    def first():
+        done["first"] = checkpoint.save(tmp_path, 20, big)
+
+    t = threading.Thread(target=first, name="saver")
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not checkpoint._SAVING and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert checkpoint._SAVING, "the first save ended before the second began"
+        with pytest.raises(ConfigError, match=rf"checkpoint.save of step 21 into {re.escape(str(tmp_path.resolve()))}: "
+                                              r"the save of step 20 into it runs in this process \(thread 'saver'\)"):
+            checkpoint.save(tmp_path, 21, {"w": torch.ones(3)})
+    finally:
+        t.join(60)
+    assert done["first"] == checkpoint.step_dir(tmp_path, 20) and checkpoint.latest(tmp_path) == 20
+    assert not checkpoint._SAVING
+    checkpoint.save(tmp_path, 21, {"w": torch.ones(3)})     # after it: taken
+    assert checkpoint.latest(tmp_path) == 21
+
+
+def test_a_state_that_holds_itself_is_refused_naming_the_cycle(tmp_path):
+    # a breaker's find: a RecursionError that named no key
+    state = {"model": {"w": torch.ones(2)}, "lists": [[1, 2]]}
+    state["model"]["again"] = state["model"]
+    with pytest.raises(CheckpointError, match=r"state\['model'\]\['again'\] is state\['model'\] itself "
+                                              r"\(the state holds a cycle\)"):
+        checkpoint.save(tmp_path, 1, state)
+    shared = [1, 2]       # the same list twice is no cycle
+    checkpoint.save(tmp_path, 2, {"a": shared, "b": shared, "c": (shared, shared)})
+    assert checkpoint.latest(tmp_path) == 2
