@@ -210,8 +210,9 @@ def test_hosts_cut_from_each_other_but_not_from_the_coordinator_train_on_one_sid
 def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
     """Host 1's launcher is SIGKILLed (its ranks die with it: a host lost), the other host goes
     on as a world of 2; host 1 is started again with the same command and its two new ranks
-    join at a step decision: one step redone in all, the exact answer on all four. On loopback
-    (RTXNET_HOST tells the hosts apart), so it runs without root too."""
+    join at a step decision: at most one step redone for the loss (none when host 0's ranks
+    found it between steps), the exact answer on all four. On loopback (RTXNET_HOST tells the
+    hosts apart), so it runs without root too."""
     coord = procs.Coordinator(tmp_path / "journal")
     steps, launchers = 500, []
 
@@ -264,14 +265,29 @@ def test_a_host_that_dies_and_comes_back_rejoins_at_a_step_boundary(tmp_path):
                 # on loaded cores a step outlasted the coordinator's wait for a step decision
                 # (3 mean step periods): the joins then opened their epoch in the step, which
                 # failed (ClosedError: the membership changed) and was redone (a fresh user's run)
+                # (its recovery follows the joins it synced with)
                 assert events[0]["error"] == "ClosedError" and kinds[1] == "joined", r["events"]
-                kinds = kinds[1:]
+                assert kinds.count("recovered") == 1, r["events"]
+                kinds = [k for k in kinds[1:] if k != "recovered"]
             assert set(kinds) == {"joined"}, r["events"]
             assert sorted(x for e in evs if e["event"] == "joined" for x in e["added_launch"]) \
                 == [2, 3], r["events"]
         else:   # (one may see the other join after it)
             assert set(kinds) <= {"joined"}, r["events"]
-        assert all(e["steps_lost"] == 1 for e in r["events"] if e["event"] == "recovered"), r["events"]
+        # Each recovery lost no committed step (it resumed at the step that failed) and redid
+        # that step only if the failure came in it: a failure in the sync before it (the host's
+        # first rank found lost between steps, its second lost during the sync of that loss;
+        # or a join's epoch opening during a sync) began no step, and lost none (steps_lost 0,
+        # elastic.py's _close_failure; a tester's run under load 2-12 had 0 where 1 was asked).
+        failure = None
+        for e in r["events"]:
+            if e["event"] == "failure":
+                failure = e
+            elif e["event"] == "recovered":
+                assert failure is not None and e["failed_step"] == failure["step"], r["events"]
+                assert e["resumed_step"] == e["failed_step"], r["events"]
+                assert e["steps_lost"] == (1 if failure["in_step"] else 0), r["events"]
+                failure = None
 
 
 def test_a_node_stops_its_ranks_when_another_nodes_failures_leave_the_job_below_min_ranks(tmp_path):
