@@ -129,7 +129,7 @@ def _structlog_back_to_defaults():
 
 @pytest.fixture
 def coordinator(tmp_path):
-    c = Coordinator(tmp_path / "journal")
+    c = Coordinator(tmp_path / "journal", restartable=True)   # (several tests restart it)
     yield c
     c.stop()
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -134,16 +136,75 @@ def ranks(argv: list[str], world: int, address: str, job: str, *, min_ranks: int
                 p.wait()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports it picks itself (an outgoing connection's, a
+    ``bind`` to port 0), both ends included."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999   # Linux's default
+    return low, high
+
+
+def port_outside_ephemeral(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A TCP port on ``host``, free now (a ``bind`` to it succeeds), chosen at random at run time
+    from 10000-65535 outside the kernel's ephemeral range (:func:`_ephemeral_range`), for a
+    daemon that is killed and started again on the same address.
+
+    A port the kernel chose (``bind`` to port 0) is in that range: once its daemon died, any
+    process on the machine could take it before the restart, the kernel giving it to a ``bind``
+    to port 0 (another test suite's listener; a connection's local port, with the ephemeral
+    range's parity scan, less often), and the restart failed with "Address already in use" (a
+    tester's full-suite run beside other suites). Outside that range only a process naming the
+    port itself can take it.
+
+    Raises:
+        RuntimeError: no free port found in ``tries`` draws, or none outside the range.
+    """
+    low, high = _ephemeral_range()
+    ranges = [r for r in (range(10000, min(low, 65536)), range(max(high + 1, 10000), 65536)) if len(r)]
+    if not ranges:
+        raise RuntimeError(f"the ephemeral port range {low}-{high} leaves no port of 10000-65535 outside it")
+    rng = random.SystemRandom()
+    for _ in range(tries):
+        port = rng.choice(rng.choices(ranges, weights=[len(r) for r in ranges])[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port on {host} outside the ephemeral range {low}-{high} in {tries} draws")
+
+
+# How long a restart on the same port retries its bind while something else holds the port (a
+# connection of the killed daemon's last moments, a process that took the port meanwhile): a
+# bounded wait, then the restart fails naming the port.
+RESTART_BIND_S = 10.0
+
+
 class Coordinator:
     """``python -m coordinator`` on ``host`` (default 127.0.0.1) with a port chosen at run time;
-    ``prefix`` goes before the command (``["ip", "netns", "exec", NS]``: in a network namespace)."""
+    ``prefix`` goes before the command (``["ip", "netns", "exec", NS]``: in a network namespace).
+
+    ``restartable``: the port is chosen at run time outside the kernel's ephemeral range
+    (:func:`port_outside_ephemeral`), so that :meth:`start` after :meth:`kill` (a restart on the
+    same address, which the ranks reconnect to) finds it free; such a restart retries its bind
+    for up to ``RESTART_BIND_S``. A coordinator started on a port the kernel chose cannot be
+    restarted (``start`` raises): another process could take that port once it died."""
 
     def __init__(self, journal: Path, *, port: int = 0, extra: list[str] | None = None,
-                 host: str = "127.0.0.1", prefix: list[str] | None = None, bind: str | None = None):
+                 host: str = "127.0.0.1", prefix: list[str] | None = None, bind: str | None = None,
+                 restartable: bool = False):
         self.bind = bind   # another address than tcp://host:port (ipc://PATH)
         self.journal = Path(journal)
         self.extra = extra or []
-        self.port = port
+        self.restartable = restartable and bind is None and port == 0
+        if self.restartable and prefix:
+            raise ValueError("restartable: the port is checked free in this network namespace, not in prefix's")
+        self.port = port_outside_ephemeral(host) if self.restartable else port
+        # a restart needs the port it had; a port the kernel chose (port 0) may be gone by then
+        self._kernel_port = bind is None and port == 0 and not self.restartable
         self.host = host
         self.prefix = prefix or []
         self.proc: subprocess.Popen | None = None
@@ -151,16 +212,40 @@ class Coordinator:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "coordinator", "--bind",
-             self.bind or f"tcp://{self.host}:{self.port}",
-             "--journal", str(self.journal), *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
-        )
-        line = self.proc.stdout.readline().decode().strip()
-        if not line.startswith("RTXNET_COORDINATOR="):
+        """Start the daemon; again after :meth:`kill`: on the same address, with the same journal.
+
+        Raises:
+            RuntimeError: it did not start (its exit code and log); a restart of a coordinator
+                whose port the kernel chose (not ``restartable``).
+        """
+        again = self.proc is not None
+        if again and self._kernel_port:
+            raise RuntimeError(f"coordinator on port {self.port}, which the kernel chose from its ephemeral "
+                               f"range: another process may have it now; make it Coordinator(..., "
+                               f"restartable=True) to start it again on the same address")
+        deadline = time.monotonic() + RESTART_BIND_S
+        draws = 0
+        while True:
+            self.proc = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "coordinator", "--bind",
+                 self.bind or f"tcp://{self.host}:{self.port}",
+                 "--journal", str(self.journal), *self.extra],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), cwd=ROOT,
+            )
+            line = self.proc.stdout.readline().decode().strip()
+            if line.startswith("RTXNET_COORDINATOR="):
+                break
             err = self.proc.stderr.read().decode()
             self.proc.wait(10)
+            in_use = self.proc.returncode == 4 and "Address already in use" in err
+            if in_use and self.restartable and not again and draws < 20:
+                # taken since it was checked free: another port will do for a first start
+                draws += 1
+                self.port = port_outside_ephemeral(self.host)
+                continue
+            if in_use and self.restartable and again and time.monotonic() < deadline:
+                time.sleep(0.1)   # the same port it must have: wait a bounded time for it
+                continue
             raise RuntimeError(f"coordinator failed to start (rc={self.proc.returncode}): {err[-2000:]}")
         self.address = line.split("=", 1)[1]
         if self.address.startswith("tcp://"):

@@ -1077,7 +1077,7 @@ def test_a_journal_is_compacted_by_its_bytes_and_a_failed_snapshot_leaves_the_da
     that cannot be written (a read-only folder, a full disk) was exit 3; the journal is still usable then,
     so the daemon says so and serves on."""
     journal = tmp_path / "j"
-    c = procs.Coordinator(journal)
+    c = procs.Coordinator(journal, restartable=True)   # (restarted below)
     try:
         p = probes(c.address, job="big", world_size=1)
         p.expect("joined")
