@@ -313,12 +313,58 @@ def _kill(proc) -> None:
         _signal_group(proc.pid, signal.SIGKILL)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports it picks itself (an outgoing connection's, a
+    ``bind`` to port 0), both ends included (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return low, high
+
+
+def port_outside_ephemeral(host: str = "127.0.0.1", tries: int = 200) -> int | None:
+    """A TCP port of ``host``, free now (a ``bind`` to it succeeds), drawn at random from
+    10000-65535 outside the kernel's ephemeral range (:func:`_ephemeral_range`); None when that
+    range leaves none, or no draw of ``tries`` was free.
+
+    For a daemon restarted on the same address (the coordinator rtxnet-run restarts, whose
+    ranks reconnect to it): a port the kernel chose is in its ephemeral range, and once the
+    daemon died any process's outgoing connection or ``bind`` to port 0 could be given it before
+    the restart ("Address already in use"; seen in the tests beside other suites). Outside that
+    range only a process naming the port itself takes it."""
+    import random
+    import socket
+
+    low, high = _ephemeral_range()
+    ranges = [r for r in (range(10000, min(low, 65536)), range(max(high + 1, 10000), 65536)) if len(r)]
+    if not ranges:
+        return None
+    rng = random.SystemRandom()
+    for _ in range(tries):
+        port = rng.choice(rng.choices(ranges, weights=[len(r) for r in ranges])[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return None
+
+
+class BindRefused(RuntimeError):
+    """The coordinator exited 4: it could not bind its address (in use, or not this host's)."""
+
+
 async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
                             extra: list[str] | None = None) -> tuple[asyncio.subprocess.Process, str]:
     """Start ``python -m coordinator`` and return ``(process, address)`` once it listens.
 
     Raises:
-        RuntimeError: the daemon exited or did not report its address within 30 s.
+        BindRefused: the daemon could not bind ``bind`` (exit code 4).
+        JournalRefused: the daemon cannot use ``journal`` (exit code 3).
+        RuntimeError: the daemon exited otherwise or did not report its address within 30 s.
     """
     with _zygote.spawning():   # (waited for here, not reaped as an orphan: _zygote.own)
         proc = _zygote.own(await asyncio.create_subprocess_exec(
@@ -348,6 +394,8 @@ async def start_coordinator(journal: str, *, bind: str = "tcp://127.0.0.1:0",
         await proc.wait()
         if proc.returncode == 3:   # the daemon's code for a journal it cannot use
             raise JournalRefused(journal)
+        if proc.returncode == 4:   # and for an address it cannot bind
+            raise BindRefused(f"the coordinator could not bind {bind} (exit code 4); see its log above")
         raise RuntimeError(f"the coordinator failed to start (exit code {proc.returncode}); see its log above")
     return proc, text.split("=", 1)[1]
 
@@ -954,8 +1002,18 @@ class Launcher:
             if journal is None:
                 self.tmp_journal = journal = tempfile.mkdtemp(prefix=f"{JOURNAL_DIR_PREFIX}{os.getpid()}-")
             try:
-                self.coordinator_proc, self.address = await start_coordinator(
-                    journal, extra=self._coordinator_args())
+                # a port outside the kernel's ephemeral range, which nothing else takes while
+                # the coordinator is restarted on it (port_outside_ephemeral); drawn again if
+                # taken since it was found free
+                for draw in range(20):
+                    port = port_outside_ephemeral()
+                    try:
+                        self.coordinator_proc, self.address = await start_coordinator(
+                            journal, bind=f"tcp://127.0.0.1:{port or 0}", extra=self._coordinator_args())
+                        break
+                    except BindRefused:
+                        if port is None or draw == 19:
+                            raise
             except RuntimeError:
                 if self.tmp_journal:
                     shutil.rmtree(self.tmp_journal, ignore_errors=True)

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -136,45 +134,20 @@ def ranks(argv: list[str], world: int, address: str, job: str, *, min_ranks: int
                 p.wait()
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for the local ports it picks itself (an outgoing connection's, a
-    ``bind`` to port 0), both ends included."""
-    try:
-        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999   # Linux's default
-    return low, high
-
-
-def port_outside_ephemeral(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A TCP port on ``host``, free now (a ``bind`` to it succeeds), chosen at random at run time
-    from 10000-65535 outside the kernel's ephemeral range (:func:`_ephemeral_range`), for a
-    daemon that is killed and started again on the same address.
-
-    A port the kernel chose (``bind`` to port 0) is in that range: once its daemon died, any
-    process on the machine could take it before the restart, the kernel giving it to a ``bind``
-    to port 0 (another test suite's listener; a connection's local port, with the ephemeral
-    range's parity scan, less often), and the restart failed with "Address already in use" (a
-    tester's full-suite run beside other suites). Outside that range only a process naming the
-    port itself can take it.
+def port_outside_ephemeral(host: str = "127.0.0.1") -> int:
+    """:func:`rtxnet.launcher.port_outside_ephemeral` (a free port outside the kernel's ephemeral
+    range, for a daemon that is killed and started again on the same address), which must find
+    one.
 
     Raises:
-        RuntimeError: no free port found in ``tries`` draws, or none outside the range.
-    """
-    low, high = _ephemeral_range()
-    ranges = [r for r in (range(10000, min(low, 65536)), range(max(high + 1, 10000), 65536)) if len(r)]
-    if not ranges:
-        raise RuntimeError(f"the ephemeral port range {low}-{high} leaves no port of 10000-65535 outside it")
-    rng = random.SystemRandom()
-    for _ in range(tries):
-        port = rng.choice(rng.choices(ranges, weights=[len(r) for r in ranges])[0])
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port on {host} outside the ephemeral range {low}-{high} in {tries} draws")
+        RuntimeError: it found none."""
+    from rtxnet.launcher import _ephemeral_range
+    from rtxnet.launcher import port_outside_ephemeral as draw
+
+    port = draw(host)
+    if port is None:
+        raise RuntimeError(f"no free port on {host} outside the ephemeral range {_ephemeral_range()}")
+    return port
 
 
 # How long a restart on the same port retries its bind while something else holds the port (a

@@ -2442,3 +2442,22 @@ def test_collectives_of_one_group_called_from_two_threads_at_once_are_refused(tm
     assert outs[0]["first"].startswith("all_reduce: thread 'MainThread' called a collective of the same "
                                        "group while this one (thread 'first') was in it"), outs
     assert outs[1]["peer"] == [11.0] * 4 and outs[0]["after"] == outs[1]["after"] == [1.0] * 4, outs
+
+
+def test_the_coordinator_listens_outside_the_kernels_ephemeral_ports(tmp_path):
+    # rtxnet-run restarts its coordinator on the same address; on a port the kernel chose (its
+    # ephemeral range) any process's outgoing connection or bind to port 0 could take it once the
+    # daemon died, and the restart failed "Address already in use" (seen in the tests' own
+    # restarts beside other suites). It now listens on a port outside that range, and a restart
+    # finds it free.
+    from rtxnet.launcher import _ephemeral_range
+
+    script = tmp_path / "one.py"
+    script.write_text("import numpy as np, rtxnet\npg = rtxnet.init()\nx = np.ones(2)\npg.all_reduce(x)\n"
+                      "print('sum', x[0], flush=True)\npg.close()\n")
+    proc = run(["--nproc", "2", "--faults", "kill-coordinator:at=collective:collective=1", str(script)], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    port = int(re.search(r"\[rtxnet-run\] coordinator tcp://127\.0\.0\.1:(\d+) ", proc.stderr).group(1))
+    low, high = _ephemeral_range()
+    assert not low <= port <= high and port >= 10000, (port, low, high)
+    assert "coordinator restarted" in proc.stderr and proc.stdout.count("sum 2.0") == 2, proc.stderr[-3000:]
