@@ -540,7 +540,14 @@ def _claim_root(root: Path, pg: Any) -> str | None:
                     hint="the job's store did not answer for its run id; saving without the lock")
         return None
     if held is not None and held[1] == run:
-        return None
+        if held[0] < 0 or _same_file(held[0], root / ROOT_LOCK):
+            return None
+        # The root was removed or replaced since this process claimed it (its lock is on a file
+        # no longer there): claimed again, refused if another run holds the new one. Before,
+        # the claim was taken as held for good, and this run's saves went into a root that
+        # another run had claimed since (both wrote and pruned steps there).
+        log.warning("checkpoint_root_replaced", root=key,
+                    hint="the root was removed or replaced while this run held it; claiming it again")
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, holder = claim_folder(root, run)
@@ -559,6 +566,15 @@ def _claim_root(root: Path, pg: Any) -> str | None:
         os.close(held[0])
     _HELD[key] = (fd, run)
     return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (device and inode)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def hold(root: str | os.PathLike, *, pg: Any = None) -> None:

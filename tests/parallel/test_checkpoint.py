@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -903,3 +904,30 @@ def test_a_state_that_holds_itself_is_refused_naming_the_cycle(tmp_path):
     shared = [1, 2]       # the same list twice is no cycle
     checkpoint.save(tmp_path, 2, {"a": shared, "b": shared, "c": (shared, shared)})
     assert checkpoint.latest(tmp_path) == 2
+
+
+def test_a_root_replaced_under_a_run_and_claimed_by_another_is_refused(tmp_path):
+    # A fresh user's run (1 of 14): two runs wrote and pruned steps in one --out. A root removed
+    # and made again while a run held it (its lock on a file no longer there) was taken as still
+    # held, and another run could claim the new one meanwhile. The first run's next save claims
+    # it again, and is refused while the other holds it.
+    root = tmp_path / "ck"
+    checkpoint.save(root, 1, {"w": torch.ones(2)})
+    shutil.rmtree(root)
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from rtxnet import checkpoint
+        checkpoint.hold({str(root)!r})
+        print("held", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, env=procs.env(), cwd=ROOT)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(root.resolve()))} is in use by another run"):
+            checkpoint.save(root, 2, {"w": torch.ones(2)})
+        assert checkpoint.latest(root) is None      # nothing of this run's written there
+    finally:
+        other.kill()
+        other.wait(10)
+    checkpoint.save(root, 2, {"w": torch.ones(2)})   # the other gone: claimed again, saved
+    assert checkpoint.latest(root) == 2
