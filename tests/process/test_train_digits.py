@@ -368,7 +368,7 @@ def _refused_by_every_rank(run: dict, line: str, ranks: tuple[int, ...] = (0, 1)
     assert "Traceback" not in run["stderr"] and "RendezvousError" not in run["stderr"], run["stderr"][-3000:]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_unwritable_out_stops_every_rank_at_once(tmp_path):
     # Before: rank 0 crashed on mkdir and rank 1 waited the 60 s rejoin window for it.
     (tmp_path / "a-file").write_text("")
@@ -376,7 +376,8 @@ def test_unwritable_out_stops_every_rank_at_once(tmp_path):
     t0 = time.monotonic()
     run = train(out, nproc=2, script_args=("--steps", "3"))
     _refused_by_every_rank(run, f"train_digits: --out {str(out)!r}: cannot create the folder: Not a directory")
-    assert time.monotonic() - t0 < 30
+    # (under 60 s: the wait it was; 34 s seen with two ranks importing torch at load 17)
+    assert time.monotonic() - t0 < 50
 
 
 @pytest.mark.timeout(60)
