@@ -36,7 +36,8 @@ failed after the job had finished (every member left in order, as the coordinato
 rank declared lost that woke after it and raised ``JobFinishedError``, or a rank whose paused
 restart was not made because training finished meanwhile, counts as exited 0. A rank declared
 lost whose process still runs, or one that never reached ``rtxnet.init`` (stuck before it), is
-killed (137) 5 s after every other rank ended once the job finished without it. A
+killed (137) 5 s after every other rank ended once the job finished without it, unless it used
+CPU in those 5 s (working, not frozen: it is left to end by itself). A
 ``--journal`` the coordinator cannot use (exit code 3: held by another, corrupt) exits 2.
 
 With no ``--coordinator``, a coordinator daemon is started on a free local port
@@ -305,6 +306,23 @@ def _stop(proc, sig: int) -> None:
     already gone is skipped."""
     if proc.returncode is None and _signal_group(proc.pid, sig):
         _signal_group(proc.pid, signal.SIGCONT)
+
+
+# CPU seconds a rank declared lost must use during FENCED_GRACE_S to count as working
+_WORKING_CPU_S = 0.25
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds process ``pid`` has used (``/proc/PID/stat``); None when it
+    cannot be read (gone, not Linux). A stopped process (``T``) counts as using none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("T", "t"):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _kill(proc) -> None:
@@ -1389,10 +1407,14 @@ class Launcher:
         trained without it and ended (a breaker's find: rtxnet-run waited for it forever); one
         that reaches ``init`` within the grace is turned away (``JobFinishedError``) and exits by
         itself. While the job runs, or a rank that did join still runs (its own work after the
-        job), nothing is killed. Asked of the coordinator every second (its ``fenced`` processes
-        by host and pid, or the ones it held when the job ended); returns when no rank runs."""
+        job), nothing is killed; nor is a process that used ``_WORKING_CPU_S`` of CPU in the
+        grace (working: its heartbeats starved on loaded cores; looked at again each grace).
+        Asked of the coordinator every second (its ``fenced`` processes by host and pid, or the
+        ones it held when the job ended); returns when no rank runs."""
         stuck_since: float | None = None
         killed: set[int] = set()        # pids killed here (reaped soon after)
+        cpu_at: dict[int, float | None] = {}   # pid -> its CPU seconds when the grace began
+        working_said: set[int] = set()
         while not self.stopping:
             alive = [s for s in self.slots if s.proc is not None and s.proc.returncode is None
                      and s.proc.pid not in killed]
@@ -1405,13 +1427,29 @@ class Launcher:
                           and not errorfile.reached_init(s.error_path)}
                 if all(s.proc.pid in pids or s.rank in absent for s in alive):
                     now = time.monotonic()
-                    stuck_since = now if stuck_since is None else stuck_since
+                    if stuck_since is None:
+                        stuck_since = now
+                        cpu_at = {s.proc.pid: _cpu_seconds(s.proc.pid) for s in alive}
                     if now - stuck_since >= FENCED_GRACE_S:
                         ended = "finished" if self.job in st["finished"] else "finished training"
                         stuck_since = None
                         for s in alive:
                             if s.rank in absent and errorfile.reached_init(s.error_path):
                                 continue    # it reached init just now: turned away, it ends by itself
+                            used = _cpu_seconds(s.proc.pid)
+                            before = cpu_at.get(s.proc.pid)
+                            if used is not None and before is not None and used - before >= _WORKING_CPU_S:
+                                # Declared lost, but computing (its heartbeats starved: its own
+                                # work after training on loaded cores): left to end by itself.
+                                # Before, a rank of 1 evaluating after finish() at load 17 was
+                                # killed, its result with it (a CI run). Frozen (SIGSTOP) or hung
+                                # in a wait, a process uses no CPU and is killed as before.
+                                if s.proc.pid not in working_said:
+                                    working_said.add(s.proc.pid)
+                                    _say(f"rank {s.rank} (pid {s.proc.pid}) was declared lost by the "
+                                         f"coordinator but is working ({used - before:.1f} s of CPU in "
+                                         f"the last {FENCED_GRACE_S:g} s): waiting for it to end")
+                                continue
                             killed.add(s.proc.pid)
                             if s.rank in absent:
                                 _say(f"rank {s.rank} (pid {s.proc.pid}) never joined job {self.job} "
