@@ -234,7 +234,7 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             raise ValueError(f"{part!r}: {kind} needs seconds=S")
         if kind == "delay" and "ms" not in args:
             raise ValueError(f"{part!r}: delay needs ms=N")
-        if kind == "drop-heartbeats" and "after" not in args and "step" not in args:
+        if kind == "drop-heartbeats" and "after" not in args and "step" not in args and at == "step":
             args["after"] = 0.0
         if kind == "kill-coordinator" and "rank" not in args:
             args["rank"] = 0
@@ -319,7 +319,7 @@ class Injector:
             if f.kind == "delay" and at == "step" and f.step is None:
                 out.append(f)  # every step
                 continue
-            if f.kind == "drop-heartbeats" and f.step is None:
+            if f.kind == "drop-heartbeats" and f.after is not None:
                 continue  # time-based, see timed()
             if at == "step" and f.step is not None and step != f.step:
                 continue
@@ -339,7 +339,7 @@ class Injector:
         now = time.monotonic() - self.started_at
         out = []
         for f in self.faults:
-            if (f.kind == "drop-heartbeats" and f.step is None and f.index not in self.fired
+            if (f.kind == "drop-heartbeats" and f.after is not None and f.index not in self.fired
                     and self._mine(f, rank, world_size) and now >= (f.after or 0.0)):
                 self.fired.add(f.index)
                 self.reached.add(f.index)
@@ -362,7 +362,7 @@ class Injector:
         return lines
 
     def _why(self, f: Fault) -> str:
-        if f.kind == "drop-heartbeats" and f.step is None:
+        if f.kind == "drop-heartbeats" and f.after is not None:
             ran = time.monotonic() - self.started_at
             if ran < (f.after or 0.0):
                 return (f"the process ended {ran:.1f} s after its fault clock started (in rtxnet.init), "

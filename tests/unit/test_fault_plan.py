@@ -245,3 +245,14 @@ def test_a_pause_helper_ends_with_a_rank_killed_while_paused():
             p.wait()
         if helper > 0 and procs.alive(helper):
             os.kill(helper, signal.SIGKILL)
+
+
+def test_drop_heartbeats_at_a_point_fires_there_not_at_start():
+    # it was made time-based (after=0) whatever its at=, so it fired at the rank's start
+    (f,) = parse_plan("drop-heartbeats:rank=1:at=collective:collective=2")
+    assert f.after is None and f.at == "collective"
+    inj = Injector("drop-heartbeats:rank=1:at=collective:collective=2")
+    assert inj.timed(rank=1, world_size=2) == []
+    assert [bool(inj.due("collective", rank=1, world_size=2)) for _ in range(3)] == [False, True, False]
+    (g,) = parse_plan("drop-heartbeats:rank=1")          # no point: from the start, as before
+    assert g.after == 0.0
