@@ -157,10 +157,7 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             if seed_part is not None:
                 raise ValueError(f"{part!r}: seed is given twice (first {seed_part!r})")
             seed_part = part
-            try:
-                seed = int(part[5:])
-            except ValueError:
-                raise ValueError(f"{part!r}: seed must be an integer") from None
+            seed = _integer("seed", part[5:], part, "an integer")
             continue
         kind, *fields_ = part.split(":")
         kind = kind.strip()
@@ -197,6 +194,10 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
                 if v not in POINTS:
                     raise ValueError(f"{part!r}: at={v!r} is not one of {', '.join(POINTS)}")
                 args["at"] = v
+            elif k == "seed":
+                # (a TypeError from Fault() before: a traceback)
+                raise ValueError(f"{part!r}: seed belongs to the plan, not to a fault: give it "
+                                 f"apart ('seed={v}; {part.replace(f':seed={v}', '')}')")
             elif k in _INT_FIELDS:
                 args[k] = _integer(k, v, part, "an integer")
                 if k == "collective" and args[k] == 0:   # counted from 1: the first is collective=1
@@ -292,7 +293,8 @@ class Injector:
         if f.rank is None:
             return True
         if f.rank == -1:
-            seed = next((int(p[5:]) for p in self.plan.split(";") if p.strip().startswith("seed=")), 0)
+            # (stripped: "...; seed=7" made every rank's first process raise ValueError for "=7")
+            seed = next((int(p.strip()[5:]) for p in self.plan.split(";") if p.strip().startswith("seed=")), 0)
             rng = random.Random(seed)
             for g in self.faults:
                 if g.rank == -1:

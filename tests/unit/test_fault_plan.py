@@ -256,3 +256,26 @@ def test_drop_heartbeats_at_a_point_fires_there_not_at_start():
     assert [bool(inj.due("collective", rank=1, world_size=2)) for _ in range(3)] == [False, True, False]
     (g,) = parse_plan("drop-heartbeats:rank=1")          # no point: from the start, as before
     assert g.after == 0.0
+
+
+@pytest.mark.parametrize(("plan", "says"), [
+    ("seed=-3;kill:rank=any:step=3", "'seed=-3': seed='-3' must not be negative"),
+    ("seed=\u0661;kill:rank=any:step=3", "'seed=\u0661': seed='\u0661' is not an integer"),
+    ("seed=99999999999999999999;kill:rank=any:step=3", "'seed=99999999999999999999': seed='99999999999999999999' is above 2**63-1"),
+    ("kill:rank=1:step=3:seed=4", "'kill:rank=1:step=3:seed=4': seed belongs to the plan, not to a fault: give it apart "
+                                  "('seed=4; kill:rank=1:step=3')"),
+], ids=["negative", "non-ascii", "huge", "in-a-fault"])
+def test_a_bad_seed_is_refused_naming_it(plan, says):
+    # a re-verifier's finds: these were taken (the last raised TypeError from Fault())
+    with pytest.raises(ValueError) as info:
+        parse_plan(plan)
+    assert str(info.value).startswith(says), info.value
+
+
+def test_a_seed_after_a_space_picks_the_same_rank_on_every_rank():
+    # a re-verifier's find: with "; seed=7" every rank's first process raised ValueError for "=7"
+    picks = [[r for r in range(4) if Injector("kill:rank=any:step=30; seed=7").due("step", rank=r, world_size=4,
+                                                                                  step=30)]]
+    picks.append([r for r in range(4) if Injector("kill:rank=any:step=30;seed=7").due("step", rank=r, world_size=4,
+                                                                                     step=30)])
+    assert picks[0] == picks[1] and len(picks[0]) == 1, picks
