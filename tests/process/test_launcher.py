@@ -2396,6 +2396,16 @@ def test_a_closed_output_reader_costs_the_job_nothing(tmp_path):
     assert "Traceback" not in err, err[-3000:]
 
 
+def _run_script(tmp_path, text: str, *args: str, nproc: int = 2, timeout: float = 60):
+    """rtxnet-run of ``text`` (written to a script in ``tmp_path``) with ``nproc`` ranks and
+    launcher ``args``; the CompletedProcess, after asserting exit code 0."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    proc = run(["--nproc", str(nproc), *args, str(script)], timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 _TWO_THREADS = textwrap.dedent("""
     import json, threading, time
     import numpy as np, rtxnet
@@ -2434,10 +2444,7 @@ def test_collectives_of_one_group_called_from_two_threads_at_once_are_refused(tm
     # group in another order on each rank. The call that comes while another thread is in a
     # collective of the group is refused before it is sent, and the one it overlapped raises
     # once it ended (its peer may have matched it with the refused one's data).
-    script = tmp_path / "threads.py"
-    script.write_text(_TWO_THREADS)
-    proc = run(["--nproc", "2", str(script)], timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_script(tmp_path, _TWO_THREADS)
     outs = {int(line[5]): json.loads(line.split("] ", 1)[1])
             for line in proc.stdout.splitlines() if line.startswith("[rank") and "{" in line}
     assert outs[0]["second"].startswith("all_reduce: called from thread 'MainThread' while thread(s) "
@@ -2459,11 +2466,9 @@ def test_the_coordinator_listens_outside_the_kernels_ephemeral_ports(tmp_path):
     # finds it free.
     from rtxnet.launcher import _ephemeral_range
 
-    script = tmp_path / "one.py"
-    script.write_text("import numpy as np, rtxnet\npg = rtxnet.init()\nx = np.ones(2)\npg.all_reduce(x)\n"
-                      "print('sum', x[0], flush=True)\npg.close()\n")
-    proc = run(["--nproc", "2", "--faults", "kill-coordinator:at=collective:collective=1", str(script)], timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_script(tmp_path, "import numpy as np, rtxnet\npg = rtxnet.init()\nx = np.ones(2)\n"
+                       "pg.all_reduce(x)\nprint('sum', x[0], flush=True)\npg.close()\n",
+                       "--faults", "kill-coordinator:at=collective:collective=1")
     port = int(re.search(r"\[rtxnet-run\] coordinator tcp://127\.0\.0\.1:(\d+) ", proc.stderr).group(1))
     low, high = _ephemeral_range()
     assert not low <= port <= high and port >= 10000, (port, low, high)
@@ -2474,20 +2479,18 @@ _LOST_WHILE_IT_WORKS = textwrap.dedent("""
     import json, os, time
     import numpy as np, rtxnet
 
-    class State:
-        v = 0
-        def state_dict(self): return {"v": self.v}
-        def load_state_dict(self, d): self.v = d["v"]
+    class Steps(dict):             # the state: steps trained
+        def state_dict(self): return dict(self)
+        def load_state_dict(self, d): self.update(d)
 
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, op_s=10,
                                                rendezvous_s=30))
-    state = State()
+    state = Steps(v=0)
     ft = rtxnet.FaultTolerance(pg, state)
     while ft.step < 3:
         with ft.guard():
-            x = np.ones(2)
-            pg.all_reduce(x)
-            state.v += 1
+            pg.all_reduce(np.ones(2))
+            state["v"] += 1
     ft.finish()
     if os.environ["RTXNET_RANK"] == "1":
         # its own work after training (an evaluation) while its heartbeats starve (stopped here,
@@ -2496,7 +2499,7 @@ _LOST_WHILE_IT_WORKS = textwrap.dedent("""
         t = time.monotonic()
         while time.monotonic() - t < 12:
             sum(range(10000))
-        print(json.dumps({"v": state.v, "worked": round(time.monotonic() - t, 1)}), flush=True)
+        print(json.dumps({"v": state["v"], "worked": round(time.monotonic() - t, 1)}), flush=True)
     pg.close()
 """)
 
@@ -2506,10 +2509,7 @@ def test_a_rank_declared_lost_while_it_works_after_training_is_left_to_end(tmp_p
     # was declared lost, and rtxnet-run killed it 5 s later ("still runs 5 s after every other
     # rank ended"), its result with it (exit 137). A process that uses CPU in those 5 s is
     # working, not frozen: left to end by itself (the frozen rank's test above is still killed).
-    script = tmp_path / "works.py"
-    script.write_text(_LOST_WHILE_IT_WORKS)
-    out = run(["--nproc", "2", str(script)], timeout=90)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_script(tmp_path, _LOST_WHILE_IT_WORKS, timeout=90)
     assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator but is working \([\d.]+ s of "
                      r"CPU in the last 5 s\): waiting for it to end", out.stderr), out.stderr[-3000:]
     assert '[rank1] {"v": 3, "worked": 12.0}' in out.stdout, out.stdout
