@@ -785,8 +785,7 @@ def save(root: str | os.PathLike, step: int, state: dict[str, Any], *, pg: Any =
         raise
     finally:
         if saving is not None:
-            with _SAVING_LOCK:
-                _SAVING.pop(saving, None)
+            _save_ended(saving)
     if deferred:
         raise KeyboardInterrupt(f"Ctrl-C during checkpoint.save of step {step}, which ended first: "
                                 f"committed ({folder})")
@@ -816,6 +815,12 @@ def _one_save_per_root(root: Path, step: int) -> str:
                           f"it runs in this process (thread {other[1]!r}); saves of one root run one "
                           f"after the other")
     return key
+
+
+def _save_ended(key: str) -> None:
+    """Unmark the save :func:`_one_save_per_root` marked under ``key``."""
+    with _SAVING_LOCK:
+        _SAVING.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -1119,26 +1124,21 @@ def _check_loadable(v: Any, where: str, within: dict[int, str] | None = None) ->
     # it was saved, then every load said "cannot be loaded safely"), so it is tried below
     if type(v) in _PLAIN or type(v) in (torch.Tensor, torch.nn.Parameter):
         return
-    container = type(v) in (dict, collections.OrderedDict, list, tuple, set)
-    if container:
+    if type(v) in (dict, collections.OrderedDict, list, tuple, set):
         within = {} if within is None else within
         if id(v) in within:
             raise ValueError(f"{where} is {within[id(v)]} itself (the state holds a cycle), which a "
                              f"checkpoint cannot hold")
         within[id(v)] = where
-    try:
         if type(v) in (dict, collections.OrderedDict):
             for k, x in v.items():
                 _check_loadable(k, f"{where} key {k!r}", within)
                 _check_loadable(x, f"{where}[{k!r}]", within)
-            return
-        if container:
+        else:
             for i, x in enumerate(v):
                 _check_loadable(x, f"{where}[{i}]", within)
-            return
-    finally:
-        if container:
-            del within[id(v)]
+        del within[id(v)]    # (a raise above ends the walk: nothing to undo then)
+        return
     buf = io.BytesIO()
     try:
         torch.save(v, buf)

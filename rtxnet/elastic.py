@@ -564,9 +564,7 @@ class FaultTolerance:
             # wait for that epoch, so that every rank syncs in it. Before, a rank that came back
             # before it synced nothing and redid its collective, while one that saw the epoch
             # synced: CollectiveMismatchError (all_gather against all_reduce), seen once in CI.
-            with contextlib.suppress(RtxTimeoutError):
-                await self.pg.agent.wait_epoch(
-                    self.pg.epoch, timeout_s=2 * self.pg.agent.timeouts.heartbeat_timeout_s, or_fenced=True)
+            await self._await_announced_epoch(self.pg.epoch)
         if answer["turned_away"]:
             log.info("late_ranks_turned_away", ranks=answer["turned_away"], epoch=answer["epoch"],
                      committed_step=self.committed_step)
@@ -1059,12 +1057,9 @@ class FaultTolerance:
         time spun (three ranks at 22% CPU each until rtxnet-run's timeout, no line logged), and
         one whose peers had completed it went out of step with them."""
         if isinstance(exc, PeerLostError):
-            with contextlib.suppress(RtxTimeoutError):
-                await self.pg.agent.wait_epoch(
-                    epoch, timeout_s=2 * self.pg.agent.timeouts.heartbeat_timeout_s, or_fenced=True)
+            await self._await_announced_epoch(epoch)
             if self.pg.epoch != epoch or self.pg.agent.fenced:
-                if not self.pg.agent.fenced and all(
-                        e in self._epoch_same for e in range(epoch + 1, self.pg.epoch + 1)):
+                if not self.pg.agent.fenced and self._only_since(epoch, self._epoch_same):
                     # a peer's re-form for the same failure: counted here too (each rank
                     # counted only the re-forms it asked for, up to one per rank and try)
                     self._count_failure(exc, step, what="the sync before step {step}")
@@ -1962,17 +1957,29 @@ class FaultTolerance:
         self._event(rec)
         log.warning("recovered", **{k: v for k, v in rec.items() if not k.startswith("t_") and k != "event"})
 
+    def _only_since(self, epoch: int, kind: set[int]) -> bool:
+        """Whether every epoch after ``epoch`` (>= 0), up to the current one, and at least one,
+        is in ``kind`` (the epochs of one kind of change, each seen)."""
+        later = range(epoch + 1, self.pg.epoch + 1)
+        return epoch >= 0 and len(later) > 0 and all(e in kind for e in later)
+
     def _only_reformed_since_sync(self) -> bool:
         """Whether every epoch after the last sync, up to the current one, kept its members
         (re-forms), each of them seen."""
-        later = range(self._synced_epoch + 1, self.pg.epoch + 1)
-        return self._synced_epoch >= 0 and len(later) > 0 and all(e in self._epoch_same for e in later)
+        return self._only_since(self._synced_epoch, self._epoch_same)
 
     def _only_left_since_sync(self) -> bool:
         """Whether every epoch after the last sync, up to the current one, came of orderly
         leaves (``reason="left"``), each of them seen (an epoch missed could hold a loss)."""
-        later = range(self._synced_epoch + 1, self.pg.epoch + 1)
-        return self._synced_epoch >= 0 and len(later) > 0 and all(e in self._epoch_left for e in later)
+        return self._only_since(self._synced_epoch, self._epoch_left)
+
+    async def _await_announced_epoch(self, epoch: int) -> None:
+        """Wait, up to twice the heartbeat timeout, for the epoch after ``epoch`` (or a fence):
+        the one a ``PeerLostError`` from a broken link or a peer's abort announces before the
+        coordinator's epoch follows. Returns either way."""
+        with contextlib.suppress(RtxTimeoutError):
+            await self.pg.agent.wait_epoch(
+                epoch, timeout_s=2 * self.pg.agent.timeouts.heartbeat_timeout_s, or_fenced=True)
 
     def _note_loss_between_steps(self) -> None:
         """Ranks lost after the last step committed and before this one began: no step failed

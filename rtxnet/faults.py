@@ -261,6 +261,9 @@ class Injector:
     def __init__(self, plan: str, *, restart_count: int = 0, coordinator_pid: int | None = None):
         self.plan = plan
         self.faults = parse_plan(plan)
+        # the plan's seed of rank=any, read once (parse_plan checked it; re-read from the text at
+        # every fault check, "...; seed=7" made every rank's first process raise ValueError)
+        self.seed = next((int(p[5:]) for p in map(str.strip, plan.split(";")) if p.startswith("seed=")), 0)
         self.active = restart_count == 0
         self.coordinator_pid = coordinator_pid
         self.fired: set[int] = set()
@@ -293,9 +296,7 @@ class Injector:
         if f.rank is None:
             return True
         if f.rank == -1:
-            # (stripped: "...; seed=7" made every rank's first process raise ValueError for "=7")
-            seed = next((int(p.strip()[5:]) for p in self.plan.split(";") if p.strip().startswith("seed=")), 0)
-            rng = random.Random(seed)
+            rng = random.Random(self.seed)
             for g in self.faults:
                 if g.rank == -1:
                     pick = rng.randrange(world_size)
