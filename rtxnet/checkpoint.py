@@ -1106,6 +1106,8 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 # (resolved root, step) of the checkpoints latest() found corrupt in this process: not counted
 # among the ``keep`` newest by _prune
 _CORRUPT_SEEN: set[tuple[str, int]] = set()
+# containers nested deeper than this are refused by _check_loadable (real states: under 10)
+_MAX_DEPTH = 256
 
 
 def _check_loadable(v: Any, where: str, within: dict[int, str] | None = None) -> None:
@@ -1117,7 +1119,9 @@ def _check_loadable(v: Any, where: str, within: dict[int, str] | None = None) ->
     Raises:
         TypeError: names the value's path and type.
         ValueError: a container holds itself (a cycle; names both paths: it was a
-            RecursionError that named no key, a breaker's find).
+            RecursionError that named no key, a breaker's find), or containers are nested
+            more than ``_MAX_DEPTH`` deep (names the path: 3000 levels were a RecursionError
+            naming no key, a re-verifier's find).
     """
     # exact types: np.float64 and np.str_ subclass float and str but a safe load refuses them;
     # and a tensor subclass (a custom Parameter) is refused by a safe load too (a tester's find:
@@ -1129,6 +1133,10 @@ def _check_loadable(v: Any, where: str, within: dict[int, str] | None = None) ->
         if id(v) in within:
             raise ValueError(f"{where} is {within[id(v)]} itself (the state holds a cycle), which a "
                              f"checkpoint cannot hold")
+        if len(within) >= _MAX_DEPTH:
+            raise ValueError(f"{where} is nested {len(within)} containers deep, more than a checkpoint "
+                             f"takes ({_MAX_DEPTH}: torch.save's pickler recurses once per level, and "
+                             f"Python's recursion limit ends it near 1000)")
         within[id(v)] = where
         if type(v) in (dict, collections.OrderedDict):
             for k, x in v.items():

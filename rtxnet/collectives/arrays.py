@@ -104,7 +104,7 @@ class Buffer:
             self.flat = a.reshape(-1)
             self._scratch = False
         else:
-            self.flat = np.ascontiguousarray(a).reshape(-1)
+            self.flat = _contiguous_copy(a)
             self._scratch = True
 
     @property
@@ -123,6 +123,33 @@ class Buffer:
         """Write ``flat`` back into the user's (non-contiguous) memory."""
         if self._scratch:
             np.copyto(self.array, self.flat.reshape(self.array.shape))
+
+
+def _contiguous_copy(a: np.ndarray) -> np.ndarray:
+    """A flat contiguous copy of the non-contiguous ``a`` (``a.nbytes`` bytes of host memory).
+
+    Raises:
+        ValueError: the copy needs more memory than the host has available now (psutil's
+            ``virtual_memory().available``), or its allocation failed: an input expanded with a
+            stride of 0 (``torch.ones(1).expand(2**40)``: 4 TiB) is the usual cause; the message
+            names its shape, strides and size.
+    """
+    import psutil
+
+    available = psutil.virtual_memory().available
+    why = ""
+    if a.nbytes > available:
+        why = f"more than the {available} bytes of memory available"
+    else:
+        try:
+            return np.ascontiguousarray(a).reshape(-1)
+        except MemoryError:
+            why = "its allocation failed (MemoryError)"
+    raise ValueError(
+        f"array of shape {a.shape}, dtype {a.dtype} and strides {a.strides} is not contiguous, and "
+        f"the contiguous copy collectives send from takes {a.nbytes} bytes: {why}; a stride of 0 "
+        f"(torch's expand, np.broadcast_to) repeats one element that many times: pass a smaller "
+        f"array, or one with memory of its own (.contiguous(), np.ascontiguousarray)")
 
 
 def _self_overlapping(a: np.ndarray) -> bool:

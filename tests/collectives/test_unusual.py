@@ -212,6 +212,9 @@ async def early_value_errors(engine):
         # a stride-0 output of 2**40 elements: refused before a 8 TiB contiguous copy was
         # made (MemoryError, a breaker's find)
         lambda: g.all_reduce(np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**40,), strides=(0,))),
+        # the same as a broadcast's input, on its source: refused naming the copy's size
+        # (MemoryError on the source, a re-verifier's find); an output elsewhere
+        lambda: g.broadcast(np.lib.stride_tricks.as_strided(np.zeros(1), shape=(2**40,), strides=(0,)), src=0),
         lambda: g.send(np.ones(3), g.rank),
     ):
         try:
@@ -231,11 +234,16 @@ def test_value_errors_before_anything_is_sent():
     for errors, x0, seq in res:
         assert all(e is not None for e in errors), errors
         assert "bool" in errors[0] and "PROD" in errors[0]
-        assert "strides (0,) has elements that share memory" in errors[-5], errors[-5]
-        assert errors[-4].startswith("all_gather output[0] and all_gather output[1] share memory"), errors[-4]
-        assert errors[-3].startswith("all_to_all output[0] and all_to_all output[1] share memory"), errors[-3]
-        assert "output array of shape (1099511627776,) and strides (0,) has elements that share memory" in errors[-2]
-        assert x0 == 2.0 and seq == 17   # 16 refused collectives and the all_reduce
+        assert "strides (0,) has elements that share memory" in errors[-6], errors[-6]
+        assert errors[-5].startswith("all_gather output[0] and all_gather output[1] share memory"), errors[-5]
+        assert errors[-4].startswith("all_to_all output[0] and all_to_all output[1] share memory"), errors[-4]
+        assert "output array of shape (1099511627776,) and strides (0,) has elements that share memory" in errors[-3]
+        assert x0 == 2.0 and seq == 18   # 17 refused collectives and the all_reduce
+    source, other = res[0][0][-2], res[1][0][-2]
+    assert source.startswith("array of shape (1099511627776,), dtype float64 and strides (0,) is not "
+                             "contiguous, and the contiguous copy collectives send from takes 8796093022208 "
+                             "bytes: more than the "), source
+    assert "has elements that share memory" in other, other
 
 
 async def slow_rank(engine, algo):

@@ -905,6 +905,23 @@ def test_a_state_that_holds_itself_is_refused_naming_the_cycle(tmp_path):
     shared = [1, 2]       # the same list twice is no cycle
     checkpoint.save(tmp_path, 2, {"a": shared, "b": shared, "c": (shared, shared)})
     assert checkpoint.latest(tmp_path) == 2
+    # a re-verifier's find: 3000 levels of nesting, no cycle, were a RecursionError naming no key
+    deep: list = []
+    inner = deep
+    for _ in range(3000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(CheckpointError, match=r"state\['deep'\](\[0\]){255} is nested 256 containers "
+                                              r"deep, more than a checkpoint takes \(256"):
+        checkpoint.save(tmp_path, 3, {"deep": deep})
+    nest: list = [torch.ones(1)]
+    for _ in range(254):      # 255 levels with the state's own dict: taken, and loaded back
+        nest = [nest]
+    checkpoint.save(tmp_path, 3, {"deep": nest})
+    back = checkpoint.load(tmp_path, 3)["deep"]
+    for _ in range(254):
+        back = back[0]
+    assert torch.equal(back[0], torch.ones(1))
 
 
 def test_a_root_replaced_under_a_run_and_claimed_by_another_is_refused(tmp_path):
