@@ -419,10 +419,32 @@ class Injector:
             if self.coordinator_pid is None:
                 log.error("fault_skipped", fault=f.text, index=f.index, reason="RTXNET_COORDINATOR_PID is not set (use rtxnet-run)")
                 return
+            pid = _running_coordinator(self.coordinator_pid)
             try:
-                os.kill(self.coordinator_pid, signal.SIGKILL)
+                if pid is None:
+                    raise ProcessLookupError
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 log.warning("fault_skipped", fault=f.text, index=f.index, reason="coordinator already gone")
+
+
+def _running_coordinator(started_with: int) -> int | None:
+    """The pid of rtxnet-run's coordinator now: the one its pid file names
+    (``RTXNET_COORDINATOR_PIDFILE``: "pid create_time", rewritten at each restart) when a process
+    of that pid and start time runs, else None (gone, or being restarted); ``started_with``
+    (``RTXNET_COORDINATOR_PID``, the one of this rank's start) where no pid file is given."""
+    path = os.environ.get("RTXNET_COORDINATOR_PIDFILE")
+    if not path:
+        return started_with
+    import psutil
+
+    try:
+        with open(path) as fh:
+            pid_text, started = fh.read().split()
+        pid = int(pid_text)
+        return pid if psutil.Process(pid).create_time() == float(started) else None
+    except (OSError, ValueError, psutil.Error):
+        return None
 
 
 # The resume helper of a pause: waits on a pidfd of the paused rank until the pause's end (a

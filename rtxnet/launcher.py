@@ -593,6 +593,8 @@ class Launcher:
             env.pop("RTXNET_FAULTS", None)
         if self.coordinator_proc is not None:
             env["RTXNET_COORDINATOR_PID"] = str(self.coordinator_proc.pid)
+            if self.error_dir is not None:
+                env[COORDINATOR_PIDFILE_ENV] = os.path.join(self.error_dir, COORDINATOR_PIDFILE)
         env.pop(errorfile.ENV, None)
         slot.error_path = None
         if self.error_dir is not None:
@@ -1070,6 +1072,7 @@ class Launcher:
             _say(short)
         _sweep_left_behind()   # what SIGKILLed launchers left
         self.error_dir = _error_dir()
+        self._note_coordinator_pid()
         sharing = asyncio.ensure_future(self._share_failures()) if a.nnodes > 1 else None
         frozen = asyncio.ensure_future(self._watch_frozen())
         orphans = asyncio.ensure_future(self._reap_orphans()) if self.subreaper else None
@@ -1607,7 +1610,29 @@ class Launcher:
                         said = str(exc)
                         _say(f"coordinator restart failed ({exc}); trying again")
                     await asyncio.sleep(0.1)
+            self._note_coordinator_pid()
             _say(f"coordinator restarted (pid {self.coordinator_proc.pid})")
+
+    def _note_coordinator_pid(self) -> None:
+        """Write the running coordinator's pid and start time (psutil's ``create_time``) into
+        ``COORDINATOR_PIDFILE`` of the error folder, replaced atomically, for the ranks'
+        ``kill-coordinator`` faults (``RTXNET_COORDINATOR_PIDFILE``): ``RTXNET_COORDINATOR_PID``
+        is the one of the rank's start, which a restart replaces (a re-verifier's find: the
+        fault was then skipped, "coordinator already gone", and could have hit whatever process
+        took the old pid)."""
+        proc = self.coordinator_proc
+        if self.error_dir is None or proc is None:
+            return
+        import psutil
+
+        try:
+            started = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            return      # gone already: the supervisor restarts it and comes here again
+        path = os.path.join(self.error_dir, COORDINATOR_PIDFILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{proc.pid} {started!r}\n")
+        os.replace(path + ".tmp", path)
 
     async def _job_status(self, timeout_s: float) -> dict:
         """The coordinator's status answer about this job (``cli._status``); when it answers,
@@ -1938,6 +1963,11 @@ def _sweep_left_behind() -> None:
                 remove_journal(path)
         except OSError:
             pass
+
+
+# the running coordinator's "pid create_time", in the error folder (Launcher._note_coordinator_pid)
+COORDINATOR_PIDFILE = "coordinator.pid"
+COORDINATOR_PIDFILE_ENV = "RTXNET_COORDINATOR_PIDFILE"
 
 
 def _error_dir() -> str:

@@ -2513,3 +2513,53 @@ def test_a_rank_declared_lost_while_it_works_after_training_is_left_to_end(tmp_p
     assert re.search(r"rank 1 \(pid \d+\) was declared lost by the coordinator but is working \([\d.]+ s of "
                      r"CPU in the last 5 s\): waiting for it to end", out.stderr), out.stderr[-3000:]
     assert '[rank1] {"v": 3, "worked": 12.0}' in out.stdout, out.stdout
+
+
+_WAITS_FOR_A_FILE = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np, rtxnet
+    folder = sys.argv[1]
+    pg = rtxnet.init()
+    pg.all_reduce(np.ones(2))
+    open(os.path.join(folder, f"ready-{pg.rank}"), "w").close()
+    t = time.monotonic()
+    while not os.path.exists(os.path.join(folder, "killed")) and time.monotonic() - t < 60:
+        time.sleep(0.05)
+    x = np.ones(2)
+    pg.all_reduce(x)       # collective 2: the fault kills the coordinator now running
+    pg.barrier()
+    pg.close()
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_coordinator_fault_kills_the_coordinator_restarted_after_an_outside_kill(tmp_path):
+    # A re-verifier's find: after the coordinator was killed from outside and restarted, a
+    # kill-coordinator fault still aimed at the pid of the ranks' start: skipped ("coordinator
+    # already gone"), or, had the pid been taken since, aimed at that process. It reads the
+    # running coordinator's pid (and start time) from the launcher's file now.
+    script = tmp_path / "waits.py"
+    script.write_text(_WAITS_FOR_A_FILE)
+    pids: list[int] = []
+
+    def kill_when_ready(pid: int) -> None:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)       # the coordinator this test saw start, by its pid
+
+    def on_line(line: str, launcher: subprocess.Popen) -> None:
+        if line.startswith("[rtxnet-run] coordinator tcp://") or "coordinator restarted (pid" in line:
+            pids.append(int(line.rsplit("pid ", 1)[1].split(")", 1)[0]))
+            if len(pids) == 1:
+                threading.Thread(target=kill_when_ready, args=(pids[0],), daemon=True).start()
+            elif len(pids) == 2:
+                (tmp_path / "killed").touch()
+
+    rc, lines = _launch_watching_stderr(
+        ["--nproc", "2", "--faults", "kill-coordinator:at=collective:collective=2", str(script), str(tmp_path)],
+        on_line)
+    text = "".join(lines)
+    assert rc == 0, text[-4000:]
+    assert "already gone" not in text and len(pids) == 3 and len(set(pids)) == 3, (pids, text[-4000:])
+    assert text.count("coordinator exited with code 137") >= 1, text[-4000:]
