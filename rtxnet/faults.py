@@ -7,7 +7,7 @@ A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=va
     drop-heartbeats:rank=3:after=10s     stop heartbeats 10 s after start (for seconds=S, or for good)
     delay:rank=0:ms=200                  add 200 ms before every step of the rank (a slow rank;
                                          with step=N before step N alone)
-    partition:rank=2:step=40:seconds=5   cut the rank off (no heartbeats, no peer traffic) for 5 s
+    partition:rank=2:step=40:seconds=5   cut the rank off (no heartbeats; peer data held until the cut ends) for 5 s
     kill-coordinator:step=60             SIGKILL the coordinator at step 60 (rtxnet-run restarts it)
     seed=7                               seeds the choice of rank=any (default 0)
 

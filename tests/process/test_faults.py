@@ -738,6 +738,19 @@ def test_partitioned_rank_is_fenced_and_the_group_realigns(tmp_path):
     assert len(results) == 4 and recoveries(results)
 
 
+def test_a_cut_shorter_than_the_heartbeat_timeout_delays_the_step_and_times_nothing_out(tmp_path):
+    # A re-verifier's find: a partition of 1 s (below the heartbeat timeout: nobody is declared
+    # lost) dropped the peers' data for good, and the step's collective waited out the op
+    # timeout (60 s by default, 20 here) before the step failed and was redone. A real cut of
+    # 1 s loses nothing (TCP delivers what it retransmits), and the fault now holds the
+    # messages and takes them when the cut ends.
+    results, proc = run_job(tmp_path, "partition:rank=1:step=10:seconds=0.4")
+    assert "data_plane_partition_ended" in proc.stderr, proc.stderr[-3000:]
+    # (declared lost under heavy load is allowed: heartbeats are muted for the cut too)
+    assert all(e["error"] != "CollectiveTimeout" for e in recoveries(results)), recoveries(results)
+    assert "CollectiveTimeout" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coordinator):
     """An external coordinator SIGKILLed and never restarted: every rank stops with
     CoordinatorLostError soon after RTXNET_COORDINATOR_TIMEOUT, not minutes of vote retries."""
