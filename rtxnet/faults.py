@@ -9,6 +9,8 @@ A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=va
                                          with step=N before step N alone)
     partition:rank=2:step=40:seconds=5   cut the rank off (no heartbeats; peer data held until the cut ends) for 5 s
     kill-coordinator:step=60             SIGKILL the coordinator at step 60 (rtxnet-run restarts it)
+    lose-message:rank=1:step=20          the rank loses the next collective message a peer sends it
+                                         (as a TCP connection reset under ZeroMQ loses what it held)
     seed=7                               seeds the choice of rank=any (default 0)
 
 Durations are finite numbers: ``seconds`` (``S``, ``Ss`` or ``Nms``) above 0 and at most 3600,
@@ -60,7 +62,7 @@ __all__ = ["Fault", "parse_plan", "Injector"]
 
 log = structlog.get_logger(__name__)
 
-KINDS = ("kill", "pause", "drop-heartbeats", "delay", "partition", "kill-coordinator")
+KINDS = ("kill", "pause", "drop-heartbeats", "delay", "partition", "kill-coordinator", "lose-message")
 POINTS = ("step", "collective", "checkpoint", "sync", "rendezvous")
 _INT_FIELDS = {"step", "collective", "seed"}
 _FLOAT_FIELDS = {"seconds", "ms", "after"}
@@ -69,7 +71,7 @@ _MAX_INT = 2**63 - 1   # (a step or count beyond int64 could never come)
 # field a kind ignored was taken silently, and the run tested another plan than it said (a
 # breaker's find: delay:...:step=5 delayed every step)
 _KIND_FIELDS = {"kill": set(), "kill-coordinator": set(), "pause": {"seconds"}, "partition": {"seconds"},
-                "delay": {"ms"}, "drop-heartbeats": {"after", "seconds"}}
+                "delay": {"ms"}, "drop-heartbeats": {"after", "seconds"}, "lose-message": set()}
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ def parse_plan(text: str, *, world_size: int | None = None) -> list[Fault]:
             raise ValueError(f"{part!r}: after={kv['after']!r} makes drop-heartbeats time-based "
                              f"(seconds from the rank's start); step=/at= make it fire at a point: "
                              f"give one of them")
-        if kind in ("kill", "pause", "partition", "kill-coordinator") and at == "step" and "step" not in args:
+        if kind in ("kill", "pause", "partition", "kill-coordinator", "lose-message") and at == "step" and "step" not in args:
             raise ValueError(f"{part!r}: {kind} needs step=N (or at=collective/checkpoint/sync/rendezvous)")
         if at == "collective" and "collective" not in args:
             raise ValueError(f"{part!r}: at=collective needs collective=N")
@@ -415,6 +417,9 @@ class Injector:
                 agent.mute_heartbeats(f.seconds)
             if engine is not None and hasattr(engine, "partition"):
                 engine.partition(f.seconds)
+        elif f.kind == "lose-message":
+            if engine is not None and hasattr(engine, "lose_next_message"):
+                engine.lose_next_message()
         elif f.kind == "kill-coordinator":
             if self.coordinator_pid is None:
                 log.error("fault_skipped", fault=f.text, index=f.index, reason="RTXNET_COORDINATOR_PID is not set (use rtxnet-run)")

@@ -686,6 +686,8 @@ async def _make_engine(timeouts: Timeouts, bind_host: str | None, key: str | Non
                           f"address of this host") from exc
     # a broken bulk stream waits this long for the coordinator to declare its peer lost
     engine.link_grace_s = timeouts.heartbeat_timeout_s + timeouts.heartbeat_interval_s
+    # and a collective waiting this long for a message asks its sender whether it sent it
+    engine.probe_after_s = engine.link_grace_s
     return engine
 
 

@@ -79,6 +79,8 @@ class Kind(enum.IntEnum):
     DATA = 1    # a step of an algorithm
     ABORT = 2   # the sender failed this operation; meta = [error class, message, ranks]
     P2P = 3     # point-to-point send; step = tag; meta = [dtype, shape]
+    PROBE = 4   # "did you send me (kind, step) of this operation?"; meta = [kind]
+    PROBED = 5  # "yes": the answer to a PROBE, sent only when it did; meta = [kind]
 
 
 class DataHeader(NamedTuple):

@@ -59,6 +59,7 @@ SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape",
 # float32[4] said {0: 'shm', 1: 'direct'}).
 _SIG_CHECK_ORDER = tuple(sorted(range(len(SIG_FIELDS)), key=lambda i: SIG_FIELDS[i] == "algorithm"))
 _MAX_FUTURE_MSGS = 100_000
+_SENT_LOG_OPS = 256   # operations whose sends a rank remembers for its peers' probes
 # how long a closing engine lets the messages it queued leave (see transport.peer.PeerMesh.aclose):
 # only what is queued for peers still in the view waits (links to others are closed at each view)
 CLOSE_LINGER_S = 1.0
@@ -128,6 +129,7 @@ class Op:
         self._suspect: LinkBrokenError | None = None
         self._grace_timer: asyncio.TimerHandle | None = None
         self._settled: asyncio.Future | None = None
+        self._probe_timer: asyncio.TimerHandle | None = None
         self.timeout_s = timeout_s
         self.t0 = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -237,11 +239,54 @@ class Op:
         self._pending.add(g)
         self._waiter = asyncio.get_running_loop().create_future()
         self._waiting_key = key
+        if self._probe_timer is None and self.engine.probe_after_s:
+            self._probe_timer = asyncio.get_running_loop().call_later(self.engine.probe_after_s, self._probe)
         try:
             return await self._waiter
         finally:
             self._waiter = None
             self._pending.discard(g)
+
+    def _probe(self) -> None:
+        """A wait for a message has lasted ``engine.probe_after_s``: ask the rank it waits for
+        whether it sent that message (a ``PROBE``), and again after as long while waiting. That
+        rank answers (``PROBED``) only when it did, on the connection its message took, so the
+        answer comes after the message: if the message is not here when the answer is, it was
+        lost (see :meth:`on_probed`). Without this, a lost message cost the op timeout."""
+        self._probe_timer = None
+        if self.error is not None or self._waiter is None or self._waiter.done():
+            return        # (the next recv starts a new timer)
+        g, kind, step = self._waiting_key
+        try:
+            self.engine._send(self.group.ranks[g], Kind.PROBE, self.group.gid, self.seq, step, [kind], None)
+        except RtxError:
+            return
+        self._probe_timer = asyncio.get_running_loop().call_later(self.engine.probe_after_s, self._probe)
+
+    def on_probed(self, h: DataHeader) -> None:
+        """Rank ``h.src`` answered a probe: it sent ``(h.meta[0], h.step)`` to this rank. When this
+        operation still waits for that message, it was lost on the way (messages of one
+        connection arrive in order): the operation fails with :class:`LinkBrokenError` at once
+        (the answer shows the peer alive: no verdict of its loss will come, for which a broken
+        stream waits)."""
+        try:
+            g = self.group.ranks.index(h.src)
+        except ValueError:
+            return
+        if not (isinstance(h.meta, list) and len(h.meta) == 1 and type(h.meta[0]) is int):
+            return
+        key = (g, h.meta[0], h.step)
+        if (self.error is not None or key != self._waiting_key or self._waiter is None or self._waiter.done()
+                or key in self._mail):
+            return
+        what = Kind(h.meta[0]).name if h.meta[0] in Kind._value2member_map_ else h.meta[0]
+        log.warning("message_lost", op=self.name, group=self.group.gid, seq=self.seq, peer=h.src,
+                    kind=what, step=h.step)
+        self._set_error(LinkBrokenError(
+            f"{self.name} (group {self.group.gid!r}, seq {self.seq}): rank {h.src} sent its {what} "
+            f"message of step {h.step} to this rank, which never got it (rank {h.src}'s answer to "
+            f"a probe, sent after it on the same connection, came first): lost on the way, as a "
+            f"connection reset loses what it held", peer=h.src))
 
     async def recv_all(self, granks: Iterable[int], step: int) -> dict[int, tuple[Any, Any]]:
         """``recv`` from each of ``granks``; a timeout names all that are still missing."""
@@ -259,6 +304,7 @@ class Op:
             raise self.error
         tr = self.engine._send(self.group.ranks[g], kind, self.group.gid, self.seq, step, meta,
                                payload)
+        self.engine._note_sent(self.group.gid, self.seq, self.group.ranks[g], int(kind), step)
         if tr is not None:
             self._trackers.append(tr)
 
@@ -384,6 +430,9 @@ class Op:
         self._timer.cancel()
         if self._grace_timer is not None:
             self._grace_timer.cancel()
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
         for g, link in self._bulk_links.items():
             link.on_error = None
             if link.busy or link.error is not None:
@@ -454,6 +503,7 @@ class Engine:
                  key: str | None = None):
         self._partitioned_until = 0.0  # fault injection, see partition()
         self._held: list = []          # messages held by a partition, in order
+        self._lose = 0                 # fault injection: collective messages to drop (lose_next_message)
         self._held_release: asyncio.TimerHandle | None = None
         if default_timeout_s <= 0:
             raise ConfigError(f"default_timeout_s({default_timeout_s}) must be > 0")
@@ -462,6 +512,12 @@ class Engine:
         # declare the peer lost (see Op.fail); the process group sets its heartbeat timeout
         # plus one interval
         self.link_grace_s = 3.0
+        # how long a collective waits for a message before it asks the sender whether it sent it
+        # (Op._probe; 0: never); the process group sets its heartbeat timeout plus one interval
+        self.probe_after_s = 3.0
+        # (group, seq) -> {(destination world rank, kind, step)} this rank sent in this epoch,
+        # for the newest _SENT_LOG_OPS operations: what a PROBE asks about
+        self._sent: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
         self.shm_enabled = bool(shm)
         self.view: WorldView | None = None
         self.world = None
@@ -608,6 +664,7 @@ class Engine:
         self._early_at.clear()
         self._unstarted.clear()
         self._watermark.clear()
+        self._sent.clear()
         self._p2p_msgs.clear()
         self._group_counter.clear()
         self._data_ep.clear()
@@ -775,6 +832,29 @@ class Engine:
             payload = payload.reshape(-1).view(np.uint8)
         return self._mesh.send(ep, header, payload)
 
+    def _note_sent(self, gid: str, seq: int, dst: int, kind: int, step: int) -> None:
+        """Remember that this rank sent ``(kind, step)`` of operation ``seq`` of ``gid`` to world
+        rank ``dst`` (for :meth:`_on_probe`)."""
+        sent = self._sent.get((gid, seq))
+        if sent is None:
+            sent = self._sent[(gid, seq)] = set()
+            if len(self._sent) > _SENT_LOG_OPS:
+                del self._sent[next(iter(self._sent))]
+        sent.add((dst, kind, step))
+
+    def _on_probe(self, h: DataHeader) -> None:
+        """A peer waits for our ``(h.meta[0], h.step)`` of operation ``h.seq`` of ``h.group``:
+        answer ``PROBED`` on the connection that message took when this rank sent it (see
+        :meth:`Op._probe`); say nothing otherwise (not sent yet: the peer asks again)."""
+        if not (isinstance(h.meta, list) and len(h.meta) == 1 and type(h.meta[0]) is int):
+            return
+        if (h.src, h.meta[0], h.step) not in self._sent.get((h.group, h.seq), ()):
+            return
+        try:
+            self._send(h.src, Kind.PROBED, h.group, h.seq, h.step, [h.meta[0]], None)
+        except RtxError:
+            pass
+
     def bulk_ok(self, group) -> bool:
         """Whether every member of ``group`` has a bulk stream (same answer on every member)."""
         return self._bulk is not None and all(self._bulk_addr.get(r) for r in group.ranks)
@@ -800,6 +880,14 @@ class Engine:
         re-verifier's find.)"""
         self._partitioned_until = float("inf") if seconds is None else time.monotonic() + seconds
         log.warning("data_plane_partitioned", seconds=seconds)
+
+    def lose_next_message(self) -> None:
+        """Fault injection: drop the next collective message (a hello or a step's data) that
+        reaches this rank, as a TCP connection reset under ZeroMQ (which reconnects by itself)
+        loses what the connection held. The collective waiting for it finds it lost by its probe
+        (:meth:`Op._probe`) and fails with :class:`LinkBrokenError`."""
+        self._lose += 1
+        log.warning("next_message_lost_on_purpose")
 
     def _hold(self, h: DataHeader, payload, frame) -> None:
         """Keep a message that came during a partition (see :meth:`partition`)."""
@@ -839,6 +927,19 @@ class Engine:
                 sender = self._old_endpoints.get(h.epoch, {}).get(h.src)
                 self._note_p2p_dropped(sender, h.step, 1, h.epoch, v.epoch)
                 self._fail_p2p_waiter(sender, h.step)
+            return
+        if self._lose and h.kind in (Kind.HELLO, Kind.DATA):
+            self._lose -= 1
+            log.warning("message_lost_on_purpose", src=h.src, group=h.group, seq=h.seq,
+                        kind=h.kind.name, step=h.step)
+            return
+        if h.kind == Kind.PROBE:
+            self._on_probe(h)
+            return
+        if h.kind == Kind.PROBED:
+            op = self._running.get((h.group, h.seq))
+            if op is not None:
+                op.on_probed(h)
             return
         if h.kind == Kind.P2P:
             key = (h.group, h.src, h.step)

@@ -751,6 +751,19 @@ def test_a_cut_shorter_than_the_heartbeat_timeout_delays_the_step_and_times_noth
     assert "CollectiveTimeout" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_lost_message_costs_one_step_and_about_the_heartbeat_timeout(tmp_path):
+    # A collective message lost between live ranks (a connection reset under ZeroMQ) cost the op
+    # timeout (20 s here, 60 by default). The rank waiting for it probes its sender, learns that
+    # it was sent, fails the step with LinkBrokenError, and FaultTolerance redoes it; run_job
+    # checks the result against the fault-free one.
+    results, proc = run_job(tmp_path, "lose-message:rank=1:step=10")
+    assert "message_lost_on_purpose" in proc.stderr, proc.stderr[-3000:]
+    rec = recoveries(results)
+    assert {e["error"] for e in rec} == {"LinkBrokenError", "PeerLostError"}, rec
+    assert all(e["failed_step"] == 10 and e["steps_lost"] == 1 for e in rec), rec
+    assert "CollectiveTimeout" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coordinator):
     """An external coordinator SIGKILLed and never restarted: every rank stops with
     CoordinatorLostError soon after RTXNET_COORDINATOR_TIMEOUT, not minutes of vote retries."""

@@ -62,6 +62,8 @@ def test_a_field_seed_or_fault_given_twice_is_named(plan, says):
     ("kill:rank=1:step=2:seconds=5", "kill takes no seconds (its fields: rank, at, step, collective)"),
     ("kill:rank=1:step=2:ms=5", "kill takes no ms"),
     ("kill-coordinator:step=3:seconds=9", "kill-coordinator takes no seconds"),
+    ("lose-message:rank=1:step=3:seconds=1", "lose-message takes no seconds"),
+    ("lose-message:rank=1", "lose-message needs step=N"),
     ("pause:rank=1:step=2:seconds=1:ms=5", "pause takes no ms (its fields: rank, at, step, collective, seconds)"),
     ("delay:rank=0:ms=5:seconds=2", "delay takes no seconds"),
     ("drop-heartbeats:rank=1:after=1:step=4:seconds=3", "after='1' makes drop-heartbeats time-based"),
@@ -72,7 +74,8 @@ def test_a_field_seed_or_fault_given_twice_is_named(plan, says):
     ("kill:rank=\u0661:step=2", "rank='\u0661' is not an integer or 'any'"),
     ("kill:rank=-1:step=2", "rank='-1' must not be negative"),
     ("kill:rank=1:step=+2", "step='+2' is not an integer"),
-], ids=["step-and-collective", "kill-seconds", "kill-ms", "coordinator-seconds", "pause-ms", "delay-seconds",
+], ids=["step-and-collective", "kill-seconds", "kill-ms", "coordinator-seconds", "lose-seconds", "lose-without-step",
+        "pause-ms", "delay-seconds",
         "after-and-step", "after-and-at", "rendezvous-step", "collective-without-at", "huge", "non-ascii",
         "negative", "plus"])
 def test_a_field_the_fault_would_ignore_is_refused(plan, says):
