@@ -9,8 +9,9 @@ A plan is a ``;``-separated list of faults; each is a kind followed by ``:key=va
                                          with step=N before step N alone)
     partition:rank=2:step=40:seconds=5   cut the rank off (no heartbeats; peer data held until the cut ends) for 5 s
     kill-coordinator:step=60             SIGKILL the coordinator at step 60 (rtxnet-run restarts it)
-    lose-message:rank=1:step=20          the rank loses the next collective message a peer sends it
-                                         (as a TCP connection reset under ZeroMQ loses what it held)
+    lose-message:rank=1:step=20          the rank loses the next message a peer sends it, of a
+                                         collective or a send (as a TCP connection reset under
+                                         ZeroMQ loses what it held)
     seed=7                               seeds the choice of rank=any (default 0)
 
 Durations are finite numbers: ``seconds`` (``S``, ``Ss`` or ``Nms``) above 0 and at most 3600,

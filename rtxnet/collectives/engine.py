@@ -21,6 +21,7 @@ endpoint for some rank has no ``bulk=`` makes groups with that rank use the mesh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -490,6 +491,23 @@ class _P2PWaiter:
         self.handle = handle
 
 
+class _P2PLost:
+    """The place of a point-to-point message lost on the way (its number skipped, or its sender
+    said it sent it and it is not here): the recv it was for raises :class:`LinkBrokenError`."""
+    __slots__ = ("number",)
+
+    def __init__(self, number: int):
+        self.number = number
+
+    def error(self, key: tuple[str, int, int], epoch: int | None) -> LinkBrokenError:
+        _gid, src, tag = key
+        log.warning("message_lost", op="recv", peer=src, tag=tag, number=self.number)
+        return LinkBrokenError(
+            f"recv from rank {src} tag {tag}: message {self.number} of that tag (counted from 0 in "
+            f"epoch {epoch}) never arrived here, though rank {src} sent it: lost on the way, as a "
+            f"connection reset loses what it held", peer=src)
+
+
 class _P2PDiscard:
     """A recv refused on this rank, in line with the recvs waiting for the same sender and tag:
     the message that reaches it is dropped (see :meth:`Engine._p2p_discard`)."""
@@ -518,6 +536,10 @@ class Engine:
         # (group, seq) -> {(destination world rank, kind, step)} this rank sent in this epoch,
         # for the newest _SENT_LOG_OPS operations: what a PROBE asks about
         self._sent: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
+        # point-to-point message numbers of this epoch: the next to send per (group, destination
+        # world rank, tag), the next expected per (group, source world rank, tag)
+        self._p2p_next_out: dict[tuple[str, int, int], int] = {}
+        self._p2p_next_in: dict[tuple[str, int, int], int] = {}
         self.shm_enabled = bool(shm)
         self.view: WorldView | None = None
         self.world = None
@@ -665,6 +687,8 @@ class Engine:
         self._unstarted.clear()
         self._watermark.clear()
         self._sent.clear()
+        self._p2p_next_in.clear()
+        self._p2p_next_out.clear()
         self._p2p_msgs.clear()
         self._group_counter.clear()
         self._data_ep.clear()
@@ -848,7 +872,10 @@ class Engine:
         :meth:`Op._probe`); say nothing otherwise (not sent yet: the peer asks again)."""
         if not (isinstance(h.meta, list) and len(h.meta) == 1 and type(h.meta[0]) is int):
             return
-        if (h.src, h.meta[0], h.step) not in self._sent.get((h.group, h.seq), ()):
+        if h.meta[0] == Kind.P2P:   # h.seq: the number of the message it waits for
+            if self._p2p_next_out.get((h.group, h.src, h.step), 0) <= h.seq:
+                return
+        elif (h.src, h.meta[0], h.step) not in self._sent.get((h.group, h.seq), ()):
             return
         try:
             self._send(h.src, Kind.PROBED, h.group, h.seq, h.step, [h.meta[0]], None)
@@ -882,10 +909,11 @@ class Engine:
         log.warning("data_plane_partitioned", seconds=seconds)
 
     def lose_next_message(self) -> None:
-        """Fault injection: drop the next collective message (a hello or a step's data) that
-        reaches this rank, as a TCP connection reset under ZeroMQ (which reconnects by itself)
-        loses what the connection held. The collective waiting for it finds it lost by its probe
-        (:meth:`Op._probe`) and fails with :class:`LinkBrokenError`."""
+        """Fault injection: drop the next collective or point-to-point message (a hello, a step's
+        data, a send) that reaches this rank, as a TCP connection reset under ZeroMQ (which
+        reconnects by itself) loses what the connection held. The collective or recv waiting for
+        it finds it lost (:meth:`Op._probe`, :meth:`_p2p_recv`) and fails with
+        :class:`LinkBrokenError`."""
         self._lose += 1
         log.warning("next_message_lost_on_purpose")
 
@@ -928,7 +956,7 @@ class Engine:
                 self._note_p2p_dropped(sender, h.step, 1, h.epoch, v.epoch)
                 self._fail_p2p_waiter(sender, h.step)
             return
-        if self._lose and h.kind in (Kind.HELLO, Kind.DATA):
+        if self._lose and h.kind in (Kind.HELLO, Kind.DATA, Kind.P2P):
             self._lose -= 1
             log.warning("message_lost_on_purpose", src=h.src, group=h.group, seq=h.seq,
                         kind=h.kind.name, step=h.step)
@@ -937,22 +965,25 @@ class Engine:
             self._on_probe(h)
             return
         if h.kind == Kind.PROBED:
+            if h.meta == [int(Kind.P2P)]:
+                key = (h.group, h.src, h.step)
+                if self._p2p_next_in.get(key, 0) == h.seq:     # sent, and not here: lost
+                    self._p2p_next_in[key] = h.seq + 1
+                    self._p2p_take(key, _P2PLost(h.seq))
+                return
             op = self._running.get((h.group, h.seq))
             if op is not None:
                 op.on_probed(h)
             return
         if h.kind == Kind.P2P:
             key = (h.group, h.src, h.step)
-            waiters = self._p2p_waiters.get(key)
-            if waiters:
-                w = waiters.popleft()
-                if isinstance(w, _P2PDiscard):
-                    return          # the refused recv's message
-                w.handle.cancel()
-                w.future.set_result((h.meta, payload))
-                self._apply_when_idle()
-            else:
-                self._p2p_msgs.setdefault(key, deque()).append((h.meta, payload))
+            expected = self._p2p_next_in.get(key, 0)
+            if h.seq < expected:
+                return              # (taken as lost already; ZeroMQ does not duplicate)
+            self._p2p_next_in[key] = h.seq + 1
+            for number in range(expected, h.seq):   # numbers skipped: messages lost on the way
+                self._p2p_take(key, _P2PLost(number))
+            self._p2p_take(key, (h.meta, payload))
             return
         key = (h.group, h.seq)
         if h.seq <= self._watermark.get(h.group, -1):
@@ -1049,6 +1080,33 @@ class Engine:
             self._early.pop(key, None)
             self._early_at.pop(key, None)
 
+    def _p2p_take(self, key: tuple[str, int, int], item) -> None:
+        """Give the next point-to-point message of ``key`` (group, source world rank, tag), or the
+        mark of one lost (:class:`_P2PLost`), to the first recv waiting for it, else keep it."""
+        waiters = self._p2p_waiters.get(key)
+        if waiters:
+            w = waiters.popleft()
+            if isinstance(w, _P2PDiscard):
+                return          # the refused recv's message
+            w.handle.cancel()
+            if isinstance(item, _P2PLost):
+                w.future.set_exception(item.error(key, self.view.epoch if self.view else None))
+            else:
+                w.future.set_result(item)
+            self._apply_when_idle()
+        else:
+            self._p2p_msgs.setdefault(key, deque()).append(item)
+
+    def _p2p_send(self, dst_world: int, gid: str, tag: int, meta, payload):
+        """Send a point-to-point message, numbered per (group, destination, tag) in the epoch
+        (the header's ``seq``): a receiver that gets a later number knows the ones before were
+        lost, and its probe (:meth:`_p2p_recv`) asks about the one it waits for."""
+        key = (gid, dst_world, tag)
+        number = self._p2p_next_out.get(key, 0)
+        tracker = self._send(dst_world, Kind.P2P, gid, number, tag, meta, payload)
+        self._p2p_next_out[key] = number + 1
+        return tracker
+
     def _p2p_discard(self, gid: str, src_world: int, tag: int) -> None:
         """A recv refused on this rank (a bad argument) still takes its message, the next one
         from ``src_world`` with ``tag`` after those the recvs posted before it take: later recvs
@@ -1120,9 +1178,25 @@ class Engine:
             item = msgs.popleft()
             if not msgs:
                 del self._p2p_msgs[key]
+            if isinstance(item, _P2PLost):
+                raise item.error(key, self.view.epoch if self.view else None)
             return item
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        probe: asyncio.TimerHandle | None = None
+
+        def ask():
+            # the sender answers (PROBED) only if it sent the number awaited here, behind it
+            nonlocal probe
+            if fut.done():
+                return
+            with contextlib.suppress(RtxError):
+                self._send(src_world, Kind.PROBE, gid, self._p2p_next_in.get(key, 0), tag,
+                           [int(Kind.P2P)], None)
+            probe = loop.call_later(self.probe_after_s, ask)
+
+        if self.probe_after_s:
+            probe = loop.call_later(self.probe_after_s, ask)
 
         def expire():
             dq = self._p2p_waiters.get(key)
@@ -1143,6 +1217,9 @@ class Engine:
                 dq.remove(w)
             w.handle.cancel()
             raise
+        finally:
+            if probe is not None:
+                probe.cancel()
 
     def _keep(self, task: asyncio.Task) -> None:
         self._tasks.add(task)

@@ -80,7 +80,6 @@ from transport.errors import (
     PeerLostError,
     RtxError,
 )
-from transport.peer import Kind
 
 __all__ = ["Group", "ALGORITHMS", "SMALL_MAX_NBYTES", "SHM_MIN_NBYTES"]
 
@@ -949,8 +948,8 @@ class Group:
         if peer is None:
             return
         with contextlib.suppress(Exception):   # best effort: the refusal itself is raised here
-            self.engine._send(peer, Kind.P2P, self.gid, 0, int(tag),
-                              [_REFUSED, f"{type(exc).__name__}: {exc}"[:2000]], None)
+            self.engine._p2p_send(peer, self.gid, int(tag),
+                                  [_REFUSED, f"{type(exc).__name__}: {exc}"[:2000]], None)
 
     def _p2p_peer(self, peer, tag) -> int | None:
         """The world rank of group rank ``peer`` for a refused send or recv's notice, or None when
@@ -975,8 +974,7 @@ class Group:
         self._check_usable()
         payload = buf.flat
         meta = [dtype_name(buf.dtype), list(buf.shape)]
-        tracker = self.engine._send(self.ranks[dst], Kind.P2P, self.gid, 0, int(tag), meta,
-                                    payload)
+        tracker = self.engine._p2p_send(self.ranks[dst], self.gid, int(tag), meta, payload)
         if tracker is not None:
             # zmq gives no event when a zero-copy send is done: poll, backing off from 0.2 ms to
             # 2 ms as the collectives' flush does, and stop when the group's epoch ends

@@ -331,6 +331,55 @@ def test_a_lost_message_fails_the_collective_before_its_timeout(algo):
         assert out["second"] == 3.0, res
 
 
+async def lost_sends(engine):
+    # Rank 1 loses the first message rank 0 sends with tag 5, then the first with tag 7.
+    from transport.errors import LinkBrokenError
+    from transport.peer import Kind
+
+    g = engine.world
+    engine.probe_after_s = 0.3
+    if g.rank == 0:
+        for tag, value in ((5, 1.0), (7, 2.0), (7, 3.0)):
+            await g.send(np.full(4, value), 1, tag=tag)
+        await g.barrier(timeout=20)
+        await g.send(np.full(4, 4.0), 1, tag=5)
+        return None
+    handler = engine._mesh._handler
+    lost = []
+
+    def losing(h, payload, frame):
+        if h.kind == Kind.P2P and h.step not in lost:
+            lost.append(h.step)
+            return
+        handler(h, payload, frame)
+
+    engine._mesh._handler = losing
+    out = []
+    x = np.zeros(4)
+    for tag in (5, 7, 7):
+        try:
+            await g.recv(x, 0, tag=tag, timeout=30)
+            out.append(float(x[0]))
+        except LinkBrokenError as exc:
+            out.append(("LinkBrokenError", exc.peer, str(exc)))
+    await g.barrier(timeout=20)
+    await g.recv(x, 0, tag=5, timeout=30)
+    out.append(float(x[0]))
+    return out, lost
+
+
+def test_a_lost_send_fails_its_recv_and_the_later_ones_stay_paired():
+    # The tag-5 message was the last of its tag (found by the probe: its sender answers that it
+    # sent message 0 of tag 5, behind it); the first tag-7 one was followed by another (found by
+    # the number the next one carries). Each recv it was for raises; the others get their own.
+    _, (out, lost) = run_world(2, lost_sends)
+    assert lost == [5, 7], lost
+    assert out[0][:2] == ("LinkBrokenError", 0) and out[1][:2] == ("LinkBrokenError", 0), out
+    assert out[0][2].startswith("recv from rank 0 tag 5: message 0 of that tag (counted from 0 in epoch "), out
+    assert out[1][2].startswith("recv from rank 0 tag 7: message 0 of that tag"), out
+    assert out[2:] == [3.0, 4.0], out
+
+
 async def absent_rank(engine):
     g = engine.world
     if g.rank == 1:
