@@ -42,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 COMPACT_MIN_NBYTES = 64 * 1024 * 1024   # journal bytes since the last snapshot that compact it
 _STALL_S = 0.25   # a tick this much later than due means the daemon itself did not run
+MAX_BATCH_EVENTS = 2048   # events handled (and answered after one fsync) together
 
 # What the daemon wrote itself (checksummed) is read back with room for all it may have written:
 # a record nests a request's values a few levels deeper than the request did, and a snapshot
@@ -171,7 +172,9 @@ class Coordinator:
                     events.append(nxt.result())
                 else:
                     nxt.cancel()
-                while (ev := server.next_nowait()) is not None:
+                # at most MAX_BATCH_EVENTS a batch, the clients taking turns in it: a flood of
+                # requests waiting no longer holds a heartbeat's answer until all are handled
+                while len(events) < MAX_BATCH_EVENTS and (ev := server.next_nowait()) is not None:
                     events.append(ev)
                 now = time.monotonic()
                 batch = [self._event(ev) for ev in events]

@@ -399,7 +399,9 @@ class ControlServer:
         # once gets every answer (with a plain message limit of 1000, 1003 of 3000 were lost).
         self._sock.setsockopt(zmq.SNDHWM, SEND_PIPE_MESSAGES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue says EAGAIN, not drop
-        self._sock.setsockopt(zmq.RCVHWM, 100000)
+        # messages ZeroMQ reads ahead per connection; past them it stops reading that one (TCP
+        # holds the rest at the client: nothing is lost)
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
         if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])
             self._sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -436,7 +438,15 @@ class ControlServer:
         self._memo: tuple[Any, bytes] | None = None
         self._drainer: asyncio.Task | None = None
         self._drop_log = LogBudget()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        # What came in and waits for the coordinator, per client (routing id), in order; the
+        # clients with something waiting take turns (next_nowait). One FIFO for all made a
+        # client's heartbeat wait behind every request a flooding client had sent (a breaker's
+        # find: 20 sockets sending status requests for 5 s left the daemon answering nobody for
+        # 435 s, 4.3 GB, and a real job beside it died of unanswered heartbeats).
+        self._inbox: dict[bytes, collections.deque] = {}
+        self._turns: collections.deque[bytes] = collections.deque()
+        self._wakeup: asyncio.Future | None = None
+        self._full_log = LogBudget()
         self._bad_log = LogBudget()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -445,21 +455,62 @@ class ControlServer:
         ]
 
     async def next(self) -> Inbound | Disconnected:
-        """The next request or disconnect notice."""
-        return await self._queue.get()
+        """The next request or disconnect notice (see :meth:`next_nowait`)."""
+        while True:
+            item = self.next_nowait()
+            if item is not None:
+                return item
+            self._wakeup = asyncio.get_running_loop().create_future()
+            try:
+                await self._wakeup
+            finally:
+                self._wakeup = None
 
     def next_nowait(self) -> Inbound | Disconnected | None:
-        try:
-            return self._queue.get_nowait()
-        except asyncio.QueueEmpty:
+        """The next request or disconnect notice, None when nothing waits: each client's in the
+        order they came, the clients with something waiting taking turns."""
+        if not self._turns:
             return None
+        ident_b = self._turns.popleft()
+        waiting = self._inbox[ident_b]
+        item = waiting.popleft()
+        if waiting:
+            self._turns.append(ident_b)
+        else:
+            del self._inbox[ident_b]
+        return item
+
+    def _put(self, ident_b: bytes, item: Inbound | Disconnected) -> None:
+        """Queue ``item`` of client ``ident_b``. A request beyond ``MAX_WAITING_REQUESTS`` of one
+        client is dropped, logged within a budget (a disconnect notice never is)."""
+        waiting = self._inbox.get(ident_b)
+        if waiting is None:
+            waiting = self._inbox[ident_b] = collections.deque()
+            self._turns.append(ident_b)
+        elif isinstance(item, Inbound) and len(waiting) >= MAX_WAITING_REQUESTS:
+            ok, dropped = self._full_log.allow()
+            if ok:
+                log.warning("request_dropped", identity=_short(repr(ident_b)), waiting=len(waiting),
+                            why="the client sends requests faster than the coordinator serves them",
+                            suppressed_before=dropped)
+            return
+        waiting.append(item)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     async def _read_loop(self) -> None:
+        read = 0
         while True:
             try:
                 frames = await self._sock.recv_multipart(copy=False)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            read += 1
+            if read % _READS_BEFORE_YIELD == 0:
+                # pyzmq's recv of a message already queued returns a finished future, so this
+                # loop never gave the loop away while a client kept sending (a breaker's find:
+                # 3 s of 3-byte garbage on one socket, no answer to anyone for 12.8 s)
+                await asyncio.sleep(0)
             ident_b = frames[0].bytes
             try:
                 fd = frames[-1].get(zmq.SRCFD)
@@ -500,7 +551,7 @@ class ControlServer:
                 job = head.get("job") if isinstance(head.get("job"), str) else ""
                 self.send_raw(ident_b, wire.make("error", rid=rid, job=job, error="ProtocolError", message=str(exc)))
             return
-        self._queue.put_nowait(Inbound(identity, msg))
+        self._put(ident_b, Inbound(identity, msg))
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -528,7 +579,7 @@ class ControlServer:
                 if ident_b is not None and self._ident_fd.get(ident_b) == fd:
                     del self._ident_fd[ident_b]
                     self._drop_backlog(ident_b)
-                    self._queue.put_nowait(Disconnected(ident_b.decode("utf-8", "surrogateescape")))
+                    self._put(ident_b, Disconnected(ident_b.decode("utf-8", "surrogateescape")))
 
     def send(self, identity: str, msg: dict[str, Any]) -> None:
         """Send ``msg`` to the agent with routing id ``identity`` (dropped if it is gone)."""
@@ -574,7 +625,7 @@ class ControlServer:
         if self._fd_owner.get(fd) == ident_b:
             del self._fd_owner[fd]
         self._drop_backlog(ident_b)
-        self._queue.put_nowait(Disconnected(ident_b.decode("utf-8", "surrogateescape")))
+        self._put(ident_b, Disconnected(ident_b.decode("utf-8", "surrogateescape")))
 
     def _encode(self, msg: dict[str, Any]) -> bytes:
         """``encode(msg)``; a reply whose body is the same object as the last large one encoded
@@ -715,6 +766,8 @@ def _ipc_in_use(address: str) -> str | None:
 
 
 SEND_PIPE_MESSAGES = 16                 # replies ZeroMQ queues for one client
+MAX_WAITING_REQUESTS = 10_000           # requests of one client waiting for the coordinator
+_READS_BEFORE_YIELD = 64                # messages the reader takes before it lets others run
 BACKLOG_MAX_NBYTES = 64 * 1024 * 1024   # and this server holds for it beyond those
 BACKLOG_MAX_MESSAGES = 100_000
 # and for all clients together: 16 clients that never read held 6.6 GB (a breaker's find)
@@ -779,7 +832,14 @@ def nobody_there(address: str) -> str | None:
                 s.connect(path)
                 return _not_zeromq(s, f"at {path}")
             except (FileNotFoundError, ConnectionRefusedError) as exc:
-                what = "no socket file" if isinstance(exc, FileNotFoundError) else "a stale socket file"
+                if isinstance(exc, FileNotFoundError):
+                    what = "no socket file"
+                elif os.path.isdir(path):    # (it said "a stale socket file": a breaker's find)
+                    what = "a directory, not a socket file"
+                elif not _ipc_socket_file(address):
+                    what = "a file that is not a socket"
+                else:
+                    what = "a stale socket file"
                 return f"{NOTHING_LISTENS} at {path} ({what}): is the coordinator running there?"
             except OSError as exc:
                 return f"{path} cannot be reached: {exc.strerror or exc}"

@@ -1218,6 +1218,13 @@ def test_status_of_an_ipc_address_nothing_listens_at_says_so_at_once(tmp_path):
                           "--timeout", "20"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=procs.env())
     assert out.returncode == 1 and f"nothing is listening at {sock} (no socket file)" in out.stderr, out
     assert time.monotonic() - t0 < 10, out.stderr
+    # a directory or a plain file there is named as such (a directory was "a stale socket file")
+    from transport.channel import nobody_there
+
+    (tmp_path / "plain").write_text("")
+    assert nobody_there(f"ipc://{tmp_path}").endswith(f"at {tmp_path} (a directory, not a socket file): "
+                                                      f"is the coordinator running there?")
+    assert "(a file that is not a socket)" in nobody_there(f"ipc://{tmp_path / 'plain'}")
 
 
 @pytest.mark.parametrize("body", [{}, {"jobs": "nope"}, {"jobs": [{"job": "j", "members": "x"}], "finished": 3}],
