@@ -39,6 +39,8 @@ from .topology import host_id
 __all__ = ["Agent", "Membership"]
 
 log = structlog.get_logger(__name__)
+# a heartbeat's deadline seen this much late: the process did not run meanwhile
+_STOOD_STILL_S = 1.0
 
 FULL_RETRY_TIMEOUTS = 3   # how long a joiner asks a full job again, in heartbeat timeouts
 WAITING_LOG_S = 10.0      # a rendezvous that has not formed is reported this often
@@ -448,13 +450,21 @@ class Agent:
                 await asyncio.sleep(min(interval, mute_left))
                 continue
             standing = self._standing
+            deadline_s = max(interval, self.timeouts.heartbeat_timeout_s)
             try:
                 extra = {} if self.waiting_for is None else {"waiting_for": self.waiting_for}
-                body = await self._request("heartbeat", identity=self.identity,
-                                           deadline_s=max(interval, self.timeouts.heartbeat_timeout_s),
+                body = await self._request("heartbeat", identity=self.identity, deadline_s=deadline_s,
                                            **extra)
             except RtxTimeoutError:
-                if self._unreachable_since is None:
+                stood_still = time.monotonic() - sent_mono - deadline_s
+                if stood_still > _STOOD_STILL_S:
+                    # the deadline passed while this process did not run (SIGSTOP, starved): no
+                    # sign against the coordinator, whose silence is not counted from it (a
+                    # woken rank logged "coordinator_unreachable" of a coordinator that was fine:
+                    # a fresh user's find)
+                    log.warning("heartbeat_unanswered_while_this_process_stood_still",
+                                stood_still_s=round(stood_still, 1), coordinator=self.coordinator)
+                elif self._unreachable_since is None:
                     log.warning("coordinator_unreachable", coordinator=self.coordinator)
                     self._unreachable_since = sent_at
                 continue

@@ -502,7 +502,10 @@ def test_large_one_round_operations_keep_the_event_loop_free():
         assert {k: v for k, v in res.items() if k != "worst_gap_s"} == {
             "direct": True, "recursive_doubling": True, "reduce_scatter": True, "broadcast": True,
             "shm": True}
-        assert res["worst_gap_s"] < 0.3, res
+        # (inline, the work held the loop about 1 s; 0.40 s was seen with the work in a thread
+        # at a load of 17 from other programs, which `exclusive` does not keep away: a fresh
+        # user's run)
+        assert res["worst_gap_s"] < 0.6, res
 
 
 @pytest.mark.timeout(60)

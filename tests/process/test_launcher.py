@@ -2344,6 +2344,16 @@ def test_heartbeats_dropped_no_longer_than_the_heartbeat_timeout_are_warned_of(t
         assert out.returncode == 0 and "[rank0] ran" in out.stdout, out.stderr[-3000:]
         warned[seconds] = "heartbeats dropped for no longer than the heartbeat timeout (2 s" in out.stderr
     assert warned == {"2": True, "2.5": False}, warned
+    # a pause or a cut as short (a fresh user's find: pause:...:seconds=1 was never detected)
+    from rtxnet.launcher import _parser, _short_heartbeat_drops
+
+    def said(plan: str) -> str | None:
+        return _short_heartbeat_drops(_parser().parse_args(["--nproc", "2", "--faults", plan, str(script)]))
+
+    assert said("pause:rank=1:step=5:seconds=1; partition:rank=0:step=9:seconds=3") == (
+        "'pause:rank=1:step=5:seconds=1': no longer than the heartbeat timeout (2 s, RTXNET_HEARTBEAT_TIMEOUT): "
+        "the rank is not declared lost, its steps are only delayed; give seconds above it to test a recovery")
+    assert said("pause:rank=1:step=5:seconds=3") is None
 
 
 def test_ranks_a_fault_plan_kills_together_are_named_as_failed_not_stopped(tmp_path):
