@@ -30,8 +30,9 @@ fails, also one line and exit code 2). A bad ``--out`` (not creatable, not writa
 ``--global-batch`` above the 1347 training samples stops every rank with one line before it joins
 (and before ``--out`` is created). So does an ``--out`` that another run, still running, writes to
 (``OUTDIR/.train_digits.lock`` holds its job id; the ranks of one run share it). Under rtxnet-run
-the first rank to stop so stops the job: ranks that had not printed their line yet are reported
-"exited with code 143" (stopped by rtxnet-run), and the run's exit code is that first rank's 2.
+the first rank to stop so stops the job: ranks that had not exited yet (even those that had
+printed the same line) are reported "exited with code 143" (stopped by rtxnet-run), and the run's
+exit code is that first rank's 2.
 
 ``--strategy fsdp`` shards the model and Adam's state over the ranks instead
 (:class:`rtxnet.parallel.FullyShardedDataParallel`, CPU only) and runs ``FaultTolerance`` with
