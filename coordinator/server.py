@@ -150,8 +150,15 @@ class Coordinator:
             epochs={j.job: j.epoch for j in list(self.state.jobs.values())[:20]},
         )
         self.server = ControlServer(self.bind)
+        self.server.prefer = self._is_member
         self.address = self.server.address
         return self.address
+
+    def _is_member(self, identity: str) -> bool:
+        """Whether ``identity`` is a member of a formed job (its requests go first: see
+        ``ControlServer.prefer``)."""
+        job = self.state.jobs.get(self.state.where.get(identity, ""))
+        return job is not None and job.formed and identity not in job.pending
 
     def stop(self) -> None:
         self._stop.set()

@@ -401,7 +401,7 @@ class ControlServer:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full queue says EAGAIN, not drop
         # messages ZeroMQ reads ahead per connection; past them it stops reading that one (TCP
         # holds the rest at the client: nothing is lost)
-        self._sock.setsockopt(zmq.RCVHWM, 1000)
+        self._sock.setsockopt(zmq.RCVHWM, 100)
         if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])
             self._sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -445,6 +445,13 @@ class ControlServer:
         # 435 s, 4.3 GB, and a real job beside it died of unanswered heartbeats).
         self._inbox: dict[bytes, collections.deque] = {}
         self._turns: collections.deque[bytes] = collections.deque()
+        # clients ``prefer`` names (the coordinator: members of formed jobs) take their turns
+        # before the others, and are never dropped for MAX_WAITING_TOTAL: a flood spread over
+        # 6,000 connections still made a job's heartbeats wait past their timeout (a
+        # re-verifier's find)
+        self._turns_first: collections.deque[bytes] = collections.deque()
+        self._waiting_total = 0
+        self.prefer: Callable[[str], bool] | None = None
         self._wakeup: asyncio.Future | None = None
         self._full_log = LogBudget()
         self._bad_log = LogBudget()
@@ -469,32 +476,43 @@ class ControlServer:
     def next_nowait(self) -> Inbound | Disconnected | None:
         """The next request or disconnect notice, None when nothing waits: each client's in the
         order they came, the clients with something waiting taking turns."""
-        if not self._turns:
+        turns = self._turns_first or self._turns
+        if not turns:
             return None
-        ident_b = self._turns.popleft()
+        ident_b = turns.popleft()
         waiting = self._inbox[ident_b]
         item = waiting.popleft()
+        self._waiting_total -= 1
         if waiting:
-            self._turns.append(ident_b)
+            turns.append(ident_b)
         else:
             del self._inbox[ident_b]
         return item
 
     def _put(self, ident_b: bytes, item: Inbound | Disconnected) -> None:
         """Queue ``item`` of client ``ident_b``. A request beyond ``MAX_WAITING_REQUESTS`` of one
-        client is dropped, logged within a budget (a disconnect notice never is)."""
+        client, or beyond ``MAX_WAITING_TOTAL`` of all clients but those ``prefer`` names, is
+        dropped, logged within a budget (a disconnect notice never is); its client hears nothing
+        and its request times out."""
         waiting = self._inbox.get(ident_b)
-        if waiting is None:
-            waiting = self._inbox[ident_b] = collections.deque()
-            self._turns.append(ident_b)
-        elif isinstance(item, Inbound) and len(waiting) >= MAX_WAITING_REQUESTS:
+        first = waiting is None and self.prefer is not None and self.prefer(
+            ident_b.decode("utf-8", "surrogateescape"))
+        if isinstance(item, Inbound) and (
+                (waiting is not None and len(waiting) >= MAX_WAITING_REQUESTS)
+                or (self._waiting_total >= MAX_WAITING_TOTAL and not first
+                    and not (waiting is not None and ident_b in self._turns_first))):
             ok, dropped = self._full_log.allow()
             if ok:
-                log.warning("request_dropped", identity=_short(repr(ident_b)), waiting=len(waiting),
-                            why="the client sends requests faster than the coordinator serves them",
+                log.warning("request_dropped", identity=_short(repr(ident_b)),
+                            waiting=len(waiting or ()), all_waiting=self._waiting_total,
+                            why="clients send requests faster than the coordinator serves them",
                             suppressed_before=dropped)
             return
+        if waiting is None:
+            waiting = self._inbox[ident_b] = collections.deque()
+            (self._turns_first if first else self._turns).append(ident_b)
         waiting.append(item)
+        self._waiting_total += 1
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
 
@@ -767,6 +785,7 @@ def _ipc_in_use(address: str) -> str | None:
 
 SEND_PIPE_MESSAGES = 16                 # replies ZeroMQ queues for one client
 MAX_WAITING_REQUESTS = 10_000           # requests of one client waiting for the coordinator
+MAX_WAITING_TOTAL = 200_000             # and of all clients together (but members of jobs)
 _READS_BEFORE_YIELD = 64                # messages the reader takes before it lets others run
 BACKLOG_MAX_NBYTES = 64 * 1024 * 1024   # and this server holds for it beyond those
 BACKLOG_MAX_MESSAGES = 100_000

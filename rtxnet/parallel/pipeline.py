@@ -103,8 +103,11 @@ import torch
 from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import (
+    ClosedError,
+    CollectiveError,
     CollectiveMismatchError,
     ConfigError,
+    PeerLostError,
     ProtocolError,
     RtxError,
     RtxTimeoutError,
@@ -131,6 +134,15 @@ _ABORT = -2   # header dtype code: the stage named in header[1] failed the step 
 # header[2] of an abort: the process of rank header[1] holds stage header[3], built before a
 # membership change renumbered the ranks (PipelineStage._abort_stale)
 _STALE = 2
+# header[2] of an abort: the stage failed of an error FaultTolerance answers by re-forming and
+# redoing the step (a lost message's LinkBrokenError, a peer's abort): the others raise a
+# CollectiveError too, so every stage redoes it (a re-verifier's find: a lost send made the
+# others raise ConfigError, which ended the job)
+_TRANSIENT = 3
+# the errors that are: rtxnet.elastic.RECOVERABLE
+_RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
+# _abort_up's tensor dtype for such a failure (a gradient is never int8, nor uint8, nor bool)
+_TRANSIENT_UP_DTYPE = torch.int8
 _STALE_BASE = 1 << 31   # _agree's stale flag: (rank + 1) * _STALE_BASE + stage
 _MAX_MICRO = 1 << 20
 # An activation header: [dtype code, requires_grad, ndim, d0, ..., d7, schedule kind, M]
@@ -242,21 +254,26 @@ class PipelineStage:
         self._pg.send(header, dst, _tag(step, m, _FWD_HEADER), **kw)
         self._pg.send(y.detach().contiguous(), dst, _tag(step, m, _FWD_DATA), **kw)
 
-    def _abort_down(self, step: int, m: int, origin: int, *, refused_input: bool = False) -> None:
+    def _abort_down(self, step: int, m: int, origin: int, *, refused_input: bool = False,
+                    transient: bool = False) -> None:
         """Tell the next stage, waiting for micro-batch ``m``'s activation, that stage ``origin``
-        failed this step (best effort: the caller raises its own error whatever happens)."""
+        failed this step (``transient``: of an error the step's retry answers; best effort: the
+        caller raises its own error whatever happens)."""
         if self.is_last:
             return
         header = _header()
-        header[0], header[1], header[2] = _ABORT, origin, int(refused_input)
+        header[0], header[1] = _ABORT, origin
+        header[2] = _TRANSIENT if transient else int(refused_input)
         self._best_effort(self.stage_index + 1, header, _tag(step, m, _FWD_HEADER))
 
-    def _abort_up(self, step: int, m: int) -> None:
+    def _abort_up(self, step: int, m: int, *, transient: bool = False) -> None:
         """Tell the previous stage, waiting for micro-batch ``m``'s gradient, that a later stage
-        failed this step: an empty bool tensor on the gradient's tag (best effort)."""
+        failed this step: an empty bool tensor on the gradient's tag, int8 when ``transient``
+        (best effort)."""
         if self.is_first:
             return
-        self._best_effort(self.stage_index - 1, torch.zeros(0, dtype=torch.bool),
+        self._best_effort(self.stage_index - 1,
+                          torch.zeros(0, dtype=_TRANSIENT_UP_DTYPE if transient else torch.bool),
                           _tag(step, m, _BWD_GRAD))
 
     def _rank_in(self, world: StepWorld) -> int:
@@ -303,11 +320,12 @@ class PipelineStage:
         if code == _ABORT:
             # an earlier stage failed the step: pass it on, fail now instead of at the deadline
             origin, refused_input = int(header[1]), int(header[2]) == 1
-            self._abort_down(step, m, origin, refused_input=refused_input)
+            transient = int(header[2]) == _TRANSIENT
+            self._abort_down(step, m, origin, refused_input=refused_input, transient=transient)
             what = ("refused the input of this step (its ConfigError names the value)"
                     if refused_input else "failed this step (its own error says why)")
             done = "did not run it" if m == 0 else "did not finish it"
-            raise _aborted(f"stage {origin} {what}; stage {self.stage_index} {done}")
+            raise _aborted(f"stage {origin} {what}; stage {self.stage_index} {done}", transient=transient)
         if not (0 <= code < len(_DTYPES) and 0 <= ndim <= MAX_NDIM):
             raise ProtocolError(f"stage {self.stage_index}: malformed activation header "
                               f"{header.tolist()} from stage {src}")
@@ -340,18 +358,22 @@ class PipelineStage:
             sent = set(exc.values.values()) if exc.field == "dtype" else set()
             if "uint8" in sent:     # _NO_GRAD_DTYPE: the expected gradient is never uint8
                 return None
-            if "bool" not in sent:
+            transient = "int8" in sent
+            if "bool" not in sent and not transient:
                 raise
             # a later stage failed the step (see _abort_up): pass it on, fail now
-            self._abort_up(step, m)
+            self._abort_up(step, m, transient=transient)
             raise _aborted(f"a later stage (after stage {self.stage_index}) failed this step (its "
-                           f"own error says why); stage {self.stage_index} did not finish it") from None
+                           f"own error says why); stage {self.stage_index} did not finish it",
+                           transient=transient) from None
         return g
 
 
-def _aborted(message: str) -> ConfigError:
-    """The error of a stage told that another stage failed the step (it passed it on already)."""
-    exc = ConfigError(message)
+def _aborted(message: str, *, transient: bool = False) -> ConfigError | CollectiveError:
+    """The error of a stage told that another stage failed the step (it passed it on already):
+    ``ConfigError``, or ``CollectiveError`` when that stage's error is one the step's retry answers
+    (``transient``: :class:`rtxnet.FaultTolerance` then redoes the step on every stage)."""
+    exc = CollectiveError(message) if transient else ConfigError(message)
     exc.pipeline_abort_passed_on = True
     return exc
 
@@ -475,7 +497,10 @@ class PipelineSchedule:
             CollectiveTimeout: a stage did not send in time (``exc.ranks`` names it).
             CollectiveMismatchError: a message of the wrong shape or dtype arrived.
             ProtocolError: a malformed activation header arrived.
-            CollectiveError: a send was not flushed within the deadline.
+            CollectiveError: a send was not flushed within the deadline, or another stage
+                failed the step of an error :class:`rtxnet.FaultTolerance` answers by redoing
+                the step (a lost message's ``LinkBrokenError``, raised there), so that every
+                stage redoes it.
         """
         st = self.stage
         # Counted before any check: a step that fails on one stage still counts on all of them,
@@ -587,7 +612,9 @@ class PipelineSchedule:
         # [failing stage + 1, the stale stage's (rank + 1) * 2**31 + stage, then one slot per
         # rank: its schedule kind * (2**20 + 1) + M]: MAX keeps one stale stage's pair whole
         flag = torch.zeros(2 + st.num_stages, dtype=torch.int64)
-        flag[0] = st.stage_index + 1 if own and not stale else 0
+        # (a failure the step's retry does not answer counts above any that it does: MAX keeps it)
+        flag[0] = (st.stage_index + 1 + (0 if isinstance(failure, _RECOVERABLE) else _STALE_BASE)
+                   if own and not stale else 0)
         flag[1] = (rank + 1) * _STALE_BASE + st.stage_index if stale else 0
         kind, M = self._plan()
         if 0 <= rank < st.num_stages:
@@ -609,8 +636,10 @@ class PipelineSchedule:
         if failure is not None:
             raise failure
         if int(flag[0]) > 0:
-            raise _aborted(f"stage {int(flag[0]) - 1} failed this step (its own error says why); "
-                           f"stage {st.stage_index} finished its part, but the step failed")
+            lasting, origin = divmod(int(flag[0]), _STALE_BASE)
+            raise _aborted(f"stage {origin - 1} failed this step (its own error says why); "
+                           f"stage {st.stage_index} finished its part, but the step failed",
+                           transient=not lasting)
 
     def _abort_neighbours(self, exc: Exception, *, refused_input: bool = False) -> None:
         """This stage failed the step with ``exc``: tell both neighbours, in place of the messages
@@ -625,8 +654,10 @@ class PipelineSchedule:
         st = self.stage
         forwards = sum(t.startswith("F") for t in self.trace)
         backwards = len(self.trace) - forwards
-        st._abort_down(self._step_no, forwards, st.stage_index, refused_input=refused_input)
-        st._abort_up(self._step_no, backwards)
+        transient = isinstance(exc, _RECOVERABLE)
+        st._abort_down(self._step_no, forwards, st.stage_index, refused_input=refused_input,
+                       transient=transient)
+        st._abort_up(self._step_no, backwards, transient=transient)
 
     def _split(self, what: str, t: torch.Tensor | None, M: int) -> list[torch.Tensor]:
         s = self.stage.stage_index

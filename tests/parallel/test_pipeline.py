@@ -266,3 +266,31 @@ def test_stages_running_different_schedules_fail_the_step_at_once_naming_them(pp
                               "n_microbatches (this step failed on every stage)"), res
     assert all(r["seconds"] < 10 for r in res), res
     assert abs(res[3]["next_loss"] - res[3]["ref_loss"]) <= 1e-5 * abs(res[3]["ref_loss"]), res
+
+
+def _pp_ft_run(out, plan: str) -> list[dict]:
+    import json
+    import subprocess
+    import sys
+
+    import procs
+
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "--faults", plan,
+                           str(mp_launch.ROOT / "tests/parallel/pp_ft_worker.py"), str(out), "16"],
+                          capture_output=True, text=True, timeout=100, env=procs.env(), cwd=mp_launch.ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"stage{r}.json").read_text()) for r in range(3)]
+
+
+def test_a_message_lost_between_stages_redoes_the_step_on_every_stage(tmp_path):
+    # A re-verifier's find: the stage whose activation was lost raised LinkBrokenError (which
+    # FaultTolerance answers by redoing the step), but told its neighbours it had failed the
+    # step, and they raised ConfigError, which ended the job (5 of 5). Such a failure is passed
+    # on as one the step's retry answers (CollectiveError); the result is the fault-free one.
+    ref = _pp_ft_run(tmp_path / "ref", "")
+    got = _pp_ft_run(tmp_path / "lost", "lose-message:rank=1:step=6")
+    assert [r["sha"] for r in got] == [r["sha"] for r in ref] and all(r["steps"] == 16 for r in got), got
+    rec = [e for r in got for e in r["events"] if e["event"] == "recovered"]
+    assert len(rec) == 3 and all(e["failed_step"] == 6 and e["steps_lost"] == 1 for e in rec), rec
+    assert "LinkBrokenError" in {e["error"] for e in rec}, rec
