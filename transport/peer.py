@@ -12,7 +12,7 @@ job        job id (str); messages of another job are dropped
 epoch      membership epoch (int) of the sender
 group      group id (str), identical on every member of the group
 seq        the group's sequence number of the operation (int); point-to-point: the
-           message's number per (group, destination, tag) in the epoch, from 0
+           message's number per (group, destination) in the epoch, from 0
 src        the sender's index in the world of ``epoch`` (int)
 kind       what the message is (:class:`Kind`)
 step       step of the algorithm (int), or the tag for point-to-point messages

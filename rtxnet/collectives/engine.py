@@ -491,21 +491,14 @@ class _P2PWaiter:
         self.handle = handle
 
 
-class _P2PLost:
-    """The place of a point-to-point message lost on the way (its number skipped, or its sender
-    said it sent it and it is not here): the recv it was for raises :class:`LinkBrokenError`."""
-    __slots__ = ("number",)
-
-    def __init__(self, number: int):
-        self.number = number
-
-    def error(self, key: tuple[str, int, int], epoch: int | None) -> LinkBrokenError:
-        _gid, src, tag = key
-        log.warning("message_lost", op="recv", peer=src, tag=tag, number=self.number)
-        return LinkBrokenError(
-            f"recv from rank {src} tag {tag}: message {self.number} of that tag (counted from 0 in "
-            f"epoch {epoch}) never arrived here, though rank {src} sent it: lost on the way, as a "
-            f"connection reset loses what it held", peer=src)
+def _p2p_lost_error(src: int, tag: int, lost: int, epoch: int | None) -> LinkBrokenError:
+    """The error of a recv from ``src`` once ``lost`` of the messages it sent to this rank in
+    ``epoch`` were lost on the way (see :meth:`Engine._p2p_break`)."""
+    return LinkBrokenError(
+        f"recv from rank {src} tag {tag}: {lost} message(s) rank {src} sent to this rank in epoch "
+        f"{epoch} never arrived (lost on the way, as a connection reset loses what it held); which "
+        f"tags they carried is not known, so recvs from rank {src} fail until the group re-forms "
+        f"(FaultTolerance re-forms by itself; else pg.reform())", peer=src)
 
 
 class _P2PDiscard:
@@ -537,9 +530,11 @@ class Engine:
         # for the newest _SENT_LOG_OPS operations: what a PROBE asks about
         self._sent: dict[tuple[str, int], set[tuple[int, int, int]]] = {}
         # point-to-point message numbers of this epoch: the next to send per (group, destination
-        # world rank, tag), the next expected per (group, source world rank, tag)
-        self._p2p_next_out: dict[tuple[str, int, int], int] = {}
-        self._p2p_next_in: dict[tuple[str, int, int], int] = {}
+        # world rank), the next expected per (group, source world rank); and the channels that
+        # lost messages: (group, source) -> (how many, epoch) (see _p2p_break)
+        self._p2p_next_out: dict[tuple[str, int], int] = {}
+        self._p2p_next_in: dict[tuple[str, int], int] = {}
+        self._p2p_broken: dict[tuple[str, int], tuple[int, int | None]] = {}
         self.shm_enabled = bool(shm)
         self.view: WorldView | None = None
         self.world = None
@@ -689,6 +684,7 @@ class Engine:
         self._sent.clear()
         self._p2p_next_in.clear()
         self._p2p_next_out.clear()
+        self._p2p_broken.clear()
         self._p2p_msgs.clear()
         self._group_counter.clear()
         self._data_ep.clear()
@@ -872,13 +868,16 @@ class Engine:
         :meth:`Op._probe`); say nothing otherwise (not sent yet: the peer asks again)."""
         if not (isinstance(h.meta, list) and len(h.meta) == 1 and type(h.meta[0]) is int):
             return
-        if h.meta[0] == Kind.P2P:   # h.seq: the number of the message it waits for
-            if self._p2p_next_out.get((h.group, h.src, h.step), 0) <= h.seq:
+        meta = [h.meta[0]]
+        if h.meta[0] == Kind.P2P:   # h.seq: how many of ours it has; answered with how many sent
+            sent = self._p2p_next_out.get((h.group, h.src), 0)
+            if sent <= h.seq:
                 return
+            meta.append(sent)
         elif (h.src, h.meta[0], h.step) not in self._sent.get((h.group, h.seq), ()):
             return
         try:
-            self._send(h.src, Kind.PROBED, h.group, h.seq, h.step, [h.meta[0]], None)
+            self._send(h.src, Kind.PROBED, h.group, h.seq, h.step, meta, None)
         except RtxError:
             pass
 
@@ -965,25 +964,27 @@ class Engine:
             self._on_probe(h)
             return
         if h.kind == Kind.PROBED:
-            if h.meta == [int(Kind.P2P)]:
-                key = (h.group, h.src, h.step)
-                if self._p2p_next_in.get(key, 0) == h.seq:     # sent, and not here: lost
-                    self._p2p_next_in[key] = h.seq + 1
-                    self._p2p_take(key, _P2PLost(h.seq))
+            if isinstance(h.meta, list) and len(h.meta) == 2 and h.meta[0] == Kind.P2P:
+                chan, sent = (h.group, h.src), h.meta[1]
+                got = self._p2p_next_in.get(chan, 0)
+                if type(sent) is int and got < sent:     # sent before this answer, not here: lost
+                    self._p2p_next_in[chan] = sent
+                    self._p2p_break(chan, sent - got)
                 return
             op = self._running.get((h.group, h.seq))
             if op is not None:
                 op.on_probed(h)
             return
         if h.kind == Kind.P2P:
-            key = (h.group, h.src, h.step)
-            expected = self._p2p_next_in.get(key, 0)
+            chan = (h.group, h.src)
+            expected = self._p2p_next_in.get(chan, 0)
             if h.seq < expected:
-                return              # (taken as lost already; ZeroMQ does not duplicate)
-            self._p2p_next_in[key] = h.seq + 1
-            for number in range(expected, h.seq):   # numbers skipped: messages lost on the way
-                self._p2p_take(key, _P2PLost(number))
-            self._p2p_take(key, (h.meta, payload))
+                return              # (counted as lost already; ZeroMQ does not duplicate)
+            self._p2p_next_in[chan] = h.seq + 1
+            if h.seq > expected:    # numbers skipped: messages lost on the way
+                self._p2p_break(chan, h.seq - expected)
+            if chan not in self._p2p_broken:
+                self._p2p_take((h.group, h.src, h.step), (h.meta, payload))
             return
         key = (h.group, h.seq)
         if h.seq <= self._watermark.get(h.group, -1):
@@ -1081,30 +1082,45 @@ class Engine:
             self._early_at.pop(key, None)
 
     def _p2p_take(self, key: tuple[str, int, int], item) -> None:
-        """Give the next point-to-point message of ``key`` (group, source world rank, tag), or the
-        mark of one lost (:class:`_P2PLost`), to the first recv waiting for it, else keep it."""
+        """Give the next point-to-point message of ``key`` (group, source world rank, tag) to the
+        first recv waiting for it, else keep it."""
         waiters = self._p2p_waiters.get(key)
         if waiters:
             w = waiters.popleft()
             if isinstance(w, _P2PDiscard):
                 return          # the refused recv's message
             w.handle.cancel()
-            if isinstance(item, _P2PLost):
-                w.future.set_exception(item.error(key, self.view.epoch if self.view else None))
-            else:
-                w.future.set_result(item)
+            w.future.set_result(item)
             self._apply_when_idle()
         else:
             self._p2p_msgs.setdefault(key, deque()).append(item)
 
+    def _p2p_break(self, chan: tuple[str, int], lost: int) -> None:
+        """``lost`` messages of ``chan`` (group, source world rank) were lost on the way. Their
+        tags are not known, so no later message of that source can be paired with its recv for
+        sure: every recv from it fails with :class:`LinkBrokenError` until the group re-forms
+        (those waiting now included; messages that came before the loss are still taken)."""
+        before = self._p2p_broken.get(chan, (0, None))[0]
+        epoch = self.view.epoch if self.view else None
+        self._p2p_broken[chan] = (before + lost, epoch)
+        gid, src = chan
+        log.warning("message_lost", op="recv", peer=src, group=gid, lost=lost)
+        for key in [k for k in self._p2p_waiters if k[:2] == chan]:
+            for w in self._p2p_waiters.pop(key):
+                if isinstance(w, _P2PDiscard):
+                    continue
+                w.handle.cancel()
+                if not w.future.done():
+                    w.future.set_exception(_p2p_lost_error(src, key[2], before + lost, epoch))
+
     def _p2p_send(self, dst_world: int, gid: str, tag: int, meta, payload):
-        """Send a point-to-point message, numbered per (group, destination, tag) in the epoch
-        (the header's ``seq``): a receiver that gets a later number knows the ones before were
-        lost, and its probe (:meth:`_p2p_recv`) asks about the one it waits for."""
-        key = (gid, dst_world, tag)
-        number = self._p2p_next_out.get(key, 0)
+        """Send a point-to-point message, numbered per (group, destination) in the epoch (the
+        header's ``seq``): a receiver that gets a later number knows the ones before were lost,
+        and its probe (:meth:`_p2p_recv`) asks how many were sent."""
+        chan = (gid, dst_world)
+        number = self._p2p_next_out.get(chan, 0)
         tracker = self._send(dst_world, Kind.P2P, gid, number, tag, meta, payload)
-        self._p2p_next_out[key] = number + 1
+        self._p2p_next_out[chan] = number + 1
         return tracker
 
     def _p2p_discard(self, gid: str, src_world: int, tag: int) -> None:
@@ -1178,20 +1194,22 @@ class Engine:
             item = msgs.popleft()
             if not msgs:
                 del self._p2p_msgs[key]
-            if isinstance(item, _P2PLost):
-                raise item.error(key, self.view.epoch if self.view else None)
             return item
+        broken = self._p2p_broken.get((gid, src_world))
+        if broken is not None:
+            raise _p2p_lost_error(src_world, tag, *broken)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         probe: asyncio.TimerHandle | None = None
 
         def ask():
-            # the sender answers (PROBED) only if it sent the number awaited here, behind it
+            # how many of the sender's messages are here: it answers (PROBED) with how many it
+            # sent, behind them, if more
             nonlocal probe
             if fut.done():
                 return
             with contextlib.suppress(RtxError):
-                self._send(src_world, Kind.PROBE, gid, self._p2p_next_in.get(key, 0), tag,
+                self._send(src_world, Kind.PROBE, gid, self._p2p_next_in.get((gid, src_world), 0), tag,
                            [int(Kind.P2P)], None)
             probe = loop.call_later(self.probe_after_s, ask)
 
