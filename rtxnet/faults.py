@@ -448,7 +448,9 @@ def _running_coordinator(started_with: int) -> int | None:
         with open(path) as fh:
             pid_text, started = fh.read().split()
         pid = int(pid_text)
-        return pid if psutil.Process(pid).create_time() == float(started) else None
+        # (within 1 s: psutil adds the boot time to the start, and the boot time it reads moves
+        # with the wall clock's adjustments; a process taking the pid so soon is not a concern)
+        return pid if abs(psutil.Process(pid).create_time() - float(started)) < 1.0 else None
     except (OSError, ValueError, psutil.Error):
         return None
 
