@@ -443,7 +443,7 @@ _LOST_AFTER_THE_LAST_COLLECTIVE = textwrap.dedent("""
             if step == 3 and os.environ.get("RTXNET_RESTART_COUNT", "0") == "0":
                 if launch == 2:
                     os.kill(os.getpid(), signal.SIGKILL)   # after the step's only collective
-                time.sleep(1.0)          # the others vote once the loss is known
+                time.sleep(3.0)          # the others vote once the loss is known (1 s: not always under load)
             state.v += 1
     ft.finish()
     print(json.dumps({"v": state.v, "events": ft.events}), flush=True)
