@@ -1087,6 +1087,8 @@ class Engine:
         waiters = self._p2p_waiters.get(key)
         if waiters:
             w = waiters.popleft()
+            if not waiters:     # (an empty queue per tag was kept for the epoch: a pipeline's
+                del self._p2p_waiters[key]   # tags carry the step, 120 MB per 300,000 recvs)
             if isinstance(w, _P2PDiscard):
                 return          # the refused recv's message
             w.handle.cancel()
@@ -1172,7 +1174,7 @@ class Engine:
             for w in dq:
                 if isinstance(w, _P2PWaiter) and not w.future.done():
                     exc = self._p2p_dropped_error(src, tag)
-                    dq.remove(w)
+                    self._p2p_unwait(key, w)
                     w.handle.cancel()
                     w.future.set_exception(exc)
                     return
@@ -1217,9 +1219,7 @@ class Engine:
             probe = loop.call_later(self.probe_after_s, ask)
 
         def expire():
-            dq = self._p2p_waiters.get(key)
-            if dq is not None and w in dq:
-                dq.remove(w)
+            self._p2p_unwait(key, w)
             if not fut.done():
                 fut.set_exception(CollectiveTimeout(
                     f"recv from rank {src_world} tag {tag} timed out after {timeout_s:g} s",
@@ -1230,14 +1230,20 @@ class Engine:
         try:
             return await fut
         except asyncio.CancelledError:
-            dq = self._p2p_waiters.get(key)
-            if dq is not None and w in dq:
-                dq.remove(w)
+            self._p2p_unwait(key, w)
             w.handle.cancel()
             raise
         finally:
             if probe is not None:
                 probe.cancel()
+
+    def _p2p_unwait(self, key: tuple[str, int, int], w) -> None:
+        """Take recv ``w`` out of the ones waiting for ``key``; the key goes with its last."""
+        dq = self._p2p_waiters.get(key)
+        if dq is not None and w in dq:
+            dq.remove(w)
+            if not dq:
+                del self._p2p_waiters[key]
 
     def _keep(self, task: asyncio.Task) -> None:
         self._tasks.add(task)
