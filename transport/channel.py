@@ -451,6 +451,7 @@ class ControlServer:
         # re-verifier's find)
         self._turns_first: collections.deque[bytes] = collections.deque()
         self._waiting_total = 0
+        self._first_run = 0     # turns in a row taken by preferred clients
         self.prefer: Callable[[str], bool] | None = None
         self._wakeup: asyncio.Future | None = None
         self._full_log = LogBudget()
@@ -476,7 +477,14 @@ class ControlServer:
     def next_nowait(self) -> Inbound | Disconnected | None:
         """The next request or disconnect notice, None when nothing waits: each client's in the
         order they came, the clients with something waiting taking turns."""
-        turns = self._turns_first or self._turns
+        # members first, but every _FIRST_TURNS-th turn goes to another client: a member sending
+        # requests without pause (its own client's bug) cannot hold the others off for ever
+        if self._turns_first and (self._first_run < _FIRST_TURNS or not self._turns):
+            turns = self._turns_first
+            self._first_run += 1
+        else:
+            turns = self._turns
+            self._first_run = 0
         if not turns:
             return None
         ident_b = turns.popleft()
@@ -786,6 +794,7 @@ def _ipc_in_use(address: str) -> str | None:
 SEND_PIPE_MESSAGES = 16                 # replies ZeroMQ queues for one client
 MAX_WAITING_REQUESTS = 10_000           # requests of one client waiting for the coordinator
 MAX_WAITING_TOTAL = 200_000             # and of all clients together (but members of jobs)
+_FIRST_TURNS = 8                        # turns of preferred clients before one of another
 _READS_BEFORE_YIELD = 64                # messages the reader takes before it lets others run
 BACKLOG_MAX_NBYTES = 64 * 1024 * 1024   # and this server holds for it beyond those
 BACKLOG_MAX_MESSAGES = 100_000

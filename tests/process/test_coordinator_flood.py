@@ -464,3 +464,24 @@ def test_a_client_flooding_the_daemon_does_not_hold_up_the_others(coordinator, w
     assert took < 3, took
     assert grew < 512 << 20, grew >> 20
     assert coordinator.proc.poll() is None
+
+
+async def test_members_take_their_turns_first_but_never_hold_the_others_off():
+    # members of formed jobs go first (a flood over 6,000 connections made a job's heartbeats
+    # wait past their timeout), yet a member sending without pause cannot starve the others (a
+    # re-verifier's reading): every 8 turns of members, one of another client
+    from transport.channel import ControlServer, Inbound
+
+    srv = ControlServer("tcp://127.0.0.1:0")
+    try:
+        srv.prefer = lambda identity: identity.startswith("member")
+        for i in range(20):
+            srv._put(b"member", Inbound("member", {"i": i}))
+        for i in range(3):
+            srv._put(b"other", Inbound("other", {"i": i}))
+        order = []
+        while (item := srv.next_nowait()) is not None:
+            order.append("M" if item.identity == "member" else "o")
+        assert "".join(order) == "MMMMMMMMoMMMMMMMMoMMMMo"
+    finally:
+        await srv.aclose()
