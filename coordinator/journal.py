@@ -15,8 +15,16 @@ On-disk layout (all integers little-endian)::
                             a sequence of frames, appended through one O_APPEND descriptor
 
     frame  = header (14 bytes) + payload
-    header = u8 magic 0xA5 | u8 version 1 | u32 payload length | u32 crc32(payload)
+    header = u8 magic 0xA5 | u8 version | u32 payload length | u32 payload crc
              | u32 crc32(the first 10 header bytes)
+
+The snapshot's frame is of version 1: its payload crc is ``crc32(payload)``. A segment's frames
+are of version 2, chained: the payload crc is ``crc32(payload)`` continued from the crc of the
+frame before it in the segment (zlib's running crc, ``crc32(payload, previous)``), the first
+frame's from ``segment_chain_seed(g)``; so a whole valid frame removed, repeated or moved fails
+the check of the frame after it (they replayed without a word before: a breaker's find), and one
+copied from another segment fails too. Version-1 frames in a segment (written before the chain)
+are still read; the chain goes on from their crc.
 
 Generations: the snapshot that covers generation ``G`` holds the effect of every record in every
 segment ``g <= G``. Replay reads the snapshot (``G = 0`` without one) and then the segments
@@ -73,12 +81,16 @@ __all__ = [
     "MAX_SNAPSHOT_NBYTES",
     "FRAME_HEADER_NBYTES",
     "encode_frame",
+    "encode_chained",
+    "segment_chain_seed",
 ]
 
 log = structlog.get_logger(__name__)
 
 MAGIC = 0xA5
-VERSION = 1
+VERSION = 1          # the snapshot's frame (and segments written before the chain)
+CHAINED_VERSION = 2  # segment frames, each crc chained to the frame before it
+_VERSIONS = (VERSION, CHAINED_VERSION)
 _HEADER = struct.Struct("<BBIII")
 _HEADER_CRC_SPAN = 10  # magic, version, length, payload crc: what the header crc covers
 FRAME_HEADER_NBYTES = _HEADER.size  # 14
@@ -107,6 +119,27 @@ def encode_frame(payload: bytes | bytearray | memoryview) -> bytes:
     crc = zlib.crc32(payload)
     head = struct.pack("<BBII", MAGIC, VERSION, nbytes, crc)
     return head + struct.pack("<I", zlib.crc32(head)) + bytes(payload)
+
+
+def segment_chain_seed(generation: int) -> int:
+    """The crc the first frame of segment ``generation`` chains from (see the module doc)."""
+    return zlib.crc32(b"rtxnet-journal-segment:" + struct.pack("<Q", generation))
+
+
+def encode_chained(payload: bytes | bytearray | memoryview, previous: int) -> tuple[bytes, int]:
+    """Frame ``payload`` as a segment frame after a frame of crc ``previous`` (or after
+    :func:`segment_chain_seed` for a segment's first); returns the frame and its crc, the next
+    frame's ``previous``.
+
+    Raises:
+        JournalError: the payload does not fit the u32 length field.
+    """
+    nbytes = len(payload)
+    if nbytes > 0xFFFFFFFF:
+        raise JournalError(f"frame payload of {nbytes} bytes exceeds the u32 length field")
+    crc = zlib.crc32(payload, previous)
+    head = struct.pack("<BBII", MAGIC, CHAINED_VERSION, nbytes, crc)
+    return head + struct.pack("<I", zlib.crc32(head)) + bytes(payload), crc
 
 
 def _is_journal_file(name: str) -> bool:
@@ -192,23 +225,27 @@ def _segment_name(generation: int) -> str:
 class _Scan:
     """What reading one segment found: good records, where they end, and a torn tail if any."""
 
-    __slots__ = ("records", "valid_nbytes", "torn_offset", "torn_nbytes", "torn_reason")
+    __slots__ = ("records", "valid_nbytes", "torn_offset", "torn_nbytes", "torn_reason", "chain")
 
     def __init__(self) -> None:
         self.records: list[bytes] = []
+        self.chain: int | None = None   # the crc the next frame chains from
         self.valid_nbytes = 0
         self.torn_offset: int | None = None
         self.torn_nbytes = 0
         self.torn_reason = ""
 
 
-def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
+def _scan_frames(data: bytes, path: str, max_payload_nbytes: int, chain: int | None = None) -> _Scan:
     """Split ``data`` into frames; classify a bad final frame as torn, any other as corrupt.
+    ``chain``: a segment's :func:`segment_chain_seed` (its version-2 frames are checked as a
+    chain); None for the snapshot (version 1 only).
 
     Raises:
         JournalCorruptError: a frame before the tail fails a check (``exc.offset`` is its start).
     """
     scan = _Scan()
+    versions = _VERSIONS if chain is not None else (VERSION,)
     view = memoryview(data)
     total = len(data)
     offset = 0
@@ -219,7 +256,7 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
             head = view[offset:].tobytes()
             if head.count(0) == remaining:
                 torn_reason = "zero_filled_tail"
-            elif head[0] == MAGIC and (remaining < 2 or head[1] == VERSION):
+            elif head[0] == MAGIC and (remaining < 2 or head[1] in versions):
                 torn_reason = "header_cut_short"   # an append's first bytes: the marker
             else:
                 # not the start of a record (a tester's find: "hello" after the last record was
@@ -234,7 +271,7 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
             magic, version, length, crc, header_crc = _HEADER.unpack_from(view, offset)
             header_ok = (
                 magic == MAGIC
-                and version == VERSION
+                and version in versions
                 and zlib.crc32(view[offset : offset + _HEADER_CRC_SPAN]) == header_crc
             )
             if not header_ok:
@@ -242,10 +279,11 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
                 # anything else in a header is damage, not an interrupted append.
                 if view[offset:].tobytes().count(0) == remaining:
                     torn_reason = "zero_filled_tail"
-                elif magic == MAGIC and version != VERSION:
+                elif magic == MAGIC and version not in versions:
                     raise JournalCorruptError(
                         f"journal {path}: the record at offset {offset} is of journal format "
-                        f"version {version}; this coordinator reads version {VERSION} (written by "
+                        f"version {version}; this coordinator reads versions "
+                        f"{'/'.join(map(str, versions))} (written by "
                         f"another version of rtxnet: run that one, or move the folder aside)",
                         path=path,
                         offset=offset,
@@ -271,17 +309,23 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
                     torn_reason = "payload_cut_short"
                 else:
                     payload = view[offset + FRAME_HEADER_NBYTES : end]
-                    if zlib.crc32(payload) != crc:
+                    chained = version == CHAINED_VERSION
+                    expected = zlib.crc32(payload, chain) if chained else zlib.crc32(payload)
+                    if expected != crc:
                         if end != total:
+                            why = (" (or does not follow the record before it: a record removed, "
+                                   "repeated or moved)" if chained else "")
                             raise JournalCorruptError(
                                 f"journal {path}: record at offset {offset} "
-                                f"({length} bytes) fails its CRC",
+                                f"({length} bytes) fails its CRC{why}",
                                 path=path,
                                 offset=offset,
                             )
                         torn_reason = "crc_mismatch_last_record"
                     else:
                         scan.records.append(payload.tobytes())
+                        if chain is not None:
+                            chain = crc
                         offset = end
                         continue
         scan.torn_offset = offset
@@ -289,6 +333,7 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int) -> _Scan:
         scan.torn_reason = torn_reason
         break
     scan.valid_nbytes = offset
+    scan.chain = chain
     return scan
 
 
@@ -358,6 +403,7 @@ class Journal:
         # Loop-thread side: records are framed into _pending, sealed into batches that the
         # writer (worker thread or a blocking call) drains in order under _io_lock.
         self._pending = bytearray()
+        self._chain = 0   # the crc the next appended frame chains from (set by open)
         self._sealed: collections.deque[tuple[int, bytearray]] = collections.deque()
         self._appended_seq = 0
         self._durable_seq = 0
@@ -472,8 +518,11 @@ class Journal:
             records: list[bytes] = []
             nbytes = 0
             torn: tuple[Path, _Scan] | None = None
-            for index, (_, path) in enumerate(live):
-                scan = _scan_frames(path.read_bytes(), str(path), self._max_record_nbytes)
+            chain = None
+            for index, (generation, path) in enumerate(live):
+                scan = _scan_frames(path.read_bytes(), str(path), self._max_record_nbytes,
+                                    segment_chain_seed(generation))
+                chain = scan.chain
                 if scan.torn_offset is not None:
                     if index != len(live) - 1:
                         raise JournalCorruptError(
@@ -526,9 +575,11 @@ class Journal:
                 changed_dir = True
             if live:
                 self._generation = live[-1][0]
+                self._chain = chain if chain is not None else segment_chain_seed(self._generation)
                 self._fd = os.open(self.segment_path, os.O_WRONLY | os.O_APPEND)
             else:
                 self._generation = covered + 1
+                self._chain = segment_chain_seed(self._generation)
                 self._fd = os.open(
                     self.segment_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644
                 )
@@ -608,12 +659,13 @@ class Journal:
             raise JournalError(
                 f"record of {nbytes} bytes exceeds max_record_nbytes({self._max_record_nbytes})"
             )
-        crc = zlib.crc32(record)
-        head = struct.pack("<BBII", MAGIC, VERSION, nbytes, crc)
+        crc = zlib.crc32(record, self._chain)     # (see encode_chained; in place here)
+        head = struct.pack("<BBII", MAGIC, CHAINED_VERSION, nbytes, crc)
         pending = self._pending
         pending += head
         pending += struct.pack("<I", zlib.crc32(head))
         pending += record
+        self._chain = crc
         self._appended_seq += 1
         self._records_since_snapshot += 1
         self._bytes_since_snapshot += FRAME_HEADER_NBYTES + nbytes
@@ -752,6 +804,7 @@ class Journal:
                     fsync_dir(self._dir)
                 old_fd, self._fd = self._fd, new_fd
                 self._generation = new_generation
+                self._chain = segment_chain_seed(new_generation)
                 if old_fd is not None:
                     os.close(old_fd)
                 for generation, path in self._list_segments():

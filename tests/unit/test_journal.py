@@ -26,7 +26,9 @@ from coordinator.journal import (
     SNAPSHOT_NAME,
     SNAPSHOT_TMP_NAME,
     Journal,
+    encode_chained,
     encode_frame,
+    segment_chain_seed,
 )
 from transport.errors import JournalCorruptError, JournalError
 
@@ -37,6 +39,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def segment(directory: Path, generation: int) -> Path:
     return directory / f"journal-{generation:020d}.log"
+
+
+def chained(records: list[bytes], generation: int = 1) -> bytes:
+    """The bytes of a segment of ``generation`` holding ``records`` (frames chained)."""
+    out, crc = b"", segment_chain_seed(generation)
+    for r in records:
+        frame, crc = encode_chained(r, crc)
+        out += frame
+    return out
 
 
 def frame_offsets(records: list[bytes]) -> list[int]:
@@ -80,7 +91,7 @@ async def test_append_flush_reopen_round_trip(tmp_path: Path) -> None:
     assert j.pending_records == 0
     assert j.records_since_snapshot == len(RECORDS)
     assert j.bytes_since_snapshot == sum(FRAME_HEADER_NBYTES + len(r) for r in RECORDS)
-    assert segment(d, 1).read_bytes() == b"".join(encode_frame(r) for r in RECORDS)
+    assert segment(d, 1).read_bytes() == chained(RECORDS)
     j.close()
 
     j = Journal(d)
@@ -97,7 +108,7 @@ def test_flush_sync_and_close_make_records_durable(tmp_path: Path) -> None:
     j.open()
     j.append(b"a")
     j.flush_sync()
-    assert segment(tmp_path, 1).read_bytes() == encode_frame(b"a")
+    assert segment(tmp_path, 1).read_bytes() == chained([b"a"])
     j.append(b"b")  # not flushed: close() writes it
     j.close()
     j.close()  # idempotent
@@ -212,7 +223,7 @@ async def test_concurrent_flushes_share_fsyncs(tmp_path: Path, monkeypatch) -> N
             j.append(record)
             await j.flush()
             # Acknowledged means on disk, not just appended.
-            assert encode_frame(record) in seg.read_bytes()
+            assert record in seg.read_bytes()
 
     await asyncio.gather(*(writer(w) for w in range(writers)))
     total = writers * rounds
@@ -848,8 +859,44 @@ def test_a_record_of_another_journal_version_is_named_as_such(tmp_path):
     write_journal(tmp_path, [b"one", b"two"])
     seg = segment(tmp_path, 1)
     data = bytearray(seg.read_bytes())
-    data[1] = 2                      # the first record's version byte
+    data[1] = 3                      # the first record's version byte
     seg.write_bytes(bytes(data))
-    with pytest.raises(JournalCorruptError, match=r"the record at offset 0 is of journal format version 2; "
-                                                  r"this coordinator reads version 1"):
+    with pytest.raises(JournalCorruptError, match=r"the record at offset 0 is of journal format version 3; "
+                                                  r"this coordinator reads versions 1/2"):
         Journal(tmp_path).open()
+
+
+@pytest.mark.parametrize("edit", ["remove", "repeat", "swap", "from-another-segment"])
+def test_a_whole_valid_record_removed_repeated_or_moved_is_named_not_replayed(tmp_path: Path, edit) -> None:
+    # A breaker's find: the frames carried no sequence, so whole valid frames removed or repeated
+    # by hand (or by a faulty copy) replayed without a word. Each frame's crc is chained to the one
+    # before it in its segment, so the frame after the edit fails its check, naming its offset.
+    records = [b"a" * 5, b"bb" * 5, b"ccc" * 5, b"dddd" * 5]
+    write_journal(tmp_path, records)
+    data = segment(tmp_path, 1).read_bytes()
+    offs = frame_offsets(records) + [len(data)]
+    frames = [data[offs[i]:offs[i + 1]] for i in range(len(records))]
+    if edit == "remove":
+        bad, at = frames[0] + frames[2] + frames[3], offs[1]
+    elif edit == "repeat":
+        bad, at = frames[0] + frames[1] + frames[1] + frames[2] + frames[3], offs[2]
+    elif edit == "swap":
+        bad, at = frames[0] + frames[2] + frames[1] + frames[3], offs[1]
+    else:
+        bad, at = chained([b"x"], generation=7) + frames[1] + frames[2] + frames[3], 0
+    segment(tmp_path, 1).write_bytes(bad)
+    with pytest.raises(JournalCorruptError) as info:
+        Journal(tmp_path).open()
+    assert (info.value.path, info.value.offset) == (str(segment(tmp_path, 1)), at), info.value
+    assert "(or does not follow the record before it: a record removed, repeated or moved)" in str(info.value)
+
+
+def test_a_segment_of_unchained_frames_is_read_and_appended_to(tmp_path: Path) -> None:
+    # a journal written before the chain (version-1 frames) replays as before, and the records
+    # appended after it chain on from its last frame
+    segment(tmp_path, 1).write_bytes(encode_frame(b"old-1") + encode_frame(b"old-2"))
+    with Journal(tmp_path) as j:
+        assert j.open() == (None, [b"old-1", b"old-2"])
+        j.append(b"new")
+        j.flush_sync()
+    assert reopen(tmp_path) == (None, [b"old-1", b"old-2", b"new"])
