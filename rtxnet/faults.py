@@ -68,6 +68,8 @@ POINTS = ("step", "collective", "checkpoint", "sync", "rendezvous")
 _INT_FIELDS = {"step", "collective", "seed"}
 _FLOAT_FIELDS = {"seconds", "ms", "after"}
 _MAX_INT = 2**63 - 1   # (a step or count beyond int64 could never come)
+# names the file rtxnet-run keeps the running coordinator's "pid create_time" in (_running_coordinator)
+COORDINATOR_PIDFILE_ENV = "RTXNET_COORDINATOR_PIDFILE"
 # the fields each kind takes (beyond rank, at, step and collective, which every kind takes): a
 # field a kind ignored was taken silently, and the run tested another plan than it said (a
 # breaker's find: delay:...:step=5 delayed every step)
@@ -439,7 +441,7 @@ def _running_coordinator(started_with: int) -> int | None:
     (``RTXNET_COORDINATOR_PIDFILE``: "pid create_time", rewritten at each restart) when a process
     of that pid and start time runs, else None (gone, or being restarted); ``started_with``
     (``RTXNET_COORDINATOR_PID``, the one of this rank's start) where no pid file is given."""
-    path = os.environ.get("RTXNET_COORDINATOR_PIDFILE")
+    path = os.environ.get(COORDINATOR_PIDFILE_ENV)
     if not path:
         return started_with
     import psutil

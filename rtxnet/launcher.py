@@ -80,6 +80,7 @@ from transport.shm import remove_segments
 from transport.wire import CLAIM_STALE_S, MAX_JOB_ID, MAX_TOKEN, last_committed
 
 from . import _zygote, errorfile
+from .faults import COORDINATOR_PIDFILE_ENV
 
 __all__ = ["main", "start_coordinator"]
 
@@ -313,16 +314,18 @@ _WORKING_CPU_S = 0.25
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """User and system CPU seconds process ``pid`` has used (``/proc/PID/stat``); None when it
-    cannot be read (gone, not Linux). A stopped process (``T``) counts as using none."""
+    """User and system CPU seconds process ``pid`` has used (psutil); None when it cannot be
+    read (gone). A stopped process counts as using none."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        p = psutil.Process(pid)
+        if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return 0.0
+        t = p.cpu_times()
+    except psutil.Error:
         return None
-    if fields[0] in ("T", "t"):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return t.user + t.system
 
 
 def _kill(proc) -> None:
@@ -1965,9 +1968,9 @@ def _sweep_left_behind() -> None:
             pass
 
 
-# the running coordinator's "pid create_time", in the error folder (Launcher._note_coordinator_pid)
+# the running coordinator's "pid create_time", in the error folder (Launcher._note_coordinator_pid),
+# named to the ranks by faults.COORDINATOR_PIDFILE_ENV
 COORDINATOR_PIDFILE = "coordinator.pid"
-COORDINATOR_PIDFILE_ENV = "RTXNET_COORDINATOR_PIDFILE"
 
 
 def _error_dir() -> str:

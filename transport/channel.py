@@ -450,6 +450,7 @@ class ControlServer:
         # 6,000 connections still made a job's heartbeats wait past their timeout (a
         # re-verifier's find)
         self._turns_first: collections.deque[bytes] = collections.deque()
+        self._first_ids: set[bytes] = set()   # the clients whose queue is in _turns_first
         self._waiting_total = 0
         self._first_run = 0     # turns in a row taken by preferred clients
         self.prefer: Callable[[str], bool] | None = None
@@ -495,6 +496,7 @@ class ControlServer:
             turns.append(ident_b)
         else:
             del self._inbox[ident_b]
+            self._first_ids.discard(ident_b)
         return item
 
     def _put(self, ident_b: bytes, item: Inbound | Disconnected) -> None:
@@ -503,12 +505,13 @@ class ControlServer:
         dropped, logged within a budget (a disconnect notice never is); its client hears nothing
         and its request times out."""
         waiting = self._inbox.get(ident_b)
-        first = waiting is None and self.prefer is not None and self.prefer(
-            ident_b.decode("utf-8", "surrogateescape"))
+        if waiting is None:
+            first = self.prefer is not None and self.prefer(item.identity)
+        else:
+            first = ident_b in self._first_ids
         if isinstance(item, Inbound) and (
                 (waiting is not None and len(waiting) >= MAX_WAITING_REQUESTS)
-                or (self._waiting_total >= MAX_WAITING_TOTAL and not first
-                    and not (waiting is not None and ident_b in self._turns_first))):
+                or (self._waiting_total >= MAX_WAITING_TOTAL and not first)):
             ok, dropped = self._full_log.allow()
             if ok:
                 log.warning("request_dropped", identity=_short(repr(ident_b)),
@@ -519,6 +522,8 @@ class ControlServer:
         if waiting is None:
             waiting = self._inbox[ident_b] = collections.deque()
             (self._turns_first if first else self._turns).append(ident_b)
+            if first:
+                self._first_ids.add(ident_b)
         waiting.append(item)
         self._waiting_total += 1
         if self._wakeup is not None and not self._wakeup.done():

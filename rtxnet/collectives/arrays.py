@@ -125,20 +125,29 @@ class Buffer:
             np.copyto(self.array, self.flat.reshape(self.array.shape))
 
 
+# copies from this size on are checked against the memory available first (smaller ones are
+# not: reading /proc/meminfo on every non-contiguous collective cost more than their copy)
+_CHECK_MEMORY_FROM_NBYTES = 1 << 30
+
+
+def _available_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def _contiguous_copy(a: np.ndarray) -> np.ndarray:
     """A flat contiguous copy of the non-contiguous ``a`` (``a.nbytes`` bytes of host memory).
 
     Raises:
-        ValueError: the copy needs more memory than the host has available now (psutil's
-            ``virtual_memory().available``), or its allocation failed: an input expanded with a
+        ValueError: the copy, of 1 GiB or more, needs more memory than the host has available
+            now (psutil's ``virtual_memory().available``), or its allocation failed: an input expanded with a
             stride of 0 (``torch.ones(1).expand(2**40)``: 4 TiB) is the usual cause; the message
             names its shape, strides and size.
     """
-    import psutil
-
-    available = psutil.virtual_memory().available
     why = ""
-    if a.nbytes > available:
+    available = _available_memory() if a.nbytes >= _CHECK_MEMORY_FROM_NBYTES else None
+    if available is not None and a.nbytes > available:
         why = f"more than the {available} bytes of memory available"
     else:
         try:

@@ -917,7 +917,8 @@ class Engine:
         log.warning("next_message_lost_on_purpose")
 
     def _hold(self, h: DataHeader, payload, frame) -> None:
-        """Keep a message that came during a partition (see :meth:`partition`)."""
+        """Keep a message that came during a partition (see :meth:`partition`), until
+        :meth:`_release_held` takes them all at the cut's end."""
         if self._partitioned_until == float("inf") or len(self._held) >= _MAX_FUTURE_MSGS:
             return
         self._held.append((h, payload, frame))
@@ -926,23 +927,23 @@ class Engine:
             self._held_release = asyncio.get_running_loop().call_later(delay, self._release_held)
 
     def _release_held(self) -> None:
+        """The cut's end: take the held messages in order, and stop holding."""
         self._held_release = None
-        if self._partitioned_until and time.monotonic() < self._partitioned_until:
-            delay = self._partitioned_until - time.monotonic()   # cut again meanwhile
-            self._held_release = asyncio.get_running_loop().call_later(delay, self._release_held)
+        left = self._partitioned_until - time.monotonic()
+        if left > 0:    # cut again meanwhile
+            self._held_release = asyncio.get_running_loop().call_later(left, self._release_held)
             return
         held, self._held = self._held, []
+        self._partitioned_until = 0.0
         log.warning("data_plane_partition_ended", delivered=len(held))
         for h, payload, frame in held:
             self._on_message(h, payload, frame)
 
     def _on_message(self, h: DataHeader, payload, frame) -> None:
-        if self._partitioned_until and (self._held or time.monotonic() < self._partitioned_until):
-            if self._held and time.monotonic() >= self._partitioned_until and self._held_release is None:
-                self._release_held()      # (in order: after those held)
-            else:
-                self._hold(h, payload, frame)
-                return
+        if self._partitioned_until:
+            # cut, or its end not taken yet: held behind those before it (see partition)
+            self._hold(h, payload, frame)
+            return
         v = self.view
         if v is None or h.epoch > v.epoch:
             if len(self._future_msgs) < _MAX_FUTURE_MSGS:
