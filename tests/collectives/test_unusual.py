@@ -294,6 +294,10 @@ async def a_lost_message(engine, algo):
             handler(h, payload, frame)
 
         engine._mesh._handler = losing
+        for peer in (0, 2):      # the others start once it is in place (a point-to-point message:
+            await g.send(np.ones(1), peer, tag=99)   # the collectives' numbers stay as they are)
+    else:
+        await g.recv(np.zeros(1), 1, tag=99, timeout=30)
     x = np.ones(100_000, np.float32)
     out = {}
     t = asyncio.get_running_loop().time()
@@ -341,6 +345,7 @@ async def lost_sends(engine):
     g = w.new_group([0, 1])
     engine.probe_after_s = 0.3
     if w.rank == 0:
+        await w.barrier(timeout=20)      # rank 1's losing handler in place
         for tag, value in ((5, 1.0), (7, 2.0), (7, 3.0)):
             await w.send(np.full(4, value), 1, tag=tag)
         await g.send(np.full(4, 9.0), 1, tag=5)
@@ -357,6 +362,7 @@ async def lost_sends(engine):
         handler(h, payload, frame)
 
     engine._mesh._handler = losing
+    await w.barrier(timeout=20)
     out = []
     x = np.zeros(4)
     for group, tag in ((w, 5), (w, 7), (w, 7), (g, 5)):

@@ -410,12 +410,16 @@ def test_the_daemon_raises_its_open_files_limit_so_idle_connections_do_not_keep_
         c.stop()
 
 
-def _flood_then_ask(address: str, sockets: int, per_socket: int, blob: bytes) -> float:
+def _flood_then_ask(coordinator, sockets: int, per_socket: int, blob: bytes) -> float:
     """Queue ``per_socket`` copies of ``blob`` on each of ``sockets`` connections (never reading
-    an answer), then time a fresh client's status request; the floods are closed (their unsent
-    part dropped) at the end."""
+    an answer), then, once the daemon is busy with them, time a fresh client's status request;
+    the floods are closed (their unsent part dropped) at the end."""
+    import psutil
     import zmq
 
+    address = coordinator.address
+    daemon = psutil.Process(coordinator.proc.pid)
+    cpu_before = sum(daemon.cpu_times()[:2])
     ctx = zmq.Context()
     floods = []
     try:
@@ -429,7 +433,8 @@ def _flood_then_ask(address: str, sockets: int, per_socket: int, blob: bytes) ->
         for _ in range(per_socket):
             for f in floods:
                 f.send(blob)
-        time.sleep(0.5)                           # the daemon busy with them
+        procs.wait_until(lambda: sum(daemon.cpu_times()[:2]) - cpu_before > 0.2, 30,
+                         "the daemon busy with the flood")
         with procs.dealer(address, timeout_s=60) as d:
             t0 = time.monotonic()
             d.send(encode(wire.make("status", rid=7)))
@@ -455,9 +460,9 @@ def test_a_client_flooding_the_daemon_does_not_hold_up_the_others(coordinator, w
     daemon = psutil.Process(coordinator.proc.pid)
     before = daemon.memory_info().rss
     if what == "status":
-        took = _flood_then_ask(coordinator.address, 10, 20_000, encode(wire.make("status", rid=1)))
+        took = _flood_then_ask(coordinator, 10, 20_000, encode(wire.make("status", rid=1)))
     else:
-        took = _flood_then_ask(coordinator.address, 1, 300_000, b"\xc1\xc1\xc1")
+        took = _flood_then_ask(coordinator, 1, 300_000, b"\xc1\xc1\xc1")
     grew = daemon.memory_info().rss - before
     # the fresh client's turn came at once: 10 ms here, where the whole flood came first before
     # (7.3 s for the status flood, 9.3 s for the garbage, on idle cores)

@@ -2553,9 +2553,8 @@ def test_a_kill_coordinator_fault_kills_the_coordinator_restarted_after_an_outsi
     pids: list[int] = []
 
     def kill_when_ready(pid: int) -> None:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        procs.wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in range(2)), 60,
+                         "both ranks through their first collective")
         os.kill(pid, signal.SIGKILL)       # the coordinator this test saw start, by its pid
 
     def on_line(line: str, launcher: subprocess.Popen) -> None:
