@@ -103,17 +103,16 @@ import torch
 from rtxnet.collectives import ReduceOp
 from rtxnet.config import is_seconds
 from transport.errors import (
-    ClosedError,
     CollectiveError,
     CollectiveMismatchError,
     ConfigError,
-    PeerLostError,
     ProtocolError,
     RtxError,
     RtxTimeoutError,
     TransportError,
 )
 
+from ..elastic import RECOVERABLE
 from ._world import StepWorld, group_size, step_size
 from .ddp import DistributedDataParallel
 
@@ -139,8 +138,6 @@ _STALE = 2
 # CollectiveError too, so every stage redoes it (a re-verifier's find: a lost send made the
 # others raise ConfigError, which ended the job)
 _TRANSIENT = 3
-# the errors that are: rtxnet.elastic.RECOVERABLE
-_RECOVERABLE = (PeerLostError, ClosedError, RtxTimeoutError, CollectiveError)
 # _abort_up's tensor dtype for such a failure (a gradient is never int8, nor uint8, nor bool)
 _TRANSIENT_UP_DTYPE = torch.int8
 _STALE_BASE = 1 << 31   # _agree's stale flag: (rank + 1) * _STALE_BASE + stage
@@ -613,7 +610,7 @@ class PipelineSchedule:
         # rank: its schedule kind * (2**20 + 1) + M]: MAX keeps one stale stage's pair whole
         flag = torch.zeros(2 + st.num_stages, dtype=torch.int64)
         # (a failure the step's retry does not answer counts above any that it does: MAX keeps it)
-        flag[0] = (st.stage_index + 1 + (0 if isinstance(failure, _RECOVERABLE) else _STALE_BASE)
+        flag[0] = (st.stage_index + 1 + (0 if isinstance(failure, RECOVERABLE) else _STALE_BASE)
                    if own and not stale else 0)
         flag[1] = (rank + 1) * _STALE_BASE + st.stage_index if stale else 0
         kind, M = self._plan()
@@ -654,7 +651,7 @@ class PipelineSchedule:
         st = self.stage
         forwards = sum(t.startswith("F") for t in self.trace)
         backwards = len(self.trace) - forwards
-        transient = isinstance(exc, _RECOVERABLE)
+        transient = isinstance(exc, RECOVERABLE)
         st._abort_down(self._step_no, forwards, st.stage_index, refused_input=refused_input,
                        transient=transient)
         st._abort_up(self._step_no, backwards, transient=transient)
