@@ -113,12 +113,20 @@ def encode_frame(payload: bytes | bytearray | memoryview) -> bytes:
     Raises:
         JournalError: the payload does not fit the u32 length field.
     """
+    return _frame_header(VERSION, payload, zlib.crc32(payload)) + bytes(payload)
+
+
+def _frame_header(version: int, payload: bytes | bytearray | memoryview, crc: int) -> bytes:
+    """The 14-byte header of a frame of ``version`` holding ``payload`` of crc ``crc``.
+
+    Raises:
+        JournalError: the payload does not fit the u32 length field.
+    """
     nbytes = len(payload)
     if nbytes > 0xFFFFFFFF:
         raise JournalError(f"frame payload of {nbytes} bytes exceeds the u32 length field")
-    crc = zlib.crc32(payload)
-    head = struct.pack("<BBII", MAGIC, VERSION, nbytes, crc)
-    return head + struct.pack("<I", zlib.crc32(head)) + bytes(payload)
+    head = struct.pack("<BBII", MAGIC, version, nbytes, crc)
+    return head + struct.pack("<I", zlib.crc32(head))
 
 
 def segment_chain_seed(generation: int) -> int:
@@ -134,12 +142,8 @@ def encode_chained(payload: bytes | bytearray | memoryview, previous: int) -> tu
     Raises:
         JournalError: the payload does not fit the u32 length field.
     """
-    nbytes = len(payload)
-    if nbytes > 0xFFFFFFFF:
-        raise JournalError(f"frame payload of {nbytes} bytes exceeds the u32 length field")
     crc = zlib.crc32(payload, previous)
-    head = struct.pack("<BBII", MAGIC, CHAINED_VERSION, nbytes, crc)
-    return head + struct.pack("<I", zlib.crc32(head)) + bytes(payload), crc
+    return _frame_header(CHAINED_VERSION, payload, crc) + bytes(payload), crc
 
 
 def _is_journal_file(name: str) -> bool:
@@ -659,12 +663,9 @@ class Journal:
             raise JournalError(
                 f"record of {nbytes} bytes exceeds max_record_nbytes({self._max_record_nbytes})"
             )
-        crc = zlib.crc32(record, self._chain)     # (see encode_chained; in place here)
-        head = struct.pack("<BBII", MAGIC, CHAINED_VERSION, nbytes, crc)
-        pending = self._pending
-        pending += head
-        pending += struct.pack("<I", zlib.crc32(head))
-        pending += record
+        crc = zlib.crc32(record, self._chain)     # (encode_chained, without copying the record)
+        self._pending += _frame_header(CHAINED_VERSION, record, crc)
+        self._pending += record
         self._chain = crc
         self._appended_seq += 1
         self._records_since_snapshot += 1
