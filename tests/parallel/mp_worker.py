@@ -355,15 +355,16 @@ def pp_case(pg, S: int, sched_cls, M: int, *, steps: int = 1, seed: int = 20) ->
             "n_grads": len(grads), "trace": " ".join(sched.trace), "peak": sched.peak_in_flight}
 
 
-def dp_pp_case(pg, sched_cls, M: int, steps: int = 2) -> dict:
-    """2 replicas x 2 stages on a mesh: each stage wrapped in DistributedDataParallel over "dp",
-    each replica fed its half of the batch, against one process on the whole batch. Before, a
-    DDP stage reduced only one micro-batch's gradient and the replicas drifted apart (M > 1)."""
+def dp_pp_case(pg, sched_cls, M: int, steps: int = 2, wrap: str = "ddp") -> dict:
+    """2 replicas x 2 stages on a mesh: each stage wrapped in DistributedDataParallel (``wrap``
+    "ddp") or FullyShardedDataParallel ("fsdp") over "dp", each replica fed its half of the
+    batch, against one process on the whole batch. Before, a DDP stage reduced only one
+    micro-batch's gradient and the replicas drifted apart (M > 1)."""
     mesh = DeviceMesh(pg, (-1, 2), ("dp", "pp"))
     s, i = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     ref = full_model(22)
-    stage = PipelineStage(DistributedDataParallel(stage_of(ref, s, 2), mesh.get_group("dp")),
-                          mesh.get_group("pp"))
+    wrapper = DistributedDataParallel if wrap == "ddp" else FullyShardedDataParallel
+    stage = PipelineStage(wrapper(stage_of(ref, s, 2), mesh.get_group("dp")), mesh.get_group("pp"))
     sched = sched_cls(stage, M, LOSS)
     n = P_B // 2
     for k in range(steps):
@@ -375,6 +376,11 @@ def dp_pp_case(pg, sched_cls, M: int, steps: int = 2) -> dict:
                    y[i * n:(i + 1) * n] if stage.is_last else None)
         sgd(ref.parameters())
         sgd(stage.parameters())
+    if wrap == "fsdp":      # the stage's parameters are its shards: compare the gathered ones
+        mine = stage_of(ref, s, 2).state_dict()
+        full = stage.module.full_state_dict(rank0_only=False)
+        assert list(full) == list(mine), (list(full), list(mine))
+        return {"param": max(rel(full[k], v) for k, v in mine.items())}
     mine = [p for part in ref[s * 2:(s + 1) * 2] for p in part.parameters()]
     return {"param": max(rel(p, q) for p, q in zip(stage.parameters(), mine, strict=True))}
 
@@ -649,6 +655,8 @@ def main() -> int:
     res["fsdpxtp"] = hybrid_case(pg, "fsdp")
     res["dpxpp"] = {f"{name}/M{M}": dp_pp_case(pg, cls, M)
                     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)) for M in (1, 2, 4)}
+    res["fsdpxpp"] = {f"{name}/M{M}": dp_pp_case(pg, cls, M, wrap="fsdp")
+                      for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)) for M in (1, 4)}
     res["ddp_two_forwards"] = ddp_two_forwards_error(pg)
     run_pp(pg, pair, out, launch_rank, res)     # rank 3 does not come back
     (out / f"mp-rank{launch_rank}.json").write_text(json.dumps(res))

@@ -131,6 +131,15 @@ def test_ddp_replicated_pipeline_stages_match_one_process_for_every_micro_batch_
             assert v["param"] < 1e-5, (case, v)
 
 
+def test_fsdp_sharded_pipeline_stages_match_one_process(tmp_path_factory):
+    # FSDP over a mesh's "dp" group inside each pipeline stage: every micro-batch's backward
+    # reduce-scatters into the shards, which then hold the whole batch's gradient.
+    for r in mp_launch.results(tmp_path_factory):
+        assert set(r["fsdpxpp"]) == {f"{s}/M{m}" for s in ("gpipe", "1f1b") for m in (1, 4)}, r["fsdpxpp"]
+        for case, v in r["fsdpxpp"].items():
+            assert v["param"] < 1e-5, (case, v)
+
+
 def test_ddp_refuses_the_backward_of_a_second_forward_whose_gradient_would_stay_local(tmp_path_factory):
     for r in mp_launch.results(tmp_path_factory):
         e = r["ddp_two_forwards"]
