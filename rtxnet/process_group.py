@@ -548,7 +548,8 @@ class ProcessGroup:
         Args:
             reason: logged by the coordinator (first 500 characters).
             epoch: the epoch the failure happened in: the error's ``epoch`` attribute
-                (``CollectiveTimeout.epoch``, ``CollectiveError.epoch``). Only a request naming
+                (``CollectiveTimeout.epoch``, ``CollectiveError.epoch``, ``ClosedError.epoch``
+                when a new epoch failed the call). Only a request naming
                 the job's current epoch opens a new one, so a rank that calls this after another
                 rank's reform already reached it opens no second epoch. Default: this rank's
                 current epoch (right when no other rank may have reformed meanwhile).

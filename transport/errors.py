@@ -89,7 +89,19 @@ class ConnectError(TransportError):
 
 
 class ClosedError(TransportError):
-    """The object was closed by this process (as opposed to the peer breaking it)."""
+    """The object was closed by this process (as opposed to the peer breaking it), or an
+    operation in flight failed because its group's epoch ended with nobody lost (a reform, a
+    join).
+
+    Attributes:
+        epoch: for an operation failed by a new epoch, the epoch it ran in (else ``None``). A
+            rank whose collective was still waiting for the others' calls when another rank's
+            reform opened the next epoch gets this error where the others got, say,
+            ``CollectiveMismatchError``: ``ProcessGroup.reform(epoch=exc.epoch)`` then waits for
+            the epoch already open instead of opening a second one.
+    """
+
+    epoch: int | None = None
 
 
 class PeerLostError(TransportError):

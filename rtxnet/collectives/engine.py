@@ -660,6 +660,7 @@ class Engine:
                     epoch=view.epoch)
             else:
                 exc = ClosedError(f"membership changed: epoch {old.epoch} -> {view.epoch}")
+                exc.epoch = old.epoch     # for reform(epoch=): waits for the open one
             if leave_grace_s > 0 and self._in_flight():
                 loop = asyncio.get_running_loop()
                 self._deferred = (view, lost, exc)

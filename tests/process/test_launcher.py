@@ -442,6 +442,43 @@ def test_reform_puts_ranks_back_in_step_after_a_lone_timeout(tmp_path):
     assert "[rank0] sum 3.0 epoch 1" in out.stdout and "[rank1] sum 3.0 epoch 1" in out.stdout, out.stdout
 
 
+OVERTAKEN = textwrap.dedent("""
+    import numpy as np, rtxnet
+    pg = rtxnet.init(timeouts=rtxnet.Timeouts(op_s=30))
+    me = pg.rank
+    if me == 2:   # its call waits for the others' when ranks 0 and 1 re-form
+        work = pg.all_reduce(np.ones(4), async_op=True)
+        pg.store.set("waiting", "1")
+        try:
+            work.wait()
+        except rtxnet.ClosedError as exc:
+            print("closed", exc.epoch, "now", pg.epoch, flush=True)
+            pg.reform("overtaken", epoch=exc.epoch)   # the epoch already open: no second one
+    else:
+        pg.store.wait(["waiting"], timeout=30)
+        pg.reform("the others re-form", epoch=0)
+    x = np.full(4, me + 1.0)
+    pg.all_reduce(x, timeout=10.0)
+    print("sum", x[0], "epoch", pg.epoch, flush=True)
+    pg.store.set(f"done/{me}", "1")
+    pg.store.wait([f"done/{r}" for r in range(3)], timeout=30)
+    pg.close()
+""")
+
+
+def test_a_call_overtaken_by_the_others_reform_names_its_epoch_so_reform_opens_no_second(tmp_path):
+    # A tester's find: a rank whose collective still waited for the others' calls when they
+    # re-formed (after a mismatch it had not seen yet) got ClosedError without an epoch, and its
+    # handler's reform opened a second epoch: the ranks fell out of step.
+    script = tmp_path / "overtaken.py"
+    script.write_text(OVERTAKEN)
+    out = run(["--nproc", "3", str(script)], timeout=90)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "[rank2] closed 0 now 1" in out.stdout, out.stdout
+    for r in range(3):
+        assert f"[rank{r}] sum 6.0 epoch 1" in out.stdout, out.stdout
+
+
 def test_compare_set_elects_exactly_one_rank(tmp_path):
     # Every rank writes the same value: exactly one swap (a resend-safety shortcut once told all
     # three they had won).
