@@ -467,7 +467,8 @@ class Group:
                 ``"hierarchical"``, whose bytes across hosts are 1 array each way against the flat
                 ring's 2(n-1)/n (tools/bench/multihost.py, 2 x 2 ranks over a 1 Gbit/s link:
                 149 ms against the ring's 208 ms at 16 MiB, pipelined in 4 MiB chunks from
-                8 MiB); float16/bfloat16 then round at each of its stages.
+                8 MiB); CPU float16/bfloat16 go through its stages as float32 (GPU ones round
+                at each stage).
 
         Returns:
             ``tensor``.
@@ -679,7 +680,7 @@ class Group:
                 position of every host; hosts of unequal counts: reduce the whole input to each
                 host's first rank, reduce_scatter of the hosts' blocks among those, scatter
                 within each host. AVG runs as SUM and divides at the end, float16/bfloat16
-                round at each stage).
+                go through the stages as float32).
             label: as :meth:`all_gather`'s.
 
         Returns:
@@ -1096,15 +1097,20 @@ class Group:
                                        meta: tuple) -> Any:
         """all_reduce as reduce to each host's first rank, all_reduce among those, broadcast
         within each host: the bytes crossing hosts are one array per host instead of one per rank.
-        float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says. ``meta``: the
+        CPU float16/bfloat16 go through the stages as float32 (:func:`_wide`), rounded once at
+        the end; GPU ones round at each stage, AVG as :func:`_avg_plan` says. ``meta``: the
         array's ``(dtype, numel, shape)`` for the signature every rank checks first (see
         :meth:`_hello_first`)."""
         gpu = is_gpu_array(tensor)
         intra, leaders = self._host_groups()
-        sub, pre = _avg_plan(rop, tensor)
         buf = None if gpu else Buffer(tensor)
-        k = 0 if buf is None else min(PIPELINE_MAX_CHUNKS, buf.size * buf.dtype.itemsize // PIPELINE_CHUNK_NBYTES)
+        wide = None if buf is None else _wide(buf.dtype)
         sig = self._sig("all_reduce", "hierarchical", rop, None, *meta)
+        if wide is not None:
+            return await self._collective("all_reduce", timeout, functools.partial(
+                self._wide_hierarchical_all_reduce, tensor, buf, wide, rop, sig, timeout))
+        sub, pre = _avg_plan(rop, tensor)
+        k = 0 if buf is None else min(PIPELINE_MAX_CHUNKS, buf.size * buf.dtype.itemsize // PIPELINE_CHUNK_NBYTES)
 
         async def body(op: Op):
             await self._hello_first(op, sig)
@@ -1124,6 +1130,33 @@ class Group:
             return tensor
 
         return await self._collective("all_reduce", timeout, body)
+
+    async def _wide_hierarchical_all_reduce(self, tensor, buf: Buffer, wide: np.dtype, rop: ReduceOp,
+                                            sig: list, timeout: float | None, op: Op) -> Any:
+        """The hierarchical all_reduce of a CPU float16/bfloat16 ``buf``, its stages on a float32
+        copy (``wide``), so partial sums round once, at the end, as the flat algorithms'; a
+        host's float16 sum overflowed 65504 where the whole sum fits (two ranks of 40000 beside
+        one of -40000: ``inf``, a tester's find). The bytes crossing hosts double, as the ring's,
+        which also moves float32."""
+        await self._hello_first(op, sig)
+        intra, leaders = self._host_groups()
+        nbytes = buf.size * wide.itemsize
+        work = np.empty(buf.size, wide)
+        await off_loop(nbytes, _copy_cast, work, buf.flat)
+        sub = _sum_for_avg(rop)
+        k = min(PIPELINE_MAX_CHUNKS, nbytes // PIPELINE_CHUNK_NBYTES)
+        if k >= 2:
+            await _pipelined_hierarchical(intra, leaders, np.array_split(work, k), sub, timeout)
+        else:
+            await intra.reduce(work, 0, sub, timeout=timeout)
+            if leaders is not None:
+                await leaders.all_reduce(work, sub, timeout=timeout)
+            await intra.broadcast(work, 0, timeout=timeout)
+        if rop is ReduceOp.AVG:
+            await off_loop(nbytes, _divide_in_place, work, self.size)
+        await off_loop(nbytes, _copy_cast, buf.flat, work)
+        buf.commit()
+        return tensor
 
     async def _hello_first(self, op: Op, sig: list) -> None:
         """A hierarchical collective's first step: the signature exchange of this group's
@@ -1218,14 +1251,16 @@ class Group:
         within each host (shared memory), position p keeping the host's partial sums of the H
         parts of rail p, then reduce_scatter of those across hosts within each rail. Each host
         puts ``P (H-1)`` parts on its link, from P ranks at once, against the ring's ``W-1``.
-        float16/bfloat16 round at each stage; AVG as :func:`_avg_plan` says. Hosts of unequal
-        counts: see :meth:`_leader_reduce_scatter`."""
+        float16/bfloat16 go through the stages as float32 (:func:`_wide`), rounded once at the
+        end. Hosts of unequal counts: see :meth:`_leader_reduce_scatter`."""
         if len({len(v) for v in self._by_host().values()}) > 1:
             return await self._leader_reduce_scatter(output, ob, chunks, rop, timeout, sig)
         intra, rail, orders = self._rails()
         hosts, P, _ = self._host_layout()
-        H, n, N, dtype = len(hosts), self.size, ob.size, ob.dtype
-        sub, pre = _avg_plan(rop, ob.flat)
+        H, n, N = len(hosts), self.size, ob.size
+        wide = _wide(ob.dtype)
+        dtype = wide or ob.dtype        # the stages' dtype
+        sub = _sum_for_avg(rop)
         bounds = _chunk_bounds(N, n * N * dtype.itemsize)
 
         async def body(op: Op):
@@ -1237,16 +1272,14 @@ class Group:
             pairs = [(xs[c][(q * H + k) * (hi - lo):(q * H + k + 1) * (hi - lo)], chunks[hosts[i][q]][lo:hi])
                      for c, (lo, hi) in enumerate(bounds) for q in range(P) for k, i in enumerate(orders[q])]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
-            if pre:
-                for x in xs:
-                    _divide_in_place(x, n)
             by_rail = [np.empty(H * (hi - lo), dtype) for lo, hi in bounds]
+            out = ob.flat if wide is None else np.empty(N, wide)
             await _pipelined(
                 [functools.partial(intra.reduce_scatter, by_rail[c], xs[c], sub, timeout=timeout)
                  for c in range(len(bounds))],
-                [functools.partial(rail.reduce_scatter, ob.flat[lo:hi], by_rail[c], sub, timeout=timeout)
+                [functools.partial(rail.reduce_scatter, out[lo:hi], by_rail[c], sub, timeout=timeout)
                  for c, (lo, hi) in enumerate(bounds)])
-            _average_and_commit(ob, sub if pre else rop, n)
+            await _average_and_commit(ob, out, rop, n)
             return output
 
         return await self._collective("reduce_scatter", timeout, body)
@@ -1284,12 +1317,14 @@ class Group:
         """reduce_scatter on hosts of unequal rank counts: reduce of the whole input (in host
         order, padded to the largest host's P parts a host) to each host's first rank,
         reduce_scatter of the hosts' blocks among those, scatter within each host: the bytes
-        crossing hosts are the other hosts' blocks of partial sums, ``(H-1) P`` parts. AVG as
-        :func:`_avg_plan` says."""
+        crossing hosts are the other hosts' blocks of partial sums, ``(H-1) P`` parts.
+        float16/bfloat16 go through the stages as float32 (:func:`_wide`)."""
         intra, leaders = self._host_groups()
         hosts, P, h = self._host_layout()
-        n, N, dtype = self.size, ob.size, ob.dtype
-        sub, pre = _avg_plan(rop, ob.flat)
+        n, N = self.size, ob.size
+        wide = _wide(ob.dtype)
+        dtype = wide or ob.dtype        # the stages' dtype
+        sub = _sum_for_avg(rop)
 
         async def body(op: Op):
             await self._hello_first(op, sig)
@@ -1299,17 +1334,16 @@ class Group:
             pairs = [(x[(i * P + p) * N:(i * P + p + 1) * N], chunks[g])
                      for i, v in enumerate(hosts) for p, g in enumerate(v)]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
-            if pre:
-                _divide_in_place(x, n)
             await intra.reduce(x, 0, sub, timeout=timeout)
+            out = ob.flat if wide is None else np.empty(N, wide)
             if leaders is not None:
                 block = x[h * P * N:(h + 1) * P * N]     # this host's block of the sums
                 await leaders.reduce_scatter(block, x, sub, timeout=timeout)
                 parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
-                await intra.scatter(ob.flat, parts, 0, timeout=timeout)
+                await intra.scatter(out, parts, 0, timeout=timeout)
             else:
-                await intra.scatter(ob.flat, None, 0, timeout=timeout)
-            _average_and_commit(ob, sub if pre else rop, n)
+                await intra.scatter(out, None, 0, timeout=timeout)
+            await _average_and_commit(ob, out, rop, n)
             return output
 
         return await self._collective("reduce_scatter", timeout, body)
@@ -1405,13 +1439,20 @@ async def _copy_out(pairs: list, out_bufs: list) -> None:
         b.commit()
 
 
-@quiet
-def _average_and_commit(ob: Buffer, rop: ReduceOp, n: int) -> None:
-    """A hierarchical reduce_scatter's last step: AVG (run as SUM) divided by the ``n`` ranks,
-    then the output written back."""
+async def _average_and_commit(ob: Buffer, out: np.ndarray, rop: ReduceOp, n: int) -> None:
+    """A hierarchical reduce_scatter's last step: AVG (run as SUM) divided by the ``n`` ranks in
+    ``out`` (``ob.flat``, or the float32 sums of a float16/bfloat16 output), ``out`` rounded
+    into ``ob.flat`` when it is another array, then the output written back."""
     if rop is ReduceOp.AVG:
-        np.divide(ob.flat, n, out=ob.flat, casting="unsafe")
+        await off_loop(out.nbytes, _divide_in_place, out, n)
+    if out is not ob.flat:
+        await off_loop(out.nbytes, _copy_cast, ob.flat, out)
     ob.commit()
+
+
+def _sum_for_avg(rop: ReduceOp) -> ReduceOp:
+    """The op a hierarchical collective's stages run: AVG runs as SUM (divided at the end)."""
+    return ReduceOp.SUM if rop is ReduceOp.AVG else rop
 
 
 def _chunk_bounds(N: int, nbytes: int) -> list[tuple[int, int]]:
@@ -1471,14 +1512,22 @@ def _copy_cast(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
 
 
+def _wide(dtype: np.dtype) -> np.dtype | None:
+    """float32 for a CPU hierarchical collective's float16/bfloat16 stages (``acc_dtype``), else
+    ``None`` (the stages run in the array's own dtype)."""
+    acc = acc_dtype(dtype)
+    return None if acc == dtype else acc
+
 
 def _avg_plan(rop: ReduceOp, tensor) -> tuple[ReduceOp, bool]:
-    """``(the op a hierarchical collective's stages run, whether each rank divides its input by
-    the world size before them)``. AVG runs as SUM. float16 divides first, as NCCL's ``ncclAvg``
-    pre-multiplies each input by ``1/n`` for floating types: its partial sums are rounded to
-    float16 between the stages, and a host's sum of values the mean holds would overflow 65504
-    (4 ranks of 40000: ``inf`` before, a tester's find). Every other dtype divides once at the
-    end (one rounding less; bfloat16 has float32's range)."""
+    """``(the op a hierarchical all_reduce's stages run, whether each rank divides its input by
+    the world size before them)`` for arrays whose stages run in their own dtype (GPU arrays; CPU
+    float16/bfloat16 go through the stages as float32, :func:`_wide`). AVG runs as SUM. float16
+    divides first, as NCCL's ``ncclAvg`` pre-multiplies each input by ``1/n`` for floating
+    types: its partial sums are rounded to float16 between the stages, and a host's sum of values
+    the mean holds would overflow 65504 (4 ranks of 40000: ``inf`` before, a tester's find).
+    Every other dtype divides once at the end (one rounding less; bfloat16 has float32's
+    range)."""
     if rop is not ReduceOp.AVG:
         return rop, False
     return ReduceOp.SUM, str(getattr(tensor, "dtype", "")) in ("float16", "torch.float16")

@@ -55,13 +55,6 @@ def reduce_ref(xs: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
     return np.asarray(out).astype(dt)
 
 
-# float16 AVG across hosts sharing ranks (hierarchical) divides each input by n first, as NCCL's
-# ncclAvg does, so a host's partial sum cannot overflow: with inputs |x| <= 20 on 3 ranks, each
-# x/3 rounds by <= ulp(6.67)/2 (0.00195, three of them), the host's sum (<= 13.4) by <= 0.0039,
-# the hosts' sum (<= 20) by <= 0.0078: 0.0176 in all, where dividing at the end was exact
-F16_PREDIVIDED_ATOL = 0.0176
-
-
 def close(got: np.ndarray, want: np.ndarray, dtype: str, atol: float | None = None) -> bool:
     if got.shape != want.shape:
         return False

@@ -279,6 +279,38 @@ def test_float16_mean_does_not_overflow_where_the_flat_one_does_not(hosts):
         assert rows == [[40000.0], [40000.0], [40000.0], True], (r, rows)
 
 
+async def f16_sums(engine):
+    """SUM of float16 values whose host sums overflow float16 (65504) though the whole sum is 0:
+    40000 on the first host's ranks, -40000 on the next two, 0 on a fifth."""
+    w = engine.world
+    v = [40000, 40000, -40000, -40000, 0][w.rank]
+    out = []
+    for N in (1000, 4_200_001):   # one stage, and a pipeline of chunks (from 8 MiB)
+        x = np.full(N, v, np.float16)
+        await w.all_reduce(x, ReduceOp.SUM, algorithm="hierarchical")
+        out.append(sorted({float(e) for e in np.unique(x)}))
+    for N in (1000, 1_100_000):   # one chunk, and several
+        y = np.full(w.size * N, v, np.float16)
+        mine = np.ones(N, np.float16)
+        await w.reduce_scatter(mine, y, ReduceOp.SUM, algorithm="hierarchical")
+        out.append(sorted({float(e) for e in np.unique(mine)}))
+    b = np.full(1000, 1 + w.rank / 128, ml_dtypes.bfloat16)   # exact in bfloat16, not its sum
+    flat = b.copy()
+    await w.all_reduce(b, ReduceOp.SUM, algorithm="hierarchical")
+    await w.all_reduce(flat, ReduceOp.SUM, algorithm="direct")
+    out.append(bool((b == flat).all()))
+    return out
+
+
+@pytest.mark.parametrize("hosts", [{0: "a", 1: "a", 2: "b", 3: "b"}, HOSTS], ids=["equal", "uneven"])
+def test_float16_sums_round_once_as_the_flat_algorithms_do(hosts):
+    # a tester's find: ranks of 40000 and -40000 on two hosts summed to inf where the flat
+    # algorithms gave 0 (each host's float16 partial sum, 80000, overflowed between the stages);
+    # the stages now carry float32, as the ring does, and bfloat16 sums equal the flat ones
+    for r, rows in enumerate(run_world(len(hosts), f16_sums, hosts=hosts)):
+        assert rows == [[0.0], [0.0], [0.0], [0.0], True], (r, rows)
+
+
 async def refused_and_mismatched(engine, opname):
     """Rank 1 refuses a hierarchical call (a bad op, an output of the wrong size), then rank 0
     passes one element more; after each the ranks make a right call. Returns per call: the

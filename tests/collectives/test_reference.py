@@ -10,10 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rtxnet.collectives import ReduceOp
-
 from .harness import run_world
-from .reference import DTYPES, F16_PREDIVIDED_ATOL, close, make, np_dtype, ops_for, reduce_ref
+from .reference import DTYPES, close, make, np_dtype, ops_for, reduce_ref
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,10 +39,9 @@ async def every_case(engine, sizes, algorithms):
                     xs = [make(k, case, shape, dtype, op) for k in range(n)]
                     x = xs[r].copy()
                     await g.all_reduce(x, op, algorithm=algo)
-                    predivided = (dtype == "float16" and op is ReduceOp.AVG and algo is None
-                                  and N > 1000 and g._hosts_shared())
-                    check(f"all_reduce {dtype} {N} {op.name} {algo}", x, reduce_ref(xs, op, dtype),
-                          dtype, F16_PREDIVIDED_ATOL if predivided else None)
+                    # (hierarchical float16 AVG divided first and needed 0.0176 of tolerance;
+                    # CPU float16 now goes through the stages as float32)
+                    check(f"all_reduce {dtype} {N} {op.name} {algo}", x, reduce_ref(xs, op, dtype), dtype)
                     digests[f"{case}|{dtype}|{N}"] = x.tobytes()[:4096]
             # broadcast from every root
             for src in range(n):
