@@ -102,6 +102,12 @@ class Job:
     # coordinator restart (its answer lost with the old daemon) gets the answer it had, where
     # evaluating it again would find its own write and answer "not swapped" / "not there".
     kv_answers: dict[tuple[str, int], bool] = field(default_factory=dict)
+    # per routing identity, the highest request id whose answer was dropped from kv_answers: a
+    # write resent with an id at or below it may have taken effect, and is answered "unknown"
+    # (RtxTimeoutError) rather than applied again (a breaker's find: a compare_set resent after
+    # 1,100 others had run swapped a second time). Request ids grow per identity (one
+    # ControlClient each), so no first sending is ever at or below it.
+    kv_forgotten: dict[str, int] = field(default_factory=dict)
     # A member said training is over (``finish``): no rank is admitted any more (see _finish).
     finished_training: bool = False
     fenced: set[str] = field(default_factory=set)  # identities declared lost
@@ -480,18 +486,27 @@ def _fenced_procs(identities: set[str]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: (d["host"], d["pid"]))[:FENCED_SHOWN]
 
 
-MAX_KV_ANSWERS = 1024   # compare_set/delete answers a job keeps for resent requests (Job.kv_answers)
+_KV_WRITES = {"kv_set": "set", "kv_cas": "compare_set", "kv_del": "delete"}   # their API names
+MAX_KV_ANSWERS = 1024   # set/compare_set/delete answers a job keeps for resent requests (Job.kv_answers)
+MAX_KV_FORGOTTEN = 4096   # identities whose dropped answers a job remembers (Job.kv_forgotten)
 
 
 def _keep_answer(job: Job, rec: dict[str, Any]) -> None:
-    """Keep the answer of the compare_set or delete that wrote ``rec`` (its ``by``: routing
-    identity and request id), the oldest dropped past ``MAX_KV_ANSWERS``."""
+    """Keep the answer of the set, compare_set or delete that wrote ``rec`` (its ``by``: routing
+    identity and request id), the oldest dropped past ``MAX_KV_ANSWERS`` (their ids kept in
+    ``kv_forgotten``, at most ``MAX_KV_FORGOTTEN`` identities, the least recently dropped
+    first). Run on every write and on replay alike, so a restarted daemon drops the same."""
     by = rec.get("by")
     if by is None:
         return
     job.kv_answers[(by[0], by[1])] = True
     while len(job.kv_answers) > MAX_KV_ANSWERS:
-        del job.kv_answers[next(iter(job.kv_answers))]
+        ident, rid = next(iter(job.kv_answers))
+        del job.kv_answers[(ident, rid)]
+        high = max(rid, job.kv_forgotten.pop(ident, rid))
+        job.kv_forgotten[ident] = high
+        if len(job.kv_forgotten) > MAX_KV_FORGOTTEN:
+            del job.kv_forgotten[next(iter(job.kv_forgotten))]
 
 
 def snapshot(state: State) -> dict[str, Any]:
@@ -510,6 +525,7 @@ def snapshot(state: State) -> dict[str, Any]:
                 "members": {r: m.public() for r, m in j.members.items()},
                 "kv": dict(j.kv),
                 "kv_answers": [list(k) for k in j.kv_answers],
+                "kv_forgotten": [[i, r] for i, r in j.kv_forgotten.items()],
                 "committed_step": j.committed_step,
                 "committed_epoch": j.committed_epoch,
                 "commit_metadata": j.commit_metadata,
@@ -543,6 +559,7 @@ def restore(snap: dict[str, Any], now: float) -> State:
         job.kv = dict(j["kv"])
         job.kv_nbytes = sum(_kv_item_nbytes(k, v) for k, v in job.kv.items())
         job.kv_answers = {(k[0], k[1]): True for k in j.get("kv_answers", [])}
+        job.kv_forgotten = {i: r for i, r in j.get("kv_forgotten", [])}
         job.committed_step = j["committed_step"]
         job.commit_metadata = j["commit_metadata"]
     return state
@@ -864,18 +881,27 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             job.pending.pop(msg["identity"], None)
             state.where.pop(msg["identity"], None)
             actions.append(_reply(identity, msg, job, left=False))
+    elif t in _KV_WRITES and (identity, msg["rid"]) in job.kv_answers:
+        # sent again after a coordinator restart: it took effect before (journaled), its answer
+        # was lost with the daemon that gave it (a set applied again would undo the deletes and
+        # writes that followed it)
+        actions.append(_reply(identity, msg, job, swapped=True, value=msg["value"]) if t == "kv_cas"
+                       else _reply(identity, msg, job, deleted=True) if t == "kv_del"
+                       else _reply(identity, msg, job))
+    elif t in _KV_WRITES and msg["rid"] <= job.kv_forgotten.get(identity, 0):
+        actions.append(_error(identity, msg, "RtxTimeoutError", (
+            f"store {_KV_WRITES[t]} of key {msg['key'][:200]!r} was sent again after a coordinator "
+            f"restart, but the job's store has answered more than {MAX_KV_ANSWERS} writes since "
+            f"(the most whose answers it keeps): whether it took effect is unknown, as after a "
+            f"timeout; read the key")))
     elif t == "kv_set" and (why := _kv_refusal(state, job, msg["key"], msg["value"])):
         actions.append(_error(identity, msg, "ConfigError", why))
-    elif t in ("kv_cas", "kv_del") and (identity, msg["rid"]) in job.kv_answers:
-        # sent again after a coordinator restart: it took effect before (journaled), its answer
-        # was lost with the daemon that gave it
-        actions.append(_reply(identity, msg, job, swapped=True, value=msg["value"]) if t == "kv_cas"
-                       else _reply(identity, msg, job, deleted=True))
     elif t == "kv_cas" and job.kv.get(msg["key"]) == msg["expected"] and (
             why := _kv_refusal(state, job, msg["key"], msg["value"])):
         actions.append(_error(identity, msg, "ConfigError", why))
     elif t == "kv_set":
-        _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"]}, now)
+        _record(state, actions, {"k": "kv_set", "job": job.job, "key": msg["key"], "value": msg["value"],
+                                 "by": [identity, msg["rid"]]}, now)
         actions.append(_reply(identity, msg, job))
         _wake_kv(state, job, msg["key"], actions)
     elif t == "kv_get":

@@ -239,6 +239,11 @@ class Store:
             ConfigError: the job's store would hold more than 16 MiB (this item alone, or with
                 what it holds), or the coordinator's more than 48 MiB; the key is empty or more
                 than 1 MiB of UTF-8; the key or a str value is not valid UTF-8.
+            RtxTimeoutError: no answer within the request deadline. One in flight when the
+                coordinator dies is sent again when it is back; a repeat of one that was written
+                writes nothing again (journaled with the write), so it cannot undo what others
+                wrote or deleted since; resent after the job's store answered more than 1,024
+                writes since, whether it took effect is unknown, and this error says so.
             TypeError: ``key`` is not a str, ``value`` not bytes or str.
         """
         self._check("store.set")
@@ -282,7 +287,9 @@ class Store:
             RtxTimeoutError: no answer within the request deadline. One in flight when the
                 coordinator dies is sent again when it is back; the coordinator journals the
                 request's id with the write, so a repeat of one that swapped gets
-                ``(True, value)`` again (not a lost race against its own write).
+                ``(True, value)`` again (not a lost race against its own write); resent after
+                the job's store answered more than 1,024 writes, whether it swapped is unknown,
+                and this error says so (it is never applied twice).
             TypeError: ``key`` is not a str, ``expected`` or ``value`` not bytes or str.
         """
         self._check("store.compare_set")
@@ -296,7 +303,9 @@ class Store:
         Raises:
             RtxTimeoutError: no answer within the request deadline. One in flight when the
                 coordinator dies is sent again when it is back, and a repeat of one that
-                removed the key answers True again (journaled with the delete).
+                removed the key answers True again (journaled with the delete); resent after
+                the job's store answered more than 1,024 writes, whether it removed the key is
+                unknown, and this error says so.
             TypeError: ``key`` is not a str.
         """
         self._check("store.delete")

@@ -122,8 +122,9 @@ def process_context() -> zmq.asyncio.Context:
 # the request's whole deadline. Each is idempotent, or made so by the coordinator: a ``kv_cas``
 # or ``kv_del`` sent again would find its own first write and answer "not swapped" / "not there"
 # (two callers would both believe they lost; delete() returned False for a key it had deleted, a
-# tester's find), so the coordinator journals the (routing id, request id) of each that wrote
-# and answers a repeat as the first time (``coordinator.state.Job.kv_answers``). Not
+# tester's find), and a ``kv_set`` would undo the writes and deletes that followed it, so the
+# coordinator journals the (routing id, request id) of each that wrote and answers a repeat as
+# the first time (``coordinator.state.Job.kv_answers``; past the 1,024 it keeps, "unknown"). Not
 # ``join``/``leave``/``heartbeat``: the agent repeats those itself, knowing the membership.
 RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
                                  "finish", "status"})

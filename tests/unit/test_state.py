@@ -442,10 +442,14 @@ def test_commit_needs_every_member_and_fails_on_epoch_change():
     assert replies and replies[0]["body"]["committed"] is False and "epoch changed" in replies[0]["body"]["reason"]
 
 
-def test_a_compare_set_or_delete_sent_again_gets_the_answer_it_had_across_replay_and_snapshot():
-    """A kv_cas or kv_del the client sends again (same routing id and request id: its answer was
-    lost with a coordinator that died after journaling the write) gets the first answer; evaluated
-    again it found its own write ("not swapped", "not there"). Kept through replay and snapshot."""
+def test_a_write_sent_again_gets_the_answer_it_had_across_replay_and_snapshot():
+    """A kv_cas, kv_del or kv_set the client sends again (same routing id and request id: its
+    answer was lost with a coordinator that died after journaling the write) gets the first
+    answer and writes nothing; evaluated again a compare_set found its own write ("not swapped"),
+    a delete "not there", and a set undid the writes and deletes that followed it (a breaker's
+    find). Past the answers a job keeps, a resent write is answered "unknown" (RtxTimeoutError),
+    never applied twice (a compare_set resent after 1,100 others swapped again: a breaker's
+    find). Kept through replay and snapshot."""
     from coordinator.state import MAX_KV_ANSWERS
 
     h = Harness()
@@ -458,14 +462,16 @@ def test_a_compare_set_or_delete_sent_again_gets_the_answer_it_had_across_replay
     cas = wire.validate(wire.make("kv_cas", rid=h.rid, job="j", epoch=0, token="t", key="x", expected=None, value=b"1"))
     h.req("a", "kv_del", epoch=0, key="y")            # not there: nothing written, nothing kept
     h.req("a", "kv_set", epoch=0, key="z", value=b"z")
+    put = wire.validate(wire.make("kv_set", rid=h.rid, job="j", epoch=0, token="t", key="z", value=b"z"))
     h.req("a", "kv_del", epoch=0, key="z")
     dele = wire.validate(wire.make("kv_del", rid=h.rid, job="j", epoch=0, token="t", key="z"))
     assert again(cas) == {"swapped": True, "value": b"1"}
     assert again(dele) == {"deleted": True}
+    assert again(put) == {} and "z" not in h.state.jobs["j"].kv    # the delete after it stands
     # another request (another id) is evaluated: the key holds its value, z is gone
     assert h.req("a", "kv_cas", epoch=0, key="x", expected=None, value=b"1")[0].msg["body"]["swapped"] is False
     assert h.req("a", "kv_del", epoch=0, key="z")[0].msg["body"]["deleted"] is False
-    assert h.state.jobs["j"].kv == {"x": b"1"} and len(h.state.jobs["j"].kv_answers) == 2
+    assert h.state.jobs["j"].kv == {"x": b"1"} and len(h.state.jobs["j"].kv_answers) == 3
     for st in (State(), None):
         if st is not None:
             for rec in h.records:
@@ -477,10 +483,30 @@ def test_a_compare_set_or_delete_sent_again_gets_the_answer_it_had_across_replay
         assert st.jobs["j"].kv_answers == h.state.jobs["j"].kv_answers
         h.state = st
         assert again(cas) == {"swapped": True, "value": b"1"} and again(dele) == {"deleted": True}
+    # another client of the job (the token is all a store request needs) writes past the answers kept
     for i in range(MAX_KV_ANSWERS):   # bounded: the oldest go first
-        h.req("a", "kv_cas", epoch=0, key=f"k{i}", expected=None, value=b"v")
+        h.req("b", "kv_cas", epoch=0, key=f"k{i}", expected=None, value=b"v")
     assert len(h.state.jobs["j"].kv_answers) == MAX_KV_ANSWERS
     assert ("a", cas["rid"]) not in h.state.jobs["j"].kv_answers
+    h.req("b", "kv_set", epoch=0, key="x", value=b"2")
+    for st in (State(), None):
+        if st is not None:
+            for rec in h.records:
+                apply_record(st, rec, 5.0)
+        else:
+            packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False,
+                                     strict_map_key=False)
+            st = restore(packed, 5.0)
+        assert st.jobs["j"].kv_forgotten == h.state.jobs["j"].kv_forgotten
+        assert st.jobs["j"].kv_forgotten["a"] == dele["rid"]    # a's last write whose answer went
+        h.state = st
+        for msg in (cas, put, dele):
+            out = h.run(Request("a", msg))[0].msg
+            assert out["t"] == "error" and out["error"] == "RtxTimeoutError", out
+            assert "whether it took effect is unknown" in out["message"], out
+        assert h.state.jobs["j"].kv["x"] == b"2" and "z" not in h.state.jobs["j"].kv
+    # a new request of the same client is served as ever
+    assert h.req("a", "kv_cas", epoch=0, key="x", expected=b"2", value=b"3")[0].msg["body"]["swapped"] is True
 
 
 def test_replaying_the_records_rebuilds_the_same_journaled_state():
