@@ -832,6 +832,45 @@ class Journal:
             duration_ms=round((time.perf_counter() - t0) * 1e3, 3),
         )
 
+    def removed(self) -> bool:
+        """Whether the live segment or the lock file is no longer linked in the file system: the
+        folder (or those files) removed while the daemon runs (a cleaner of ``$TMPDIR``, a
+        hand's ``rm -rf``). Appends would then go on to a file no restart can read (a
+        breaker's find: 1,800 writes acknowledged after an ``rm -rf``, none replayed), and a
+        second daemon could lock the path. One ``fstat`` each."""
+        if self._state != "open" or self._fd is None:
+            return False
+        try:
+            return os.fstat(self._fd).st_nlink == 0 or (
+                self._lock_fd is not None and os.fstat(self._lock_fd).st_nlink == 0)
+        except OSError:
+            return False
+
+    def recreate(self, snapshot: bytes) -> None:
+        """After :meth:`removed`: make the folder again (and its parents), lock it again when its
+        lock file went, and store ``snapshot`` there as :meth:`write_snapshot` does, with a new
+        live segment, so what the daemon holds is on disk again.
+
+        Raises:
+            JournalError: the folder cannot be made, another process locked the path
+                meanwhile (names its pid), or as :meth:`write_snapshot`.
+        """
+        self._check_usable()
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise JournalError(f"journal {self._dir}: cannot make the folder again: {exc}") from exc
+        old_lock = self._lock_fd
+        if old_lock is not None and os.fstat(old_lock).st_nlink == 0:
+            self._lock_directory()     # the new LOCK file; JournalError leaves the old one held
+            os.close(old_lock)
+        self.write_snapshot(snapshot)
+        if self._fsync:
+            try:
+                fsync_dir(self._dir.parent)
+            except OSError as exc:
+                raise JournalError(f"journal {self._dir}: fsync of its parent folder failed: {exc}") from exc
+
     def _write_snapshot_file(self, snapshot: bytes, covered: int) -> None:
         """Steps up to the commit point; on failure remove the temp file and leave all as was."""
         tmp = self._dir / SNAPSHOT_TMP_NAME

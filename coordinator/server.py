@@ -87,6 +87,7 @@ class Coordinator:
         self.dead_job_ttl_s = dead_job_ttl_s
         self.state = State()
         self._compact_at_records = snapshot_every
+        self._recreate_failing = False   # a removed journal could not be made again (logged once)
         self._compact_at_nbytes = COMPACT_MIN_NBYTES
         self.server: ControlServer | None = None
         self.address: str | None = None
@@ -239,7 +240,11 @@ class Coordinator:
                     sends.append(act)
         if wrote:
             await self.journal.flush()  # nothing is acknowledged before it is durable
-            if (self.journal.records_since_snapshot >= self._compact_at_records
+            if self.journal.removed():
+                # the folder (or its files) removed under the daemon: written again from the
+                # state, this batch's changes included, before any of them is acknowledged
+                self._compact(recreate=True)
+            elif (self.journal.records_since_snapshot >= self._compact_at_records
                     or self.journal.bytes_since_snapshot >= self._compact_at_nbytes):
                 self._compact()
         if queries:   # (the state after every event of the batch, each question once)
@@ -250,11 +255,15 @@ class Coordinator:
         for s in sends:
             self.server.send(s.identity, s.msg)
 
-    def _compact(self) -> None:
+    def _compact(self, recreate: bool = False) -> None:
         """Write a snapshot of the state, which replaces the records before it. A failure that
         leaves the journal usable (the snapshot's temporary file could not be written: a full
-        disk, a folder made read-only; or the state is too large to encode as one snapshot) is logged and tried again after as many records or
-        bytes once more; the daemon serves on, appending.
+        disk, a folder made read-only; or the state is too large to encode as one snapshot) is
+        logged and tried again after as many records or bytes once more; the daemon serves on,
+        appending. ``recreate``: the journal's folder or files were removed while it ran
+        (``Journal.removed``): made again with the snapshot (``Journal.recreate``), logged
+        ``journal_recreated``; a failure is logged ``journal_removed_not_recreated`` and tried
+        again at the next write.
 
         Raises:
             JournalError: the compaction failed after its commit point (the journal refuses
@@ -262,10 +271,20 @@ class Coordinator:
         """
         try:
             data = encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
-            self.journal.write_snapshot(data)
+            if recreate:
+                self.journal.recreate(data)
+            else:
+                self.journal.write_snapshot(data)
         except (ProtocolError, JournalError) as exc:
             if self.journal.failed:
                 raise
+            if recreate:
+                if not self._recreate_failing:   # once, not at every write while it fails
+                    log.error("journal_removed_not_recreated", path=str(self.journal.directory),
+                              error=str(exc), hint="writes are acknowledged but on no disk a "
+                              "restart can read; restore the folder or restart the daemon")
+                self._recreate_failing = True
+                return
             # tried again only after as many records or bytes once more: an attempt on every
             # write (a snapshot too large to encode) made each write take 0.75 s (a tester's find)
             self._compact_at_records = self.journal.records_since_snapshot + self.snapshot_every
@@ -276,6 +295,12 @@ class Coordinator:
             return
         self._compact_at_records = self.snapshot_every
         self._compact_at_nbytes = max(COMPACT_MIN_NBYTES, 4 * len(data))
+        if recreate:
+            self._recreate_failing = False
+            log.warning("journal_recreated", path=str(self.journal.directory), jobs=len(self.state.jobs),
+                        snapshot_nbytes=len(data), hint="the journal's folder or files were removed "
+                        "while the daemon ran; it wrote them again from its state")
+            return
         log.info("journal_compacted", jobs=len(self.state.jobs), snapshot_nbytes=len(data))
 
     async def aclose(self) -> None:

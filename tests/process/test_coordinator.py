@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -1098,6 +1099,35 @@ def test_a_journal_is_compacted_by_its_bytes_and_a_failed_snapshot_leaves_the_da
         c.kill(signal.SIGKILL)
         c.start()
         assert p.cmd("kv_get", key="k", timeout=30)["value"][:2] == "19"
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("what", ["folder", "segment"])
+def test_a_journal_removed_under_the_daemon_is_written_again_from_its_state(tmp_path, probes, what):
+    """``rm -rf`` of the journal's folder while the daemon ran went unseen: it acknowledged every
+    later write into a file no restart could read, and a restart on the path replayed nothing
+    (a breaker's find). The next write now finds its files unlinked and writes the state there
+    again (a snapshot and a new segment), before it is acknowledged."""
+    journal = tmp_path / "j"
+    c = procs.Coordinator(journal, restartable=True)   # (restarted below)
+    try:
+        p = probes(c.address, job="gone", world_size=1)
+        p.expect("joined")
+        assert p.cmd("kv_set", key="before", value="1", timeout=30)["ok"]
+        if what == "folder":
+            shutil.rmtree(journal)
+        else:
+            for f in journal.glob("journal-*.log"):
+                f.unlink()
+        assert p.cmd("kv_set", key="after", value="2", timeout=30)["ok"]
+        assert "journal_recreated" in c.log, c.log[-3000:]
+        assert (journal / "snapshot.bin").is_file() and list(journal.glob("journal-*.log")), list(journal.iterdir())
+        assert p.cmd("kv_set", key="later", value="3", timeout=30)["ok"]
+        c.kill(signal.SIGKILL)
+        c.start()
+        for key, value in (("before", "1"), ("after", "2"), ("later", "3")):
+            assert p.cmd("kv_get", key=key, timeout=30)["value"] == value, key
     finally:
         c.stop()
 
