@@ -1115,6 +1115,16 @@ class FaultTolerance:
         if body.get("refused"):
             log.warning("eviction_refused", step=step, ranks=evict, epoch=epoch, why=body["refused"])
             return False
+        if isinstance(body.get("epoch"), int) and body["epoch"] > epoch:
+            # the epoch it opened, before going on: the answer may come before its push, and a
+            # rank that went on closed its failure in the old epoch and then failed the step
+            # again when the push came (one lost message reported as two recoveries, each
+            # "steps lost 1": a fresh user's find)
+            try:
+                await self.pg.agent.wait_epoch(epoch, timeout_s=self.pg.agent.timeouts.request_s,
+                                               or_fenced=True)
+            except RtxError as exc2:
+                log.warning("reform_epoch_late", epoch=body["epoch"], error=str(exc2))
         return True
 
     async def _pause_if_evicted(self) -> None:

@@ -62,6 +62,10 @@ def read_events(folder: Path) -> list[dict]:
     return events
 
 
+# errors a failure causes on the ranks that did not meet it first, and how far from the cause
+_ECHOES = {"CollectiveError": 1, "ClosedError": 2}
+
+
 def summarize(events: list[dict], output: str = "", plan: str | None = None,
               world_size: int | None = None) -> dict:
     """The run in numbers, from the ranks' events and (when given) the run's output.
@@ -89,6 +93,10 @@ def summarize(events: list[dict], output: str = "", plan: str | None = None,
         # what was lost, as a survivor saw it: a rank that was itself declared lost (frozen, cut
         # off) and rejoined reports losing no one, and its event may come first
         survivors = [e for e in es if not e.get("fenced")] or es
+        # with nobody lost, the cause rather than its echoes: the others' ClosedError (the epoch
+        # its rank's re-form opened) and CollectiveError (a peer's failure passed on) came first
+        # as often as not (a lost message read "ClosedError" in a fresh user's run)
+        survivors = sorted(survivors, key=lambda e: _ECHOES.get(e["error"], 0))
         seen = next((e for e in survivors if e["lost"] or e.get("lost_launch")), survivors[0])
         out["recoveries"].append({
             "epoch": epoch,

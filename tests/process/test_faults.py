@@ -762,6 +762,10 @@ def test_a_lost_message_costs_one_step_and_about_the_heartbeat_timeout(tmp_path)
     assert {e["error"] for e in rec} == {"LinkBrokenError", "PeerLostError"}, rec
     assert all(e["failed_step"] == 10 and e["steps_lost"] == 1 for e in rec), rec
     assert "CollectiveTimeout" not in proc.stderr, proc.stderr[-3000:]
+    # one recovery per rank, all into the epoch the re-form opened: the rank that lost the
+    # message closed its failure in the old epoch when the re-form's answer came before its push,
+    # then failed the step again (two recoveries, "steps lost 1" each: a fresh user's find)
+    assert len(rec) == len(results) and {e["epoch"] for e in rec} == {1}, rec
 
 
 def test_coordinator_gone_for_good_fails_the_job_in_bounded_time(tmp_path, coordinator):
@@ -1271,6 +1275,20 @@ def test_faultrun_takes_what_was_lost_from_a_survivor_not_from_the_frozen_rank()
     (r,) = faultrun.summarize(events)["recoveries"]
     assert (r["lost"], r["lost_launch"], r["fenced"], r["detection_latency_s"]) == ([0], [0], [0], 0.04)
     assert "no rank lost" not in faultrun.report(faultrun.summarize(events))[0]
+
+
+def test_faultrun_names_the_cause_of_a_failure_that_lost_nobody_not_its_echoes():
+    # A lost message: the rank that lost it fails with LinkBrokenError, the others with the
+    # ClosedError of the epoch its re-form opened, or the CollectiveError it passed on; their
+    # events came first as often as not, and the report read "ClosedError" (a fresh user's run).
+    base = {"event": "recovered", "epoch": 1, "detection_latency_s": 2.2, "time_to_recover_s": 2.3,
+            "steps_lost": 1, "lost": [], "lost_launch": []}
+    events = [dict(base, launch_rank=0, error="ClosedError"), dict(base, launch_rank=2, error="CollectiveError"),
+              dict(base, launch_rank=1, error="LinkBrokenError"), dict(base, launch_rank=3, error="ClosedError")]
+    (r,) = faultrun.summarize(events)["recoveries"]
+    assert r["error"] == "LinkBrokenError" and r["ranks_reporting"] == 4, r
+    (r,) = faultrun.summarize(events[:2])["recoveries"]
+    assert r["error"] == "CollectiveError", r
 
 
 @pytest.mark.timeout(60)
