@@ -38,7 +38,8 @@ point. Before it, the step is what it was (committed with its old shards, which 
 overwrote, or not committed at all); the new shards are unlisted leftovers, removed by the next
 successful save of that step. After it, the new manifest lists shards that were all fsynced
 before it was written. A crash after the rename, before the folder's fsync, may lose the rename
-on a power cut: the step is then the old one again. A crash during the removal of leftovers
+on a power cut: the step is then the old one again. (The root folder is fsynced before the
+rename, so the step folder a save made is on disk by then.) A crash during the removal of leftovers
 leaves unlisted files, which are never loaded and are removed by the next save of the step. A
 membership change during a save (a rank lost, a rank joining) fails the save's next collective
 with :class:`PeerLostError` (``ClosedError`` when nobody was lost) naming the step and what was
@@ -988,6 +989,10 @@ def _save(root: Path, step: int, state: dict[str, Any], pg: Any, rank: int, worl
                 "metadata": metadata or {},
             }
             data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+            # the step folder's own entry first: made by mkdir, it was in no fsynced folder, so a
+            # power cut could lose the whole step after save returned, older steps pruned (a
+            # breaker's reading)
+            fsync_dir(root)
             _write_atomic(folder / MANIFEST, data, sync_folder=False)
             committed[0] = 1          # renamed: the commit point has passed
         except (OSError, TypeError, ValueError) as exc:

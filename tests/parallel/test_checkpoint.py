@@ -177,6 +177,29 @@ def test_numpy_scalars_that_subclass_python_types_are_refused_too(tmp_path, valu
     assert checkpoint.latest(tmp_path) is None
 
 
+def test_the_root_holding_a_new_step_folder_is_fsynced_before_the_commit(tmp_path, monkeypatch):
+    # The step folder a save makes was in no fsynced folder: after a power cut the whole step
+    # could be gone though save had returned (and older steps been pruned): a breaker's reading.
+    # Real fsyncs and renames, each recorded with the path it acts on.
+    seen: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        seen.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        seen.append(("replace", str(dst)))
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, 3, {"w": torch.ones(2)})
+    commit = seen.index(("replace", str(root / "step-3" / "manifest.json")))
+    assert ("fsync", str(root)) in seen[:commit], seen
+
+
 def test_an_intact_shard_no_safe_load_can_read_is_named(tmp_path):
     # a shard written by another tool: its digest matches, but weights_only refuses its content
     import numpy as np
