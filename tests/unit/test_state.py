@@ -458,6 +458,14 @@ def test_a_write_sent_again_gets_the_answer_it_had_across_replay_and_snapshot():
     def again(msg):   # the same request, as the client's resend after a reconnect
         return h.run(Request("a", msg))[0].msg["body"]
 
+    def rebuilt():    # the state as a restart rebuilds it: from the records, from a snapshot
+        st = State()
+        for rec in h.records:
+            apply_record(st, rec, 5.0)
+        yield st
+        yield restore(msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False,
+                                      strict_map_key=False), 5.0)
+
     h.req("a", "kv_cas", epoch=0, key="x", expected=None, value=b"1")
     cas = wire.validate(wire.make("kv_cas", rid=h.rid, job="j", epoch=0, token="t", key="x", expected=None, value=b"1"))
     h.req("a", "kv_del", epoch=0, key="y")            # not there: nothing written, nothing kept
@@ -472,14 +480,7 @@ def test_a_write_sent_again_gets_the_answer_it_had_across_replay_and_snapshot():
     assert h.req("a", "kv_cas", epoch=0, key="x", expected=None, value=b"1")[0].msg["body"]["swapped"] is False
     assert h.req("a", "kv_del", epoch=0, key="z")[0].msg["body"]["deleted"] is False
     assert h.state.jobs["j"].kv == {"x": b"1"} and len(h.state.jobs["j"].kv_answers) == 3
-    for st in (State(), None):
-        if st is not None:
-            for rec in h.records:
-                apply_record(st, rec, 5.0)
-        else:
-            packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False,
-                                     strict_map_key=False)
-            st = restore(packed, 5.0)
+    for st in rebuilt():
         assert st.jobs["j"].kv_answers == h.state.jobs["j"].kv_answers
         h.state = st
         assert again(cas) == {"swapped": True, "value": b"1"} and again(dele) == {"deleted": True}
@@ -489,14 +490,7 @@ def test_a_write_sent_again_gets_the_answer_it_had_across_replay_and_snapshot():
     assert len(h.state.jobs["j"].kv_answers) == MAX_KV_ANSWERS
     assert ("a", cas["rid"]) not in h.state.jobs["j"].kv_answers
     h.req("b", "kv_set", epoch=0, key="x", value=b"2")
-    for st in (State(), None):
-        if st is not None:
-            for rec in h.records:
-                apply_record(st, rec, 5.0)
-        else:
-            packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False,
-                                     strict_map_key=False)
-            st = restore(packed, 5.0)
+    for st in rebuilt():
         assert st.jobs["j"].kv_forgotten == h.state.jobs["j"].kv_forgotten
         assert st.jobs["j"].kv_forgotten["a"] == dele["rid"]    # a's last write whose answer went
         h.state = st
