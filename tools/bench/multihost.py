@@ -22,6 +22,9 @@ busier direction of the link for an array of S bytes over n = 4 ranks on 2 hosts
 crossing (reduce-scatter then all-gather, nccl's ring); hierarchical sends the hosts' partial sums
 over a ring of 2, ``S`` each way. So ``time >= 1.5 S / link`` (ring) and ``S / link``
 (hierarchical), and each row carries ``frac_of_bound`` (bound time / measured time).
+``--dtype float16`` / ``bfloat16``: the bound still counts the array's own bytes, but the ring
+and hierarchical reductions carry partial sums as float32 (rounded once, at the end, as every
+form's), twice those bytes, so they reach about half of it.
 
 Output: a table, and JSON rows ``{algorithm, ran, nbytes, time_s, algbw_gbps, busbw_gbps, bound_s,
 frac_of_bound, ok}`` plus ``op``, ``link_gbps`` and ``rate``. Needs root (namespaces and tc).
@@ -69,23 +72,32 @@ def parse_size(text: str) -> int:
 
 # -- rank side (run by rtxnet-run on each host) ---------------------------------------------------
 
-def _op(pg, opname: str, nbytes: int, kw: dict):
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        from rtxnet.collectives.reduce_ops import bfloat16
+
+        return bfloat16()
+    return np.dtype(name)
+
+
+def _op(pg, opname: str, nbytes: int, kw: dict, dtype: np.dtype):
     """``(call, check)`` for one row: ``nbytes`` is the all-reduced array, or all_gather's output
-    (reduce_scatter's input) of W parts."""
+    (reduce_scatter's input) of W parts, of ``dtype`` (sums of 1..4 are exact in each)."""
     n, r = pg.world_size, pg.rank
+    k = nbytes // dtype.itemsize
     if opname == "all_reduce":
-        x = np.full(nbytes // 4, r + 1.0, np.float32)
+        x = np.full(k, r + 1.0, dtype)
         return (lambda: pg.all_reduce(x, **kw)), (lambda: np.all(x == n * (n + 1) / 2))
-    per = nbytes // 4 // n
+    per = k // n
     if opname == "all_gather":
-        x, out = np.full(per, r + 1.0, np.float32), np.zeros(per * n, np.float32)
+        x, out = np.full(per, r + 1.0, dtype), np.zeros(per * n, dtype)
         return ((lambda: pg.all_gather(out, x, **kw)),
-                (lambda: np.array_equal(out, np.repeat(np.arange(1.0, n + 1, dtype=np.float32), per))))
-    x, out = np.full(per * n, r + 1.0, np.float32), np.zeros(per, np.float32)
+                (lambda: np.array_equal(out, np.repeat(np.arange(1.0, n + 1, dtype=dtype), per))))
+    x, out = np.full(per * n, r + 1.0, dtype), np.zeros(per, dtype)
     return (lambda: pg.reduce_scatter(out, x, **kw)), (lambda: np.all(out == n * (n + 1) / 2))
 
 
-def rank_main(opname: str, sizes: list[int], out: str, iters: int) -> int:
+def rank_main(opname: str, sizes: list[int], out: str, iters: int, dtype: str = "float32") -> int:
     import rtxnet
 
     pg = rtxnet.init()
@@ -93,7 +105,7 @@ def rank_main(opname: str, sizes: list[int], out: str, iters: int) -> int:
     for algo in ALGORITHMS[opname]:
         kw = {} if algo == "default" else {"algorithm": algo}
         for nbytes in sizes:
-            call, check = _op(pg, opname, nbytes, kw)
+            call, check = _op(pg, opname, nbytes, kw, _np_dtype(dtype))
             call()
             ok = bool(check())
             times = []
@@ -160,7 +172,8 @@ def link_rate(hosts, mib: int = 256) -> float:
 
 # -- driver ----------------------------------------------------------------------------------------
 
-def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce", timeout_s: float = 1500.0) -> dict:
+def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce", timeout_s: float = 1500.0,
+        dtype: str = "float32") -> dict:
     """Raises RuntimeError: a launcher exited with an error, or both were not done within
     ``timeout_s`` (killed then, their last output in the message)."""
     import netns
@@ -179,6 +192,7 @@ def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce", tim
                     k, [sys.executable, "-m", "rtxnet.launcher", "--nnodes", "2", "--node-rank", str(k),
                         "--nproc", "2", "--coordinator", coord.address, "--job", "multihost-bench",
                         __file__, "--rank-side", "--op", opname, "--out", str(out), "--iters", str(iters),
+                        "--dtype", dtype,
                         "--sizes", *[f"{s}B" for s in sizes]],
                     env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
             deadline = time.monotonic() + timeout_s
@@ -217,7 +231,8 @@ def run(rate: str, sizes: list[int], iters: int, opname: str = "all_reduce", tim
             r["ran"] = "hierarchical" if s >= BULK_MIN_NBYTES else "direct"
         r["bound_s"] = CROSSING[opname][r["ran"]] * s / link
         r["frac_of_bound"] = r["bound_s"] / t
-    return {"op": opname, "rate": rate, "link_gbps": link / 1e9, "ranks": 4, "hosts": 2, "rows": rows}
+    return {"op": opname, "dtype": dtype, "rate": rate, "link_gbps": link / 1e9, "ranks": 4, "hosts": 2,
+            "rows": rows}
 
 
 # bytes on the busier direction of the link per byte of the row's size S, 2 hosts x 2 ranks
@@ -250,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="array sizes, a whole number and B, KiB, MiB or GiB "
                          "(default 1MiB 4MiB 16MiB 64MiB)")
     ap.add_argument("--iters", type=int_in(1, 10**4), default=5, help="timed iterations per row (default 5)")
+    ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                    help="the arrays' dtype (default float32; the bound counts the array's own bytes, "
+                         "though ring and hierarchical reductions carry float16/bfloat16 sums as float32)")
     ap.add_argument("--json", default=None, type=output_file, help="write the result here")
     ap.add_argument("--timeout", type=positive_seconds, default=1500.0,
                     help="seconds the two launchers get before they are killed, with their output "
@@ -260,15 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.iters < 1:
         ap.error(f"--iters must be >= 1, got {args.iters}")
     if args.rank_side:
-        return rank_main(args.op, args.sizes, args.out, args.iters)
+        return rank_main(args.op, args.sizes, args.out, args.iters, args.dtype)
     import netns
 
     try:
-        res = run(args.rate, args.sizes, args.iters, args.op, args.timeout)
+        res = run(args.rate, args.sizes, args.iters, args.op, args.timeout, args.dtype)
     except netns.Unavailable as exc:
         print(f"multihost: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.op}, 2 hosts x 2 ranks, link {args.rate} each way: measured {res['link_gbps']:.3f} GB/s "
+    print(f"{args.op} {args.dtype}, 2 hosts x 2 ranks, link {args.rate} each way: measured {res['link_gbps']:.3f} GB/s "
           f"(one TCP stream)")
     print(f"{'algorithm':>13} {'ran':>13} {'size':>8} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
           f"{'bound ms':>9} {'of bound':>9} {'ok':>4}")
