@@ -419,6 +419,7 @@ class Journal:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._records_since_snapshot = 0
         self._bytes_since_snapshot = 0
+        self._snapshot_ino: int | None = None   # the snapshot file's inode, once there is one
         self.fsync_count = 0
         self.commit_count = 0
 
@@ -611,6 +612,7 @@ class Journal:
         try:
             _check_regular(path)
             data = path.read_bytes()
+            self._snapshot_ino = path.stat().st_ino
         except FileNotFoundError:
             return None, 0
         spath = str(path)
@@ -833,16 +835,26 @@ class Journal:
         )
 
     def removed(self) -> bool:
-        """Whether the live segment or the lock file is no longer linked in the file system: the
-        folder (or those files) removed while the daemon runs (a cleaner of ``$TMPDIR``, a
-        hand's ``rm -rf``). Appends would then go on to a file no restart can read (a
-        breaker's find: 1,800 writes acknowledged after an ``rm -rf``, none replayed), and a
-        second daemon could lock the path. One ``fstat`` each."""
+        """Whether the live segment or the lock file is no longer linked in the file system, or
+        the snapshot is gone or another file: the folder (or those files) removed while the
+        daemon runs (a cleaner of ``$TMPDIR``, a hand's ``rm -rf``). Appends would then go on
+        to a file no restart can read (a breaker's find: 1,800 writes acknowledged after an
+        ``rm -rf``, none replayed), a restart would refuse a journal without its snapshot, and a
+        second daemon could lock the path. Two ``fstat`` and one ``stat``."""
         if self._state != "open" or self._fd is None:
             return False
         try:
-            return os.fstat(self._fd).st_nlink == 0 or (
-                self._lock_fd is not None and os.fstat(self._lock_fd).st_nlink == 0)
+            if os.fstat(self._fd).st_nlink == 0 or (
+                    self._lock_fd is not None and os.fstat(self._lock_fd).st_nlink == 0):
+                return True
+        except OSError:
+            return False
+        if self._snapshot_ino is None:
+            return False
+        try:
+            return os.stat(self._dir / SNAPSHOT_NAME).st_ino != self._snapshot_ino
+        except FileNotFoundError:
+            return True
         except OSError:
             return False
 
@@ -884,6 +896,7 @@ class Journal:
             finally:
                 os.close(fd)
             os.replace(tmp, self._dir / SNAPSHOT_NAME)
+            self._snapshot_ino = (self._dir / SNAPSHOT_NAME).stat().st_ino
         except OSError as exc:
             try:
                 tmp.unlink(missing_ok=True)

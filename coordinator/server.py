@@ -42,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 COMPACT_MIN_NBYTES = 64 * 1024 * 1024   # journal bytes since the last snapshot that compact it
 _STALL_S = 0.25   # a tick this much later than due means the daemon itself did not run
+REMOVAL_CHECK_S = 1.0   # how often an idle daemon looks for a removed journal (Journal.removed)
 MAX_BATCH_EVENTS = 2048   # events handled (and answered after one fsync) together
 
 # What the daemon wrote itself (checksummed) is read back with room for all it may have written:
@@ -87,7 +88,7 @@ class Coordinator:
         self.dead_job_ttl_s = dead_job_ttl_s
         self.state = State()
         self._compact_at_records = snapshot_every
-        self._recreate_failing = False   # a removed journal could not be made again (logged once)
+        self._removal_check_at = 0.0     # when an idle daemon next looks for a removed journal
         self._compact_at_nbytes = COMPACT_MIN_NBYTES
         self.server: ControlServer | None = None
         self.address: str | None = None
@@ -240,13 +241,18 @@ class Coordinator:
                     sends.append(act)
         if wrote:
             await self.journal.flush()  # nothing is acknowledged before it is durable
+        if wrote or now >= self._removal_check_at:
+            # at each write and each second: the folder (or its files) removed under the daemon
+            # is written again from the state, this batch's changes included, before any of them
+            # is acknowledged; an idle daemon looks too, so a second daemon has at most a second
+            # to take the path (before, until the next write)
+            self._removal_check_at = now + REMOVAL_CHECK_S
             if self.journal.removed():
-                # the folder (or its files) removed under the daemon: written again from the
-                # state, this batch's changes included, before any of them is acknowledged
                 self._compact(recreate=True)
-            elif (self.journal.records_since_snapshot >= self._compact_at_records
-                    or self.journal.bytes_since_snapshot >= self._compact_at_nbytes):
-                self._compact()
+                wrote = False
+        if wrote and (self.journal.records_since_snapshot >= self._compact_at_records
+                      or self.journal.bytes_since_snapshot >= self._compact_at_nbytes):
+            self._compact()
         if queries:   # (the state after every event of the batch, each question once)
             try:
                 sends += answer_status(self.state, queries, now)
@@ -262,12 +268,14 @@ class Coordinator:
         logged and tried again after as many records or bytes once more; the daemon serves on,
         appending. ``recreate``: the journal's folder or files were removed while it ran
         (``Journal.removed``): made again with the snapshot (``Journal.recreate``), logged
-        ``journal_recreated``; a failure is logged ``journal_removed_not_recreated`` and tried
-        again at the next write.
+        ``journal_recreated``.
 
         Raises:
             JournalError: the compaction failed after its commit point (the journal refuses
-                further calls; the daemon exits 3 and a restart replays).
+                further calls; the daemon exits 3 and a restart replays), or a removed journal
+                cannot be made again (its path is a file now, another daemon locked it, the
+                folder cannot be made): the daemon exits 3 before acknowledging what no disk
+                holds, as after a failed write.
         """
         try:
             data = encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
@@ -279,12 +287,9 @@ class Coordinator:
             if self.journal.failed:
                 raise
             if recreate:
-                if not self._recreate_failing:   # once, not at every write while it fails
-                    log.error("journal_removed_not_recreated", path=str(self.journal.directory),
-                              error=str(exc), hint="writes are acknowledged but on no disk a "
-                              "restart can read; restore the folder or restart the daemon")
-                self._recreate_failing = True
-                return
+                raise JournalError(
+                    f"journal {self.journal.directory} was removed while the daemon ran and "
+                    f"cannot be written again: {exc}; nothing since was acknowledged") from exc
             # tried again only after as many records or bytes once more: an attempt on every
             # write (a snapshot too large to encode) made each write take 0.75 s (a tester's find)
             self._compact_at_records = self.journal.records_since_snapshot + self.snapshot_every
@@ -296,7 +301,6 @@ class Coordinator:
         self._compact_at_records = self.snapshot_every
         self._compact_at_nbytes = max(COMPACT_MIN_NBYTES, 4 * len(data))
         if recreate:
-            self._recreate_failing = False
             log.warning("journal_recreated", path=str(self.journal.directory), jobs=len(self.state.jobs),
                         snapshot_nbytes=len(data), hint="the journal's folder or files were removed "
                         "while the daemon ran; it wrote them again from its state")

@@ -63,7 +63,17 @@ def read_events(folder: Path) -> list[dict]:
 
 
 # errors a failure causes on the ranks that did not meet it first, and how far from the cause
-_ECHOES = {"CollectiveError": 1, "ClosedError": 2}
+_ECHOES = {"CollectiveError": 1, "PeerLostError": 1, "ClosedError": 2}
+
+
+def _echo_rank(e: dict) -> int:
+    """0 for a failure's cause, more for its echoes on other ranks: ClosedError (the epoch the
+    cause's re-form opened), CollectiveError (a peer's failure passed on) and a PeerLostError
+    that lost nobody ("step N was not committed": on ft_workload a lost message read so, a
+    re-verifier's find); a PeerLostError naming lost ranks is a cause."""
+    if e["error"] == "PeerLostError" and (e.get("lost") or e.get("lost_launch")):
+        return 0
+    return _ECHOES.get(e["error"], 0)
 
 
 def summarize(events: list[dict], output: str = "", plan: str | None = None,
@@ -96,7 +106,7 @@ def summarize(events: list[dict], output: str = "", plan: str | None = None,
         # with nobody lost, the cause rather than its echoes: the others' ClosedError (the epoch
         # its rank's re-form opened) and CollectiveError (a peer's failure passed on) came first
         # as often as not (a lost message read "ClosedError" in a fresh user's run)
-        survivors = sorted(survivors, key=lambda e: _ECHOES.get(e["error"], 0))
+        survivors = sorted(survivors, key=_echo_rank)
         seen = next((e for e in survivors if e["lost"] or e.get("lost_launch")), survivors[0])
         out["recoveries"].append({
             "epoch": epoch,

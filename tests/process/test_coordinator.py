@@ -1108,7 +1108,9 @@ def test_a_journal_removed_under_the_daemon_is_written_again_from_its_state(tmp_
     """``rm -rf`` of the journal's folder while the daemon ran went unseen: it acknowledged every
     later write into a file no restart could read, and a restart on the path replayed nothing
     (a breaker's find). The next write now finds its files unlinked and writes the state there
-    again (a snapshot and a new segment), before it is acknowledged."""
+    again (a snapshot and a new segment), before it is acknowledged; so after the snapshot alone
+    removed (a restart refused the journal without it: a re-verifier's find); and an idle daemon
+    looks each second, so a second daemon finds the path held (it started on it before)."""
     journal = tmp_path / "j"
     c = procs.Coordinator(journal, restartable=True)   # (restarted below)
     try:
@@ -1121,13 +1123,41 @@ def test_a_journal_removed_under_the_daemon_is_written_again_from_its_state(tmp_
             for f in journal.glob("journal-*.log"):
                 f.unlink()
         assert p.cmd("kv_set", key="after", value="2", timeout=30)["ok"]
-        assert "journal_recreated" in c.log, c.log[-3000:]
+        assert c.log.count("journal_recreated") == 1, c.log[-3000:]
         assert (journal / "snapshot.bin").is_file() and list(journal.glob("journal-*.log")), list(journal.iterdir())
+        (journal / "snapshot.bin").unlink()
         assert p.cmd("kv_set", key="later", value="3", timeout=30)["ok"]
+        assert c.log.count("journal_recreated") == 2, c.log[-3000:]
+        shutil.rmtree(journal)     # and nothing written after it
+        procs.wait_until(lambda: c.log.count("journal_recreated") == 3, 10, "the idle daemon's look")
+        second = subprocess.run([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0",
+                                 "--journal", str(journal)], capture_output=True, text=True, timeout=30,
+                                env=procs.env())
+        assert second.returncode == 3 and "in use by another process" in second.stderr, second.stderr[-2000:]
         c.kill(signal.SIGKILL)
         c.start()
         for key, value in (("before", "1"), ("after", "2"), ("later", "3")):
             assert p.cmd("kv_get", key=key, timeout=30)["value"] == value, key
+    finally:
+        c.stop()
+
+
+def test_a_journal_that_cannot_be_written_again_stops_the_daemon_before_it_acknowledges(tmp_path, probes):
+    """The folder replaced by a file: the state cannot be made durable there, so the daemon exits
+    3 (as after a failed write) instead of acknowledging writes no disk holds (it logged and went
+    on: a re-verifier's find)."""
+    journal = tmp_path / "j"
+    c = procs.Coordinator(journal)
+    try:
+        p = probes(c.address, job="gone", world_size=1, timeouts={"request_s": 3.0})
+        p.expect("joined")
+        assert p.cmd("kv_set", key="before", value="1", timeout=30)["ok"]
+        shutil.rmtree(journal)
+        journal.write_text("not a folder")
+        r = p.cmd("kv_set", key="after", value="2", timeout=30)
+        assert not r["ok"], r
+        assert c.proc.wait(timeout=30) == 3, c.log[-3000:]
+        assert "journal_failed" in c.log and "cannot be written again" in c.log, c.log[-3000:]
     finally:
         c.stop()
 

@@ -1289,6 +1289,10 @@ def test_faultrun_names_the_cause_of_a_failure_that_lost_nobody_not_its_echoes()
     assert r["error"] == "LinkBrokenError" and r["ranks_reporting"] == 4, r
     (r,) = faultrun.summarize(events[:2])["recoveries"]
     assert r["error"] == "CollectiveError", r
+    # on ft_workload the others' echo is a PeerLostError that lost nobody (a re-verifier's find)
+    echoes = [dict(base, launch_rank=0, error="PeerLostError"), dict(base, launch_rank=1, error="LinkBrokenError")]
+    (r,) = faultrun.summarize(echoes)["recoveries"]
+    assert r["error"] == "LinkBrokenError", r
 
 
 @pytest.mark.timeout(60)
