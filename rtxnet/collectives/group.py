@@ -1104,59 +1104,42 @@ class Group:
         gpu = is_gpu_array(tensor)
         intra, leaders = self._host_groups()
         buf = None if gpu else Buffer(tensor)
+        # CPU float16/bfloat16: the stages on a float32 copy, so partial sums round once, at the
+        # end, as the flat algorithms'; a host's float16 sum overflowed 65504 where the whole
+        # sum fits (two ranks of 40000 beside one of -40000: inf, a tester's find). The bytes
+        # crossing hosts double, as the ring's, which also moves float32.
         wide = None if buf is None else _wide(buf.dtype)
+        sub, pre = (_sum_for_avg(rop), False) if wide is not None else _avg_plan(rop, tensor)
+        nbytes = 0 if buf is None else buf.size * (wide or buf.dtype).itemsize
+        k = min(PIPELINE_MAX_CHUNKS, nbytes // PIPELINE_CHUNK_NBYTES)   # the same on every rank
         sig = self._sig("all_reduce", "hierarchical", rop, None, *meta)
-        if wide is not None:
-            return await self._collective("all_reduce", timeout, functools.partial(
-                self._wide_hierarchical_all_reduce, tensor, buf, wide, rop, sig, timeout))
-        sub, pre = _avg_plan(rop, tensor)
-        k = 0 if buf is None else min(PIPELINE_MAX_CHUNKS, buf.size * buf.dtype.itemsize // PIPELINE_CHUNK_NBYTES)
 
         async def body(op: Op):
             await self._hello_first(op, sig)
-            if pre:
-                _divide_in_place(buf.flat if k >= 2 else tensor, self.size)
-            if k >= 2:     # same size on every rank, so the same k
-                await _pipelined_hierarchical(intra, leaders, np.array_split(buf.flat, k), sub, timeout)
-                buf.commit()
+            if wide is not None:
+                arr = np.empty(buf.size, wide)
+                await off_loop(nbytes, _copy_cast, arr, buf.flat)
             else:
-                await intra.reduce(tensor, 0, sub, timeout=timeout)
+                arr = buf.flat if k >= 2 else tensor
+            if pre:
+                _divide_in_place(arr, self.size)
+            if k >= 2:
+                await _pipelined_hierarchical(intra, leaders, np.array_split(arr, k), sub, timeout)
+            else:
+                await intra.reduce(arr, 0, sub, timeout=timeout)
                 if leaders is not None:
-                    await leaders.all_reduce(tensor, sub, timeout=timeout,
+                    await leaders.all_reduce(arr, sub, timeout=timeout,
                                              algorithm="nccl" if gpu else None)
-                await intra.broadcast(tensor, 0, timeout=timeout)
+                await intra.broadcast(arr, 0, timeout=timeout)
             if rop is ReduceOp.AVG and not pre:
-                _divide_in_place(tensor, self.size)
+                await off_loop(nbytes, _divide_in_place, arr, self.size)
+            if wide is not None:
+                await off_loop(nbytes, _copy_cast, buf.flat, arr)
+            if wide is not None or k >= 2:
+                buf.commit()
             return tensor
 
         return await self._collective("all_reduce", timeout, body)
-
-    async def _wide_hierarchical_all_reduce(self, tensor, buf: Buffer, wide: np.dtype, rop: ReduceOp,
-                                            sig: list, timeout: float | None, op: Op) -> Any:
-        """The hierarchical all_reduce of a CPU float16/bfloat16 ``buf``, its stages on a float32
-        copy (``wide``), so partial sums round once, at the end, as the flat algorithms'; a
-        host's float16 sum overflowed 65504 where the whole sum fits (two ranks of 40000 beside
-        one of -40000: ``inf``, a tester's find). The bytes crossing hosts double, as the ring's,
-        which also moves float32."""
-        await self._hello_first(op, sig)
-        intra, leaders = self._host_groups()
-        nbytes = buf.size * wide.itemsize
-        work = np.empty(buf.size, wide)
-        await off_loop(nbytes, _copy_cast, work, buf.flat)
-        sub = _sum_for_avg(rop)
-        k = min(PIPELINE_MAX_CHUNKS, nbytes // PIPELINE_CHUNK_NBYTES)
-        if k >= 2:
-            await _pipelined_hierarchical(intra, leaders, np.array_split(work, k), sub, timeout)
-        else:
-            await intra.reduce(work, 0, sub, timeout=timeout)
-            if leaders is not None:
-                await leaders.all_reduce(work, sub, timeout=timeout)
-            await intra.broadcast(work, 0, timeout=timeout)
-        if rop is ReduceOp.AVG:
-            await off_loop(nbytes, _divide_in_place, work, self.size)
-        await off_loop(nbytes, _copy_cast, buf.flat, work)
-        buf.commit()
-        return tensor
 
     async def _hello_first(self, op: Op, sig: list) -> None:
         """A hierarchical collective's first step: the signature exchange of this group's
