@@ -101,6 +101,7 @@ MAX_SNAPSHOT_NBYTES = 0xFFFFFFFF - _GENERATION.size  # the frame's u32 length fi
 SNAPSHOT_NAME = "snapshot.bin"
 SNAPSHOT_TMP_NAME = "snapshot.bin.tmp"
 LOCK_NAME = "LOCK"   # held with lockf while a daemon has the journal open
+RECREATE_ATTEMPTS = 20   # tries of Journal.recreate while the folder keeps being removed under it
 _SEGMENT_RE = re.compile(r"^journal-(\d+)\.log$")
 
 
@@ -868,13 +869,35 @@ class Journal:
                 meanwhile (names its pid), or as :meth:`write_snapshot`.
         """
         self._check_usable()
+        for attempt in range(RECREATE_ATTEMPTS):
+            try:
+                self._recreate_once(snapshot)
+                if not self.removed():
+                    return
+                if attempt + 1 == RECREATE_ATTEMPTS:
+                    raise JournalError(f"journal {self._dir}: removed again each of "
+                                       f"{RECREATE_ATTEMPTS} times it was made")
+            except JournalError:
+                # removed again while it was being made (a cleaner's second pass, a second rm):
+                # every file it wrote is gone with the folder, so nothing half-made is left to
+                # stand for the state, and it is made afresh (before, the first compaction step
+                # that found the folder gone poisoned the journal, and the daemon exited 3 with
+                # nothing on disk: a re-verifier's find)
+                if attempt + 1 == RECREATE_ATTEMPTS or (self._dir.is_dir() and not self.removed()):
+                    raise
+                self._failure = None
+
+    def _recreate_once(self, snapshot: bytes) -> None:
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise JournalError(f"journal {self._dir}: cannot make the folder again: {exc}") from exc
         old_lock = self._lock_fd
         if old_lock is not None and os.fstat(old_lock).st_nlink == 0:
-            self._lock_directory()     # the new LOCK file; JournalError leaves the old one held
+            try:
+                self._lock_directory()     # the new LOCK file; JournalError leaves the old one held
+            except OSError as exc:         # (the folder gone again before its LOCK was made)
+                raise JournalError(f"journal {self._dir}: cannot lock the folder again: {exc}") from exc
             os.close(old_lock)
         self.write_snapshot(snapshot)
         if self._fsync:
