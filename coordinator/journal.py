@@ -837,7 +837,8 @@ class Journal:
 
     def removed(self) -> bool:
         """Whether the live segment or the lock file is no longer linked in the file system, or
-        the snapshot is gone or another file: the folder (or those files) removed while the
+        the snapshot is gone or another file (or one appeared where there was none, which a
+        restart would refuse, a re-verifier's find): the folder (or those files) removed while the
         daemon runs (a cleaner of ``$TMPDIR``, a hand's ``rm -rf``). Appends would then go on
         to a file no restart can read (a breaker's find: 1,800 writes acknowledged after an
         ``rm -rf``, none replayed), a restart would refuse a journal without its snapshot, and a
@@ -850,8 +851,8 @@ class Journal:
                 return True
         except OSError:
             return False
-        if self._snapshot_ino is None:
-            return False
+        if self._snapshot_ino is None:   # none yet: one that appears is another's (a copy)
+            return os.path.lexists(self._dir / SNAPSHOT_NAME)
         try:
             return os.stat(self._dir / SNAPSHOT_NAME).st_ino != self._snapshot_ino
         except FileNotFoundError:

@@ -641,6 +641,29 @@ def test_a_folder_removed_again_at_any_file_operation_of_recreate_is_made_afresh
     assert step > 5, step
 
 
+def test_a_snapshot_that_appears_or_is_swapped_under_the_journal_is_seen_and_written_over(tmp_path: Path) -> None:
+    # a segment copied to snapshot.bin where there was none: the daemon went on, and its restart
+    # refused the journal (a re-verifier's find); one swapped for another file is seen too
+    j = Journal(tmp_path)
+    j.open()
+    j.append(b"r0")
+    j.flush_sync()
+    assert not j.removed()
+    shutil.copy(j.segment_path, tmp_path / SNAPSHOT_NAME)
+    assert j.removed()
+    j.recreate(msgpack.packb([b"r0"]))
+    assert not j.removed()
+    (tmp_path / "junk").write_bytes(b"junk")
+    os.replace(tmp_path / "junk", tmp_path / SNAPSHOT_NAME)
+    assert j.removed()
+    j.recreate(msgpack.packb([b"r0"]))
+    j.append(b"r1")
+    j.close()
+    with Journal(tmp_path) as again:
+        snapshot, records = again.open()
+        assert msgpack.unpackb(snapshot) == [b"r0"] and records == [b"r1"]
+
+
 def test_crash_at_every_file_operation_of_write_snapshot(tmp_path: Path) -> None:
     def state(snapshot: bytes | None, records: list[bytes]) -> list[bytes]:
         return (msgpack.unpackb(snapshot) if snapshot is not None else []) + records
