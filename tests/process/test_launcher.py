@@ -444,6 +444,7 @@ def test_reform_puts_ranks_back_in_step_after_a_lone_timeout(tmp_path):
 
 OVERTAKEN = textwrap.dedent("""
     import numpy as np, rtxnet
+    from tests.procs import leave_together
     pg = rtxnet.init(timeouts=rtxnet.Timeouts(op_s=30))
     me = pg.rank
     if me == 2:   # its call waits for the others' when ranks 0 and 1 re-form
@@ -460,9 +461,7 @@ OVERTAKEN = textwrap.dedent("""
     x = np.full(4, me + 1.0)
     pg.all_reduce(x, timeout=10.0)
     print("sum", x[0], "epoch", pg.epoch, flush=True)
-    pg.store.set(f"done/{me}", "1")
-    pg.store.wait([f"done/{r}" for r in range(3)], timeout=30)
-    pg.close()
+    leave_together(pg, "overtaken", me)
 """)
 
 
