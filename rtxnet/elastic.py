@@ -1120,11 +1120,7 @@ class FaultTolerance:
             # rank that went on closed its failure in the old epoch and then failed the step
             # again when the push came (one lost message reported as two recoveries, each
             # "steps lost 1": a fresh user's find)
-            try:
-                await self.pg.agent.wait_epoch(epoch, timeout_s=self.pg.agent.timeouts.request_s,
-                                               or_fenced=True)
-            except RtxError as exc2:
-                log.warning("reform_epoch_late", epoch=body["epoch"], error=str(exc2))
+            await self._await_announced_epoch(epoch)
         return True
 
     async def _pause_if_evicted(self) -> None:
@@ -1986,7 +1982,8 @@ class FaultTolerance:
     async def _await_announced_epoch(self, epoch: int) -> None:
         """Wait, up to twice the heartbeat timeout, for the epoch after ``epoch`` (or a fence):
         the one a ``PeerLostError`` from a broken link or a peer's abort announces before the
-        coordinator's epoch follows. Returns either way."""
+        coordinator's epoch follows, or the one this rank's re-form opened before its push came.
+        Returns either way."""
         with contextlib.suppress(RtxTimeoutError):
             await self.pg.agent.wait_epoch(
                 epoch, timeout_s=2 * self.pg.agent.timeouts.heartbeat_timeout_s, or_fenced=True)
