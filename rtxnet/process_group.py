@@ -41,6 +41,7 @@ from transport.errors import (
 )
 from transport.logconfig import env_flag
 
+from . import _calls as calls
 from . import errorfile
 from .agent import Agent, Membership
 from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
@@ -143,9 +144,17 @@ def _with_fault_point(pg: ProcessGroup, fn: Any) -> Any:
     """``fn`` preceded by the ``at=collective`` fault point (only when a fault plan is set)."""
     from . import faults
 
-    async def call(*args: Any, **kwargs: Any) -> Any:
-        await faults.apoint("collective", pg=pg)
-        return await fn(*args, **kwargs)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        res = fn(*args, **kwargs)
+
+        async def run() -> Any:
+            try:
+                await faults.apoint("collective", pg=pg)
+            except BaseException:
+                calls.forget(res)   # cancelled at the fault point: the call never ran
+                raise
+            return await res
+        return calls.around(res, run())
 
     call.__name__ = getattr(fn, "__name__", "collective")
     call.__doc__ = getattr(fn, "__doc__", None)
@@ -174,7 +183,7 @@ def _loop_checked(pg: Any, name: str, target: Any) -> Any:
     waited out its deadline and named a live peer (a breaker's find)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         res = target(*args, **kwargs)
-        if not inspect.iscoroutine(res):
+        if not asyncio.iscoroutine(res):
             return res   # new_group: no communication, no loop
 
         async def checked() -> Any:
@@ -184,7 +193,7 @@ def _loop_checked(pg: Any, name: str, target: Any) -> Any:
                 res.close()
                 raise
             return await res
-        return checked()
+        return calls.around(res, checked())
     return call
 
 
@@ -1052,12 +1061,14 @@ def _on_caller_stream(coro: Any, args: tuple, kwargs: dict) -> Any:
         CALLER_STREAM.set(stream)   # in the task's own context
         return await coro
 
-    return run()
+    return calls.around(coro, run())
 
 
 def _wrap(portal: Portal, value: Any) -> Any:
     # Subgroups returned by new_group() are async objects too: give them the blocking face.
-    if value is not None and hasattr(value, "all_reduce") and asyncio.iscoroutinefunction(value.all_reduce):
+    from .collectives.group import Group
+
+    if isinstance(value, Group):
         return _BlockingProxy(portal, value)
     return value
 
@@ -1074,7 +1085,6 @@ def init(coordinator: str | None = None, **kwargs: Any) -> BlockingProcessGroup:
             "initialize the default process group twice" says).
         TypeError: a keyword :class:`connect` does not take, named.
     """
-    import inspect
 
     takes = list(inspect.signature(_connect).parameters)[1:]   # (after the coordinator)
     unknown = sorted(set(kwargs) - set(takes))

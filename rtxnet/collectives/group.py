@@ -6,8 +6,10 @@ Ranks given to a group's methods (``src``, ``dst`` of broadcast, reduce, gather,
 recv) are **group ranks** (``0 .. W-1``); ``new_group`` takes **world ranks**. ``exc.ranks`` of a
 ``CollectiveTimeout`` and the keys of ``CollectiveMismatchError.values`` are world ranks.
 
-Collectives of one group run one at a time in call order (sequence numbers are taken at call time,
-so the order of calls is what must agree across ranks); different groups run concurrently;
+Collectives of one group run one at a time in call order (sequence numbers are taken when a call
+first runs, so the order of calls is what must agree across ranks; a call cancelled before it ran
+still takes its number and fails the peers' matching call: :mod:`rtxnet._calls`); different
+groups run concurrently;
 send/recv do not queue behind collectives. A call that one rank refuses (a bad argument: the
 ``ValueError``/``TypeError`` is raised there before anything is sent) still takes its place in that
 order: the other ranks' matching call fails at once with a ``CollectiveError`` naming the rank and
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from rtxnet._calls import Call
 from rtxnet.collectives import ring as ring_mod
 from rtxnet.collectives import shared_memory as shmops
 from rtxnet.collectives.arrays import Buffer, copy_pairs, off_loop
@@ -188,8 +191,7 @@ def _refusal_told(fn):
     (``Group._collective``)."""
     name = fn.__name__
 
-    @functools.wraps(fn)
-    async def call(self, *args, **kwargs):
+    async def run(self, *args, **kwargs):
         seq = self._seq
         try:
             return await fn(self, *args, **kwargs)
@@ -198,6 +200,11 @@ def _refusal_told(fn):
                     and self.engine.fenced is None:
                 await self._refuse(name, exc)
             raise
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        # a Call: cancelled before it ran, it still takes its number and aborts the peers' one
+        return Call(run(self, *args, **kwargs), functools.partial(self._unstarted, name))
 
     return call
 
@@ -273,6 +280,20 @@ class Group:
             raise ClosedError(
                 f"group {self.gid!r} belongs to epoch {self.epoch}, which ended: {self._dead}"
             ) from self._dead
+
+    def _unstarted(self, name: str) -> None:
+        """A call of ``name`` ended before it ran (cancelled before its coroutine's first step:
+        :mod:`rtxnet._calls`): it takes its sequence number here and the peers'
+        operation of that number fails at once, so this rank's later calls stay paired with
+        theirs. Nothing when the call could not have run anyway (a group of one, retired,
+        fenced, or not on the group's own loop)."""
+        if self.size <= 1 or self._dead is not None or self.engine.fenced is not None \
+                or loop_refusal(f"group {self.gid!r}", self.engine.home_loop) is not None:
+            return
+        seq = self._seq
+        self._seq += 1
+        self.engine._abort_unstarted(self, seq, CollectiveError(f"{name} was cancelled on that rank "
+                                                                f"before it began"))
 
     def _retire(self, exc: BaseException) -> None:
         self._dead = exc

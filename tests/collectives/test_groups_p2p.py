@@ -409,6 +409,49 @@ async def cancelled_while_queued(engine):
     return out
 
 
+async def cancelled_before_it_ran(engine, how):
+    # a breaker's find: a call cancelled before its coroutine first ran (wait_for(..., 0), a task
+    # cancelled before the loop reached it) took no number and told nobody: the peer's call was
+    # paired with this rank's next one (a sum of 200 where 300 was due), and so on for good
+    g = engine.world
+    out = {}
+    x = np.full(4, 100.0 * (g.rank + 1), np.float32)
+    if g.rank == 0:
+        try:
+            if how == "wait_for":
+                await asyncio.wait_for(g.all_reduce(x, timeout=20), 0)
+            else:
+                t = asyncio.ensure_future(g.all_reduce(x, timeout=20))
+                t.cancel()
+                await t
+            out["A"] = "ran"
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            out["A"] = type(exc).__name__
+    else:
+        await asyncio.sleep(0.3)
+        try:
+            await g.all_reduce(x, timeout=20)
+            out["A"] = float(x[0])
+        except CollectiveError as exc:
+            out["A"] = str(exc)
+    out["x"] = float(x[0])
+    for i in range(2):
+        c = np.full(4, float(i + g.rank), np.float32)
+        await g.all_reduce(c, timeout=5)
+        out[i] = float(c[0])
+    return out
+
+
+@pytest.mark.parametrize("how", ["wait_for", "task"])
+def test_a_call_cancelled_before_it_ran_fails_the_peers_matching_call(how):
+    res = run_world(2, cancelled_before_it_ran, how, timeout_s=60)
+    assert res[0]["A"] == {"wait_for": "TimeoutError", "task": "CancelledError"}[how], res
+    assert "rank 0 failed all_reduce (group 'w', seq 0): all_reduce was cancelled on that rank " \
+           "before it began" in res[1]["A"], res
+    assert [r["x"] for r in res] == [100.0, 200.0], res      # nobody's input touched
+    assert [(r[0], r[1]) for r in res] == [(1.0, 3.0)] * 2, res   # and still paired
+
+
 def test_a_call_cancelled_while_queued_fails_the_peers_matching_call_at_once():
     res = run_world(2, cancelled_while_queued, timeout_s=60)
     assert res[0]["B"] == "cancelled", res
