@@ -346,6 +346,7 @@ class ProcessGroup:
         # began in; after a membership change that group is retired and raises, so a step never
         # mixes two worlds.
         self._pinned_world: Any = None
+        self._pins: list[list[Any]] = []   # open pinned() blocks, in the order they began
 
     @property
     def membership(self) -> Membership:
@@ -479,20 +480,31 @@ class ProcessGroup:
         gathers) pins the world group it began in: checking ``epoch`` and then calling a
         collective is not atomic (the epoch may move between the two, and the collective would
         then run in the new world on this rank alone). Yields ``world``. The pin holds for the
-        whole process group (every thread) until the block ends; blocks nest.
+        whole process group (every thread) until the block ends; blocks nest, and blocks of
+        concurrent tasks may end in any order: when the last open one ends, the pin in force
+        before the first is back (ending in the order they began left the second block's view of
+        the first one's pin in force for good: a breaker's find).
 
         Raises:
             Nothing itself; collectives called in the block raise ``PeerLostError`` (naming the
             lost ranks; ``ClosedError`` when nobody was lost) once the membership changed.
         """
-        old = self._pinned_world
         if world is None:
             world = self.current_world()
+        # [the pin to restore, this block's world]: a block that ends under a later one hands
+        # its pin to restore to that one, which ends after it
+        mine = [self._pinned_world, world]
+        self._pins.append(mine)
         self._pinned_world = world
         try:
             yield world
         finally:
-            self._pinned_world = old
+            at = next(i for i, p in enumerate(self._pins) if p is mine)
+            del self._pins[at]
+            if at == len(self._pins):
+                self._pinned_world = mine[0]
+            else:
+                self._pins[at][0] = mine[0]
 
     async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,
                      timeout: float | None = None, epoch: int | None = None) -> bool:

@@ -728,3 +728,29 @@ def test_numpy_scalars_are_durations_and_bools_and_nan_are_not(value):
     assert type(t.op_s) is float and t.op_s == 5.0
     for bad in (True, np.bool_(True), math.nan, math.inf, 0, -1, "5", None):
         assert not is_seconds(bad), bad
+
+
+@pytest.mark.timeout(60)
+async def test_pinned_blocks_of_two_tasks_ending_in_the_order_they_began_leave_no_pin(coordinator):
+    # a breaker's find: task A pins, task B pins, A ends, B ends: B restored A's pin, and after
+    # the next epoch every collective raised ClosedError ("belongs to epoch 0"), for good
+    import numpy as np
+
+    async with rtxnet.connect(coordinator.address, job="pins", rank=0, world_size=1) as pg:
+        async def pin(enter_after: float, hold: float) -> None:
+            await asyncio.sleep(enter_after)
+            with pg.pinned() as world:
+                assert pg.current_world() is world
+                await asyncio.sleep(hold)
+
+        await asyncio.gather(pin(0, 0.2), pin(0.1, 0.3))
+        assert pg._pinned_world is None
+        with pg.pinned() as outer:             # nested blocks still restore in turn
+            with pg.pinned(outer):
+                pass
+            assert pg.current_world() is outer
+        assert pg._pinned_world is None
+        await pg.reform(epoch=pg.epoch)
+        x = np.ones(3, np.float32)
+        await pg.all_reduce(x, timeout=10)     # in the new epoch's world
+        assert pg.epoch == 1 and x.tolist() == [1.0] * 3
