@@ -944,8 +944,10 @@ class Group:
         """Send ``tensor`` to group rank ``dst``; matched with ``recv(src=me, tag=tag)`` there.
 
         The message is queued at once, so it is delivered even if this coroutine is wrapped in
-        a task that is dropped. Returns when the buffer may be modified again (a large message
-        is sent without a copy; this waits until the transport has taken it).
+        a task that is dropped or cancelled. Returns when the buffer may be modified again (a
+        large message is sent without a copy; this waits until the transport has taken it);
+        cancelled, it raises ``CancelledError`` at that same point (at most the deadline later),
+        and the peer still receives the message.
 
         Raises:
             ValueError: bad ``dst``/``tag`` or dtype. ClosedError/PeerLostError: the group's
@@ -1000,15 +1002,26 @@ class Group:
         if tracker is not None:
             # zmq gives no event when a zero-copy send is done: poll, backing off from 0.2 ms to
             # 2 ms as the collectives' flush does, and stop when the group's epoch ends
-            deadline = asyncio.get_running_loop().time() + timeout_s
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
             delay_s = 0.0002
-            while not tracker.done:
-                self._check_usable()
-                if asyncio.get_running_loop().time() > deadline:
-                    raise CollectiveTimeout(f"send to rank {self.ranks[dst]}: not taken in "
-                                            f"{timeout_s:g} s", ranks=[self.ranks[dst]], op="send")
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 0.002)
+            try:
+                while not tracker.done:
+                    self._check_usable()
+                    if loop.time() > deadline:
+                        raise CollectiveTimeout(f"send to rank {self.ranks[dst]}: not taken in "
+                                                f"{timeout_s:g} s", ranks=[self.ranks[dst]], op="send")
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 0.002)
+            except asyncio.CancelledError:
+                # the queued message cannot be withdrawn and is read from this buffer: the
+                # cancellation takes effect once the transport has taken it (a breaker's find:
+                # the caller wrote its buffer after the cancel and the peer received a mix)
+                while not tracker.done and loop.time() < deadline and self._dead is None \
+                        and self.engine.fenced is None:
+                    with contextlib.suppress(asyncio.CancelledError):   # (cancelled again)
+                        await asyncio.sleep(0.001)
+                raise
 
     async def recv(self, tensor, src: int, tag: int = 0, *, timeout: float | None = None) -> int:
         """Receive into ``tensor`` (in place) the message group rank ``src`` sent with ``tag``.

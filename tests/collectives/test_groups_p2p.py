@@ -452,6 +452,35 @@ def test_a_call_cancelled_before_it_ran_fails_the_peers_matching_call(how):
     assert [(r[0], r[1]) for r in res] == [(1.0, 3.0)] * 2, res   # and still paired
 
 
+async def send_cancelled_then_buffer_reused(engine):
+    # a breaker's find: a send cancelled while the transport still read its buffer (zero-copy)
+    # raised at once; the caller wrote the buffer, and the peer received a mix of both
+    g = engine.world
+    n = 8_000_000
+    if g.rank == 0:
+        a = np.full(n, 7.0, np.float32)
+        try:
+            await asyncio.wait_for(g.send(a, 1, timeout=20), 0.001)
+            out = "returned"
+        except TimeoutError:
+            out = "cancelled"
+        a[:] = -1.0
+        await g.barrier(timeout=20)
+        return out
+    await asyncio.sleep(0.5)
+    b = np.zeros(n, np.float32)
+    await g.recv(b, 0, timeout=20)
+    await g.barrier(timeout=20)
+    u, c = np.unique(b, return_counts=True)
+    return dict(zip(u.tolist(), c.tolist(), strict=True))
+
+
+def test_a_cancelled_send_is_delivered_whole_before_the_caller_may_reuse_its_buffer():
+    for _ in range(2):
+        res = run_world(2, send_cancelled_then_buffer_reused, shm=False, timeout_s=60)
+        assert res[1] == {7.0: 8_000_000}, res
+
+
 def test_a_call_cancelled_while_queued_fails_the_peers_matching_call_at_once():
     res = run_world(2, cancelled_while_queued, timeout_s=60)
     assert res[0]["B"] == "cancelled", res
