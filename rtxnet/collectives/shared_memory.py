@@ -65,6 +65,7 @@ class ShmState:
         self.peer_maps: dict[int, PeerSegment] = {}
         self.fresh = False
         self.unmapped_left: list[Segment | PeerSegment] = []   # see taint
+        self.dropped: set[str] = set()   # names of the peers' segments taint unmapped
 
     def slot(self, nbytes: int, seq: int) -> tuple[memoryview, list]:
         """The next free slot of at least ``nbytes`` and the offer that names it."""
@@ -172,13 +173,23 @@ class ShmState:
                 m = PeerSegment(offer[0], offer[1])
             except (OSError, ValueError) as exc:
                 hint = ""
-                if isinstance(exc, FileNotFoundError):
+                if isinstance(exc, FileNotFoundError) and offer[0] in self.dropped:
+                    # this rank's own earlier operation failed (or was cancelled) as the peer's
+                    # ended well: the peer unlinked its file once mapped everywhere and offers it
+                    # again, unaware (a breaker's find, told as the peer's leaving before)
+                    hint = (f": this rank unmapped it when an earlier operation of this group "
+                            f"failed or was cancelled here, and rank {op.group.ranks[g]} has since "
+                            f"removed its file as usual (nobody left: the next operation maps "
+                            f"afresh)")
+                elif isinstance(exc, FileNotFoundError):
                     # a tester's find: two hosts given one RTXNET_HOST (or one hostname) without
                     # a shared /dev/shm failed every collective of 64 KiB and more with this;
                     # another's: a peer's pg.close() during the operation, told as if the hosts
                     # were set up wrong. Both causes, the commoner first.
                     hint = (f": rank {op.group.ranks[g]} removed it, leaving the group (closed or "
-                            "ended during this operation), or this rank does not share its "
+                            "ended during this operation) or failing its own part of it (as "
+                            "after an operation cancelled there: its error says), or this rank "
+                            "does not share its "
                             "/dev/shm (ranks that report one host must share it: on another "
                             "machine or container, give each host its own RTXNET_HOST)")
                 raise CollectiveError(f"cannot map shm segment {offer[0]} of rank "
@@ -214,6 +225,7 @@ class ShmState:
         find)."""
         held = self.retired + [s for s, _ in self.announced] + ([self.seg] if self.seg is not None else [])
         held += list(self.peer_maps.values())
+        self.dropped = {m.name for m in self.peer_maps.values()}
         for m in held:
             m.close()
         self.unmapped_left += [m for m in held if m.mapped]

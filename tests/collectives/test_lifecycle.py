@@ -13,7 +13,7 @@ import pytest
 import rtxnet.collectives as collectives
 from rtxnet.collectives import Engine, Work, WorldView
 from transport import shm
-from transport.errors import ClosedError, ConfigError, PeerLostError
+from transport.errors import ClosedError, CollectiveError, ConfigError, PeerLostError
 
 from .harness import RankError, run_world
 
@@ -232,6 +232,32 @@ def test_segments_unlinked_while_running_and_after_exit():
         assert names == [], names
         assert shm.list_segments(pid) == []
     assert [s for s in shm.list_segments() if "-shmclean-" in s] == []
+
+
+async def after_a_local_failure(engine):
+    # a breaker's find: rank 0's operation cancelled as rank 1's ended well (here: the taint that
+    # cancellation leaves, at once); rank 1 offered its segment again at the next operation,
+    # unlinked since as usual, and rank 0's mapping failed naming rank 1's "leaving the group"
+    g = engine.world
+    outs = []
+    for i in range(3):
+        x = np.ones(70_000, np.float32)
+        try:
+            await g.all_reduce(x, algorithm="shm", timeout=10)
+            outs.append(float(x[0]))
+        except CollectiveError as exc:
+            outs.append(str(exc))
+        if i == 0 and g.rank == 0:
+            g._shm.taint()
+    return outs
+
+
+def test_a_segment_unmapped_by_this_ranks_own_failure_is_named_as_such():
+    res = run_world(2, after_a_local_failure, timeout_s=60)
+    assert res[0][0] == res[1][0] == 2.0 and res[0][2] == res[1][2] == 2.0, res
+    assert "this rank unmapped it when an earlier operation of this group failed or was cancelled " \
+           "here, and rank 1 has since removed its file as usual" in res[0][1], res
+    assert "leaving the group" not in res[0][1], res
 
 
 async def crash_holding_segment(engine, pidfile):
