@@ -1044,8 +1044,16 @@ def _blocking(portal: Portal, fn: Any, *, one_thread: Any = None) -> Any:
         result = fn(*args, **kwargs)
         if not asyncio.iscoroutine(result):
             return _wrap(portal, result)
-        result = _on_caller_stream(result, args, kwargs)
-        fut = portal.submit(lambda: result)
+        try:
+            result = _on_caller_stream(result, args, kwargs)
+            fut = portal.submit(lambda: result)
+        except BaseException:
+            # interrupted (Ctrl-C) before the loop had the call: it ends there, before it began,
+            # taking its place in the group's order as a cancelled call does (dropped, it left
+            # this rank one call behind the others for good: a breaker's find)
+            with contextlib.suppress(RuntimeError):   # (the loop closed meanwhile)
+                portal.loop.call_soon_threadsafe(calls.forget, result)
+            raise
         if async_op:
             return Work(fut)
         return _wrap(portal, wait_for(fut))   # split() returns a group: it gets the blocking face
