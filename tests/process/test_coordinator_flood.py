@@ -79,7 +79,10 @@ def test_a_flood_of_oversize_messages_leaves_the_daemon_running_on_time(coordina
         with procs.dealer(coordinator.address, timeout_s=10) as ok:
             ok.send(encode(wire.make("status", rid=1)))
             assert decode(ok.recv())["rid"] == 1
-    assert "coordinator_stalled" not in coordinator.log, coordinator.log[-2000:]
+    # (a stall of 0.4 s was logged once at a load of 13-16 on 2 cores, the daemon merely not
+    # scheduled: the copies stalled it seconds)
+    stalls = [float(s) for s in re.findall(r"coordinator_stalled\s+seconds=([\d.]+)", coordinator.log)]
+    assert all(s < 2.0 for s in stalls), coordinator.log[-2000:]
     assert coordinator.proc.poll() is None
 
 
