@@ -760,7 +760,10 @@ def test_a_lost_message_costs_one_step_and_about_the_heartbeat_timeout(tmp_path)
     assert "message_lost_on_purpose" in proc.stderr, proc.stderr[-3000:]
     rec = recoveries(results)
     assert {e["error"] for e in rec} == {"LinkBrokenError", "PeerLostError"}, rec
-    assert all(e["failed_step"] == 10 and e["steps_lost"] == 1 for e in rec), rec
+    # the next message after step 10's fault point is step 10's, or step 11's where the peers'
+    # step 10 messages reached rank 1 before its fault point ran (at a load of 13 on 2 cores)
+    assert len({e["failed_step"] for e in rec}) == 1 and rec[0]["failed_step"] in (10, 11), rec
+    assert all(e["steps_lost"] == 1 for e in rec), rec
     assert "CollectiveTimeout" not in proc.stderr, proc.stderr[-3000:]
     # one recovery per rank, all into the epoch the re-form opened: the rank that lost the
     # message closed its failure in the old epoch when the re-form's answer came before its push,
