@@ -115,7 +115,13 @@ class Job:
     # crashed); after a restart the wait starts again from the replay.
     empty_since: float | None = None
     # Not journaled: waiters are agents' open requests, which they repeat after a restart.
-    kv_waiters: list[KvWaiter] = field(default_factory=list)
+    # (routing identity, request id) -> the wait, in the order parked: a kv_unwait finds its wait
+    # by key (a scan of them all per withdrawal stalled the daemon when a rank cancelled 4,000
+    # waits, and the rank was declared lost: a tester's find)
+    kv_waiters: dict[tuple[str, int], KvWaiter] = field(default_factory=dict)
+    # identity -> how many of kv_waiters are its, so a wait that ends knows in O(1) whether its
+    # client still waits in this job (State.kv_waiting)
+    kv_waits_of: dict[str, int] = field(default_factory=dict)
     kv_parked_nbytes: int = 0   # what the parked waits' keys cost, as _parked_nbytes counts
     # Not journaled: when the last step decision came and the mean time between decisions, so a
     # joiner of a job that commits steps is admitted at the next step boundary (see _defer_join).
@@ -685,7 +691,7 @@ def _tick_job(state: State, job: Job, now: float, actions: list[Action]) -> None
             job.ready_since = None
         elif job.ready_since is not None and now - job.ready_since >= job.last_call_s:
             _form(state, job, now, actions)
-    expired = [w for w in job.kv_waiters if now >= w.deadline]
+    expired = [w for w in job.kv_waiters.values() if now >= w.deadline]
     _unpark(state, job, expired)
     for waiter in expired:
         missing = [k for k in waiter.keys if k not in job.kv]
@@ -915,17 +921,23 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
             actions.append(_error(identity, msg, "ConfigError", bad))
         elif all(k in job.kv for k in keys):
             actions.append(_reply(identity, msg, job, values={k: job.kv[k] for k in keys}))
+        elif (identity, msg["rid"]) in job.kv_waiters:
+            # the same request sent again (the channel resends a kv_wait when its connection comes
+            # back): the wait parked for it answers it, once
+            pass
         elif why := _park_refusal(state, job, keys, nbytes := _parked_nbytes(keys)):
             actions.append(_error(identity, msg, "ConfigError", why))
         else:
-            waiter = KvWaiter(identity, msg["rid"], list(keys), now + float(msg["timeout_s"]),
-                              {k for k in keys if k not in job.kv}, nbytes)
-            job.kv_waiters.append(waiter)
+            job.kv_waiters[identity, msg["rid"]] = KvWaiter(
+                identity, msg["rid"], list(keys), now + float(msg["timeout_s"]),
+                {k for k in keys if k not in job.kv}, nbytes)
             job.kv_parked_nbytes += nbytes
+            job.kv_waits_of[identity] = job.kv_waits_of.get(identity, 0) + 1
             state.kv_waiting.setdefault(identity, set()).add(job.job)
     elif t == "kv_unwait":
         # only the asker's own wait (identity and request id): one client cannot end another's
-        gone = [w for w in job.kv_waiters if w.identity == identity and w.rid == msg["wait_rid"]]
+        waiter = job.kv_waiters.get((identity, msg["wait_rid"]))
+        gone = [waiter] if waiter is not None else []
         _unpark(state, job, gone)
         actions.append(_reply(identity, msg, job, withdrawn=bool(gone)))
     elif t == "kv_cas":
@@ -1071,7 +1083,7 @@ def _rewind(state: State, job: Job, identity: str, msg: dict, now: float, action
 def _wake_kv(state: State, job: Job, key: str, actions: list[Action]) -> None:
     """Answer the waits that ``key``, just set, completes."""
     done = []
-    for waiter in job.kv_waiters:
+    for waiter in job.kv_waiters.values():
         if key not in waiter.missing:
             continue
         waiter.missing.discard(key)
@@ -1109,19 +1121,22 @@ def _park_refusal(state: State, job: Job, keys: list[str], nbytes: int) -> str |
 
 
 def _unpark(state: State, job: Job, gone: list[KvWaiter]) -> None:
-    """Take ``gone`` out of ``job``'s parked waits (one pass, however many)."""
-    if not gone:
-        return
-    ids = {id(w) for w in gone}
-    job.kv_waiters = [w for w in job.kv_waiters if id(w) not in ids]
-    job.kv_parked_nbytes -= sum(w.nbytes for w in gone)
-    still = {w.identity for w in job.kv_waiters}
-    for ident in {w.identity for w in gone} - still:
-        jobs = state.kv_waiting.get(ident)
+    """Take ``gone`` out of ``job``'s parked waits: O(len(gone)), however many stay parked."""
+    for w in gone:
+        if job.kv_waiters.get((w.identity, w.rid)) is not w:
+            continue   # not parked (any more): nothing of it to give back
+        del job.kv_waiters[w.identity, w.rid]
+        job.kv_parked_nbytes -= w.nbytes
+        left = job.kv_waits_of[w.identity] - 1
+        if left:
+            job.kv_waits_of[w.identity] = left
+            continue
+        del job.kv_waits_of[w.identity]
+        jobs = state.kv_waiting.get(w.identity)
         if jobs is not None:
             jobs.discard(job.job)
             if not jobs:
-                del state.kv_waiting[ident]
+                del state.kv_waiting[w.identity]
 
 
 def _drop_waits_of(state: State, identity: str) -> None:
@@ -1130,8 +1145,9 @@ def _drop_waits_of(state: State, identity: str) -> None:
     for job_id in state.kv_waiting.pop(identity, set()):
         job = state.jobs.get(job_id)
         if job is not None:
-            job.kv_waiters = [w for w in job.kv_waiters if w.identity != identity]
-            job.kv_parked_nbytes = sum(w.nbytes for w in job.kv_waiters)
+            job.kv_waiters = {k: w for k, w in job.kv_waiters.items() if w.identity != identity}
+            job.kv_waits_of.pop(identity, None)
+            job.kv_parked_nbytes = sum(w.nbytes for w in job.kv_waiters.values())
 
 
 def _bad_duration(msg: dict, name: str) -> str | None:
@@ -1367,7 +1383,7 @@ def _drop_a_silent_forming_job(state: State, now: float, actions: list[Action]) 
             oldest, chosen = heard, job
     if chosen is None:
         return False
-    _unpark(state, chosen, list(chosen.kv_waiters))
+    _unpark(state, chosen, list(chosen.kv_waiters.values()))
     _record(state, actions, {"k": "job_drop", "job": chosen.job}, now)
     return True
 

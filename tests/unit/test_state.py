@@ -404,7 +404,7 @@ def test_a_cancelled_kv_wait_is_withdrawn_by_its_own_client_only():
     other = h.req("b", "kv_unwait", epoch=0, wait_rid=rid)[0].msg["body"]
     assert other == {"withdrawn": False} and len(job.kv_waiters) == 1   # not b's to end
     mine = h.req("a", "kv_unwait", epoch=0, wait_rid=rid)[0].msg["body"]
-    assert mine == {"withdrawn": True} and job.kv_waiters == [] and job.kv_parked_nbytes == 0
+    assert mine == {"withdrawn": True} and not job.kv_waiters and job.kv_parked_nbytes == 0
     assert "a" not in h.state.kv_waiting
     woke = h.req("b", "kv_set", epoch=0, key="x", value=b"1")
     assert [s.identity for s in woke] == ["b"], woke   # nobody answered for the withdrawn wait
@@ -1202,3 +1202,48 @@ def test_a_kv_wait_timeout_shortens_long_keys_to_fit_one_answer():
     (err,) = errors(h.tick(0.6))
     assert err["message"] == (f"kv_wait timed out; keys still missing: ['{'x' * 200}... (600000 characters)', "
                               f"'{'y' * 200}... (600000 characters)']")
+
+
+def test_withdrawing_a_kv_wait_touches_only_that_wait_however_many_are_parked(monkeypatch):
+    # A tester cancelled 4,000 open store waits: each kv_unwait scanned (and rebuilt) the job's
+    # whole list of waits, 4,000 x 4,000 steps in a few batches, the coordinator stalled past the
+    # heartbeat timeout and the rank was declared lost. Counted, not timed: the reads of parked
+    # waits' fields each withdrawal makes must not grow with the number parked.
+    from coordinator import state as st
+
+    reads = [0]
+
+    class CountedWaiter(st.KvWaiter):
+        def __getattribute__(self, name):
+            reads[0] += 1
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(st, "KvWaiter", CountedWaiter)
+    h = Harness()
+    h.join("a", min_ranks=2, max_ranks=2)
+    h.join("b", min_ranks=2, max_ranks=2)
+    job = h.state.jobs["j"]
+    rids = {}
+    for i in range(st.MAX_KV_WAITERS):
+        who = "ab"[i % 2]
+        assert h.req(who, "kv_wait", epoch=0, keys=[f"k{i}"], timeout_s=600.0) == []
+        rids[i] = (who, h.rid)
+    assert len(job.kv_waiters) == st.MAX_KV_WAITERS
+    for n, i in enumerate([*range(0, st.MAX_KV_WAITERS, 2), *range(1, st.MAX_KV_WAITERS, 2)]):   # a's, then b's
+        who, rid = rids[i]
+        reads[0] = 0
+        body = h.req(who, "kv_unwait", epoch=0, wait_rid=rid)[0].msg["body"]
+        assert body == {"withdrawn": True}, (i, body)
+        assert reads[0] <= 32, f"withdrawal {n} read parked waits' fields {reads[0]} times"
+    assert not job.kv_waiters and job.kv_parked_nbytes == 0 and not h.state.kv_waiting
+    # a withdrawn wait is withdrawn once; what is left still parks, wakes and expires as before
+    assert h.req("a", "kv_unwait", epoch=0, wait_rid=rids[0][1])[0].msg["body"] == {"withdrawn": False}
+    assert h.req("a", "kv_wait", epoch=0, keys=["x"], timeout_s=600.0) == []
+    assert h.req("b", "kv_wait", epoch=0, keys=["y"], timeout_s=1.0) == []
+    again = wire.make("kv_wait", rid=h.rid, job="j", epoch=0, token="t", keys=["y"], timeout_s=1.0)
+    assert h.run(Request("b", again)) == [] and len(job.kv_waiters) == 2   # resent on a reconnect
+    assert h.state.kv_waiting == {"a": {"j"}, "b": {"j"}}
+    woke = h.req("b", "kv_set", epoch=0, key="x", value=b"1")
+    assert [(s.identity, s.msg["body"].get("values")) for s in woke] == [("b", None), ("a", {"x": b"1"})]
+    err = errors(h.tick(2.0))
+    assert [e["error"] for e in err] == ["RtxTimeoutError"] and not job.kv_waiters and not h.state.kv_waiting
