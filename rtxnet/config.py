@@ -15,7 +15,8 @@ from pathlib import Path
 
 from transport.errors import ConfigError
 
-__all__ = ["CHECKPOINT_STORE_KEY", "Timeouts", "env_float", "env_int", "int_in", "ipv6_bind_error", "is_seconds", "output_file"]
+__all__ = ["CHECKPOINT_STORE_KEY", "Timeouts", "env_float", "env_int", "int_in", "ipv6_bind_error", "is_seconds", "output_file",
+           "timeout_seconds"]
 
 # The job's store key where rtxnet.checkpoint.save records the newest committed checkpoint (JSON:
 # step, root) and FaultTolerance reads it back. Here, not in rtxnet.checkpoint, so that reading it
@@ -39,6 +40,22 @@ def is_seconds(v: object) -> bool:
     scalar such as ``np.float32(5)``; not a bool, and ``np.bool_`` is no ``numbers.Real``) above
     0 and finite (not NaN, not infinite). Callers keep ``float(v)``."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
+
+
+def timeout_seconds(timeout: object, default_s: float, what: str = "") -> float:
+    """A call's ``timeout`` argument as float seconds (``default_s`` for None), refused before
+    the call sends anything: the one check the collectives and ``ProcessGroup.reform`` share.
+    ``what``: the call, put before the message (``"reform"``).
+
+    Raises:
+        ValueError: ``timeout`` is not None and not :func:`is_seconds` (names the value).
+    """
+    if timeout is None:
+        return default_s
+    if not is_seconds(timeout):
+        raise ValueError(f"{what + ': ' if what else ''}timeout must be a positive number of seconds, "
+                         f"got {timeout!r}")
+    return float(timeout)
 
 
 def env_float(name: str, default: float) -> float:

@@ -44,7 +44,7 @@ from transport.logconfig import env_flag
 from . import _calls as calls
 from . import errorfile
 from .agent import Agent, Membership
-from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds
+from .config import Timeouts, env_float, env_int, ipv6_bind_error, is_seconds, timeout_seconds
 from .portal import Portal, Work, loop_refusal, wait_for
 
 __all__ = ["ProcessGroup", "BlockingProcessGroup", "Store", "connect", "init"]
@@ -576,30 +576,37 @@ class ProcessGroup:
         Operations in flight on any rank fail with ``ClosedError``.
 
         Args:
-            reason: logged by the coordinator (first 500 characters).
+            reason: a str, logged by the coordinator (first 500 characters).
             epoch: the epoch the failure happened in: the error's ``epoch`` attribute
                 (``CollectiveTimeout.epoch``, ``CollectiveError.epoch``, ``ClosedError.epoch``
                 when a new epoch failed the call). Only a request naming
                 the job's current epoch opens a new one, so a rank that calls this after another
                 rank's reform already reached it opens no second epoch. Default: this rank's
                 current epoch (right when no other rank may have reformed meanwhile).
-            timeout: seconds to wait for the new epoch; default the request deadline.
+            timeout: seconds to wait for the new epoch, finite and > 0; default the request
+                deadline.
 
         Raises:
-            ValueError: ``epoch`` is not an int in ``0..pg.epoch``.
+            ValueError: ``epoch`` is not an int in ``0..pg.epoch``, ``timeout`` is not a finite
+                number of seconds > 0, or ``reason`` is not a str (names the argument and the
+                value). Checked before anything is sent: no epoch is opened.
             RtxTimeoutError: the new epoch did not arrive within ``timeout`` seconds (default:
                 the request deadline).
             RendezvousError: this rank is no longer a member (it was declared lost).
         """
         self._check_loop("reform")
+        # every argument before the request: a bad timeout, checked after it, raised once the new
+        # epoch was open (a tester's find), and a reason that is not a str a bare TypeError
+        if not isinstance(reason, str):
+            raise ValueError(f"reform: reason must be a str, got {reason!r} ({type(reason).__name__})")
+        timeout_s = timeout_seconds(timeout, self.timeouts.request_s, "reform")
         if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)
                                   or not 0 <= epoch <= self.epoch):
             raise ValueError(f"reform: epoch must be an epoch this rank was in, 0..{self.epoch}, "
                              f"got {epoch!r}")
         before = self.epoch if epoch is None else epoch
         epoch = await self._agent.reform(reason, before)
-        m = await self._agent.wait_epoch(max(before, epoch - 1),
-                                         timeout_s=timeout if timeout is not None else self.timeouts.request_s)
+        m = await self._agent.wait_epoch(max(before, epoch - 1), timeout_s=timeout_s)
         return m.epoch
 
     async def status(self) -> list[dict[str, Any]]:

@@ -70,7 +70,7 @@ from rtxnet.collectives.ring import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from rtxnet.config import is_seconds
+from rtxnet.config import timeout_seconds
 from rtxnet.portal import loop_refusal
 from transport.errors import (
     ClosedError,
@@ -323,11 +323,7 @@ class Group:
         self._abort_exc = exc
 
     def _timeout_s(self, timeout: float | None) -> float:
-        if timeout is None:
-            return self.engine.default_timeout_s
-        if not is_seconds(timeout):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return float(timeout)
+        return timeout_seconds(timeout, self.engine.default_timeout_s)
 
     def _after_hello(self, op: Op) -> None:
         if self._shm is not None:

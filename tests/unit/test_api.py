@@ -449,7 +449,22 @@ def test_fault_tolerance_arguments_are_checked_when_it_is_made(coordinator):
         for bad in (99, -5, "x"):   # an epoch this rank was never in opens nothing
             with pytest.raises(ValueError, match=f"reform: epoch must be an epoch this rank was in, 0..0, got {bad!r}"):
                 pg.reform(epoch=bad)
-        assert pg.reform(epoch=0) == 1 and pg.epoch == 1
+        # every argument checked before the request (a tester's find: -1, NaN and 0 taken
+        # silently; timeout="5" opened the epoch and then raised a bare TypeError, as did reason=5)
+        for kw, text in [
+            ({"timeout": -1}, "reform: timeout must be a positive number of seconds, got -1"),
+            ({"timeout": float("nan")}, "reform: timeout must be a positive number of seconds, got nan"),
+            ({"timeout": 0}, "reform: timeout must be a positive number of seconds, got 0"),
+            ({"timeout": "5"}, "reform: timeout must be a positive number of seconds, got '5'"),
+            ({"timeout": True}, "reform: timeout must be a positive number of seconds, got True"),
+            ({"reason": 5}, "reform: reason must be a str, got 5 (int)"),
+            ({"reason": None}, "reform: reason must be a str, got None (NoneType)"),
+        ]:
+            with pytest.raises(ValueError) as info:
+                pg.reform(**kw)
+            assert str(info.value) == text, kw
+        assert pg.epoch == 0   # none of them opened an epoch: the next reform of epoch 0 does
+        assert pg.reform(epoch=0, timeout=5) == 1 and pg.epoch == 1
         # a second init of the same job in this process: "job is full", or a second member once
         # a slot was free, before (a fresh user's find)
         with pytest.raises(rtxnet.ConfigError, match=r"this process already holds rank 0 of job 'ft-args' on "
