@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -947,10 +947,14 @@ class Group:
 
         Raises:
             ValueError: bad ``dst``/``tag`` or dtype. ClosedError/PeerLostError: the group's
-            epoch ended. CollectiveTimeout: a large message was not taken before the deadline
-            (``exc.ranks == [dst's world rank]``).
+            epoch ended (checked first, as the collectives do). CollectiveTimeout: a large
+            message was not taken before the deadline (``exc.ranks == [dst's world rank]``).
         """
         try:
+            # first, as _collective does: after aclose() the group may be of size 1 (its peers
+            # left), and the rank check said "rank 1 is not a rank of this group" where every
+            # collective said ClosedError (a tester's find)
+            self._check_usable()
             if is_gpu_array(tensor):
                 self._check_root("send", dst)
                 return await self._gpu().send(tensor, dst, tag, timeout)
@@ -1032,9 +1036,11 @@ class Group:
             ValueError: bad ``src`` or dtype.
             CollectiveMismatchError: the message's dtype or shape differs from ``tensor``'s.
             CollectiveTimeout: nothing arrived in time (``exc.ranks == [src's world rank]``).
-            ClosedError/PeerLostError: the group's epoch ended (a rank was lost, for instance).
+            ClosedError/PeerLostError: the group's epoch ended (a rank was lost, for instance);
+                checked first, as in :meth:`send`.
         """
         try:
+            self._check_usable()
             if is_gpu_array(tensor):
                 self._check_root("recv", src)
                 return await self._gpu().recv(tensor, src, tag, timeout)
@@ -1370,9 +1376,14 @@ class Group:
         same order. Returns ``None`` on a rank that is not a member. No communication.
 
         Raises:
-            ValueError: duplicate ranks, ranks that are not ints, or ranks not in this group.
+            ValueError: ``ranks`` is not a sequence (names it), duplicate ranks, ranks that are
+                not ints, or ranks not in this group.
         """
         self._check_usable()
+        # (a str is iterable, and its characters were then refused as "not ints")
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise ValueError(f"new_group ranks must be a sequence of world ranks (ints), got {ranks!r} "
+                             f"({type(ranks).__name__})")
         ranks = list(ranks)   # once: a generator would be used up by the first check
         bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, (int, np.integer))]
         if bad:

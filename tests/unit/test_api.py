@@ -509,6 +509,34 @@ def test_a_second_async_connect_to_the_same_job_is_refused_until_the_first_is_cl
     asyncio.run(main())
 
 
+def test_send_and_recv_after_aclose_raise_closed_error_and_new_group_names_a_ranks_value_it_cannot_take(coordinator):
+    # A tester's find: after aclose() of a group its peer had left, send and recv raised
+    # "ValueError: rank 1 (int) is not a rank of this group of size 1" where all_reduce said
+    # ClosedError; and new_group(5) a bare "TypeError: 'int' object is not iterable".
+    import numpy as np
+
+    async def main():
+        pg = await rtxnet.connect(coordinator.address, job="p2p-closed", world_size=1)
+        try:
+            for bad, text in [(5, "5 (int)"), (None, "None (NoneType)"), ("01", "'01' (str)")]:
+                with pytest.raises(ValueError) as info:
+                    pg.new_group(bad)
+                assert str(info.value) == f"new_group ranks must be a sequence of world ranks (ints), got {text}"
+            assert pg.new_group([0]).size == 1
+        finally:
+            await pg.aclose()
+        x = np.ones(4, np.float32)
+        for name, call in [("all_reduce", lambda: pg.all_reduce(x, timeout=3)),
+                           ("send", lambda: pg.send(x, 1, timeout=3)),
+                           ("recv", lambda: pg.recv(x, 1, timeout=3)),
+                           ("send", lambda: pg.send(x, 0, tag=1.5))]:
+            with pytest.raises(rtxnet.ClosedError) as info:
+                await asyncio.wait_for(call(), 10)
+            assert "which ended" in str(info.value), (name, str(info.value))   # the same words for all
+
+    asyncio.run(main())
+
+
 def test_a_group_is_refused_in_another_event_loop_than_its_own(coordinator):
     """A group lives in the loop its connect() ran in. From a second asyncio.run a collective
     hung or went out of step with its peers (a tester's find, 3 of 7 runs); now it is refused at
