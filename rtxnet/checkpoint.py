@@ -79,6 +79,7 @@ import os
 import pickle
 import random
 import re
+import reprlib
 import shutil
 import signal
 import threading
@@ -191,7 +192,7 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     """``root/step-<step>``.
 
     Raises:
-        ConfigError: ``root`` is empty, or ``step`` is not an integer in 0..2**63-1.
+        ConfigError: ``root`` is empty or not a path, or ``step`` is not an integer in 0..2**63-1.
     """
     _check_root(root, "step_dir")
     return Path(root) / f"step-{_check_step(step)}"
@@ -199,11 +200,13 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 def _check_root(root: Any, fn: str, what: str = "root") -> None:
     """Refuse an empty ``root`` (``""``: ``Path("")`` is the current folder, where a save wrote
-    ``step-N`` unasked, a breaker's find). What is not a path at all is left to ``Path()``."""
+    ``step-N`` unasked, a breaker's find), and one that is not a path at all (``Path()``'s raw
+    ``TypeError`` named neither the function nor the argument: a fresh user's find)."""
     try:
         empty = os.fspath(root) in ("", b"")
     except TypeError:
-        return
+        raise ConfigError(f"checkpoint.{fn}: {what} must be a folder path (str or os.PathLike), "
+                          f"got {reprlib.repr(root)} ({type(root).__name__})") from None
     if empty:
         raise ConfigError(f"checkpoint.{fn}: {what} {root!r} is empty: give the checkpoint folder "
                           f"('.' for the current one)")
@@ -586,8 +589,8 @@ def hold(root: str | os.PathLike, *, pg: Any = None) -> None:
 
     Raises:
         CheckpointError: another run holds ``root`` (names its job).
-        ConfigError: ``root`` is empty, or exists and is not a folder; ``pg`` is not the process
-            group of :func:`rtxnet.init` or None (a subgroup: names its type).
+        ConfigError: ``root`` is empty or not a path, or exists and is not a folder; ``pg`` is
+            not the process group of :func:`rtxnet.init` or None (a subgroup: names its type).
     """
     _check_pg(pg, "hold")
     _check_root(root, "hold")
@@ -608,7 +611,7 @@ def release(root: str | os.PathLike) -> None:
     save here holds it again. Nothing happens when this process does not hold it.
 
     Raises:
-        ConfigError: ``root`` is empty.
+        ConfigError: ``root`` is empty or not a path.
     """
     _check_root(root, "release")
     held = _HELD.pop(str(Path(root).resolve()), None)
@@ -1313,7 +1316,7 @@ def read_manifest(root: str | os.PathLike, step: int) -> dict[str, Any]:
         CheckpointCorruptError: the manifest is not valid JSON of the expected form (names the
             file and what is wrong: a missing or mistyped field, a rank of its world without a
             shard, a shard without its size and SHA-256).
-        ConfigError: ``root`` is empty, or ``step`` is not an integer in 0..2**63-1.
+        ConfigError: ``root`` is empty or not a path, or ``step`` is not an integer in 0..2**63-1.
     """
     _check_root(root, "read_manifest")
     path = step_dir(root, step) / MANIFEST
@@ -1424,7 +1427,7 @@ def verify(root: str | os.PathLike, step: int) -> dict[str, Any]:
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or a shard is missing or its size or SHA-256
             differs from the manifest (names the shard).
-        ConfigError: ``root`` is empty, or ``step`` is not an integer in 0..2**63-1.
+        ConfigError: ``root`` is empty or not a path, or ``step`` is not an integer in 0..2**63-1.
     """
     _check_root(root, "verify")
     m = read_manifest(root, step)
@@ -1443,7 +1446,7 @@ def latest(root: str | os.PathLike, *, verify_shards: bool = True, before: int |
     before a step that could not be loaded).
 
     Raises:
-        ConfigError: ``root`` is empty, or ``before`` is not None or an integer.
+        ConfigError: ``root`` is empty or not a path, or ``before`` is not None or an integer.
         OSError: a manifest or shard exists but cannot be read (e.g. permissions).
     """
     _check_root(root, "latest")
@@ -1543,7 +1546,8 @@ def load_all(root: str | os.PathLike, step: int | None = None) -> list[dict[str,
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or a shard's size or SHA-256 differs from the
             manifest (names the file).
-        ConfigError: ``root`` is empty, or ``step`` is not None or an integer in 0..2**63-1.
+        ConfigError: ``root`` is empty or not a path, or ``step`` is not None or an integer in
+            0..2**63-1.
     """
     _check_root(root, "load_all")
 
@@ -1632,7 +1636,7 @@ def load(root: str | os.PathLike, step: int | None = None, *, rank: int | None =
         CheckpointCorruptError: the manifest is malformed or does not list a shard for every rank
             of its world (names the manifest), or the shard's size or SHA-256 differs from the
             manifest (names the file); such a checkpoint is never loaded.
-        ConfigError: ``root`` is empty; ``rank`` is not an int >= 0 (names it); or the checkpoint's world size
+        ConfigError: ``root`` is empty or not a path; ``rank`` is not an int >= 0 (names it); or the checkpoint's world size
             differs from ``pg``'s (checked when ``rank`` is not given), or it has no shard
             ``rank``, while this process holds state that
             differs per rank (tensor-parallel layers, pipeline stages), which another rank's

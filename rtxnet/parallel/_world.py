@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -23,6 +25,24 @@ from rtxnet.config import shown_list
 from transport.errors import ConfigError
 
 log = structlog.get_logger(__name__)
+
+
+def check_group(pg: Any, who: str) -> None:
+    """Refuse a ``pg`` that is not a process group or a subgroup of one (``None``, a name): the
+    wrappers failed later with ``AttributeError: 'NoneType' object has no attribute 'size'`` (a
+    fresh user's find). Checked by what the wrappers read (``rank`` and ``world_size`` or
+    ``size``), not by class: the blocking facade's subgroups are proxies.
+
+    Raises:
+        ConfigError: names ``who``, the value and what is accepted.
+    """
+    rank = getattr(pg, "rank", None)
+    has_size = getattr(pg, "world_size", None) is not None or getattr(pg, "size", None) is not None
+    if isinstance(rank, int | np.integer) and not isinstance(rank, bool) and has_size:
+        return
+    raise ConfigError(f"{who}: pg must be the process group of rtxnet.init() or a subgroup of it "
+                      f"(pg.new_group, pg.split, DeviceMesh.get_group), got {reprlib.repr(pg)} "
+                      f"({type(pg).__name__})")
 
 
 def group_size(pg: Any) -> int:

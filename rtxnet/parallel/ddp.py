@@ -107,6 +107,7 @@ from transport.errors import ConfigError, PeerLostError
 from ._world import (
     StepWorld,
     broadcastable,
+    check_group,
     check_same_layout,
     check_still_frozen,
     check_unchanged,
@@ -211,8 +212,9 @@ class DistributedDataParallel(torch.nn.Module):
         timeout_s: deadline in seconds of each bucket's all-reduce; ``None`` uses the group's.
 
     Raises:
-        ConfigError: a bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``; parameters
-            and buffers on several devices, or on a device that is neither the CPU nor CUDA;
+        ConfigError: ``pg`` is not a process group or a subgroup of one (``None``, a name); a
+            bad ``bucket_cap_mb``, ``first_bucket_mb`` or ``reduce_op``; parameters and buffers
+            on several devices, or on a device that is neither the CPU nor CUDA;
             a trainable parameter not float32/float64/float16/bfloat16 (complex: names it); an
             ``Embedding``/``EmbeddingBag`` with ``sparse=True`` (sparse gradients);
             names the value or the devices. Buffers of any dtype are broadcast (their bytes).
@@ -242,6 +244,7 @@ class DistributedDataParallel(torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        check_group(pg, "DistributedDataParallel")
         for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
                 raise ConfigError(f"{name}({v!r}) must be a positive number of MiB")

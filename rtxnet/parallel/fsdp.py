@@ -113,6 +113,7 @@ from transport.errors import CollectiveMismatchError, ConfigError, PeerLostError
 from ._world import (
     StepWorld,
     broadcastable,
+    check_group,
     check_same_layout,
     check_still_frozen,
     check_unchanged,
@@ -336,7 +337,8 @@ class FullyShardedDataParallel(torch.nn.Module):
         timeout_s: deadline in seconds of each collective; ``None`` uses the group's.
 
     Raises:
-        ConfigError: ``module`` is not a module; a bad ``wrap``, ``reduce_op`` or ``timeout_s``
+        ConfigError: ``module`` is not a module; ``pg`` is not a process group or a subgroup of
+            one (``None``, a name); a bad ``wrap``, ``reduce_op`` or ``timeout_s``
             (names the value); a parameter or buffer off the CPU (names it and the device); a
             parameter shared by two units (names both); a parameter dtype the collectives do not
             support; with ``init_sync``, the ranks' modules differ in parameter or buffer names,
@@ -357,6 +359,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        check_group(pg, "FullyShardedDataParallel")
         if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise ConfigError(f"reduce_op({reduce_op!r}) must be ReduceOp.AVG or ReduceOp.SUM")
         if timeout_s is not None and not is_seconds(timeout_s):

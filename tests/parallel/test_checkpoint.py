@@ -154,6 +154,11 @@ def test_an_empty_root_is_refused_by_every_function_that_takes_one(tmp_path, mon
             call("")
     with pytest.raises(ConfigError, match=r"^checkpoint\.claim_folder: folder '' is empty"):
         checkpoint.claim_folder("", "run")
+    # not a path at all: Path()'s raw TypeError before, naming neither function nor argument
+    for fn, call in calls.items():
+        with pytest.raises(ConfigError, match=rf"^checkpoint\.{fn}: root must be a folder path "
+                                              rf"\(str or os\.PathLike\), got 123 \(int\)$"):
+            call(123)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok", "step-1"]   # nothing written here
     assert not any((tmp_path / "step-1").iterdir())
 

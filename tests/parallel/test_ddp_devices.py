@@ -7,6 +7,7 @@ collective with ``init_sync=False``, so a stand-in process group suffices). The 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import procs
 import pytest
 import torch
 
-from rtxnet.parallel import DistributedDataParallel
+from rtxnet.parallel import DistributedDataParallel, FullyShardedDataParallel
 from transport.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -54,6 +55,16 @@ def test_a_sparse_embedding_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"0 \(Embedding\) has sparse=True"):
         DistributedDataParallel(net, _Pg(), init_sync=False)
     DistributedDataParallel(torch.nn.Embedding(10, 4), _Pg(), init_sync=False)   # dense: accepted
+
+
+def test_something_that_is_not_a_process_group_is_refused_naming_it():
+    # AttributeError: 'NoneType' object has no attribute 'size' ('rank' for FSDP) before
+    for wrapper in (DistributedDataParallel, FullyShardedDataParallel):
+        for bad, shown in ((None, "None (NoneType)"), ("pg", "'pg' (str)")):
+            with pytest.raises(ConfigError, match=rf"^{wrapper.__name__}: pg must be the process group "
+                                                  rf"of rtxnet\.init\(\) or a subgroup of it .*, got "
+                                                  rf"{re.escape(shown)}$"):
+                wrapper(torch.nn.Linear(4, 3), bad, init_sync=False)
 
 
 def test_a_device_that_is_neither_cpu_nor_cuda_is_refused():
