@@ -195,11 +195,14 @@ def output_file(text: str) -> Path:
     import tempfile
 
     path = Path(text)
-    if not text or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file to write")
-    folder = path.absolute().parent
-    while not folder.exists():
-        folder = folder.parent
+    try:   # (a name too long raises from the look-ups themselves: ENAMETOOLONG)
+        if not text or path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file to write")
+        folder = path.absolute().parent
+        while not folder.exists():
+            folder = folder.parent
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror}") from None
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: {str(folder)!r} is not a folder")
     try:   # what a write would meet (a read-only mount, permissions, a pseudo file system)

@@ -20,7 +20,9 @@ a fault no rank said anything about, as with ``RTXNET_LOG_LEVEL=error``, does no
 naming the value; no run, no summary). When the run takes longer than ``--timeout`` seconds it is
 stopped (SIGTERM to the launcher, which stops its ranks, then SIGKILL if it is still there after
 ``STOP_GRACE_S``), one line says so and the exit code is 124. SIGTERM (or Ctrl-C) to faultrun stops
-the run the same way, removes the temporary folder and exits 143 (130).
+the run the same way, removes the temporary folder and exits 143 (130). Missing folders of
+``--json`` are made before the run (one that cannot be: 2); a ``--json`` file that could not be
+written at the end turns an exit code 0 into 1.
 """
 
 from __future__ import annotations
@@ -498,6 +500,15 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for f in faults:
         if f.rank is not None and f.rank >= args.nproc:
             ap.error(f"--plan: {f.text!r} names rank {f.rank}, but --nproc is {args.nproc}")
+    if args.json is not None:
+        # output_file leaves missing folders to the tool: made now, so that one that cannot be
+        # made is refused here and not after the whole run (a fresh user's find: the run ended
+        # in "could not write --json" and exit code 0)
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"argument --json: cannot write {str(args.json)!r}: its folder "
+                     f"{str(args.json.parent)!r} cannot be made ({exc.strerror})")
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -541,11 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+    json_failed = False
     if args.json:
         try:   # checked when parsed; a disk filled meanwhile still leaves the summary below
             Path(args.json).write_text(json.dumps(res, indent=2))
         except OSError as exc:
             print(f"faultrun: could not write --json {args.json}: {exc.strerror}", file=sys.stderr)
+            json_failed = True
     out = res["stdout"] + res["stderr"]
     if (res["returncode"] == LAUNCHER_USAGE_ERROR and not res["events"]
             and not re.search(r"\[rtxnet-run\] job .*: starting", out)):
@@ -584,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                                  f"launcher exited 0: the run did not test recovery (drop-heartbeats "
                                  f"takes effect after the heartbeat timeout: the script may have "
                                  f"ended first)")
+    if json_failed and rc == 0:
+        # a caller that reads the file must not take the run for a pass without it
+        rc, why = 1, f"--json {args.json} could not be written (above), though the launcher exited 0"
     print(f"exit code {rc}: {why}")
     return rc
 

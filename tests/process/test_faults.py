@@ -967,6 +967,33 @@ def test_faultrun_names_each_fault_and_why_it_was_not_injected():
     assert lines[1:] == [f"fault {f['fault']!r} was not injected: {f['reason']}" for f in s["faults"][1:]]
 
 
+@pytest.mark.timeout(20)
+def test_faultrun_json_folders_are_made_before_the_run_and_a_failed_write_fails_it(tmp_path, monkeypatch,
+                                                                                   capsys):
+    # a fresh user's find: --json /nonexistent/dir/x.json ran the whole job, said "could not write
+    # --json" and exited 0 (in-process, with the run itself stood in for)
+    argv = ["--plan", "kill:rank=1:step=3", "--nproc", "2", "--json"]
+    with pytest.raises(SystemExit) as info:   # refused up front, in one line
+        faultrun.main([*argv, str(tmp_path / ("d" * 300) / "x.json"), "--", "x.py"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].endswith("File name too long"), err
+    path = tmp_path / "new" / "deeper" / "x.json"
+    seen = []
+
+    def run_plan(plan, script, **kw):
+        seen.append(path.parent.is_dir())   # made before the run
+        path.mkdir()                        # the write at the end fails (a disk filled, say)
+        return {"returncode": 0, "events": [], "stdout": "", "stderr": "",
+                "summary": faultrun.summarize([], "", plan, kw["nproc"])}
+
+    monkeypatch.setattr(faultrun, "run_plan", run_plan)
+    assert faultrun.main([*argv, str(path), "--", "x.py"]) == 1 and seen == [True]
+    out, err = capsys.readouterr()
+    assert f"faultrun: could not write --json {path}: Is a directory" in err
+    assert out.rstrip().endswith(f"exit code 1: --json {path} could not be written (above), though "
+                                 f"the launcher exited 0"), out
+
+
 def test_faultrun_tells_apart_faults_with_the_same_text():
     # two rank=any kills may pick different ranks; the lines name the fault's place in the plan
     plan = "seed=1; kill:rank=any:step=5; kill:rank=any:step=5; kill:rank=any:step=7"
