@@ -605,6 +605,10 @@ class Launcher:
             env[errorfile.ENV] = slot.error_path
         return env
 
+    def _first_error_path(self, slot: _Slot) -> str | None:
+        """The error file of ``slot``'s first process (the only one faults fire in)."""
+        return None if self.error_dir is None else os.path.join(self.error_dir, f"rank{slot.rank}-0.json")
+
     async def _start_fork_server(self) -> None:
         """Start the rank fork server (``rtxnet/_zygote.py``) when ``--preload`` names modules
         (``auto``: torch and rtxnet's dependencies, for a script that imports torch), the script
@@ -1181,6 +1185,10 @@ class Launcher:
                 with contextlib.suppress(RtxError):
                     await _claim(self.address, self._claimed, a.node_rank, 0, timeout_s=1.0)
             await self._shutdown()
+            if self.stop_signal is None and (line := _faults_no_rank_reported(a, self.total, {
+                    s.rank: errorfile.reached_init(self._first_error_path(s)) for s in self.slots
+                    if s.proc is not None})):
+                _say(line)
             shutil.rmtree(self.error_dir, ignore_errors=True)
         if self.stop_signal is not None:
             unstarted = [s.rank for s in self.slots if s.proc is None]
@@ -2330,6 +2338,34 @@ def _faults_for_other_nodes(a: argparse.Namespace) -> str | None:
     other = [f"{f.text!r} names rank {f.rank}" for f in _checked_plan(a)
              if f.rank is not None and f.rank >= 0 and f.rank not in mine]   # (-1: rank=any)
     return "faults for other nodes' ranks: " + ", ".join(other) if other else None
+
+
+def _faults_no_rank_reported(a: argparse.Namespace, world_size: int,
+                             reached: dict[int, bool]) -> str | None:
+    """The faults of the plan that no process could report as not injected, as one line, or None.
+
+    A rank's process names the faults meant for it that never came due at its exit, but only once
+    it made its fault injector, in ``rtxnet.init`` (``connect``); a script that never got there
+    (one without rtxnet, one that failed first) said nothing, and the job ended 0 with the plan
+    untested without a word (a fresh user's find). ``reached``: launch rank -> whether its first
+    process (the one faults fire in) reached ``rtxnet.init``, for this node's ranks that started.
+    A fault of no rank (it fires on the first rank to reach it) counts when none of the job's ranks
+    reached it: known on one node only."""
+    if not reached or all(reached.values()):
+        return None
+    from .faults import label, parse_plan
+
+    text = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+    faults = parse_plan(text, world_size=world_size) if text else []   # (rank=any resolved)
+    nobody = a.nnodes == 1 and len(reached) == a.nproc and not any(reached.values())
+    missed = [f"{label(f, faults)} (launch rank {f.rank})" if f.rank is not None else
+              f"{label(f, faults)} (any rank)" for f in faults
+              if (reached.get(f.rank) is False if f.rank is not None else nobody)]
+    if not missed:
+        return None
+    return (f"faults never injected, the processes they were meant for never having reached "
+            f"rtxnet.init (where a rank arms its faults, and names at exit those that never came "
+            f"due): {', '.join(missed)}")
 
 
 def _checked_plan(a: argparse.Namespace) -> list:

@@ -1078,6 +1078,37 @@ def test_faults_that_never_came_due_are_named_at_exit(tmp_path):
         "without it can use at=collective)",
     ]), out.stderr[-3000:]
     assert "fault_injected" in out.stderr and "pause:rank=1" in out.stderr
+    assert "faults never injected" not in out.stderr   # (the ranks named them: they reached init)
+
+
+def test_faults_of_ranks_that_never_reached_init_are_named_by_rtxnet_run(tmp_path):
+    # A fresh user's find: a script without rtxnet under --faults exited 0 and nothing said that
+    # no fault fired (a rank names them at exit only once rtxnet.init armed its plan)
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello', os.environ['RANK'], flush=True)\n")
+    out = run(["--nproc", "2", "--faults", "kill:rank=1:step=3; delay:ms=5", str(script)])
+    assert out.returncode == 0, out.stderr[-3000:]   # (exit codes as before: the README's)
+    lines = [line for line in out.stderr.splitlines() if "never injected" in line]
+    assert lines == [
+        "[rtxnet-run] faults never injected, the processes they were meant for never having reached "
+        "rtxnet.init (where a rank arms its faults, and names at exit those that never came due): "
+        "'kill:rank=1:step=3' (launch rank 1), 'delay:ms=5' (any rank)"], out.stderr[-3000:]
+
+
+def test_a_fault_of_no_rank_is_not_claimed_while_a_rank_may_have_fired_it():
+    from rtxnet.launcher import _faults_no_rank_reported, _parser
+
+    def line(reached, *more):
+        a = _parser().parse_args(["--nproc", "2", *more, "--faults",
+                                  "kill:rank=0:step=3; delay:ms=5; kill:rank=any:step=2", "x.py"])
+        return _faults_no_rank_reported(a, a.nproc * a.nnodes, reached)
+
+    assert line({0: True, 1: True}) is None
+    # rank 0 reached init: it names its own at exit, and may have fired the rank-less one
+    assert line({0: True, 1: False}).endswith("due): 'kill:rank=any:step=2' (launch rank 1)")
+    # with other nodes, one of their ranks may have fired the rank-less one
+    assert "delay" not in line({2: False, 3: False}, "--nnodes", "2", "--node-rank", "1",
+                               "--coordinator", "tcp://127.0.0.1:1")
 
 
 PINNED = textwrap.dedent("""
