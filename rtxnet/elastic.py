@@ -800,9 +800,10 @@ class FaultTolerance:
             # collectives had ended before a loss they never met, a CI run of the multi-host cut,
             # the network cut as the step's all_reduce returned)
             lost = self._lost_since(self._step_epoch, epoch)
+            shown = describe_lost(self._epoch_lost, self._epoch_lost_launch, self._step_epoch, epoch)
             await self._recover(PeerLostError(
                 f"membership changed during step {step} (epoch {self._step_epoch} -> {epoch})"
-                + (f": ranks {lost} lost" if lost else ""), ranks=lost, epoch=epoch if lost else None), step)
+                + (f": {shown} lost" if lost else ""), ranks=lost, epoch=epoch if lost else None), step)
             return
         pending = None
         if self.sharded_state:
@@ -2122,6 +2123,23 @@ def name_ranks(ranks: list[int], *, launch: bool) -> str:
     numbered in one epoch."""
     kind = "launch rank" if launch else "rank"
     return f"{kind}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def describe_lost(epoch_lost: dict[int, list[int]], epoch_lost_launch: dict[int, list[int] | None],
+                  since: int, now: int) -> str:
+    """The ranks the epochs after ``since`` up to ``now`` lost, each process once: ``launch ranks
+    2, 3`` when every launch rank is known, else each epoch's ranks as numbered in the epoch
+    before it (``rank 2 of epoch 0, rank 2 of epoch 1``). Joined across epochs, the per-epoch
+    numbers read ``ranks [2, 2]`` for launch ranks 2 and 3 lost one after the other (the second
+    renumbered 2 by the first loss: a fresh user's find).
+
+    ``epoch_lost``: epoch -> the ranks its membership lost (numbered as of the epoch before);
+    ``epoch_lost_launch``: epoch -> their launch ranks, None where one is unknown."""
+    epochs = [e for e in sorted(epoch_lost) if since < e <= now and epoch_lost[e]]
+    named = [epoch_lost_launch.get(e) for e in epochs]
+    if epochs and None not in named:
+        return name_ranks(sorted(r for x in named for r in x), launch=True)
+    return ", ".join(f"{name_ranks(epoch_lost[e], launch=False)} of epoch {e - 1}" for e in epochs)
 
 
 def event_ranks(e: dict[str, Any], key: str) -> str:

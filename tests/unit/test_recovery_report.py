@@ -88,6 +88,31 @@ def test_lost_and_joined_ranks_are_named_by_launch_rank():
     assert lines[1] == "epoch 4: launch rank 3 joined at step 6; world of 3", lines
 
 
+def test_a_step_across_two_losses_names_each_lost_process_once_by_launch_rank():
+    # A fresh user's find: launch ranks 2 and 3 lost one after the other during a step read
+    # "ranks [2, 2] lost" (each numbered in its own epoch, joined)
+    ft = _ft()
+    ft._on_epoch(_membership(1, (), [0, 1, 2, 3]), "formed")
+    ft._on_epoch(_membership(2, (2,), [0, 1, 3]), "lost")
+    ft._on_epoch(_membership(3, (2,), [0, 1]), "lost")
+    ft._step_epoch, ft.sharded_state, got = 1, False, []
+
+    async def recover(exc, step, **kw):
+        got.append((exc, step))
+
+    ft._recover = recover
+    ft.pg = type("PG", (), {"membership": _membership(3, (2,), [0, 1]), "_pinned_world": None})()
+    asyncio.run(ft._end(6))
+    ((exc, step),) = got
+    assert str(exc) == "membership changed during step 6 (epoch 1 -> 3): launch ranks 2, 3 lost"
+    assert step == 6 and exc.ranks == [2, 2] and exc.epoch == 3   # (ranks: as a collective's name them)
+    # a launch rank unknown (ranks started by hand): each epoch's numbers, said to be so
+    from rtxnet.elastic import describe_lost
+
+    assert describe_lost({2: [2], 3: [2]}, {2: [2], 3: None}, 1, 3) == "rank 2 of epoch 1, rank 2 of epoch 2"
+    assert describe_lost({2: [0, 2]}, {2: [0, 3]}, 1, 3) == "launch ranks 0, 3"
+
+
 def test_a_loss_between_two_steps_is_reported_though_no_step_failed():
     ft = _ft()
     ft._on_epoch(_membership(1, (), [0, 1, 2]), "formed")
