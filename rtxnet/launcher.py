@@ -2098,8 +2098,36 @@ def _say(text: str) -> None:
         _reader_gone(sys.stderr)
 
 
+class _Parser(argparse.ArgumentParser):
+    """rtxnet-run's parser: an error says so when rtxnet-run's own options came after the script,
+    where they are the script's arguments (``rtxnet-run train.py --nproc 2`` said only "the
+    following arguments are required: --nproc": a fresh user's find)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        late = self._after_script(getattr(self, "_argv", []))
+        if late:
+            message += (f" ({', '.join(late)} came after the script, whose arguments they are: "
+                        f"rtxnet-run's options go before it, rtxnet-run [options] script.py "
+                        f"[script arguments])")
+        super().error(message)
+
+    def _after_script(self, argv: list[str]) -> list[str]:
+        """rtxnet-run's options among the script's arguments in ``argv`` (``-h`` aside: a script
+        may take its own)."""
+        i = 0
+        while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+            action = self._option_string_actions.get(argv[i].split("=", 1)[0])
+            i += 1 + (action is not None and action.nargs != 0 and "=" not in argv[i])
+        ours = [a.split("=", 1)[0] for a in argv[i + 1:]]
+        return [a for a in dict.fromkeys(ours) if a in self._option_string_actions and a not in ("-h", "--help")]
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rtxnet-run", description="Launch N ranks of a training script under rtxnet.")
+    p = _Parser(prog="rtxnet-run", description="Launch N ranks of a training script under rtxnet.")
     p.add_argument("--nproc", type=int, required=True, help="number of ranks to start on this host")
     p.add_argument("--nnodes", type=int, default=1,
                    help="hosts the job runs on, each with its own rtxnet-run (default 1); with more "

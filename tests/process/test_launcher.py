@@ -1095,6 +1095,27 @@ def test_faults_of_ranks_that_never_reached_init_are_named_by_rtxnet_run(tmp_pat
         "'kill:rank=1:step=3' (launch rank 1), 'delay:ms=5' (any rank)"], out.stderr[-3000:]
 
 
+def test_launcher_options_after_the_script_are_pointed_out(capsys):
+    # a fresh user's find: `rtxnet-run script.py --nproc 2` said only that --nproc is required
+    from rtxnet.launcher import _parser
+
+    for argv, hint in ((["x.py", "--nproc", "2"], "--nproc came"),
+                       (["--job", "j", "x.py", "--nproc=2", "--faults", "kill:rank=0:step=1", "-h"],
+                        "--nproc, --faults came"),
+                       (["--job", "j", "x.py", "-h"], None)):
+        with pytest.raises(SystemExit) as info:
+            _parser().parse_args(argv)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert info.value.code == 2 and last.startswith(
+            "rtxnet-run: error: the following arguments are required: --nproc"), last
+        if hint is None:
+            assert "came after the script" not in last, last
+        else:
+            assert last.endswith(f" ({hint} after the script, whose arguments they are: rtxnet-run's "
+                                 f"options go before it, rtxnet-run [options] script.py [script "
+                                 f"arguments])"), last
+
+
 def test_a_fault_of_no_rank_is_not_claimed_while_a_rank_may_have_fired_it():
     from rtxnet.launcher import _faults_no_rank_reported, _parser
 
