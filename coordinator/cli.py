@@ -23,7 +23,7 @@ import structlog
 
 from transport.channel import route_address
 from transport.errors import ConnectError, JournalCorruptError, JournalError
-from transport.logconfig import LOG_LEVELS, configure_logging, ensure_standard_fds
+from transport.logconfig import FLAG_VALUES, LOG_LEVELS, configure_logging, ensure_standard_fds
 
 from .journal import holds_journal, remove_journal
 from .server import Coordinator
@@ -126,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"one of {', '.join(LOG_LEVELS)} (default RTXNET_LOG_LEVEL or info)")
     p.add_argument("--log-json", action="store_true",
                    help="log JSON lines to stderr instead of readable console lines (default "
-                        "RTXNET_LOG_JSON: JSON when set and not 0 or false)")
+                        f"RTXNET_LOG_JSON: {', '.join(w for w, on in FLAG_VALUES.items() if on)} "
+                        f"for JSON; {', '.join(w for w, on in FLAG_VALUES.items() if not on)} or "
+                        f"unset for console lines; any other value is refused)")
     p.add_argument("--dead-job-ttl", type=_ttl, default=3600.0,
                    help="seconds a job whose every rank crashed is kept for restarted ranks to "
                         "rejoin (committed step, store, checkpoint record), then forgotten "

@@ -7,6 +7,7 @@ after 60 s, a rendezvous after 300 s.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -164,6 +165,22 @@ class Timeouts:
             if not given:
                 raise
             raise ConfigError(f"{exc} (from {given})") from None
+
+
+def _init_naming_the_fields(init):
+    """``Timeouts.__init__`` whose ``TypeError`` for a keyword it does not take lists the fields it
+    does (a fresh user guessed ``heartbeat_timeout=`` and was told only that it is unexpected)."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        names = [f.name for f in fields(Timeouts)]
+        if unknown := sorted(set(kwargs) - set(names)):
+            raise TypeError(f"Timeouts() got an unexpected keyword argument {unknown[0]!r} (it "
+                            f"takes {', '.join(names)}, in seconds)")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+Timeouts.__init__ = _init_naming_the_fields(Timeouts.__init__)
 
 
 def ipv6_bind_error(host: str, where: str) -> str | None:

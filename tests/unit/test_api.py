@@ -78,6 +78,27 @@ def test_timeouts_order_is_checked_naming_the_values(kw, names):
         Timeouts(**kw)
 
 
+def test_a_keyword_timeouts_does_not_take_is_named_with_those_it_does():
+    # a fresh user guessed heartbeat_timeout= and was told only that it was unexpected
+    for call in (lambda: Timeouts(heartbeat_timeout=5), lambda: Timeouts.from_env(heartbeat_timeout=5)):
+        with pytest.raises(TypeError, match=r"^Timeouts\(\) got an unexpected keyword argument "
+                                            r"'heartbeat_timeout' \(it takes heartbeat_interval_s, "
+                                            r"heartbeat_timeout_s, op_s, rendezvous_s, request_s, "
+                                            r"coordinator_s, in seconds\)$"):
+            call()
+    assert Timeouts(heartbeat_timeout_s=5).heartbeat_timeout_s == 5.0
+
+
+def test_the_coordinator_s_log_json_help_gives_the_on_off_words():
+    # it said "JSON when set and not 0 or false", while off, no and any other word are taken
+    # or refused as RTXNET_SHM's are
+    from coordinator.cli import _parser
+
+    (action,) = [a for a in _parser()._actions if "--log-json" in a.option_strings]
+    assert ("RTXNET_LOG_JSON: 1, true, yes, on for JSON; 0, false, no, off or unset for console "
+            "lines; any other value is refused" in action.help), action.help
+
+
 def test_timeouts_from_env(monkeypatch):
     monkeypatch.setenv("RTXNET_HEARTBEAT_TIMEOUT", "3")
     assert Timeouts.from_env().heartbeat_timeout_s == 3.0
