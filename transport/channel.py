@@ -41,6 +41,7 @@ from .errors import (
     RtxTimeoutError,
     error_from_wire,
 )
+from .logbudget import LogBudget
 
 __all__ = ["ControlClient", "ControlServer", "Inbound", "Disconnected", "process_context", "check_address"]
 
@@ -347,28 +348,6 @@ _HEAD = frozenset({"rid", "job"})
 def _log_send_failure(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("send_failed", error=str(fut.exception()))
-
-
-class LogBudget:
-    """At most ``per_window`` log lines every ``window_s`` seconds for one kind of event (a client
-    flooding the daemon with garbage must not fill its disk: 26 MB in 15 s was seen); the first
-    line after a quiet spell carries how many were suppressed."""
-
-    def __init__(self, per_window: int = 20, window_s: float = 1.0, clock=time.monotonic):
-        self.per_window, self.window_s, self._clock = per_window, window_s, clock
-        self._start, self._used, self.suppressed = 0.0, 0, 0
-
-    def allow(self) -> tuple[bool, int]:
-        """``(log this one?, lines suppressed since the last one logged)``."""
-        now = self._clock()
-        if now - self._start >= self.window_s:
-            self._start, self._used = now, 0
-        if self._used >= self.per_window:
-            self.suppressed += 1
-            return False, 0
-        self._used += 1
-        dropped, self.suppressed = self.suppressed, 0
-        return True, dropped
 
 
 def _short(text: str, limit: int = 200) -> str:
