@@ -25,6 +25,11 @@ any other mismatch closes the stream. A sender whose operation fails mid-block c
 bytes of that block are still to be discarded. Every stream is closed at ``set_epoch`` and
 ``close``. Linux only (``AVAILABLE``).
 
+What a client that reaches the port can make a process hold is bounded: a handshake of another
+job is refused whatever its epoch; streams of later epochs (a peer that entered its next epoch
+first) are kept up to ``MAX_FUTURE_STREAMS``; a stream not yet read is closed when its peer
+closes it without having sent anything.
+
 Buffer sizes are left to the kernel's autotuning: 4 MiB ``SO_SNDBUF``/``SO_RCVBUF`` made no
 measurable difference at 4 ranks on 2 cores (64 MiB all-reduce, within the run-to-run noise).
 """
@@ -32,6 +37,7 @@ measurable difference at 4 ranks on 2 cores (64 MiB all-reduce, within the run-t
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import socket
 import struct
@@ -41,6 +47,7 @@ from collections import deque
 import structlog
 
 from transport.errors import ClosedError, CollectiveError, LinkBrokenError
+from transport.logbudget import LogBudget
 
 __all__ = ["AVAILABLE", "BulkLinks", "SendLink", "RecvLink", "parse_endpoint"]
 
@@ -59,6 +66,19 @@ _DISCARD_NBYTES = 1 << 20
 # 2 MiB, 43-46 ms at 4 MiB (a whole block); wall times were too noisy on the shared machine to
 # rank 1-4 MiB, all beat 1 byte.
 RCVLOWAT_NBYTES = 2 << 20
+# Streams of a later epoch than this process's, kept until it enters that epoch. Legitimately a
+# peer that entered it first opens one per group it sends to this rank in (the ring: one per
+# group from its neighbour), so a few per peer; each holds a descriptor, and garbage handshakes
+# of far-future epochs kept one each for good (20,500 exhausted the rank's descriptors and
+# killed the job: a breaker's find). 256 is ample for the first and well below the usual
+# descriptor limits (1,024 at the least). Past it a new one is refused, after closing those
+# whose peer has gone: the ones kept are the first opened, those the rank will read first.
+MAX_FUTURE_STREAMS = 256
+# Out of descriptors (EMFILE, ENFILE) or kernel memory, accept fails for every pending connection
+# at once and the listener stays readable: the loop spun on it (45,972 bulk_accept_failed lines,
+# a breaker's find). Stop listening this long instead; the backlog holds the connections.
+ACCEPT_PAUSE_S = 0.1
+_ACCEPT_PAUSE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, tuple[str, int] | None]:
@@ -234,9 +254,35 @@ class RecvLink:
         self.dead = False
         self.reading = False
         self._hdr = bytearray(_BLOCK.size)
+        self._watch_loop = None   # set while watched for its peer's close (watch)
+
+    def watch(self, loop, on_closed) -> None:
+        """Until a reader claims it (:meth:`unwatch`): call ``on_closed(self)`` once the peer
+        closes the stream without having sent anything (a stream nobody reads otherwise sits in
+        CLOSE-WAIT for good). A stream with data waiting is no longer watched (the data may be a
+        block this rank reads later; it stays counted against its bound)."""
+        self._watch_loop = loop
+        loop.add_reader(self.sock.fileno(), self._peek, on_closed)
+
+    def unwatch(self) -> None:
+        loop, self._watch_loop = self._watch_loop, None
+        if loop is not None and not loop.is_closed() and self.sock.fileno() >= 0:
+            loop.remove_reader(self.sock.fileno())
+
+    def _peek(self, on_closed) -> None:
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:   # reset by the peer
+            data = b""
+        self.unwatch()
+        if not data:
+            on_closed(self)
 
     def close(self) -> None:
         self.dead = True
+        self.unwatch()
         self.sock.close()
 
     def retire(self, loop, *, now: bool) -> None:
@@ -244,6 +290,7 @@ class RecvLink:
         the stream (the sender closed it) and the reader closes it; with ``now`` it is closed
         after the reader's cancellation has reached the loop (never under a pending read)."""
         self.dead = True
+        self.unwatch()
         if not self.reading:
             self.sock.close()
         elif now:
@@ -276,6 +323,9 @@ class BulkLinks:
         self._waiters: dict[tuple[int, str, int], list[asyncio.Future]] = {}
         self._handshaking: set[asyncio.Task] = set()
         self._closed = False
+        self._accept_paused: asyncio.TimerHandle | None = None
+        self._accept_log = LogBudget()
+        self._refused_log = LogBudget()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -331,12 +381,57 @@ class BulkLinks:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                log.warning("bulk_accept_failed", error=str(exc))
+                ok, suppressed = self._accept_log.allow()
+                if exc.errno in _ACCEPT_PAUSE_ERRNOS:
+                    self._loop.remove_reader(self._listener.fileno())
+                    self._accept_paused = self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accept)
+                    if ok:
+                        log.warning("bulk_accept_failed", error=str(exc), paused_s=ACCEPT_PAUSE_S,
+                                    suppressed_before=suppressed)
+                elif ok:
+                    log.warning("bulk_accept_failed", error=str(exc), suppressed_before=suppressed)
                 return
             _tune(sock)
             t = self._loop.create_task(self._handshake(sock))
             self._handshaking.add(t)
             t.add_done_callback(self._handshaking.discard)
+
+    def _resume_accept(self) -> None:
+        self._accept_paused = None
+        if not self._closed:
+            self._loop.add_reader(self._listener.fileno(), self._on_accept)
+
+    def _refuse(self, reason: str, **fields) -> None:
+        ok, suppressed = self._refused_log.allow()
+        if ok:
+            log.warning("bulk_stream_refused", reason=reason, suppressed_before=suppressed, **fields)
+
+    def _future_keys(self) -> list[tuple[int, str, int]]:
+        return [k for k in self._recv if k[0] > self._epoch]
+
+    def _drop_closed(self, key: tuple[int, str, int], link: RecvLink) -> None:
+        """A stream not yet read whose peer closed it (see :meth:`RecvLink.watch`)."""
+        if self._recv.get(key) is link:
+            del self._recv[key]
+        link.close()
+
+    def _room_for_future(self) -> bool:
+        future = self._future_keys()
+        if len(future) < MAX_FUTURE_STREAMS:
+            return True
+        # (the watch closes them as their peers go; a peer may also have gone since a block came)
+        for key in future:
+            link = self._recv[key]
+            try:
+                gone = link.sock.recv(1, socket.MSG_PEEK) == b""
+            except (BlockingIOError, InterruptedError):
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                del self._recv[key]
+                link.close()
+        return len(self._future_keys()) < MAX_FUTURE_STREAMS
 
     async def _handshake(self, sock: socket.socket) -> None:
         loop = self._loop
@@ -351,7 +446,7 @@ class BulkLinks:
                 if self._key is not None and not hmac.compare_digest(key, self._key):
                     # (a stream of the same epoch, group and source replaces the live one: a
                     # client without the key could have taken over a ring's blocks)
-                    log.warning("bulk_stream_refused", reason="wrong data key", src=src)
+                    self._refuse("wrong data key", src=src)
                     raise ValueError("wrong data key")
                 names = bytearray(njob + ngid)
                 if await _recv_exact(loop, sock, memoryview(names)) < len(names):
@@ -363,16 +458,23 @@ class BulkLinks:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        if self._closed or epoch < self._epoch or (self._job is not None and job != self._job
-                                                   and epoch == self._epoch):
+        # Another job's stream is refused whatever its epoch: one of a later epoch was kept for
+        # good (this process's job never changes, so it could never be read)
+        if self._closed or epoch < self._epoch or (self._job is not None and job != self._job):
             sock.close()
             return
         key = (epoch, gid, src)
         old = self._recv.get(key)
+        if epoch > self._epoch and old is None and not self._room_for_future():
+            self._refuse("too many streams of later epochs", epoch=epoch, src=src,
+                         kept=MAX_FUTURE_STREAMS)
+            sock.close()
+            return
         if old is not None:
             # the sender opens a new stream only after dropping the old one
             old.retire(self._loop, now=False)
-        self._recv[key] = RecvLink(sock, epoch)
+        link = self._recv[key] = RecvLink(sock, epoch)
+        link.watch(self._loop, lambda closed, key=key: self._drop_closed(key, closed))
         for fut in self._waiters.pop(key, ()):
             if not fut.done():
                 fut.set_result(None)
@@ -385,6 +487,7 @@ class BulkLinks:
                 raise ClosedError("bulk links closed")
             link = self._recv.get(key)
             if link is not None and not link.dead:
+                link.unwatch()   # the reader's own waits take the descriptor from here
                 return link
             fut = self._loop.create_future()
             self._waiters.setdefault(key, []).append(fut)
@@ -458,6 +561,8 @@ class BulkLinks:
                 self._loop.remove_reader(self._listener.fileno())
             except Exception:  # loop already torn down
                 pass
+        if self._accept_paused is not None:
+            self._accept_paused.cancel()
         self._listener.close()
         for link in self._send.values():
             link.close()

@@ -7,16 +7,21 @@ future epoch kept its payload (50 x 20 MiB: +1 GB); every garbage message wrote 
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import time
 
+import numpy as np
 import pytest
 import structlog
 import zmq
 
+from transport import bulk
 from transport.logbudget import LogBudget
 from transport.peer import PeerMesh
 
 pytestmark = pytest.mark.timeout(30)
+needs_bulk = pytest.mark.skipif(not bulk.AVAILABLE, reason="bulk streams are Linux only")
 
 
 async def _until(cond, timeout_s: float, what: str) -> None:
@@ -50,3 +55,113 @@ async def test_garbage_on_the_mesh_logs_within_a_budget():
     finally:
         raw.close(linger=0)
         mesh.close()
+
+
+def _handshake(epoch: int, job: bytes, gid: bytes = b"w", src: int = 1) -> bytes:
+    return bulk._HANDSHAKE.pack(bulk._MAGIC, epoch, src, len(job), len(gid), bytes(32)) + job + gid
+
+
+async def _closed_by_the_rank(loop, s: socket.socket) -> bool:
+    try:
+        return await asyncio.wait_for(loop.sock_recv(s, 1), 5) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture
+async def links():
+    lk = bulk.BulkLinks("127.0.0.1")
+    lk.start()
+    lk.set_epoch("job", 3, 0)
+    yield lk
+    lk.close()
+
+
+@needs_bulk
+async def test_a_bulk_handshake_of_another_job_is_refused_whatever_its_epoch(links):
+    loop = asyncio.get_running_loop()
+    # the breaker's bytes: job "other", epoch 2**40, no key, the client closing at once
+    for i in range(100):
+        with socket.create_connection(("127.0.0.1", links.port)) as c:
+            c.sendall(_handshake(2**40, b"other", src=i))
+    s = socket.create_connection(("127.0.0.1", links.port))   # and one that stays
+    s.setblocking(False)
+    try:
+        await loop.sock_sendall(s, _handshake(4, b"other"))
+        assert await _closed_by_the_rank(loop, s)
+        await _until(lambda: not links._handshaking, 5, "the handshakes")
+        assert not links._recv and links.open_fds() == 1, (len(links._recv), links.open_fds())
+    finally:
+        s.close()
+
+
+@needs_bulk
+async def test_bulk_streams_of_a_later_epoch_are_bounded_and_closed_when_their_peer_goes(
+        links, monkeypatch):
+    monkeypatch.setattr(bulk, "MAX_FUTURE_STREAMS", 8, raising=False)
+    loop = asyncio.get_running_loop()
+    held = []
+    try:
+        for i in range(8):   # this job, a far epoch, peers that stay: kept up to the bound
+            s = socket.create_connection(("127.0.0.1", links.port))
+            s.setblocking(False)
+            held.append(s)
+            await loop.sock_sendall(s, _handshake(2**40, b"job", src=i))
+        await _until(lambda: len(links._recv) == 8, 5, "8 kept streams")
+        extra = socket.create_connection(("127.0.0.1", links.port))
+        extra.setblocking(False)
+        held.append(extra)
+        await loop.sock_sendall(extra, _handshake(2**40, b"job", src=99))
+        assert await _closed_by_the_rank(loop, extra)
+        assert len(links._recv) == 8
+        for s in held[:8]:   # their peers go: so do the streams, before anyone reads them
+            s.close()
+        await _until(lambda: not links._recv, 5, "the closed streams to go")
+        assert links.open_fds() == 1
+        # the legitimate case still works: a peer in epoch 4 first sends a block ahead of us
+        peer = socket.create_connection(("127.0.0.1", links.port))
+        peer.setblocking(False)
+        held.append(peer)
+        payload = np.arange(16, dtype=np.float32)
+        await loop.sock_sendall(peer, _handshake(4, b"job", src=1)
+                                + bulk._BLOCK.pack(bulk._MAGIC, 4, 0, 0, payload.nbytes)
+                                + payload.tobytes())
+        peer.shutdown(socket.SHUT_WR)   # it leaves after its block: the block is still read
+        await _until(lambda: len(links._recv) == 1, 5, "the epoch-4 stream")
+        await asyncio.sleep(0.1)
+        links.set_epoch("job", 4, 0)
+        out = np.zeros(16, np.float32)
+        await asyncio.wait_for(links.recv_into("w", 1, 0, 0, memoryview(out).cast("B")), 5)
+        assert (out == payload).all()
+    finally:
+        for s in held:
+            s.close()
+
+
+class _NoDescriptorsLeft:
+    """The listener of a process out of descriptors: readable, and every accept fails."""
+
+    def __init__(self, real: socket.socket):
+        self.real, self.accepts = real, 0
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def accept(self):
+        self.accepts += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@needs_bulk
+async def test_bulk_accept_out_of_descriptors_backs_off_and_logs_within_a_budget(links):
+    fake = links._listener = _NoDescriptorsLeft(links._listener)
+    with structlog.testing.capture_logs() as logs, \
+            socket.create_connection(("127.0.0.1", links.port)):
+        await asyncio.sleep(1.0)
+    # (it spun: 45,972 lines for the breaker's run)
+    assert 3 <= fake.accepts <= 1.0 / getattr(bulk, "ACCEPT_PAUSE_S", 0.1) + 3, fake.accepts
+    lines = [e for e in logs if e["event"] == "bulk_accept_failed"]
+    assert 1 <= len(lines) <= 20, len(lines)
