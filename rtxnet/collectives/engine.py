@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import os
 import time
@@ -46,6 +47,7 @@ from transport.errors import (
     PeerLostError,
     RtxError,
 )
+from transport.logbudget import LogBudget
 from transport.peer import DataHeader, Kind, PeerMesh, encode_header
 
 __all__ = ["WorldView", "Engine", "Op", "SIG_FIELDS"]
@@ -60,6 +62,13 @@ SIG_FIELDS = ("op", "algorithm", "reduce_op", "root", "dtype", "numel", "shape",
 # float32[4] said {0: 'shm', 1: 'direct'}).
 _SIG_CHECK_ORDER = tuple(sorted(range(len(SIG_FIELDS)), key=lambda i: SIG_FIELDS[i] == "algorithm"))
 _MAX_FUTURE_MSGS = 100_000
+# Payload bytes of the messages of later epochs kept until this rank enters them. Legitimately
+# they are what peers that entered the next epoch first send before this rank does (the view
+# reaches every rank within a push's latency): each peer's first operation per group, which
+# cannot get past its first step without this rank (ring blocks and pipelined chunks are at most
+# 4 MiB), and point-to-point sends. 256 MiB is 4 MiB from 64 peers; garbage held what it sent
+# for good (50 messages of 20 MiB with an epoch of 2**62: +1 GB, a breaker's find).
+_MAX_FUTURE_NBYTES = 256 << 20
 _SENT_LOG_OPS = 256   # operations whose sends a rank remembers for its peers' probes
 # how long a closing engine lets the messages it queued leave (see transport.peer.PeerMesh.aclose):
 # only what is queued for peers still in the view waits (links to others are closed at each view)
@@ -573,7 +582,14 @@ class Engine:
         # to 3,000 messages; per tag, a re-verifier's: a stream per tag missed it on the others).
         self._p2p_dropped: dict[tuple[str, int], tuple[int, int, int]] = {}
         self._old_endpoints: dict[int, dict[int, str]] = {}   # the last few epochs' endpoints
-        self._future_msgs: list = []
+        # messages of later epochs (of any job before the first view): epoch -> in arrival
+        # order, with their count and payload bytes, and a max-heap of their epochs (negated;
+        # an epoch no longer kept is skipped when met): see _keep_future
+        self._future_msgs: dict[int, deque] = {}
+        self._future_count = 0
+        self._future_nbytes = 0
+        self._future_far: list[int] = []
+        self._future_log = LogBudget()
         self._groups: list = []
         self._group_counter: dict[tuple[int, ...], int] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -707,9 +723,10 @@ class Engine:
         self.world = Group._create(self, "w", list(range(view.world_size)))
         log.debug("view_set", job=view.job, epoch=view.epoch, rank=view.rank,
                   world_size=view.world_size)
-        pending, self._future_msgs = self._future_msgs, []
-        for h, payload in pending:
-            self._on_message(h, payload, None)
+        pending = self._take_future()
+        for epoch in sorted(pending):
+            for h, payload in pending[epoch]:
+                self._on_message(h, payload, None)
 
     def _hold_further_leave(self, view: WorldView, lost: Iterable[int]) -> bool:
         """Another orderly leave while a view is held (ranks of one host closing one after the
@@ -825,6 +842,7 @@ class Engine:
         if self._held_release is not None:
             self._held_release.cancel()
         self._held = []
+        self._take_future()
         self._drop_deferred()
         self._fail_all(exc, retire_groups=True)
         self._closed = exc
@@ -940,15 +958,58 @@ class Engine:
         for h, payload, frame in held:
             self._on_message(h, payload, frame)
 
+    def _keep_future(self, h: DataHeader, payload) -> None:
+        """Keep a message of a later epoch until this rank enters it, within ``_MAX_FUTURE_MSGS``
+        messages and ``_MAX_FUTURE_NBYTES`` payload bytes. Past them, messages of the furthest
+        epoch kept make room for one of a nearer epoch (newest first); else the new message is
+        dropped. The furthest first: a peer that entered the next epoch sends for epoch + 1,
+        while garbage can name any epoch and stay for good (it is never entered). Among equals
+        the newest is dropped rather than the oldest: the first messages are those this rank
+        takes first (an operation's hello precedes its data), and a flood arriving after them
+        cannot flush them out."""
+        nbytes = 0 if payload is None else payload.nbytes
+        while (self._future_count >= _MAX_FUTURE_MSGS
+               or self._future_nbytes + nbytes > _MAX_FUTURE_NBYTES):
+            while self._future_far and -self._future_far[0] not in self._future_msgs:
+                heapq.heappop(self._future_far)
+            far = -self._future_far[0] if self._future_far else None
+            if far is None or far <= h.epoch:
+                ok, suppressed = self._future_log.allow()
+                if ok:
+                    log.warning("future_message_dropped", epoch=h.epoch, src=h.src,
+                                kept=self._future_count, kept_nbytes=self._future_nbytes,
+                                nbytes=nbytes, suppressed_before=suppressed)
+                return
+            queue = self._future_msgs[far]
+            _, old = queue.pop()
+            self._future_count -= 1
+            self._future_nbytes -= 0 if old is None else old.nbytes
+            if not queue:
+                del self._future_msgs[far]
+        queue = self._future_msgs.get(h.epoch)
+        if queue is None:
+            queue = self._future_msgs[h.epoch] = deque()
+            heapq.heappush(self._future_far, -h.epoch)
+        queue.append((h, payload))
+        self._future_count += 1
+        self._future_nbytes += nbytes
+
+    def _take_future(self) -> dict[int, deque]:
+        """The messages of later epochs kept (epoch -> in arrival order); keeps none."""
+        pending, self._future_msgs, self._future_far = self._future_msgs, {}, []
+        self._future_count = self._future_nbytes = 0
+        return pending
+
     def _on_message(self, h: DataHeader, payload, frame) -> None:
         if self._partitioned_until:
             # cut, or its end not taken yet: held behind those before it (see partition)
             self._hold(h, payload, frame)
             return
         v = self.view
+        if v is not None and h.job != v.job:
+            return   # first: another job's message of a later epoch was kept with its payload
         if v is None or h.epoch > v.epoch:
-            if len(self._future_msgs) < _MAX_FUTURE_MSGS:
-                self._future_msgs.append((h, payload))
+            self._keep_future(h, payload)
             return
         if h.job != v.job or h.epoch < v.epoch or not 0 <= h.src < v.world_size:
             if h.job == v.job and h.epoch < v.epoch and h.kind == Kind.P2P:

@@ -18,7 +18,7 @@ import zmq
 
 from transport import bulk
 from transport.logbudget import LogBudget
-from transport.peer import PeerMesh
+from transport.peer import DataHeader, Kind, PeerMesh, encode_header
 
 pytestmark = pytest.mark.timeout(30)
 needs_bulk = pytest.mark.skipif(not bulk.AVAILABLE, reason="bulk streams are Linux only")
@@ -165,3 +165,55 @@ async def test_bulk_accept_out_of_descriptors_backs_off_and_logs_within_a_budget
     assert 3 <= fake.accepts <= 1.0 / getattr(bulk, "ACCEPT_PAUSE_S", 0.1) + 3, fake.accepts
     lines = [e for e in logs if e["event"] == "bulk_accept_failed"]
     assert 1 <= len(lines) <= 20, len(lines)
+
+
+def _kept(engine) -> list:
+    """(header, payload) of the messages of later epochs ``engine`` keeps."""
+    fm = engine._future_msgs
+    return [m for q in fm.values() for m in q] if isinstance(fm, dict) else list(fm)
+
+
+async def test_messages_of_later_epochs_are_bounded_and_another_jobs_are_dropped(monkeypatch):
+    from rtxnet.collectives import Engine, WorldView
+    from rtxnet.collectives import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "_MAX_FUTURE_NBYTES", 8 << 20, raising=False)
+    e0 = await Engine.create(shm=False, bulk=False)
+    e1 = await Engine.create(shm=False, bulk=False)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        eps = {0: e0.endpoint, 1: e1.endpoint}
+        for e, r in ((e0, 0), (e1, 1)):
+            e.set_view(WorldView("job", 0, r, 2, eps, {0: "h0", 1: "h1"}))
+        raw.connect(e1.endpoint)
+        blob = b"\0" * (1 << 20)
+
+        def header(job, epoch, group="w"):
+            return encode_header(DataHeader(job, epoch, group, 0, 0, Kind.DATA, 0, None))
+
+        # the breaker's message (no job, epoch 2**62), then this job's, all with 1 MiB each
+        for _ in range(20):
+            raw.send_multipart([header("", 2**62), blob])
+        for _ in range(20):
+            raw.send_multipart([header("job", 2**62), blob])
+        raw.send_multipart([header("job", 2, "marker")])   # (same connection: comes last)
+        await _until(lambda: any(h.group == "marker" for h, _ in _kept(e1)), 10, "the marker")
+        kept = _kept(e1)
+        assert all(h.job == "job" for h, _ in kept), sum(h.job != "job" for h, _ in kept)
+        assert sum(p.nbytes for _, p in kept if p is not None) <= 8 << 20, len(kept)
+        # the legitimate case: rank 0 entered epoch 1 first and sends before rank 1 enters it;
+        # what it sends displaces garbage of the far epoch
+        e0.set_view(WorldView("job", 1, 0, 2, eps, {0: "h0", 1: "h1"}))
+        x = np.arange(1 << 18, dtype=np.float32)   # 1 MiB
+        await e0.world.send(x, dst=1, tag=7, timeout=5)
+        await _until(lambda: any(h.epoch == 1 for h, _ in _kept(e1)), 10, "rank 0's send")
+        assert sum(p.nbytes for _, p in _kept(e1) if p is not None) <= 8 << 20
+        e1.set_view(WorldView("job", 1, 1, 2, eps, {0: "h0", 1: "h1"}))
+        y = np.zeros_like(x)
+        await e1.world.recv(y, src=0, tag=7, timeout=5)
+        assert (y == x).all()
+    finally:
+        raw.close(linger=0)
+        await e0.aclose()
+        await e1.aclose()
