@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dead-job-ttl", type=_ttl, default=3600.0,
                    help="seconds a job whose every rank crashed is kept for restarted ranks to "
                         "rejoin (committed step, store, checkpoint record), then forgotten "
-                        "(default 3600)")
+                        "(default 3600); sooner when a new job needs its place (MAX_JOBS held)")
     p.add_argument("--remove-journal-on-stop", action="store_true",
                    help="delete the journal (its segments, snapshot and lock file; then the folder, "
                         "if nothing else is in it) after a clean stop (SIGTERM/SIGINT), not after a "

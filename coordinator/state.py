@@ -1284,11 +1284,11 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if rank is not None and not (0 <= rank < max_r):
         return refuse("RendezvousError", f"requested rank {rank} is outside 0..{max_r - 1} (max_ranks={max_r})")
     job = state.jobs.get(job_id)
-    if job is None and len(state.jobs) >= MAX_JOBS and not _drop_a_silent_forming_job(state, now, actions):
+    if job is None and len(state.jobs) >= MAX_JOBS and not _drop_a_dead_job(state, now, actions):
         # running, forming and crashed (kept for restarts) jobs: each is in every snapshot
         return refuse("RendezvousError", f"this coordinator holds {len(state.jobs)} jobs, the most "
-                      f"it keeps (MAX_JOBS); job {job_id[:100]!r} cannot start until one ends or a "
-                      f"crashed one expires (rtxnet-coordinator --dead-job-ttl)")
+                      f"it keeps (MAX_JOBS); job {job_id[:100]!r} cannot start until one ends or crashes "
+                      f"(each has a rank connected or joining)")
     if job is None and job_id in state.finished:
         return refuse("JobFinishedError", f"job {job_id!r} has finished "
                       f"({wire.last_committed(state.finished[job_id])}); a job id is used once: start a new one "
@@ -1368,19 +1368,37 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
         _admit(state, job, now, actions)
 
 
-def _drop_a_silent_forming_job(state: State, now: float, actions: list[Action]) -> bool:
-    """With ``MAX_JOBS`` held, make room for a new job: drop the forming job whose joiners have
-    all been silent longest, ``FORMING_SILENT_S`` at least (a live joiner heartbeats every
-    fraction of a second; one client holding 4,000 connections, each joining a job of its own
-    with a heartbeat timeout of an hour, kept every new job out for that hour: a breaker's find).
-    Running and crashed jobs are kept. Whether one was dropped; O(jobs), only when full."""
-    oldest, chosen = now - FORMING_SILENT_S, None
+def _drop_a_dead_job(state: State, now: float, actions: list[Action]) -> bool:
+    """With ``MAX_JOBS`` held, make room for a new job: drop the job dead longest, those with no
+    committed step to lose first. Dead: a forming job whose joiners have all been silent
+    ``FORMING_SILENT_S`` at least (a live joiner heartbeats every fraction of a second; one
+    client holding 4,000 connections, each joining a job of its own with a heartbeat timeout of
+    an hour, kept every new job out for that hour: a breaker's find), dead since its last joiner
+    was heard; or a crashed job (formed, no member or joiner connected), dead since it crashed.
+    Crashed jobs are kept for ``dead_job_ttl_s`` only while there is room: one client joining
+    4,100 one-rank jobs and closing, in 10 s, left 4,096 crashed ones that kept every new job
+    out for the hour (a breaker's find). A crashed job that committed a step goes only when no
+    other dead job is held: it is what a restarted rank would resume from. Running jobs, forming
+    ones that heartbeat and crashed ones a launcher claims (``_claim``) are kept. Whether one was dropped; O(jobs), only when full."""
+    silent_since = now - FORMING_SILENT_S
+    # a crashed job whose launcher still claims a node of it is about to get its ranks back
+    # (rtxnet-run waits up to 5 s before restarting a rank that crashed soon after its start)
+    launched = {job_id for (job_id, _), claim in state.claims.items() if claim[2] > now}
+    chosen, best = None, None
     for job in state.jobs.values():
-        if job.formed or not job.pending:
-            continue
-        heard = max(m.last_seen for m in job.pending.values())
-        if heard <= oldest:
-            oldest, chosen = heard, job
+        if not job.formed:
+            heard = max((m.last_seen for m in job.pending.values()), default=-math.inf)
+            if heard > silent_since:
+                continue
+            key = (False, heard)
+        elif job.members or job.pending or job.job in launched:
+            continue   # running, or crashed with ranks rejoining it or a launcher restarting them
+        else:
+            # (empty_since is set when it crashes and again at the daemon's start; a state
+            # restored without the daemon may lack it)
+            key = (job.committed_step >= 0, job.empty_since if job.empty_since is not None else now)
+        if best is None or key < best:   # (ties: the first held, the oldest job)
+            chosen, best = job, key
     if chosen is None:
         return False
     _unpark(state, chosen, list(chosen.kv_waiters.values()))

@@ -848,6 +848,57 @@ def test_a_full_coordinator_drops_the_forming_job_silent_longest_for_a_new_one(m
     assert h.req("f1", "heartbeat", job="forming1", identity="f1")[0].msg["body"]["state"] == "unknown"
 
 
+def test_a_full_coordinator_drops_a_crashed_job_for_a_new_one_those_without_a_step_first(monkeypatch):
+    """One client joining 4,100 one-rank jobs and closing, in 10 s, left 4,096 crashed jobs
+    kept for --dead-job-ttl (an hour), and every new job was refused for that hour (a breaker's
+    find). When full, a new job now takes the place of the crashed job (no rank connected) that
+    crashed longest ago, those that never committed a step first; a crashed job a launcher
+    still claims is kept, and a join is refused only when every job held is live."""
+    import coordinator.state as st
+
+    monkeypatch.setattr(st, "MAX_JOBS", 5)
+    h = Harness()
+
+    def one_rank(job: str, *, step: int | None = None, crash: bool = True) -> None:
+        assert not errors(h.join(f"r-{job}", job=job, min_ranks=1, max_ranks=1))
+        if step is not None:
+            h.req(f"r-{job}", "commit", job=job, epoch=0, identity=f"r-{job}", step=step, ok=True, timeout_s=5.0)
+            assert h.state.jobs[job].committed_step == step
+        if crash:
+            h.run(Disconnect(f"r-{job}"))
+            assert h.state.jobs[job].formed and not h.state.jobs[job].members
+        h.clock.now += 1.0
+
+    one_rank("claimed")                      # crashed first, but its launcher is restarting it
+    (s,) = h.req("launcher", "claim", job="claimed", node=0, host="h", pid=7, ttl_s=30.0)
+    assert s.msg["body"]["held"], s.msg
+    one_rank("saved", step=3)                # crashed second, with a committed step
+    one_rank("crashA")
+    one_rank("crashB")
+    one_rank("running", crash=False)
+    assert len(h.state.jobs) == st.MAX_JOBS
+
+    dropped = []
+    for new in ("new1", "new2", "new3"):
+        n = len(h.records)
+        err = errors(h.join(f"r-{new}", job=new, min_ranks=1, max_ranks=1))
+        assert not err, err
+        dropped += [r["job"] for r in h.records[n:] if r["k"] == "job_drop"]
+    # never-committed ones first, the oldest crash first; the one with a step last
+    assert dropped == ["crashA", "crashB", "saved"], dropped
+    assert set(h.state.jobs) == {"claimed", "running", "new1", "new2", "new3"}
+    err = errors(h.join("r-new4", job="new4", min_ranks=1, max_ranks=1))   # every job held is live
+    assert err and err[0]["error"] == "RendezvousError" and err[0]["message"].startswith(
+        "this coordinator holds 5 jobs, the most it keeps (MAX_JOBS); job 'new4' cannot start"), err
+    h.clock.now += 30.0                      # the launcher's claim lapsed: that job is dead too
+    assert not errors(h.join("r-new4", job="new4", min_ranks=1, max_ranks=1))
+    assert set(h.state.jobs) == {"running", "new1", "new2", "new3", "new4"}
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 0.0)
+    assert set(replayed.jobs) == set(h.state.jobs)
+
+
 def test_a_flood_of_jobs_is_bounded_and_status_always_fits(monkeypatch):
     """50,000 one-rank jobs from one client made every status answer too large for one message:
     `rtxnet status` and every `rtxnet-run --coordinator` failed for the hour crashed jobs are kept.
