@@ -35,6 +35,9 @@ DEFAULT_BIND = "tcp://0.0.0.0:29600"
 # checked, so it adds up to one tick to every such decision. Above 1 s it would swamp the default
 # heartbeat_timeout (2 s, ../shared/DESIGN.md) in loss detection; below 1 ms the serve loop spins.
 TICK_RANGE_S = (0.001, 1.0)
+# an open-files limit below this is logged as a warning: fewer connections than that (ranks,
+# launchers, status clients, idle ones) would fill it; 1024 is a common default soft limit
+LOW_OPEN_FILES = 4096
 
 
 def _address(text: str) -> str:
@@ -249,18 +252,37 @@ def _raise_open_files_limit() -> None:
     """Raise this process's soft limit of open files to its hard limit, as servers do: every
     client connection (each rank, launcher, ``rtxnet status``) holds a file descriptor, and at a
     soft limit of 1024 (a common default) 1,100 idle connections kept every new rank and
-    ``rtxnet status`` out, and the journal's snapshots failed with EMFILE (a tester's find)."""
+    ``rtxnet status`` out, and the journal's snapshots failed with EMFILE (a tester's find).
+    Logged (``open_files_limit``), with a warning when the limit stays low: a hard limit of
+    1024 (``ulimit -n 1024`` sets both) cannot be raised from inside."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    was = soft
     # the hard limit is kept as it is (lowered, it cannot be raised again); an unlimited one is
     # not a soft limit Linux takes (fs.nr_open, 2**20 by default, bounds it)
     want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    error = None
     if soft != resource.RLIM_INFINITY and soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):   # a sandbox that forbids it: the limit stays as it was
-            pass
+            soft = want
+        except (ValueError, OSError) as exc:   # a sandbox that forbids it: the limit stays as it was
+            error = str(exc)
+
+    def shown(n: int) -> int | str:
+        return "unlimited" if n == resource.RLIM_INFINITY else n
+
+    figures = {"soft_was": shown(was), "soft": shown(soft), "hard": shown(hard)}
+    if error is not None:
+        figures["error"] = error
+    if soft != resource.RLIM_INFINITY and soft < LOW_OPEN_FILES:
+        log.warning("open_files_limit_low", **figures,
+                    hint="each client connection holds one; raise the hard limit (ulimit -Hn, "
+                         "systemd LimitNOFILE=) so that idle or hostile connections cannot keep "
+                         "ranks out")
+    else:
+        log.info("open_files_limit", **figures)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,13 +10,16 @@ batch.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import resource
 import time
 from pathlib import Path
 
 import structlog
 
 from transport import wire
-from transport.channel import ControlServer, Disconnected, Inbound
+from transport.channel import HANDSHAKE_IVL_MS, ControlServer, Disconnected, Inbound
 from transport.codec import Limits, decode, encode
 from transport.errors import JournalError, ProtocolError
 
@@ -44,6 +47,13 @@ COMPACT_MIN_NBYTES = 64 * 1024 * 1024   # journal bytes since the last snapshot 
 _STALL_S = 0.25   # a tick this much later than due means the daemon itself did not run
 REMOVAL_CHECK_S = 1.0   # how often an idle daemon looks for a removed journal (Journal.removed)
 MAX_BATCH_EVENTS = 2048   # events handled (and answered after one fsync) together
+# Open files: counted every FD_CHECK_S (listing /proc/self/fd, a millisecond for thousands), a
+# warning at FD_WARN_FRACTION of the soft limit, at most once every FD_WARN_EVERY_S. At the
+# limit the daemon accepts no connection (ZeroMQ retries the accept in a loop, a core at 95%)
+# and answers nobody new; it logged nothing (a breaker's find).
+FD_CHECK_S = 1.0
+FD_WARN_FRACTION = 0.9
+FD_WARN_EVERY_S = 10.0
 
 # What the daemon wrote itself (checksummed) is read back with room for all it may have written:
 # a record nests a request's values a few levels deeper than the request did, and a snapshot
@@ -90,6 +100,8 @@ class Coordinator:
         self._compact_at_records = snapshot_every
         self._removal_check_at = 0.0     # when an idle daemon next looks for a removed journal
         self._compact_at_nbytes = COMPACT_MIN_NBYTES
+        self._fd_check_at = 0.0      # when the open files are next counted (_check_open_files)
+        self._fd_warn_at = 0.0       # the earliest time for the next open_files_near_limit
         self.server: ControlServer | None = None
         self.address: str | None = None
         self._stop = asyncio.Event()
@@ -186,6 +198,9 @@ class Coordinator:
                 while len(events) < MAX_BATCH_EVENTS and (ev := server.next_nowait()) is not None:
                     events.append(ev)
                 now = time.monotonic()
+                if now >= self._fd_check_at:
+                    self._fd_check_at = now + FD_CHECK_S
+                    self._check_open_files(now)
                 batch = [self._event(ev) for ev in events]
                 if now - last_tick >= self.tick_s:
                     gap = now - last_tick
@@ -199,6 +214,27 @@ class Coordinator:
                 await self._run(batch, now)
         finally:
             stop_wait.cancel()
+
+    def _check_open_files(self, now: float) -> None:
+        """Log ``open_files_near_limit`` (at most every ``FD_WARN_EVERY_S``) when this process
+        holds ``FD_WARN_FRACTION`` of its soft limit of open files or more."""
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if limit == resource.RLIM_INFINITY:
+            return
+        try:
+            held = len(os.listdir("/proc/self/fd")) - 1   # (less the listing's own)
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                return   # no /proc (not Linux): not counted
+            held = limit   # not one left to list them with
+        if held < FD_WARN_FRACTION * limit or now < self._fd_warn_at:
+            return
+        self._fd_warn_at = now + FD_WARN_EVERY_S
+        log.warning("open_files_near_limit", open_files=held, limit=limit,
+                    hint=f"each client connection holds one; at the limit no new client is "
+                         f"answered; connections that never greet are closed after "
+                         f"{HANDSHAKE_IVL_MS / 1000:g} s; raise the hard limit (ulimit -Hn, "
+                         f"systemd LimitNOFILE=) or find the idle clients (ss -tn)")
 
     @staticmethod
     def _event(ev: Inbound | Disconnected) -> Request | Disconnect:

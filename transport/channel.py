@@ -382,6 +382,10 @@ class ControlServer:
         # messages ZeroMQ reads ahead per connection; past them it stops reading that one (TCP
         # holds the rest at the client: nothing is lost)
         self._sock.setsockopt(zmq.RCVHWM, 100)
+        # a connection that has not completed ZeroMQ's greeting within this is closed (the
+        # default, 30 s, let 1,100 connections that never spoke hold every descriptor at a limit
+        # of 1024 for that long: new clients got no answer, a breaker's find)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         if "[" in bind:   # an IPv6 address (with it on, an IPv4 bind reports [::ffff:a.b.c.d])
             self._sock.setsockopt(zmq.IPV6, 1)
         try:
@@ -777,6 +781,11 @@ def _ipc_in_use(address: str) -> str | None:
 
 
 SEND_PIPE_MESSAGES = 16                 # replies ZeroMQ queues for one client
+# A client's ZeroMQ sends its greeting as soon as TCP connects, from its own I/O thread (no GIL,
+# no event loop to wait for): milliseconds, seconds only on a machine swapping hard. 5 s is more
+# than twice the default heartbeat timeout (2 s, in which a rank must be heard anyway), and a
+# client cut off mid-handshake loses nothing: its ZeroMQ reconnects by itself (RECONNECT_IVL).
+HANDSHAKE_IVL_MS = 5000
 MAX_WAITING_REQUESTS = 10_000           # requests of one client waiting for the coordinator
 MAX_WAITING_TOTAL = 200_000             # and of all clients together (but members of jobs)
 _FIRST_TURNS = 8                        # turns of preferred clients before one of another

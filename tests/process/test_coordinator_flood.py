@@ -402,6 +402,9 @@ def test_the_daemon_raises_its_open_files_limit_so_idle_connections_do_not_keep_
         limits = Path(f"/proc/{c.proc.pid}/limits").read_text()
         (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
         assert line.split()[3:5] == [str(hard), str(hard)], line
+        # and says so, with the figures (logged before its address: the log reader may lag)
+        said = procs.wait_until(lambda: re.search(r"open_files_limit .*", c.log), 10, "open_files_limit")
+        assert all(f in said[0] for f in (f"soft={hard}", f"soft_was={soft}", f"hard={hard}")), said[0]
         for _ in range(1100):
             held.append(socket.create_connection(("127.0.0.1", c.port), timeout=5))
         with procs.dealer(c.address, timeout_s=10, routing_id=b"after-the-flood") as d:
@@ -411,6 +414,40 @@ def test_the_daemon_raises_its_open_files_limit_so_idle_connections_do_not_keep_
         for s in held:
             s.close()
         c.stop()
+
+
+@pytest.mark.timeout(60)
+def test_at_its_open_files_limit_the_daemon_warns_and_closes_connections_that_never_greet(tmp_path):
+    # With a hard limit it cannot raise (`ulimit -n 1024` sets both), ~1,100 connections that
+    # never spoke held every descriptor for ZeroMQ's default handshake time, 30 s: a new client
+    # got no answer, and the daemon logged nothing (a breaker's find). It now warns that the
+    # limit is low and that it is near it, and closes such connections after HANDSHAKE_IVL_MS.
+    import socket
+
+    from transport.channel import HANDSHAKE_IVL_MS
+
+    limit, silent = 128, 150       # more connections than descriptors: the daemon is at its limit
+    c = procs.Coordinator(tmp_path / "journal", prefix=["prlimit", f"--nofile={limit}:{limit}"])
+    held: list[socket.socket] = []
+    try:
+        procs.wait_until(lambda: "open_files_limit_low" in c.log, 10, "open_files_limit_low")
+        for _ in range(silent):
+            held.append(socket.create_connection(("127.0.0.1", c.port), timeout=5))
+        said = procs.wait_until(lambda: re.search(r"open_files_near_limit .*", c.log), 5,
+                                "open_files_near_limit")
+        assert f"limit={limit}" in said[0], said[0]
+        # answered once the silent ones are closed (and the rest waiting to be accepted), not
+        # after ZeroMQ's default 30 s
+        wait_s = HANDSHAKE_IVL_MS / 1000 + 5
+        with procs.dealer(c.address, timeout_s=wait_s, routing_id=b"after-the-silence") as d:
+            d.send(encode(wire.make("status", rid=1)))
+            assert d.poll(wait_s * 1000), f"no answer within {wait_s:g} s"
+            assert decode(d.recv())["rid"] == 1
+    finally:
+        for s in held:
+            s.close()
+        c.stop()
+    assert c.proc.returncode == 0, c.log[-2000:]
 
 
 def _flood_then_ask(coordinator, sockets: int, per_socket: int, blob: bytes) -> float:
