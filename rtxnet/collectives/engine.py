@@ -1134,7 +1134,11 @@ class Engine:
         if self._closed is not None or self.view is None or group.epoch != self.view.epoch:
             return
         self._abort_seq(group, seq, exc)
-        self._forget_early(group.gid, seq)
+        # this number's messages only: those of earlier calls still queued here are theirs (all
+        # up to seq were dropped, and a call queued before the cancelled one failed with
+        # LinkBrokenError while the peer's succeeded: a re-verifier's find)
+        self._early.pop((group.gid, seq), None)
+        self._early_at.pop((group.gid, seq), None)
         self._unstarted[group.gid] = max(seq, self._unstarted.get(group.gid, seq))
 
     def _forget_early(self, gid: str, upto: int) -> None:

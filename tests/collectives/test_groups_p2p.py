@@ -452,6 +452,42 @@ def test_a_call_cancelled_before_it_ran_fails_the_peers_matching_call(how):
     assert [(r[0], r[1]) for r in res] == [(1.0, 3.0)] * 2, res   # and still paired
 
 
+async def cancelled_behind_queued_calls(engine, mode):
+    # a re-verifier's find: a call cancelled while queued (or before it began) dropped the early
+    # messages of every earlier call still queued here, not only its own: the queued call B then
+    # failed with LinkBrokenError on this rank while the peer's B succeeded (5 of 5)
+    import time
+
+    g = engine.world
+    out = []
+    for _ in range(2):
+        a, b, c = (np.full(8, g.rank + 1.0) for _ in range(3))
+        ta = asyncio.ensure_future(g.all_reduce(a, timeout=10))
+        tb = asyncio.ensure_future(g.all_reduce(b, timeout=10))
+        if g.rank == 0:
+            await asyncio.sleep(0)      # A runs, B queued behind it
+            time.sleep(0.3)             # the loop held: the peer ends A and sends B's hello
+            await asyncio.sleep(0)      # read here and kept early, for B
+            tc = asyncio.ensure_future(g.all_reduce(c, timeout=10))
+            if mode == "queued":
+                await asyncio.sleep(0)  # C takes its number, queued behind B
+            tc.cancel()
+        else:
+            tc = asyncio.ensure_future(g.all_reduce(c, timeout=10))
+        got = await asyncio.gather(ta, tb, tc, return_exceptions=True)
+        out.append([type(r).__name__ if isinstance(r, BaseException) else float(x[0])
+                    for r, x in zip(got, (a, b, c), strict=True)])
+        await g.barrier(timeout=10)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["queued", "before_it_began"])
+def test_a_call_cancelled_behind_queued_ones_leaves_their_messages_to_them(mode):
+    res = run_world(2, cancelled_behind_queued_calls, mode, timeout_s=60)
+    assert res[0] == [[3.0, 3.0, "CancelledError"]] * 2, res
+    assert res[1] == [[3.0, 3.0, "CollectiveError"]] * 2, res
+
+
 async def send_cancelled_then_buffer_reused(engine):
     # a breaker's find: a send cancelled while the transport still read its buffer (zero-copy)
     # raised at once; the caller wrote the buffer, and the peer received a mix of both
