@@ -936,20 +936,36 @@ class Group:
 
     # -- point to point --------------------------------------------------------------------------
 
-    async def send(self, tensor, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+    def send(self, tensor, dst: int, tag: int = 0, *, timeout: float | None = None):
         """Send ``tensor`` to group rank ``dst``; matched with ``recv(src=me, tag=tag)`` there.
 
-        The message is queued at once, so it is delivered even if this coroutine is wrapped in
-        a task that is dropped or cancelled. Returns when the buffer may be modified again (a
-        large message is sent without a copy; this waits until the transport has taken it);
-        cancelled, it raises ``CancelledError`` at that same point (at most the deadline later),
-        and the peer still receives the message.
+        The message is queued when the call first runs, so it is delivered even if the call is
+        then wrapped in a task that is dropped or cancelled. Returns when the buffer may be
+        modified again (a large message is sent without a copy; this waits until the transport
+        has taken it); cancelled, it raises ``CancelledError`` at that same point (at most the
+        deadline later), and the peer still receives the message. Cancelled before its message
+        was queued (before it began, or while the group was held), the matching ``recv`` fails
+        with ``CollectiveRefusedError`` instead of taking this sender's next message.
+
+        A message not taken before the deadline (``CollectiveTimeout``) stays queued and may
+        still be delivered, read from the buffer then: leave the buffer alone until the group's
+        epoch ends (a message of an ended epoch is dropped on arrival).
 
         Raises:
             ValueError: bad ``dst``/``tag`` or dtype. ClosedError/PeerLostError: the group's
             epoch ended (checked first, as the collectives do). CollectiveTimeout: a large
             message was not taken before the deadline (``exc.ranks == [dst's world rank]``).
         """
+        return Call(self._send(tensor, dst, tag, timeout), functools.partial(self._send_cancelled, dst, tag))
+
+    def _send_cancelled(self, dst, tag) -> None:
+        """A send cancelled before its message was queued: its ``recv`` fails at once, naming
+        that, instead of taking this sender's next message of that tag (a re-verifier's find)."""
+        if loop_refusal(f"group {self.gid!r}", self.engine.home_loop) is None:
+            self._refuse_send(dst, tag, CollectiveError("the send was cancelled on that rank before "
+                                                        "its message was queued"))
+
+    async def _send(self, tensor, dst: int, tag: int, timeout: float | None) -> None:
         try:
             # first, as _collective does: after aclose() the group may be of size 1 (its peers
             # left), and the rank check said "rank 1 is not a rank of this group" where every
@@ -994,7 +1010,11 @@ class Group:
         _check_tag(tag)
         buf = Buffer(tensor, readonly=True)
         timeout_s = self._timeout_s(timeout)
-        await self.engine.wait_not_held()
+        try:
+            await self.engine.wait_not_held()
+        except asyncio.CancelledError:
+            self._send_cancelled(dst, tag)
+            raise
         self._check_usable()
         payload = buf.flat
         meta = [dtype_name(buf.dtype), list(buf.shape)]

@@ -488,6 +488,37 @@ def test_a_call_cancelled_behind_queued_ones_leaves_their_messages_to_them(mode)
     assert res[1] == [[3.0, 3.0, "CollectiveError"]] * 2, res
 
 
+async def send_cancelled_before_it_began(engine):
+    # a re-verifier's find: a send cancelled before it ran sent nothing, and the peer's recv took
+    # the sender's next message of that tag in its place, silently
+    g = engine.world
+    if g.rank == 0:
+        try:
+            await asyncio.wait_for(g.send(np.full(4, 1.0), 1, timeout=10), 0)
+        except TimeoutError:
+            pass
+        await g.send(np.full(4, 2.0), 1, timeout=10)
+        return None
+    await asyncio.sleep(0.3)
+    out = []
+    for _ in range(2):
+        b = np.zeros(4)
+        try:
+            await g.recv(b, 0, timeout=10)
+            out.append(float(b[0]))
+        except CollectiveError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_a_send_cancelled_before_it_began_fails_its_recv_and_the_next_gets_the_next_message():
+    res = run_world(2, send_cancelled_before_it_began, timeout_s=60)
+    assert res[1][0] == ("CollectiveRefusedError: rank 0 refused its send matching this recv (tag 0): "
+                         "CollectiveError: the send was cancelled on that rank before its message was "
+                         "queued"), res
+    assert res[1][1] == 2.0, res
+
+
 async def send_cancelled_then_buffer_reused(engine):
     # a breaker's find: a send cancelled while the transport still read its buffer (zero-copy)
     # raised at once; the caller wrote the buffer, and the peer received a mix of both
