@@ -347,6 +347,7 @@ class ProcessGroup:
         # mixes two worlds.
         self._pinned_world: Any = None
         self._pins: list[list[Any]] = []   # open pinned() blocks, in the order they began
+        self._pins_lock = threading.Lock()
 
     @property
     def membership(self) -> Membership:
@@ -493,18 +494,20 @@ class ProcessGroup:
             world = self.current_world()
         # [the pin to restore, this block's world]: a block that ends under a later one hands
         # its pin to restore to that one, which ends after it
-        mine = [self._pinned_world, world]
-        self._pins.append(mine)
-        self._pinned_world = world
+        with self._pins_lock:   # (threads too: the list is one for the process group)
+            mine = [self._pinned_world, world]
+            self._pins.append(mine)
+            self._pinned_world = world
         try:
             yield world
         finally:
-            at = next(i for i, p in enumerate(self._pins) if p is mine)
-            del self._pins[at]
-            if at == len(self._pins):
-                self._pinned_world = mine[0]
-            else:
-                self._pins[at][0] = mine[0]
+            with self._pins_lock:
+                at = next(i for i, p in enumerate(self._pins) if p is mine)
+                del self._pins[at]
+                if at == len(self._pins):
+                    self._pinned_world = mine[0]
+                else:
+                    self._pins[at][0] = mine[0]
 
     async def commit(self, step: int, metadata: dict | None = None, *, ok: bool = True,
                      timeout: float | None = None, epoch: int | None = None) -> bool:
