@@ -203,7 +203,11 @@ def test_fault_tolerance_restores_sharded_state(tmp_path, mode, after):
         assert "state_laid_out_for_another_world" in proc.stderr, proc.stderr[-5000:]
         assert "restored_from_checkpoint" in proc.stderr, proc.stderr[-5000:]
     else:
-        assert "state_load_refused" in proc.stderr and "restored_from_checkpoint" in proc.stderr
+        # rank 0 mid-step 10 when rank 1 dies: its roll-back is refused. On loaded cores it may
+        # be between steps still (a CI run beside testers), as checkpoint-between makes sure of
+        refused = "state_load_refused" in proc.stderr or (
+            mode == "checkpoint" and "state_laid_out_for_another_world" in proc.stderr)
+        assert refused and "restored_from_checkpoint" in proc.stderr, proc.stderr[-5000:]
     if mode == "checkpoint-corrupt":
         assert re.search(r"checkpoint_unusable .*falls_back_to=4 .*ranks=\[0\] .*step=8", proc.stderr), proc.stderr[-5000:]
     # with a replacement every rank ends well; shrunk, the killed rank's 137 is the exit code
