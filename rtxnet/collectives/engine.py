@@ -1011,8 +1011,8 @@ class Engine:
         if v is None or h.epoch > v.epoch:
             self._keep_future(h, payload)
             return
-        if h.job != v.job or h.epoch < v.epoch or not 0 <= h.src < v.world_size:
-            if h.job == v.job and h.epoch < v.epoch and h.kind == Kind.P2P:
+        if h.epoch < v.epoch or not 0 <= h.src < v.world_size:   # (another job's: dropped above)
+            if h.epoch < v.epoch and h.kind == Kind.P2P:
                 # a send that returned on its rank, arriving after this rank left its epoch
                 sender = self._old_endpoints.get(h.epoch, {}).get(h.src)
                 self._note_p2p_dropped(sender, h.step, 1, h.epoch, v.epoch)

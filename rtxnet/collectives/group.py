@@ -196,8 +196,7 @@ def _refusal_told(fn):
         try:
             return await fn(self, *args, **kwargs)
         except (ValueError, TypeError) as exc:
-            if self._seq == seq and self.size > 1 and self._dead is None \
-                    and self.engine.fenced is None:
+            if self._seq == seq and self._can_tell_peers():
                 await self._refuse(name, exc)
             raise
 
@@ -281,14 +280,19 @@ class Group:
                 f"group {self.gid!r} belongs to epoch {self.epoch}, which ended: {self._dead}"
             ) from self._dead
 
+    def _can_tell_peers(self) -> bool:
+        """Whether a call that ends here without running may still tell the peers: a group of
+        several ranks, not retired, this rank not fenced, and on the group's own loop."""
+        return self.size > 1 and self._dead is None and self.engine.fenced is None \
+            and loop_refusal(f"group {self.gid!r}", self.engine.home_loop) is None
+
     def _unstarted(self, name: str) -> None:
         """A call of ``name`` ended before it ran (cancelled before its coroutine's first step:
         :mod:`rtxnet._calls`): it takes its sequence number here and the peers'
         operation of that number fails at once, so this rank's later calls stay paired with
         theirs. Nothing when the call could not have run anyway (a group of one, retired,
         fenced, or not on the group's own loop)."""
-        if self.size <= 1 or self._dead is not None or self.engine.fenced is not None \
-                or loop_refusal(f"group {self.gid!r}", self.engine.home_loop) is not None:
+        if not self._can_tell_peers():
             return
         seq = self._seq
         self._seq += 1
@@ -961,7 +965,7 @@ class Group:
     def _send_cancelled(self, dst, tag) -> None:
         """A send cancelled before its message was queued: its ``recv`` fails at once, naming
         that, instead of taking this sender's next message of that tag (a re-verifier's find)."""
-        if loop_refusal(f"group {self.gid!r}", self.engine.home_loop) is None:
+        if self._can_tell_peers():
             self._refuse_send(dst, tag, CollectiveError("the send was cancelled on that rank before "
                                                         "its message was queued"))
 
