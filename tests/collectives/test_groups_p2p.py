@@ -473,6 +473,8 @@ async def cancelled_behind_queued_calls(engine, mode):
                 await asyncio.sleep(0)  # C takes its number, queued behind B
             tc.cancel()
         else:
+            await asyncio.gather(ta, tb, return_exceptions=True)
+            await asyncio.sleep(0.5)    # C still waits for this rank when rank 0 cancels it
             tc = asyncio.ensure_future(g.all_reduce(c, timeout=10))
         got = await asyncio.gather(ta, tb, tc, return_exceptions=True)
         out.append([type(r).__name__ if isinstance(r, BaseException) else float(x[0])
