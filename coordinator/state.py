@@ -1144,10 +1144,8 @@ def _drop_waits_of(state: State, identity: str) -> None:
     their answers (they held the daemon's memory after the client left: a tester's find)."""
     for job_id in state.kv_waiting.pop(identity, set()):
         job = state.jobs.get(job_id)
-        if job is not None:
-            job.kv_waiters = {k: w for k, w in job.kv_waiters.items() if w.identity != identity}
-            job.kv_waits_of.pop(identity, None)
-            job.kv_parked_nbytes = sum(w.nbytes for w in job.kv_waiters.values())
+        if job is not None:   # (kv_waiting's entry is gone already: _unpark finds none)
+            _unpark(state, job, [w for w in job.kv_waiters.values() if w.identity == identity])
 
 
 def _bad_duration(msg: dict, name: str) -> str | None:
