@@ -72,14 +72,6 @@ def parse_size(text: str) -> int:
 
 # -- rank side (run by rtxnet-run on each host) ---------------------------------------------------
 
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        from rtxnet.collectives.reduce_ops import bfloat16
-
-        return bfloat16()
-    return np.dtype(name)
-
-
 def _op(pg, opname: str, nbytes: int, kw: dict, dtype: np.dtype):
     """``(call, check)`` for one row: ``nbytes`` is the all-reduced array, or all_gather's output
     (reduce_scatter's input) of W parts, of ``dtype`` (sums of 1..4 are exact in each)."""
@@ -99,13 +91,15 @@ def _op(pg, opname: str, nbytes: int, kw: dict, dtype: np.dtype):
 
 def rank_main(opname: str, sizes: list[int], out: str, iters: int, dtype: str = "float32") -> int:
     import rtxnet
+    from rtxnet.collectives.reduce_ops import dtype_from_name
 
     pg = rtxnet.init()
+    np_dtype = dtype_from_name(dtype)
     rows = []
     for algo in ALGORITHMS[opname]:
         kw = {} if algo == "default" else {"algorithm": algo}
         for nbytes in sizes:
-            call, check = _op(pg, opname, nbytes, kw, _np_dtype(dtype))
+            call, check = _op(pg, opname, nbytes, kw, np_dtype)
             call()
             ok = bool(check())
             times = []
