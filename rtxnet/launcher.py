@@ -601,13 +601,14 @@ class Launcher:
         env.pop(errorfile.ENV, None)
         slot.error_path = None
         if self.error_dir is not None:
-            slot.error_path = os.path.join(self.error_dir, f"rank{slot.rank}-{slot.restarts}.json")
+            slot.error_path = self._error_path(slot.rank, slot.restarts)
             env[errorfile.ENV] = slot.error_path
         return env
 
-    def _first_error_path(self, slot: _Slot) -> str | None:
-        """The error file of ``slot``'s first process (the only one faults fire in)."""
-        return None if self.error_dir is None else os.path.join(self.error_dir, f"rank{slot.rank}-0.json")
+    def _error_path(self, rank: int, restarts: int) -> str | None:
+        """The error file of launch rank ``rank``'s process after ``restarts`` restarts (0: its
+        first, the only one faults fire in); None without an error folder."""
+        return None if self.error_dir is None else os.path.join(self.error_dir, f"rank{rank}-{restarts}.json")
 
     async def _start_fork_server(self) -> None:
         """Start the rank fork server (``rtxnet/_zygote.py``) when ``--preload`` names modules
@@ -1185,9 +1186,9 @@ class Launcher:
                 with contextlib.suppress(RtxError):
                     await _claim(self.address, self._claimed, a.node_rank, 0, timeout_s=1.0)
             await self._shutdown()
-            if self.stop_signal is None and (line := _faults_no_rank_reported(a, self.total, {
-                    s.rank: errorfile.reached_init(self._first_error_path(s)) for s in self.slots
-                    if s.proc is not None})):
+            if self.stop_signal is None and _checked_plan(a) and (line := _faults_no_rank_reported(
+                    a, self.total, {s.rank: errorfile.reached_init(self._error_path(s.rank, 0))
+                                    for s in self.slots if s.proc is not None})):
                 _say(line)
             shutil.rmtree(self.error_dir, ignore_errors=True)
         if self.stop_signal is not None:
@@ -2383,7 +2384,7 @@ def _faults_no_rank_reported(a: argparse.Namespace, world_size: int,
         return None
     from .faults import label, parse_plan
 
-    text = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+    text = _plan_text(a)
     faults = parse_plan(text, world_size=world_size) if text else []   # (rank=any resolved)
     nobody = a.nnodes == 1 and len(reached) == a.nproc and not any(reached.values())
     missed = [f"{label(f, faults)} (launch rank {f.rank})" if f.rank is not None else
@@ -2402,9 +2403,14 @@ def _checked_plan(a: argparse.Namespace) -> list:
     if not hasattr(a, "_plan"):
         from .faults import parse_plan
 
-        text = a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
+        text = _plan_text(a)
         a._plan = parse_plan(text) if text else []
     return a._plan
+
+
+def _plan_text(a: argparse.Namespace) -> str | None:
+    """The fault plan the ranks get: ``--faults``, else ``RTXNET_FAULTS`` (None for none)."""
+    return a.faults if a.faults is not None else os.environ.get("RTXNET_FAULTS")
 
 
 def _short_heartbeat_drops(a: argparse.Namespace) -> str | None:
