@@ -1999,10 +1999,9 @@ class FaultTolerance:
         if not epochs:
             return
         self._noted_through = epochs[-1]   # (finish() may note again before any sync)
-        named = [self._epoch_lost_launch.get(e) for e in epochs]
         rec = {"event": "lost_between_steps", "step": self.step, "epoch": self.pg.epoch,
                "lost": [r for e in epochs for r in self._epoch_lost[e]],
-               "lost_launch": None if None in named else sorted(r for x in named for r in x),
+               "lost_launch": launch_ranks_lost(self._epoch_lost_launch, epochs),
                "world_size": self.pg.world_size}
         self._event(rec)
         log.warning("lost_between_steps", **{k: v for k, v in rec.items() if k != "event"})
@@ -2010,8 +2009,7 @@ class FaultTolerance:
     def _lost_launch(self, failure: dict[str, Any], losses: list[dict[str, Any]]) -> list[int] | None:
         """The launch ranks a failure lost, sorted; None if any is unknown."""
         if losses:
-            named = [self._epoch_lost_launch.get(x["epoch"]) for x in losses]
-            return None if None in named else sorted(r for x in named for r in x)
+            return launch_ranks_lost(self._epoch_lost_launch, [x["epoch"] for x in losses])
         return self._launch_ranks(failure["epoch"], failure["lost"])
 
     def _launch_ranks(self, epoch: int, ranks: list[int]) -> list[int] | None:
@@ -2136,10 +2134,17 @@ def describe_lost(epoch_lost: dict[int, list[int]], epoch_lost_launch: dict[int,
     ``epoch_lost``: epoch -> the ranks its membership lost (numbered as of the epoch before);
     ``epoch_lost_launch``: epoch -> their launch ranks, None where one is unknown."""
     epochs = [e for e in sorted(epoch_lost) if since < e <= now and epoch_lost[e]]
-    named = [epoch_lost_launch.get(e) for e in epochs]
-    if epochs and None not in named:
-        return name_ranks(sorted(r for x in named for r in x), launch=True)
+    launch = launch_ranks_lost(epoch_lost_launch, epochs)
+    if epochs and launch is not None:
+        return name_ranks(launch, launch=True)
     return ", ".join(f"{name_ranks(epoch_lost[e], launch=False)} of epoch {e - 1}" for e in epochs)
+
+
+def launch_ranks_lost(epoch_lost_launch: dict[int, list[int] | None], epochs: list[int]) -> list[int] | None:
+    """The launch ranks ``epochs`` lost (``epoch_lost_launch``: epoch -> its lost processes'
+    launch ranks, None where one is unknown), sorted; None if any epoch's are unknown."""
+    named = [epoch_lost_launch.get(e) for e in epochs]
+    return None if None in named else sorted(r for x in named for r in x)
 
 
 def event_ranks(e: dict[str, Any], key: str) -> str:
