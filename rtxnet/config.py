@@ -170,10 +170,12 @@ class Timeouts:
 def _init_naming_the_fields(init):
     """``Timeouts.__init__`` whose ``TypeError`` for a keyword it does not take lists the fields it
     does (a fresh user guessed ``heartbeat_timeout=`` and was told only that it is unexpected)."""
+    names = [f.name for f in fields(Timeouts)]   # once, not at every construction
+    known = set(names)
+
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        names = [f.name for f in fields(Timeouts)]
-        if unknown := sorted(set(kwargs) - set(names)):
+        if unknown := sorted(set(kwargs) - known):
             raise TypeError(f"Timeouts() got an unexpected keyword argument {unknown[0]!r} (it "
                             f"takes {', '.join(names)}, in seconds)")
         init(self, *args, **kwargs)
