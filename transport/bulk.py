@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hmac
 import socket
 import struct
@@ -269,15 +270,23 @@ class RecvLink:
         if loop is not None and not loop.is_closed() and self.sock.fileno() >= 0:
             loop.remove_reader(self.sock.fileno())
 
-    def _peek(self, on_closed) -> None:
+    def peer_closed(self) -> bool | None:
+        """Whether the peer has closed the stream (end of stream or reset): ``None`` when a read
+        would block, ``False`` when data is waiting."""
         try:
             data = self.sock.recv(1, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except OSError:   # reset by the peer
-            data = b""
+            return True
+        return not data
+
+    def _peek(self, on_closed) -> None:
+        closed = self.peer_closed()
+        if closed is None:
+            return
         self.unwatch()
-        if not data:
+        if closed:
             on_closed(self)
 
     def close(self) -> None:
@@ -382,14 +391,14 @@ class BulkLinks:
                 return
             except OSError as exc:
                 ok, suppressed = self._accept_log.allow()
-                if exc.errno in _ACCEPT_PAUSE_ERRNOS:
+                paused = exc.errno in _ACCEPT_PAUSE_ERRNOS
+                if paused:
                     self._loop.remove_reader(self._listener.fileno())
                     self._accept_paused = self._loop.call_later(ACCEPT_PAUSE_S, self._resume_accept)
-                    if ok:
-                        log.warning("bulk_accept_failed", error=str(exc), paused_s=ACCEPT_PAUSE_S,
-                                    suppressed_before=suppressed)
-                elif ok:
-                    log.warning("bulk_accept_failed", error=str(exc), suppressed_before=suppressed)
+                if ok:
+                    fields = {"paused_s": ACCEPT_PAUSE_S} if paused else {}
+                    log.warning("bulk_accept_failed", error=str(exc), **fields,
+                                suppressed_before=suppressed)
                 return
             _tune(sock)
             t = self._loop.create_task(self._handshake(sock))
@@ -422,15 +431,8 @@ class BulkLinks:
         # (the watch closes them as their peers go; a peer may also have gone since a block came)
         for key in future:
             link = self._recv[key]
-            try:
-                gone = link.sock.recv(1, socket.MSG_PEEK) == b""
-            except (BlockingIOError, InterruptedError):
-                gone = False
-            except OSError:
-                gone = True
-            if gone:
-                del self._recv[key]
-                link.close()
+            if link.peer_closed():
+                self._drop_closed(key, link)
         return len(self._future_keys()) < MAX_FUTURE_STREAMS
 
     async def _handshake(self, sock: socket.socket) -> None:
@@ -474,7 +476,7 @@ class BulkLinks:
             # the sender opens a new stream only after dropping the old one
             old.retire(self._loop, now=False)
         link = self._recv[key] = RecvLink(sock, epoch)
-        link.watch(self._loop, lambda closed, key=key: self._drop_closed(key, closed))
+        link.watch(self._loop, functools.partial(self._drop_closed, key))
         for fut in self._waiters.pop(key, ()):
             if not fut.done():
                 fut.set_result(None)
