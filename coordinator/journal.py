@@ -873,11 +873,6 @@ class Journal:
         for attempt in range(RECREATE_ATTEMPTS):
             try:
                 self._recreate_once(snapshot)
-                if not self.removed():
-                    return
-                if attempt + 1 == RECREATE_ATTEMPTS:
-                    raise JournalError(f"journal {self._dir}: removed again each of "
-                                       f"{RECREATE_ATTEMPTS} times it was made")
             except JournalError:
                 # removed again while it was being made (a cleaner's second pass, a second rm):
                 # every file it wrote is gone with the folder, so nothing half-made is left to
@@ -887,6 +882,11 @@ class Journal:
                 if attempt + 1 == RECREATE_ATTEMPTS or (self._dir.is_dir() and not self.removed()):
                     raise
                 self._failure = None
+                continue
+            if not self.removed():
+                return
+        raise JournalError(f"journal {self._dir}: removed again each of "
+                           f"{RECREATE_ATTEMPTS} times it was made")
 
     def _recreate_once(self, snapshot: bytes) -> None:
         try:
