@@ -209,18 +209,20 @@ def remove_journal(path: str | os.PathLike, *, keep_folder: bool = False) -> lis
     return left
 
 
-def _check_regular(path: Path) -> None:
+def _check_regular(path: Path) -> os.stat_result:
     """Refuse a FIFO, socket or device where a journal file should be: reading a FIFO would
     block the daemon's start for ever. (A folder or a dangling link fails its read, naming it.)
+    Returns ``path``'s stat.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         JournalError: it is no regular file (names it).
     """
-    mode = path.stat().st_mode
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    st = path.stat()
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         raise JournalError(f"journal file {path} is not a regular file (a FIFO, socket or "
                            f"device): move it aside")
+    return st
 
 
 def _segment_name(generation: int) -> str:
@@ -611,9 +613,9 @@ class Journal:
     def _read_snapshot(self) -> tuple[bytes | None, int]:
         path = self._dir / SNAPSHOT_NAME
         try:
-            _check_regular(path)
+            ino = _check_regular(path).st_ino
             data = path.read_bytes()
-            self._snapshot_ino = path.stat().st_ino
+            self._snapshot_ino = ino
         except FileNotFoundError:
             return None, 0
         spath = str(path)
@@ -917,10 +919,11 @@ class Journal:
                 _write_all(fd, frame)
                 if self._fsync:
                     os.fsync(fd)
+                ino = os.fstat(fd).st_ino   # (the rename keeps it)
             finally:
                 os.close(fd)
             os.replace(tmp, self._dir / SNAPSHOT_NAME)
-            self._snapshot_ino = (self._dir / SNAPSHOT_NAME).stat().st_ino
+            self._snapshot_ino = ino
         except OSError as exc:
             try:
                 tmp.unlink(missing_ok=True)
