@@ -22,6 +22,7 @@ from transport import wire
 from transport.channel import HANDSHAKE_IVL_MS, ControlServer, Disconnected, Inbound
 from transport.codec import Limits, decode, encode
 from transport.errors import JournalError, ProtocolError
+from transport.logbudget import LogBudget
 
 from .journal import Journal
 from .state import (
@@ -101,7 +102,7 @@ class Coordinator:
         self._removal_check_at = 0.0     # when an idle daemon next looks for a removed journal
         self._compact_at_nbytes = COMPACT_MIN_NBYTES
         self._fd_check_at = 0.0      # when the open files are next counted (_check_open_files)
-        self._fd_warn_at = 0.0       # the earliest time for the next open_files_near_limit
+        self._fd_warn_log = LogBudget(per_window=1, window_s=FD_WARN_EVERY_S)   # open_files_near_limit
         self.server: ControlServer | None = None
         self.address: str | None = None
         self._stop = asyncio.Event()
@@ -200,7 +201,7 @@ class Coordinator:
                 now = time.monotonic()
                 if now >= self._fd_check_at:
                     self._fd_check_at = now + FD_CHECK_S
-                    self._check_open_files(now)
+                    self._check_open_files()
                 batch = [self._event(ev) for ev in events]
                 if now - last_tick >= self.tick_s:
                     gap = now - last_tick
@@ -215,7 +216,7 @@ class Coordinator:
         finally:
             stop_wait.cancel()
 
-    def _check_open_files(self, now: float) -> None:
+    def _check_open_files(self) -> None:
         """Log ``open_files_near_limit`` (at most every ``FD_WARN_EVERY_S``) when this process
         holds ``FD_WARN_FRACTION`` of its soft limit of open files or more."""
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -227,9 +228,8 @@ class Coordinator:
             if exc.errno != errno.EMFILE:
                 return   # no /proc (not Linux): not counted
             held = limit   # not one left to list them with
-        if held < FD_WARN_FRACTION * limit or now < self._fd_warn_at:
+        if held < FD_WARN_FRACTION * limit or not self._fd_warn_log.allow()[0]:
             return
-        self._fd_warn_at = now + FD_WARN_EVERY_S
         log.warning("open_files_near_limit", open_files=held, limit=limit,
                     hint=f"each client connection holds one; at the limit no new client is "
                          f"answered; connections that never greet are closed after "
@@ -284,7 +284,7 @@ class Coordinator:
             # to take the path (before, until the next write)
             self._removal_check_at = now + REMOVAL_CHECK_S
             if self.journal.removed():
-                self._compact(recreate=True)
+                self._recreate_journal()
                 wrote = False
         if wrote and (self.journal.records_since_snapshot >= self._compact_at_records
                       or self.journal.bytes_since_snapshot >= self._compact_at_nbytes):
@@ -297,35 +297,32 @@ class Coordinator:
         for s in sends:
             self.server.send(s.identity, s.msg)
 
-    def _compact(self, recreate: bool = False) -> None:
+    def _encoded_snapshot(self) -> bytes:
+        """The state as one snapshot. Raises ``ProtocolError`` when it is too large to encode."""
+        return encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
+
+    def _snapshot_written(self, nbytes: int) -> None:
+        """A snapshot of ``nbytes`` is on disk: the next compaction is counted from it."""
+        self._compact_at_records = self.snapshot_every
+        self._compact_at_nbytes = max(COMPACT_MIN_NBYTES, 4 * nbytes)
+
+    def _compact(self) -> None:
         """Write a snapshot of the state, which replaces the records before it. A failure that
         leaves the journal usable (the snapshot's temporary file could not be written: a full
         disk, a folder made read-only; or the state is too large to encode as one snapshot) is
         logged and tried again after as many records or bytes once more; the daemon serves on,
-        appending. ``recreate``: the journal's folder or files were removed while it ran
-        (``Journal.removed``): made again with the snapshot (``Journal.recreate``), logged
-        ``journal_recreated``.
+        appending.
 
         Raises:
             JournalError: the compaction failed after its commit point (the journal refuses
-                further calls; the daemon exits 3 and a restart replays), or a removed journal
-                cannot be made again (its path is a file now, another daemon locked it, the
-                folder cannot be made): the daemon exits 3 before acknowledging what no disk
-                holds, as after a failed write.
+                further calls; the daemon exits 3 and a restart replays).
         """
         try:
-            data = encode(snapshot(self.state), limits=_SNAPSHOT_LIMITS)
-            if recreate:
-                self.journal.recreate(data)
-            else:
-                self.journal.write_snapshot(data)
+            data = self._encoded_snapshot()
+            self.journal.write_snapshot(data)
         except (ProtocolError, JournalError) as exc:
             if self.journal.failed:
                 raise
-            if recreate:
-                raise JournalError(
-                    f"journal {self.journal.directory} was removed while the daemon ran and "
-                    f"cannot be written again: {exc}; nothing since was acknowledged") from exc
             # tried again only after as many records or bytes once more: an attempt on every
             # write (a snapshot too large to encode) made each write take 0.75 s (a tester's find)
             self._compact_at_records = self.journal.records_since_snapshot + self.snapshot_every
@@ -334,14 +331,33 @@ class Coordinator:
                         retry_at_records=self._compact_at_records,
                         hint="the journal goes on growing until a snapshot can be written")
             return
-        self._compact_at_records = self.snapshot_every
-        self._compact_at_nbytes = max(COMPACT_MIN_NBYTES, 4 * len(data))
-        if recreate:
-            log.warning("journal_recreated", path=str(self.journal.directory), jobs=len(self.state.jobs),
-                        snapshot_nbytes=len(data), hint="the journal's folder or files were removed "
-                        "while the daemon ran; it wrote them again from its state")
-            return
+        self._snapshot_written(len(data))
         log.info("journal_compacted", jobs=len(self.state.jobs), snapshot_nbytes=len(data))
+
+    def _recreate_journal(self) -> None:
+        """The journal's folder or files were removed while the daemon ran (``Journal.removed``):
+        make them again with a snapshot of the state (``Journal.recreate``), logged
+        ``journal_recreated``.
+
+        Raises:
+            JournalError: the journal cannot be made again (its path is a file now, another
+                daemon locked it, the folder cannot be made, the state is too large to encode):
+                the daemon exits 3 before acknowledging what no disk holds, as after a failed
+                write.
+        """
+        try:
+            data = self._encoded_snapshot()
+            self.journal.recreate(data)
+        except (ProtocolError, JournalError) as exc:
+            if self.journal.failed:
+                raise
+            raise JournalError(
+                f"journal {self.journal.directory} was removed while the daemon ran and "
+                f"cannot be written again: {exc}; nothing since was acknowledged") from exc
+        self._snapshot_written(len(data))
+        log.warning("journal_recreated", path=str(self.journal.directory), jobs=len(self.state.jobs),
+                    snapshot_nbytes=len(data), hint="the journal's folder or files were removed "
+                    "while the daemon ran; it wrote them again from its state")
 
     async def aclose(self) -> None:
         if self.server is not None:
