@@ -840,7 +840,10 @@ def _request(state: State, identity: str, msg: dict, now: float, actions: list[A
         return
     job = state.jobs.get(msg["job"])
     if job is None:
-        if t == "heartbeat":
+        if t == "leave" and msg["job"] in state.finished:
+            # a leave sent again after a restart, its first one having ended the job
+            actions.append(_reply(identity, msg, None, left=False))
+        elif t == "heartbeat":
             actions.append(_reply(identity, msg, None, state="unknown", epoch=-1))
         else:
             actions.append(_error(identity, msg, "RendezvousError", f"unknown job {msg['job']!r}"))

@@ -125,10 +125,12 @@ def process_context() -> zmq.asyncio.Context:
 # (two callers would both believe they lost; delete() returned False for a key it had deleted, a
 # tester's find), and a ``kv_set`` would undo the writes and deletes that followed it, so the
 # coordinator journals the (routing id, request id) of each that wrote and answers a repeat as
-# the first time (``coordinator.state.Job.kv_answers``; past the 1,024 it keeps, "unknown"). Not
-# ``join``/``leave``/``heartbeat``: the agent repeats those itself, knowing the membership.
+# the first time (``coordinator.state.Job.kv_answers``; past the 1,024 it keeps, "unknown"). A
+# ``leave`` sent again finds its rank gone (``left=False``) or its job finished; it was not
+# resent, and a leave lost with the daemon left the job crashed, not finished, after 10 s of
+# "no answer" (a breaker's find). Not ``join``/``heartbeat``: the agent repeats those itself.
 RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
-                                 "finish", "status"})
+                                 "finish", "status", "leave"})
 
 
 async def _monitor_events(monitor: zmq.asyncio.Socket):

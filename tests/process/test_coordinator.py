@@ -1323,3 +1323,21 @@ def test_status_from_a_server_answering_another_shape_is_one_line(body):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith(f"rtxnet status: the answer of {addr} is not a status this rtxnet can read"), out.stderr
+
+
+def test_a_leave_in_flight_when_the_coordinator_dies_is_answered_by_its_restart(coordinator, probes):
+    """A rank closes its group while the daemon is frozen, and the daemon is SIGKILLed with the
+    leave unread. The leave goes again to the restarted daemon: the job finishes at once, not
+    "leave_failed ... no answer within 10 s" with the job left crashed (its id not refused, kept an
+    hour for ranks that would never come: a breaker's find)."""
+    (p,) = joined(probes, coordinator.address, "leaveinflight", 1)
+    coordinator.signal(signal.SIGSTOP)
+    p.submit("leave")
+    time.sleep(0.5)                          # the leave sits unread in the frozen daemon's socket
+    coordinator.kill(signal.SIGKILL)
+    coordinator.start()
+    t0 = time.monotonic()
+    assert p.expect("result", cmd="leave", timeout=20)["ok"]
+    assert time.monotonic() - t0 < 5, p.log[-2000:]
+    assert "leave_failed" not in p.log, p.log[-2000:]
+    assert not any(j["job"] == "leaveinflight" for j in coordinator_jobs(coordinator.address))

@@ -220,6 +220,19 @@ def test_last_member_leaving_ends_the_job_without_touching_others():
     assert h.req("x", "heartbeat", job="two", epoch=0, identity="x")[0].msg["body"]["state"] == "member"
 
 
+def test_a_leave_sent_again_after_it_ended_the_job_is_answered_not_refused():
+    # the agent resends a leave whose answer a dying coordinator took with it (a breaker's find):
+    # the first one, journaled, ended the job; the repeat finds it finished, not "unknown job"
+    h = Harness()
+    h.join("a", job="one", min_ranks=1, max_ranks=1)
+    h.req("a", "leave", job="one", epoch=0, identity="a")
+    assert "one" in h.state.finished
+    h.rid -= 1   # the same request again
+    (again,) = h.req("a", "leave", job="one", epoch=0, identity="a")
+    assert again.msg["t"] == "reply" and again.msg["body"] == {"left": False}, again.msg
+    assert errors(h.req("a", "leave", job="never", epoch=0, identity="a"))
+
+
 def test_replacement_joins_running_job_at_next_rank():
     h = Harness()
     h.join("a")
