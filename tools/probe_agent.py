@@ -93,6 +93,10 @@ async def main(cfg: dict) -> int:
                 emit(event="result", cmd=name, ok=True, jobs=await pg.status())
             elif name == "commit":
                 emit(event="result", cmd=name, ok=True, committed=await pg.commit(cmd["step"], timeout=cmd.get("timeout", 10)))
+            elif name == "rewind":
+                rewound = await pg.agent.rewind(cmd["step"])
+                emit(event="result", cmd=name, ok=True, rewound=rewound,
+                     committed_step=pg.agent.membership.committed_step)
             elif name == "rejoin":
                 m = await pg.rejoin()
                 emit(event="result", cmd=name, ok=True, epoch=m.epoch, rank=m.rank)

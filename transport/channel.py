@@ -128,9 +128,10 @@ def process_context() -> zmq.asyncio.Context:
 # the first time (``coordinator.state.Job.kv_answers``; past the 1,024 it keeps, "unknown"). A
 # ``leave`` sent again finds its rank gone (``left=False``) or its job finished; it was not
 # resent, and a leave lost with the daemon left the job crashed, not finished, after 10 s of
-# "no answer" (a breaker's find). Not ``join``/``heartbeat``: the agent repeats those itself.
+# "no answer" (a breaker's find); a ``rewind`` sent again finds the step already moved back
+# (``rewound=False``). Not ``join``/``heartbeat``: the agent repeats those itself.
 RESEND_ON_RECONNECT = frozenset({"kv_set", "kv_get", "kv_wait", "kv_cas", "kv_del", "commit", "reform",
-                                 "finish", "status", "leave"})
+                                 "finish", "status", "leave", "rewind"})
 
 
 async def _monitor_events(monitor: zmq.asyncio.Socket):

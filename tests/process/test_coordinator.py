@@ -1341,3 +1341,24 @@ def test_a_leave_in_flight_when_the_coordinator_dies_is_answered_by_its_restart(
     assert time.monotonic() - t0 < 5, p.log[-2000:]
     assert "leave_failed" not in p.log, p.log[-2000:]
     assert not any(j["job"] == "leaveinflight" for j in coordinator_jobs(coordinator.address))
+
+
+def test_a_rewind_in_flight_when_the_coordinator_dies_is_answered_by_its_restart(coordinator, probes):
+    """As a leave: a rewind (every rank lost, training goes on from an older step) unread by a
+    daemon that is SIGKILLed is sent again to its restart, and the job's committed step moves
+    back; before, the rank waited out its 10 s request deadline in the middle of its recovery."""
+    (p,) = joined(probes, coordinator.address, "rewindinflight", 1)
+    p.submit("commit", step=3)
+    assert p.expect("result", cmd="commit", timeout=20)["ok"]
+    coordinator.signal(signal.SIGSTOP)
+    p.submit("rewind", step=1)
+    time.sleep(0.5)                          # the rewind sits unread in the frozen daemon's socket
+    coordinator.kill(signal.SIGKILL)
+    coordinator.start()
+    t0 = time.monotonic()
+    got = p.expect("result", cmd="rewind", timeout=20)
+    assert got["ok"], got
+    assert time.monotonic() - t0 < 5, p.log[-2000:]
+    assert got["committed_step"] == 1, got
+    (job,) = [j for j in coordinator_jobs(coordinator.address) if j["job"] == "rewindinflight"]
+    assert job["committed_step"] == 1, job
