@@ -231,9 +231,13 @@ _NODE_LAST_LOOK_S = 10.0
 # CoordinatorLostError, instead of one daemon after another answering them for a moment.
 _COORD_STABLE_S = 10.0
 # A coordinator this launcher started that lives but answers nothing (SIGSTOPped, hung) for this
-# fraction of the ranks' coordinator_s is killed and restarted from its journal, well before the
-# ranks would give up on it (30 s by default: killed after 10 s).
+# fraction of the ranks' coordinator_s, or of their request_s if less, is killed and restarted
+# from its journal, well before the ranks would give up on it (30 s by default), and before a
+# store request caught by the freeze runs out its deadline (10 s by default: killed after 5 s;
+# killed after 10 s, the restart came as the request failed and the step was lost: a breaker's
+# find).
 _COORD_HUNG_FRACTION = 1 / 3
+_REQUEST_HUNG_FRACTION = 1 / 2
 _COORD_PAUSE_S = 0.1
 _COORD_PAUSE_MAX_S = 5.0
 # A rank whose process lived less than _RANK_STABLE_S is restarted after a pause doubling from
@@ -1662,7 +1666,8 @@ class Launcher:
     async def _watch_coordinator_answers(self) -> None:
         """Kill (SIGKILL, by its pid) the coordinator this launcher started when its process
         lives but has answered no status request for ``_COORD_HUNG_FRACTION`` of the ranks'
-        ``coordinator_s`` (10 s of 30 s): SIGSTOPped, or hung. ``_supervise_coordinator`` then
+        ``coordinator_s`` (10 s of 30 s) or ``_REQUEST_HUNG_FRACTION`` of their ``request_s``
+        (5 s of 10 s), whichever is less, and at least 2 s: SIGSTOPped, or hung. ``_supervise_coordinator`` then
         restarts it on its journal and the ranks reconnect, as after a crash, before their own
         ``coordinator_s`` ends (else they would stop with CoordinatorLostError and the whole job
         with them: a fresh user's trial). It asks only when the launcher's other status requests
@@ -1672,8 +1677,10 @@ class Launcher:
 
         from .config import Timeouts
 
-        coordinator_s = Timeouts.from_env().coordinator_s
-        hung_s = max(2.0, coordinator_s * _COORD_HUNG_FRACTION)
+        timeouts = Timeouts.from_env()
+        coordinator_s = timeouts.coordinator_s
+        hung_s = max(2.0, min(coordinator_s * _COORD_HUNG_FRACTION,
+                              timeouts.request_s * _REQUEST_HUNG_FRACTION))
         ask_s = min(1.0, hung_s / 2)
         proc, since = None, math.inf
         while not (self.stopping or self.done):

@@ -63,6 +63,8 @@ def main() -> int:
     ap.add_argument("--step-sleep", type=float, default=0.02, help="seconds of 'compute' per step")
     ap.add_argument("--out", required=True)
     ap.add_argument("--rejoin-window", type=float, default=30.0)
+    ap.add_argument("--store-every-step", action="store_true",
+                    help="each rank also sets a key of the job's store at every step")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import rtxnet
@@ -87,6 +89,8 @@ def main() -> int:
                 shards = [s for s in range(SHARDS) if s % pg.world_size == pg.rank]
                 c = contribution(state.x, step, shards)
                 time.sleep(args.step_sleep)
+                if args.store_every_step:
+                    pg.store.set(f"ft_workload/rank{pg.rank}", str(step))
                 pg.all_reduce(c)
                 state.x = (state.x + c) % P
         # training is over: no rank joins now (a replacement restarted in the last steps was

@@ -600,17 +600,18 @@ def test_coordinator_killed_mid_run_loses_no_committed_step(tmp_path):
     assert not recoveries(results)  # training never stopped
 
 
-def _signal_the_launchers_coordinator_mid_run(tmp_path, sig: int, **env) -> tuple[str, int]:
-    """Run tools/ft_workload.py (3 ranks, 80 steps of 50 ms) under rtxnet-run, send ``sig`` to
-    the coordinator rtxnet-run started once 5 steps are committed, and check that the run exits
-    0 with every rank's state right and no recovery (training never stopped). Returns
-    rtxnet-run's stderr and the pid signalled."""
+def _signal_the_launchers_coordinator_mid_run(tmp_path, sig: int, *workload_args: str,
+                                              **env) -> tuple[str, int]:
+    """Run tools/ft_workload.py (3 ranks, 80 steps of 50 ms, ``workload_args``) under rtxnet-run,
+    send ``sig`` to the coordinator rtxnet-run started once 5 steps are committed, and check that
+    the run exits 0 with every rank's state right and no recovery (training never stopped).
+    Returns rtxnet-run's stderr and the pid signalled."""
     out, err = tmp_path / "out", tmp_path / "launcher.err"
     steps = 80
     with open(err, "w") as log:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "rtxnet.launcher", "--nproc", "3", "tools/ft_workload.py",
-             "--steps", str(steps), "--step-sleep", "0.05", "--out", str(out)],
+             "--steps", str(steps), "--step-sleep", "0.05", "--out", str(out), *workload_args],
             stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, env=procs.env(**FAST, **env))
     pid = None
     try:
@@ -652,6 +653,18 @@ def test_the_launchers_coordinator_frozen_mid_run_is_killed_and_restarted_and_no
     assert f"coordinator (pid {pid}, stopped) has answered nothing for " in text, text[-3000:]
     assert "coordinator exited with code 137; restarting it" in text, text[-3000:]
     assert "CoordinatorLostError" not in text, text[-3000:]
+
+
+def test_a_store_request_caught_by_a_frozen_launchers_coordinator_is_answered_by_its_restart(tmp_path):
+    """Every rank sets a store key at every step, and rtxnet-run's coordinator is SIGSTOPped. It
+    was killed after a third of coordinator_s (10 s of 30 s), as the store requests caught by the
+    freeze ran out their request_s (10 s): a step failed and was trained again (a breaker's
+    find). It is killed after half of request_s now (here 3 s of 6 s; coordinator_s 30 s as by
+    default), its restart answers the resent requests in time, and no step is lost."""
+    text, pid = _signal_the_launchers_coordinator_mid_run(tmp_path, signal.SIGSTOP, "--store-every-step",
+                                                          RTXNET_REQUEST_TIMEOUT="6")
+    assert f"coordinator (pid {pid}, stopped) has answered nothing for " in text, text[-3000:]
+    assert "RtxTimeoutError" not in text, text[-3000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM])   # SIGINT and SIGHUP: the same handler
