@@ -32,7 +32,7 @@ from typing import Any
 
 from transport.errors import ConfigError
 
-from ._world import group_size
+from ._world import check_group, group_size
 
 __all__ = ["DeviceMesh"]
 
@@ -72,6 +72,7 @@ class DeviceMesh:
     """
 
     def __init__(self, pg: Any, shape: Sequence[int], dim_names: Sequence[str]):
+        check_group(pg, "DeviceMesh")
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not shape or any(
                 isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1) for n in shape):
             raise ConfigError(f"DeviceMesh shape({shape!r}) must be a non-empty sequence of ints "

@@ -113,7 +113,7 @@ from transport.errors import (
 )
 
 from ..elastic import RECOVERABLE
-from ._world import StepWorld, group_size, step_size
+from ._world import StepWorld, check_group, group_size, step_size
 from .ddp import DistributedDataParallel
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "MAX_NDIM"]
@@ -187,6 +187,7 @@ class PipelineStage:
     def __init__(self, module: torch.nn.Module, pg: Any, *, num_stages: int | None = None):
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        check_group(pg, "PipelineStage")
         size = group_size(pg)
         if num_stages is not None and (isinstance(num_stages, bool) or num_stages != size):
             raise ConfigError(f"num_stages({num_stages!r}) != pipeline group size({size}): "

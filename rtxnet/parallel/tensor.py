@@ -77,7 +77,7 @@ from rtxnet.config import is_seconds
 from rtxnet.elastic import note_rank_specific
 from transport.errors import ConfigError
 
-from ._world import group_size, step_size
+from ._world import check_group, group_size, step_size
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_mlp", "copy_to_parallel",
            "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
@@ -229,6 +229,7 @@ class _ParallelLinear(torch.nn.Module):
 
     def __init__(self, pg: Any, timeout_s: float | None):
         super().__init__()
+        check_group(pg, type(self).__name__)
         _check_timeout(timeout_s)
         self._pg = pg
         self.world_size = group_size(pg)

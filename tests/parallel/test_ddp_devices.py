@@ -17,7 +17,15 @@ import procs
 import pytest
 import torch
 
-from rtxnet.parallel import DistributedDataParallel, FullyShardedDataParallel
+from rtxnet.parallel import (
+    ColumnParallelLinear,
+    DeviceMesh,
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    PipelineStage,
+    RowParallelLinear,
+    shard_mlp,
+)
 from transport.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -101,3 +109,21 @@ def test_digits_npz_is_scikit_learns_split():
     d = np.load(Path(__file__).resolve().parents[2] / "examples" / "data" / "digits_seed0.npz")
     for name, want in (("xtr", xtr), ("xte", xte), ("ytr", ytr), ("yte", yte)):
         assert d[name].shape == want.shape and (d[name].astype(np.float64) == want).all(), name
+
+
+def test_the_other_parallel_layers_refuse_what_is_not_a_process_group_naming_it():
+    # AttributeError: 'NoneType' object has no attribute 'size' before (a breaker's find): the
+    # tensor-parallel layers, shard_mlp, PipelineStage and DeviceMesh did not check pg as DDP does
+    mlp = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 2))
+    builds = [   # (who the message names, the build)
+        ("ColumnParallelLinear", lambda pg: ColumnParallelLinear(4, 4, pg)),
+        ("RowParallelLinear", lambda pg: RowParallelLinear(4, 4, pg)),
+        ("ColumnParallelLinear", lambda pg: shard_mlp(mlp, pg, up="0", down="1")),
+        ("PipelineStage", lambda pg: PipelineStage(torch.nn.Linear(4, 3), pg)),
+        ("DeviceMesh", lambda pg: DeviceMesh(pg, (1,), ("dp",))),
+    ]
+    for who, build in builds:
+        for bad, shown in ((None, "None (NoneType)"), ("pg", "'pg' (str)"), (3, "3 (int)")):
+            with pytest.raises(ConfigError, match=rf"^{who}: pg must be the process group of rtxnet\.init\(\) "
+                                                  rf"or a subgroup of it .*, got {re.escape(shown)}$"):
+                build(bad)
