@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 import weakref
 from collections.abc import Iterator
@@ -246,8 +247,8 @@ class DistributedDataParallel(torch.nn.Module):
             raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         check_group(pg, "DistributedDataParallel")
         for name, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-                raise ConfigError(f"{name}({v!r}) must be a positive number of MiB")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ConfigError(f"{name}({v!r}) must be a positive, finite number of MiB")
         if reduce_op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise ConfigError(f"reduce_op({reduce_op!r}) must be ReduceOp.AVG or ReduceOp.SUM")
         if timeout_s is not None and not is_seconds(timeout_s):

@@ -127,3 +127,13 @@ def test_the_other_parallel_layers_refuse_what_is_not_a_process_group_naming_it(
             with pytest.raises(ConfigError, match=rf"^{who}: pg must be the process group of rtxnet\.init\(\) "
                                                   rf"or a subgroup of it .*, got {re.escape(shown)}$"):
                 build(bad)
+
+
+def test_an_infinite_bucket_size_is_refused_naming_it():
+    # bucket_cap_mb=inf passed the check and failed with OverflowError: cannot convert float
+    # infinity to integer (a breaker's find)
+    for name in ("bucket_cap_mb", "first_bucket_mb"):
+        for bad in (float("inf"), float("nan"), 0, -1):
+            with pytest.raises(ConfigError, match=rf"^{name}\({re.escape(repr(bad))}\) must be a "
+                                                  r"positive, finite number of MiB$"):
+                DistributedDataParallel(torch.nn.Linear(4, 3), _Pg(), init_sync=False, **{name: bad})
