@@ -428,7 +428,8 @@ class PipelineSchedule:
         peak_in_flight: after a step, the most micro-batches whose activations this stage held at
             once (``M`` for GPipe, ``min(S - s, M)`` for 1F1B).
         last_output: on the last stage after a step, its outputs of every micro-batch concatenated
-            along dimension 0, detached (``[B, ...]``); None elsewhere.
+            along dimension 0, detached (``[B, ...]``; ``[M]`` when it returns a 0-d tensor per
+            micro-batch, its own loss); None elsewhere.
 
     Every stage of a pipeline must run the same schedule class with the same ``n_microbatches``;
     a step whose stages differ is refused on every stage (see :meth:`step`).
@@ -582,7 +583,9 @@ class PipelineSchedule:
         if not st.is_last:
             self.last_output = None
             return None
-        self.last_output = torch.cat(self._outputs)
+        # a 0-d output (a last stage computing its own loss) is one element per micro-batch: it
+        # failed torch.cat on this stage alone, after every stage had finished the step
+        self.last_output = torch.cat([o.reshape(1) if o.dim() == 0 else o for o in self._outputs])
         self._outputs = []
         return torch.stack(self._losses).sum()
 

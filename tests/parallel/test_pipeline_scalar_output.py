@@ -1,0 +1,50 @@
+"""A last stage whose module returns its own loss (a 0-d tensor per micro-batch), without rank
+processes: a one-stage pipeline on a stand-in group of one rank (a step's only collective is the
+closing all_reduce, a no-op for one rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rtxnet.parallel import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Pg:
+    world_size = 1
+    rank = 0
+    epoch = 0
+
+    def all_reduce(self, t, op=None, **kw):
+        return None
+
+
+class _OwnLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.l(x).pow(2).mean()     # 0-d: the stage computes the loss itself
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_a_last_stage_returning_a_scalar_per_micro_batch_matches_one_process(schedule):
+    # before: RuntimeError "zero-dimensional tensor (at position 0) cannot be concatenated" on
+    # the last stage only, after every stage had finished the step (the others returned), its
+    # gradients already accumulated (a breaker's find)
+    torch.manual_seed(0)
+    mod = _OwnLoss()
+    ref = _OwnLoss()
+    ref.load_state_dict(mod.state_dict())
+    x = torch.randn(6, 3)
+    sched = schedule(PipelineStage(mod, _Pg()), 3, lambda y, t: y)
+    loss = sched.step(x, torch.zeros(6))
+    want = sum(ref(c) for c in x.split(2)) / 3
+    want.backward()
+    assert torch.allclose(loss, want.detach())
+    assert torch.allclose(mod.l.weight.grad, ref.l.weight.grad)
+    assert sched.last_output.shape == (3,)    # one 0-d output per micro-batch
+    assert torch.allclose(sched.last_output, torch.stack([ref(c) for c in x.split(2)]).detach())
