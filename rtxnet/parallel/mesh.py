@@ -100,7 +100,7 @@ class DeviceMesh:
         self.epoch = pg.epoch
         self._rank = pg.rank
         # a subgroup's new_group takes world ranks: map grid positions (group ranks) to them
-        ranks = getattr(pg, "ranks", None) if getattr(pg, "world_size", None) is None else None
+        ranks = getattr(pg, "ranks", None)   # (a world group has none: its ranks are the positions)
         self._coord = _unravel(self._rank, self.shape)
         # A mesh of this layout built on ``pg`` earlier in this epoch: take its subgroups. Ids of
         # new_group count the groups of one rank set made in the epoch, so a replacement that

@@ -101,3 +101,37 @@ async def _two_layouts(engine) -> dict:
     await _reduce_over(b)
     return {"distinct": a.get_group("tp") is not b.get_group("y")
             and a.get_group("tp").gid != b.get_group("y").gid, "ok": True}
+
+
+async def _on_split_subgroups(engine) -> dict:
+    from rtxnet.parallel import DeviceMesh
+
+    r = engine.world.rank
+    out = {}
+    # the world's ranks in reverse order (group rank g is world rank 3 - g), and halves [0, 1], [2, 3]
+    for name, color, key in (("reversed", 0, -r), ("halves", r // 2, 0)):
+        sub = await engine.world.split(color, key=key, timeout=OP_S)
+        mesh = DeviceMesh(sub, (-1, 2), ("dp", "tp"))
+        groups = {n: mesh.get_group(n) for n in mesh.dim_names}
+        out[name] = {n: None if g is None else g.gid.split("#")[0] for n, g in groups.items()}
+        if all(g is not None for g in groups.values()):
+            out[name + "_sums"] = {n: v[1] for n, v in (await _reduce_over(mesh)).items()}
+    return out
+
+
+def test_a_mesh_on_a_split_subgroup_lays_out_its_group_ranks():
+    # the grid's positions are the subgroup's ranks, mapped to world ranks for new_group; before,
+    # the mapping was skipped for every group (a subgroup has world_size too), so on a split whose
+    # group ranks are not the world ranks every get_group was None, or new_group refused ranks
+    # not in the group (a breaker's find)
+    res = run_world(4, _on_split_subgroups, timeout_s=90, default_timeout_s=OP_S)
+    # reversed: tp pairs group ranks 0, 1 (world 3, 2) and 2, 3 (world 1, 0); dp pairs group ranks
+    # 0, 2 (world 3, 1) and 1, 3 (world 2, 0). Halves: tp is the half, dp the rank alone
+    tp = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
+    dp = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    for r, out in enumerate(res):
+        assert out["reversed"] == {"dp": dp[r], "tp": tp[r]}, (r, out)
+        assert out["reversed_sums"] == {n: sum(int(k) + 1 for k in g[r].split(","))
+                                        for n, g in (("dp", dp), ("tp", tp))}, (r, out)
+        assert out["halves"] == {"dp": str(r), "tp": tp[r]}, (r, out)
+        assert out["halves_sums"] == {"dp": r + 1, "tp": sum(int(k) + 1 for k in tp[r].split(","))}
