@@ -856,7 +856,8 @@ class FullyShardedDataParallel(torch.nn.Module):
 
         Args:
             state_dict: parameter and buffer tensors by the names ``module.state_dict()`` had
-                before wrapping; any device and dtype convertible to the parameter's.
+                before wrapping (a tied parameter under any one of its names, as torch loads
+                it); any device and dtype convertible to the parameter's.
             strict: refuse missing and unexpected keys.
 
         Raises:
@@ -889,13 +890,16 @@ class FullyShardedDataParallel(torch.nn.Module):
         if self._live or self._pending or self._backward_open:
             self.reset()
         for g in self._groups:
-            missing = [s for s in g.slots if s.fqns[0] not in state_dict]
+            # a tied parameter under any of its names (a checkpoint may keep one; the first
+            # registered alone was read before, and strict=False kept the old values silently)
+            given = [next((state_dict[f] for f in s.fqns if f in state_dict), None) for s in g.slots]
+            missing = [s for s, v in zip(g.slots, given, strict=True) if v is None]
             if missing and relayout:
                 raise ConfigError(f"load_full_state_dict: the shards must be laid out for "
                                   f"world_size({world}), but {[s.fqns[0] for s in missing]} are "
                                   "missing")
-            src = [state_dict[s.fqns[0]].to(g.dtype) if s.fqns[0] in state_dict
-                   else torch.zeros(s.shape, dtype=g.dtype) for s in g.slots]
+            src = [torch.zeros(s.shape, dtype=g.dtype) if v is None else v.to(g.dtype)
+                   for s, v in zip(g.slots, given, strict=True)]
             full = g.flatten(src, world)
             S = g.shard_numel(world)
             lo_r = rank * S
