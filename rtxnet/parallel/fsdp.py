@@ -98,6 +98,7 @@ raised, as DDP does.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -707,9 +708,16 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     # -- state -----------------------------------------------------------------------------------
 
-    def _replicated(self) -> dict[str, torch.Tensor]:
-        """Buffers and frozen parameters, still registered on the module (state-dict names)."""
+    def _replicated(self) -> dict[str, Any]:
+        """Buffers and frozen parameters, still registered on the module (state-dict names), and
+        the modules' extra state (``get_extra_state``: any object, not only a tensor)."""
         return dict(self.module.state_dict())
+
+    def _replicated_copy(self) -> dict[str, Any]:
+        """:meth:`_replicated`, tensors cloned and extra state deep-copied (``.detach()`` of a
+        dict raised ``AttributeError``: a breaker's find)."""
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                for k, v in self._replicated().items()}
 
     def _broadcast_replicated(self) -> None:
         """Buffers and frozen parameters of rank 0 to every rank, in place."""
@@ -717,7 +725,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             return
         sharded = {f for g in self._groups for s in g.slots for f in s.fqns}
         for k, t in self.module.state_dict().items():
-            if t.numel() and k not in sharded:
+            if isinstance(t, torch.Tensor) and t.numel() and k not in sharded:   # (not extra state)
                 with torch.no_grad():
                     flat = t.detach().reshape(-1).clone()
                     with self._step_world.pinned():
@@ -841,7 +849,7 @@ class FullyShardedDataParallel(torch.nn.Module):
                         out[fqn] = v.clone()
         if not keep:
             return {}
-        out.update({k: v.detach().clone() for k, v in self._replicated().items()})
+        out.update(self._replicated_copy())
         order = {k: i for i, k in enumerate(self._key_order)}
         return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
@@ -880,7 +888,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             if ref is None:
                 ref_shape = next((s.shape for g in self._groups for s in g.slots if k in s.fqns), None)
             else:
-                ref_shape = ref.shape
+                ref_shape = ref.shape if isinstance(ref, torch.Tensor) else None   # extra state
             if ref_shape is not None and (not isinstance(v, torch.Tensor) or v.shape != ref_shape):
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ConfigError(f"load_full_state_dict: {k} has shape {got}, the module's has "
@@ -945,7 +953,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         return {"format": FSDP_STATE_FORMAT, "world_size": self.world_size, "rank": self.rank,
                 "layout": self._layout(),
                 "shards": {g.name: g.shard.detach().clone() for g in self._groups},
-                "replicated": {k: v.detach().clone() for k, v in self._replicated().items()}}
+                "replicated": self._replicated_copy()}
 
     def built_sharded_state_dicts(self) -> list[dict[str, Any]] | None:
         """What :meth:`sharded_state_dict` returned, or would have, on **every** rank of the world
@@ -959,7 +967,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         if self._built is None:
             return None
         world, built = self._built
-        rep = {k: v.detach().clone() for k, v in self._replicated().items()}
+        rep = self._replicated_copy()
         layout = self._layout()
         out = []
         for q in range(world):
@@ -1182,7 +1190,8 @@ class FSDPState:
         names in registration order, and the replicated state's names, shapes and dtypes):
         :class:`rtxnet.FaultTolerance` compares it across ranks at every sync, which catches
         ranks whose modules differ where ``init_sync`` (off under FaultTolerance) would have."""
-        rep = [(k, tuple(t.shape), str(t.dtype)) for k, t in self.model._replicated().items()]
+        rep = [(k, tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (k,)
+               for k, t in self.model._replicated().items()]
         return layout_digest((self.model._layout(), rep))
 
     def sharded_layout(self) -> tuple[int, int]:

@@ -45,3 +45,43 @@ def test_a_tied_weight_given_under_its_second_name_alone_is_loaded_as_torch_does
     assert torch.equal(full["head.weight"], ref.head.weight.detach())
     with pytest.raises(Exception, match=r"missing keys \['emb\.weight'\]"):
         fsdp.load_full_state_dict(new)    # strict: the other name is missing, as torch says
+
+
+class _Calibrated(torch.nn.Module):
+    """A module with extra state (``get_extra_state``: a dict, not a tensor), as quantization
+    and TransformerEngine modules keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(3, 3)
+        self.calib = 5
+
+    def get_extra_state(self):
+        return {"calib": self.calib}
+
+    def set_extra_state(self, state):
+        self.calib = state["calib"]
+
+    def forward(self, x):
+        return self.l(x) * self.calib
+
+
+def test_a_module_with_extra_state_is_saved_and_loaded_as_torch_does():
+    # before: AttributeError: 'dict' object has no attribute 'detach' from full_state_dict and
+    # sharded_state_dict ('numel' at construction with init_sync on several ranks; a breaker's find)
+    from rtxnet.parallel import FSDPState
+
+    torch.manual_seed(0)
+    fsdp = FullyShardedDataParallel(_Calibrated(), _Pg(), init_sync=False)
+    fsdp(torch.randn(2, 3)).sum().backward()
+    full = fsdp.full_state_dict()
+    assert list(full) == list(_Calibrated().state_dict())
+    assert full["_extra_state"] == {"calib": 5}
+    sharded = fsdp.sharded_state_dict()
+    assert sharded["replicated"]["_extra_state"] == {"calib": 5}
+    FSDPState(fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.1)).layout_digest()
+    fsdp.module.calib = 7
+    fsdp.load_sharded_state_dicts([sharded])
+    assert fsdp.module.calib == 5
+    fsdp.load_full_state_dict({**full, "_extra_state": {"calib": 9}})
+    assert fsdp.module.calib == 9
