@@ -138,7 +138,11 @@ class DeviceMesh:
 
     def get_group(self, name: str) -> Any:
         """This rank's subgroup along dimension ``name`` (blocking or async, as ``pg`` is):
-        ``size(name)`` ranks, ordered by their coordinate in that dimension.
+        ``size(name)`` ranks, ordered by world rank (``new_group`` sorts them): by their
+        coordinate in that dimension when ``pg`` is the world or a subgroup whose ranks increase
+        with the world's (as ``split`` with the default key gives); on a subgroup ordered
+        otherwise (``split(color, key=-rank)``) a rank's place in it is ``get_group(name).rank``,
+        not its coordinate.
 
         Raises:
             ConfigError: no dimension ``name`` (names the known ones).
@@ -155,7 +159,8 @@ class DeviceMesh:
         return math.prod(self.shape) if name is None else self.shape[self._dim(name)]
 
     def get_local_rank(self, name: str) -> int:
-        """This rank's coordinate along ``name`` (its rank in ``get_group(name)``).
+        """This rank's coordinate along ``name``: its rank in ``get_group(name)`` unless ``pg``
+        is a subgroup whose ranks do not increase with the world's (see :meth:`get_group`).
 
         Raises:
             ConfigError: no dimension ``name``.
