@@ -142,8 +142,10 @@ _TRANSIENT = 3
 _TRANSIENT_UP_DTYPE = torch.int8
 _STALE_BASE = 1 << 31   # _agree's stale flag: (rank + 1) * _STALE_BASE + stage
 _MAX_MICRO = 1 << 20
-# An activation header: [dtype code, requires_grad, ndim, d0, ..., d7, schedule kind, M]
-_HEADER_LEN = 5 + MAX_NDIM
+# An activation header: [dtype code, requires_grad, ndim, d0, ..., d7, rows, schedule kind, M],
+# rows: the first stage's micro-batch's size (dimension 0 of its input), passed on by every stage
+# so that the last one checks its target's against it
+_HEADER_LEN = 6 + MAX_NDIM
 # Schedule kinds on the wire (PipelineSchedule._KIND): a stage checks its neighbour's
 _KIND_NAMES = {0: "a PipelineSchedule subclass", 1: "ScheduleGPipe", 2: "Schedule1F1B"}
 # Sent on a gradient's tag in place of the gradient: no gradient reached this micro-batch's input
@@ -235,7 +237,7 @@ class PipelineStage:
     # -- wire --------------------------------------------------------------------------------
 
     def _send_activation(self, y: torch.Tensor, step: int, m: int, timeout_s: float | None,
-                         plan: tuple[int, int]) -> None:
+                         plan: tuple[int, int], rows: int) -> None:
         if not isinstance(y, torch.Tensor):
             raise ConfigError(f"stage {self.stage_index} returned {type(y).__name__}; a pipeline "
                               "stage returns one tensor")
@@ -246,6 +248,7 @@ class PipelineStage:
         header = _header()
         header[0], header[1], header[2] = _CODE[y.dtype], int(y.requires_grad), y.dim()
         header[3:3 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        header[-3] = rows
         header[-2], header[-1] = plan
         dst = self.stage_index + 1
         kw = _kw(timeout_s)
@@ -299,10 +302,11 @@ class PipelineStage:
             log.warning("pipeline_abort_not_sent", stage=self.stage_index, to=dst, error=str(exc))
 
     def _recv_activation(self, step: int, m: int, timeout_s: float | None,
-                         plan: tuple[int, int]) -> torch.Tensor:
-        """Micro-batch ``m``'s activation from the previous stage. Raises ``ConfigError`` when
-        that stage runs another schedule or another number of micro-batches (``plan``: this
-        stage's ``(kind, M)``), or told that an earlier stage failed the step."""
+                         plan: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        """Micro-batch ``m``'s activation from the previous stage, and the size of the first
+        stage's micro-batch it came from. Raises ``ConfigError`` when that stage runs another
+        schedule or another number of micro-batches (``plan``: this stage's ``(kind, M)``), or
+        told that an earlier stage failed the step."""
         src = self.stage_index - 1
         kw = _kw(timeout_s)
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
@@ -336,7 +340,7 @@ class PipelineStage:
                               f"with the same n_microbatches")
         x = torch.empty(header[3:3 + ndim].tolist(), dtype=_DTYPES[code])
         self._pg.recv(x, src, _tag(step, m, _FWD_DATA), **kw)
-        return x.requires_grad_(bool(needs_grad))
+        return x.requires_grad_(bool(needs_grad)), int(header[-3])
 
     def _send_grad(self, g: torch.Tensor | None, step: int, m: int,
                    timeout_s: float | None) -> None:
@@ -471,7 +475,8 @@ class PipelineSchedule:
         Args:
             input: stage 0: the batch ``[B, ...]``, ``B > 0`` divisible by ``M``; ignored
                 elsewhere.
-            target: last stage: ``[B, ...]``, split like the input; ignored elsewhere.
+            target: last stage: ``[B, ...]`` (the input's ``B``), split like the input; ignored
+                elsewhere.
 
         Returns:
             On the last stage, the loss averaged over the micro-batches (a detached 0-d tensor);
@@ -482,7 +487,8 @@ class PipelineSchedule:
         Raises:
             ConfigError: a missing input (stage 0) or target (last stage), an empty batch
                 (``B == 0``; raised on the stage given it, the others told as for any refused
-                input), a batch not divisible by ``M`` (names both), stages running different
+                input), a batch not divisible by ``M`` (names both), a target whose batch size
+                is not the input's (on the last stage; names both), stages running different
                 schedule classes or ``n_microbatches`` (on every stage, at once; names each
                 stage's), a stage output that is not one tensor of a carried dtype,
                 a group whose size changed, a stage (this one or another) built before a
@@ -678,7 +684,17 @@ class PipelineSchedule:
 
     def _forward(self, m: int) -> None:
         st, kw = self.stage, self.timeout_s
-        x = self._xs[m] if st.is_first else st._recv_activation(self._step_no, m, kw, self._plan())
+        if st.is_first:
+            x, rows = self._xs[m], len(self._xs[m])
+        else:
+            x, rows = st._recv_activation(self._step_no, m, kw, self._plan())
+        if st.is_last and len(self._ts[m]) != rows:
+            # split by M like the input but of another batch size: the loss broadcast the two
+            # (mse_loss of [2, 3] against [1, 3]) and the step returned a wrong loss and
+            # gradients with torch's warning alone (a breaker's find)
+            raise ConfigError(f"target has {len(self._ts[m]) * self.n_microbatches} rows, the "
+                              f"input {rows * self.n_microbatches}: the last stage's target must "
+                              f"be [B, ...] with the first stage's batch size B")
         y = st.module(x)
         if st.is_last:
             if not isinstance(y, torch.Tensor):
@@ -694,7 +710,7 @@ class PipelineSchedule:
             self._losses.append(loss.detach())
             self._held[m] = (x, loss)
         else:
-            st._send_activation(y, self._step_no, m, kw, self._plan())
+            st._send_activation(y, self._step_no, m, kw, self._plan(), rows)
             self._held[m] = (x, y)
         self.peak_in_flight = max(self.peak_in_flight, len(self._held))
         self.trace.append(f"F{m}")

@@ -496,6 +496,14 @@ def run_pp(pg, pair, out: Path, launch_rank: int, whole: dict) -> None:
     per_element = functools.partial(torch.nn.functional.mse_loss, reduction="none")
     res["abort_loss_shape"] = error_of(lambda: ScheduleGPipe(st4, 4, per_element, timeout_s=20).step(
         xt if st4.is_first else None, torch.zeros(12, P_C) if st4.is_last else None))
+    # A target of another batch size than the input's, divisible by M: mse_loss broadcast each
+    # micro-batch's [3, C] output against its [1, C] target, and the step returned a wrong loss
+    # and gradients with torch's warning alone; refused on the last stage, naming both sizes
+    t0 = time.monotonic()
+    res["abort_target_rows"] = {"error": error_of(lambda: ScheduleGPipe(
+        st4, 4, torch.nn.functional.mse_loss, timeout_s=20).step(
+        xt if st4.is_first else None, torch.zeros(4, P_C) if st4.is_last else None)),
+        "seconds": time.monotonic() - t0}
 
     # Stage 1's module raises on its second micro-batch (a user bug): every stage fails at once,
     # both directions, then the next step runs and matches one process.

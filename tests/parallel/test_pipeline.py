@@ -75,6 +75,17 @@ def test_bad_arguments_are_refused_naming_the_values(pp):
     assert pp[3]["errors"]["target"] == "ConfigError: target batch(10) is not divisible by n_microbatches(4)"
 
 
+def test_a_target_of_another_batch_size_than_the_input_is_refused_on_every_stage(pp):
+    # before: the loss broadcast [3, C] outputs against [1, C] targets, the step "succeeded"
+    # with a wrong loss and gradients (a breaker's find)
+    assert pp[3]["abort_target_rows"]["error"] == (
+        "ConfigError: target has 4 rows, the input 12: the last stage's target must be [B, ...] "
+        "with the first stage's batch size B"), pp[3]["abort_target_rows"]
+    for r in pp[:3]:
+        assert r["abort_target_rows"]["error"].startswith("ConfigError: "), r["abort_target_rows"]
+    assert all(r["abort_target_rows"]["seconds"] < 10 for r in pp), [r["abort_target_rows"] for r in pp]
+
+
 def test_a_silent_peer_times_out_within_the_deadline(pp):
     for rank, r in enumerate(pp):
         t = r["timeout"]
