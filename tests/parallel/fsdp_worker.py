@@ -23,6 +23,7 @@ Scenarios (basic):
                 a world of 2 (load_all, load_sharded_state_dicts, reshard_optimizer_state_dict), and
                 trained on: still one process's parameters.
     errors      bad arguments: ConfigError naming the value.
+    extra_state a module with extra state (get_extra_state) built with init_sync, saved, loaded.
     checkpointed  activation checkpointing of every unit, and of layers of the root unit, with
                 use_reentrant True and False, against one process; a block's weight read outside the block's forward: ConfigError naming it.
 Scenario (fault):
@@ -448,6 +449,43 @@ def errors(pg):
     return res
 
 
+class Calibrated(torch.nn.Module):
+    """A layer with extra state (``get_extra_state``: a dict, not a tensor), as quantized and
+    TransformerEngine layers keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(D_IN, 5)
+        self.calib = 5
+
+    def get_extra_state(self):
+        return {"calib": self.calib}
+
+    def set_extra_state(self, state):
+        self.calib = state["calib"]
+
+    def forward(self, x):
+        return self.l(x) * self.calib
+
+
+def extra_state(pg):
+    """FSDP, with init_sync, of a module with extra state: built, trained a step, saved and
+    loaded (before: AttributeError, 'dict' object has no attribute 'numel', at construction on
+    several ranks; 'detach' from the state dicts: a breaker's find)."""
+    try:
+        fsdp = FullyShardedDataParallel(Calibrated(), pg)
+        every = fsdp.built_sharded_state_dicts()   # every rank's sharded_state_dict, as built
+        x, _ = data(6, seed=3)
+        fsdp(x).sum().backward()
+        full = fsdp.full_state_dict(rank0_only=False)
+        fsdp.module.calib = 7
+        fsdp.load_sharded_state_dicts(every)
+        return {"extra_full": full["_extra_state"], "extra_loaded": fsdp.module.calib,
+                "extra_sharded": every[0]["replicated"]["_extra_state"]}
+    except Exception as exc:   # noqa: BLE001 - recorded for the test's message
+        return {"extra_full": f"{type(exc).__name__}: {exc}", "extra_loaded": None}
+
+
 def fault(pg, steps=4, B=12):
     """The last rank dies as step 2's backward starts; survivors reload the full state and go on."""
     r0, W0 = pg.rank, pg.world_size
@@ -510,7 +548,7 @@ def main() -> int:
     for name, fn in (("avg_sgd", avg_sgd), ("sum_adam", sum_adam), ("size_adam", size_adam),
                      ("state", lambda pg: state(pg, out)),
                      ("resharded", lambda pg: resharded(pg, out)), ("errors", errors),
-                     ("checkpointed", checkpointed)):
+                     ("checkpointed", checkpointed), ("extra_state", extra_state)):
         t0 = time.perf_counter()
         res.update(fn(pg))
         took[name] = round(time.perf_counter() - t0, 3)

@@ -141,6 +141,14 @@ def test_activation_checkpointing_matches_one_process_and_a_weight_read_outside_
         assert "ranks disagree on label" in r["routed"], r
 
 
+def test_a_module_with_extra_state_is_built_saved_and_loaded_on_every_rank(basic):
+    # before: AttributeError at construction (init_sync broadcast the extra state's dict as a
+    # tensor) and from the state dicts (a breaker's find)
+    for r in basic:
+        assert r["extra_full"] == {"calib": 5}, r["extra_full"]
+        assert r["extra_sharded"] == {"calib": 5} and r["extra_loaded"] == 5, r
+
+
 def test_survivors_of_a_failed_backward_reload_and_match_one_process(runs):
     res = runs["fault"]
     assert len(res) == 2
