@@ -433,7 +433,8 @@ class PipelineSchedule:
             once (``M`` for GPipe, ``min(S - s, M)`` for 1F1B).
         last_output: on the last stage after a step, its outputs of every micro-batch concatenated
             along dimension 0, detached (``[B, ...]``; ``[M]`` when it returns a 0-d tensor per
-            micro-batch, its own loss); None elsewhere.
+            micro-batch, its own loss; the list of the ``M`` outputs when their dimensions
+            after the first differ); None elsewhere.
 
     Every stage of a pipeline must run the same schedule class with the same ``n_microbatches``;
     a step whose stages differ is refused on every stage (see :meth:`step`).
@@ -590,8 +591,12 @@ class PipelineSchedule:
             self.last_output = None
             return None
         # a 0-d output (a last stage computing its own loss) is one element per micro-batch: it
-        # failed torch.cat on this stage alone, after every stage had finished the step
-        self.last_output = torch.cat([o.reshape(1) if o.dim() == 0 else o for o in self._outputs])
+        # failed torch.cat on this stage alone, after every stage had finished the step; so did
+        # outputs whose other dimensions differ (sequences of another length per micro-batch):
+        # kept as the list of them
+        outs = [o.reshape(1) if o.dim() == 0 else o for o in self._outputs]
+        same = len({o.shape[1:] for o in outs}) == 1
+        self.last_output = torch.cat(outs) if same else outs
         self._outputs = []
         return torch.stack(self._losses).sum()
 

@@ -48,3 +48,26 @@ def test_a_last_stage_returning_a_scalar_per_micro_batch_matches_one_process(sch
     assert torch.allclose(mod.l.weight.grad, ref.l.weight.grad)
     assert sched.last_output.shape == (3,)    # one 0-d output per micro-batch
     assert torch.allclose(sched.last_output, torch.stack([ref(c) for c in x.split(2)]).detach())
+
+
+class _Ragged(torch.nn.Module):
+    """Returns each micro-batch's rows up to its largest index: another width each time."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.l(x)
+        return y[:, : 1 + int(x.abs().argmax()) % 3]
+
+
+def test_outputs_of_other_widths_per_micro_batch_are_kept_as_a_list():
+    # before: torch.cat's "Sizes of tensors must match" on the last stage alone, after every
+    # stage had finished the step (a breaker's find, from reading)
+    torch.manual_seed(0)
+    mod = _Ragged()
+    x = torch.tensor([[1.0, 0, 0], [0, 0, 0], [0, 2.0, 0], [0, 0, 0]])
+    sched = ScheduleGPipe(PipelineStage(mod, _Pg()), 2, lambda y, t: y.sum())
+    sched.step(x, torch.zeros(4))
+    assert [tuple(o.shape) for o in sched.last_output] == [(2, 1), (2, 2)]
