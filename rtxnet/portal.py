@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 import numbers
 import os
@@ -113,6 +114,20 @@ class Work:
                                f"on (until its own deadline): wait again, or poll is_completed()") from None
 
 
+STOP_DRAIN_S = 1.0   # how long Portal.stop waits for the tasks it cancels to end
+
+
+async def _cancel_pending() -> None:
+    """Cancel the loop's tasks but this one and wait up to ``STOP_DRAIN_S`` for them to end (one
+    cancelled already is not cancelled again: that would interrupt its cleanup)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        if not t.cancelling():
+            t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=STOP_DRAIN_S)
+
+
 class Portal:
     """An event loop running in a daemon thread."""
 
@@ -173,6 +188,13 @@ class Portal:
         self._stopped = True
         if self.loop.is_closed() or os.getpid() != self._pid:
             return
+        if threading.current_thread() is not self.thread:
+            # a coroutine cancelled just before (Ctrl-C during init's rendezvous: wait_for cancels
+            # it) ends its cancellation first; stopped half-way, its tasks were destroyed pending
+            # and each rank printed "Task was destroyed but it is pending!" 4 times after its
+            # KeyboardInterrupt traceback (a tester's find)
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_pending(), self.loop).result(STOP_DRAIN_S + 1)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
