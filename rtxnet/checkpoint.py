@@ -346,6 +346,15 @@ def _shown_error(err: BaseException, path: Path) -> str:
     text = f"{type(err).__name__}: {err}"
     if isinstance(err, OSError) and not err.filename:
         text += f" (writing {path})"
+    elif isinstance(err, FileExistsError):
+        # mkdir of the root or step folder: "File exists" named a path that is no folder (a
+        # dangling symbolic link, a file), the save wanting one there (a tester's find)
+        there = Path(os.fsdecode(err.filename))
+        if there.is_symlink() and not there.exists():
+            text += (f" (a symbolic link to {os.readlink(there)!r}, which does not exist: make "
+                     f"its target, or give another folder)")
+        elif there.exists() and not there.is_dir():
+            text += " (a file, where the checkpoint needs a folder)"
     return text
 
 

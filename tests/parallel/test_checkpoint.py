@@ -285,6 +285,18 @@ def _single(tmp_path, steps=(1, 2)):
         checkpoint.save(tmp_path, s, {"w": torch.full((64,), float(s)), "step": s})
 
 
+def test_a_save_into_a_dangling_symlink_or_onto_a_file_says_what_is_there(tmp_path):
+    # "FileExistsError: [Errno 17] File exists: '.../ck'" named a path whose target did not exist,
+    # or a file where the step folder goes, without saying so (a tester's find)
+    (tmp_path / "ck").symlink_to(tmp_path / "gone")
+    with pytest.raises(CheckpointError, match=r"a symbolic link to .*gone.*, which does not exist"):
+        checkpoint.save(tmp_path / "ck", 1, {"w": torch.zeros(2)})
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "step-3").write_text("x")
+    with pytest.raises(CheckpointError, match=r"step-3'? \(a file, where the checkpoint needs a folder\)"):
+        checkpoint.save(tmp_path / "r", 3, {"w": torch.zeros(2)})
+
+
 def test_corrupt_shard_is_refused_naming_the_file(tmp_path):
     _single(tmp_path)
     shard = tmp_path / "step-2" / "rank-0.pt"
