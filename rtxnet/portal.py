@@ -188,7 +188,7 @@ class Portal:
         self._stopped = True
         if self.loop.is_closed() or os.getpid() != self._pid:
             return
-        if threading.current_thread() is not self.thread:
+        if threading.current_thread() is not self.thread and self.thread.is_alive():
             # a coroutine cancelled just before (Ctrl-C during init's rendezvous: wait_for cancels
             # it) ends its cancellation first; stopped half-way, its tasks were destroyed pending
             # and each rank printed "Task was destroyed but it is pending!" 4 times after its
