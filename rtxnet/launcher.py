@@ -535,6 +535,9 @@ class Launcher:
         self._answered_at = -math.inf    # when the coordinator last answered a status request
         self.tmp_journal: str | None = None
         self.first_failure: tuple[float, int] | None = None
+        # a rank SIGKILLed after a forwarded signal (it ignored it past --grace, or a second
+        # signal came): the run's exit code is 137 then, whichever rank ended first
+        self.killed_after_signal = False
         self.error_dir: str | None = None        # the ranks' error files (rtxnet.errorfile)
         self._claimed: str | None = None          # the job id this launcher claimed (_probe)
         self._bounds: tuple[int, int] | None = None  # the (min_ranks, max_ranks) it claimed for
@@ -937,6 +940,7 @@ class Launcher:
                     _say(f"rank {slot.rank} (pid {slot.proc.pid}) still running {self.args.grace:g} s "
                          "after the signal: killing it")
                 _kill(slot.proc)
+                self.killed_after_signal = True
 
     async def _probe(self, job: str | None) -> None:
         """_probe_coordinator with what this launch's ranks will ask for, then claim this node
@@ -1203,6 +1207,10 @@ class Launcher:
                 _say(f"stopped by {self.stop_signal} before {_ranks(unstarted)} started; exit "
                      f"code {self.first_failure[1]}")
             else:
+                if self.killed_after_signal and any(s.returncode == 137 for s in self.slots):
+                    # a rank that ended by the signal first (143) hid one that ignored it and
+                    # was killed (a fresh user's find: README promises 137 then)
+                    self.first_failure = (time.monotonic(), 128 + signal.SIGKILL.value)
                 _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
                      f"{self.first_failure[1] if self.first_failure else 0}")
         elif self.first_failure is not None:
