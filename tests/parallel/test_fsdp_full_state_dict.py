@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rtxnet.parallel import FullyShardedDataParallel
+from tests.parallel.fsdp_worker import D_IN, Calibrated
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -47,35 +48,16 @@ def test_a_tied_weight_given_under_its_second_name_alone_is_loaded_as_torch_does
         fsdp.load_full_state_dict(new)    # strict: the other name is missing, as torch says
 
 
-class _Calibrated(torch.nn.Module):
-    """A module with extra state (``get_extra_state``: a dict, not a tensor), as quantization
-    and TransformerEngine modules keep."""
-
-    def __init__(self):
-        super().__init__()
-        self.l = torch.nn.Linear(3, 3)
-        self.calib = 5
-
-    def get_extra_state(self):
-        return {"calib": self.calib}
-
-    def set_extra_state(self, state):
-        self.calib = state["calib"]
-
-    def forward(self, x):
-        return self.l(x) * self.calib
-
-
 def test_a_module_with_extra_state_is_saved_and_loaded_as_torch_does():
     # before: AttributeError: 'dict' object has no attribute 'detach' from full_state_dict and
     # sharded_state_dict ('numel' at construction with init_sync on several ranks; a breaker's find)
     from rtxnet.parallel import FSDPState
 
     torch.manual_seed(0)
-    fsdp = FullyShardedDataParallel(_Calibrated(), _Pg(), init_sync=False)
-    fsdp(torch.randn(2, 3)).sum().backward()
+    fsdp = FullyShardedDataParallel(Calibrated(), _Pg(), init_sync=False)
+    fsdp(torch.randn(2, D_IN)).sum().backward()
     full = fsdp.full_state_dict()
-    assert list(full) == list(_Calibrated().state_dict())
+    assert list(full) == list(Calibrated().state_dict())
     assert full["_extra_state"] == {"calib": 5}
     sharded = fsdp.sharded_state_dict()
     assert sharded["replicated"]["_extra_state"] == {"calib": 5}
