@@ -166,6 +166,16 @@ def _tag(step: int, micro: int, kind: int) -> int:
     return ((step % (1 << 36)) * _MAX_MICRO + micro) * 4 + kind
 
 
+def _flat_rows(y: torch.Tensor) -> set[int]:
+    """The row counts of ``y`` with its leading dimensions flattened: ``{b, b*T, b*T*V}`` for
+    ``[b, T, V]`` (none for a 0-d ``y``)."""
+    rows, n = set(), 1
+    for d in y.shape:
+        n *= d
+        rows.add(n)
+    return rows
+
+
 class PipelineStage:
     """This rank's part of a model cut into ``S`` consecutive stages; stage ``s`` = rank ``s`` of
     ``pg``.
@@ -693,18 +703,22 @@ class PipelineSchedule:
             x, rows = self._xs[m], len(self._xs[m])
         else:
             x, rows = st._recv_activation(self._step_no, m, kw, self._plan())
-        if st.is_last and len(self._ts[m]) != rows:
-            # split by M like the input but of another batch size: the loss broadcast the two
-            # (mse_loss of [2, 3] against [1, 3]) and the step returned a wrong loss and
-            # gradients with torch's warning alone (a breaker's find)
-            raise ConfigError(f"target has {len(self._ts[m]) * self.n_microbatches} rows, the "
-                              f"input {rows * self.n_microbatches}: the last stage's target must "
-                              f"be [B, ...] with the first stage's batch size B")
         y = st.module(x)
         if st.is_last:
             if not isinstance(y, torch.Tensor):
                 raise ConfigError(f"stage {st.stage_index} returned {type(y).__name__}; a "
                                   "pipeline stage returns one tensor")
+            t_rows = len(self._ts[m])
+            if t_rows != rows and t_rows not in _flat_rows(y):
+                # split by M like the input but of another batch size: the loss broadcast the
+                # two (mse_loss of [2, 3] against [1, 3]) and the step returned a wrong loss and
+                # gradients with torch's warning alone (a breaker's find); a target with the
+                # output's rows flattened ([b*T] for a [b*T, V] or [b, T, V] output of a [b, T]
+                # input, as cross_entropy takes it) is split right and was trained before
+                raise ConfigError(f"target has {t_rows * self.n_microbatches} rows, the input "
+                                  f"{rows * self.n_microbatches}: the last stage's target must "
+                                  f"be [B, ...] with the first stage's batch size B, or have "
+                                  f"as many rows as its output's leading dimensions flattened")
             self._outputs.append(y.detach())
             loss = self.loss_fn(y, self._ts[m])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

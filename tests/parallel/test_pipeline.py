@@ -80,7 +80,8 @@ def test_a_target_of_another_batch_size_than_the_input_is_refused_on_every_stage
     # with a wrong loss and gradients (a breaker's find)
     assert pp[3]["abort_target_rows"]["error"] == (
         "ConfigError: target has 4 rows, the input 12: the last stage's target must be [B, ...] "
-        "with the first stage's batch size B"), pp[3]["abort_target_rows"]
+        "with the first stage's batch size B, or have as many rows as its output's leading "
+        "dimensions flattened"), pp[3]["abort_target_rows"]
     for r in pp[:3]:
         assert r["abort_target_rows"]["error"].startswith("ConfigError: "), r["abort_target_rows"]
     assert all(r["abort_target_rows"]["seconds"] < 10 for r in pp), [r["abort_target_rows"] for r in pp]

@@ -71,3 +71,37 @@ def test_outputs_of_other_widths_per_micro_batch_are_kept_as_a_list():
     sched = ScheduleGPipe(PipelineStage(mod, _Pg()), 2, lambda y, t: y.sum())
     sched.step(x, torch.zeros(4))
     assert [tuple(o.shape) for o in sched.last_output] == [(2, 1), (2, 2)]
+
+
+class _LM(torch.nn.Module):
+    """[b, T] token ids -> [b*T, V] logits, flattened for cross_entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(11, 4)
+        self.h = torch.nn.Linear(4, 11)
+
+    def forward(self, x):
+        return self.h(self.e(x)).reshape(-1, 11)
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_a_target_flattened_like_the_output_matches_one_process(schedule):
+    # a [B*T] target for [b*T, V] outputs of a [B, T] input is split right by M: refused since
+    # the target's batch size had to be the input's ("target has 20 rows, the input 4")
+    torch.manual_seed(0)
+    mod, ref = _LM(), _LM()
+    ref.load_state_dict(mod.state_dict())
+    x, t = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (20,))
+    ce = torch.nn.functional.cross_entropy
+    loss = schedule(PipelineStage(mod, _Pg()), 2, ce).step(x, t)
+    want = sum(ce(ref(xc), tc) for xc, tc in zip(x.split(2), t.split(10), strict=True)) / 2
+    want.backward()
+    assert torch.allclose(loss, want.detach())
+    assert torch.allclose(mod.h.weight.grad, ref.h.weight.grad)
+
+
+def test_a_target_of_neither_the_inputs_nor_the_outputs_rows_is_refused():
+    stage = PipelineStage(torch.nn.Linear(3, 3), _Pg())
+    with pytest.raises(Exception, match="target has 2 rows, the input 6"):
+        ScheduleGPipe(stage, 2, torch.nn.functional.mse_loss).step(torch.randn(6, 3), torch.zeros(2, 3))
