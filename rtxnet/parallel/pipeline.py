@@ -486,8 +486,10 @@ class PipelineSchedule:
         Args:
             input: stage 0: the batch ``[B, ...]``, ``B > 0`` divisible by ``M``; ignored
                 elsewhere.
-            target: last stage: ``[B, ...]`` (the input's ``B``), split like the input; ignored
-                elsewhere.
+            target: last stage: ``[B, ...]`` (the input's ``B``), or with as many rows as the
+                output's leading dimensions flattened (``[B*T]`` for ``[b*T, V]`` logits of a
+                ``[B, T]`` input, as ``cross_entropy`` takes it); split like the input into
+                ``M``; ignored elsewhere.
 
         Returns:
             On the last stage, the loss averaged over the micro-batches (a detached 0-d tensor);
@@ -498,8 +500,8 @@ class PipelineSchedule:
         Raises:
             ConfigError: a missing input (stage 0) or target (last stage), an empty batch
                 (``B == 0``; raised on the stage given it, the others told as for any refused
-                input), a batch not divisible by ``M`` (names both), a target whose batch size
-                is not the input's (on the last stage; names both), stages running different
+                input), a batch not divisible by ``M`` (names both), a target of neither the
+                input's batch size nor the output's rows (on the last stage; names both), stages running different
                 schedule classes or ``n_microbatches`` (on every stage, at once; names each
                 stage's), a stage output that is not one tensor of a carried dtype,
                 a group whose size changed, a stage (this one or another) built before a
