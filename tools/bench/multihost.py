@@ -271,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.iters < 1:
         ap.error(f"--iters must be >= 1, got {args.iters}")
+    # each row moves nbytes // itemsize elements (all_gather, reduce_scatter: 4 equal parts of
+    # them), while algbw and the bound count nbytes: 0B ran empty arrays and 1000B an all_gather of
+    # 992 B, reported as 1000 (a tester's find)
+    itemsize = 4 if args.dtype == "float32" else 2
+    unit = itemsize * (1 if args.op == "all_reduce" else 4)
+    for nbytes in args.sizes:
+        if nbytes == 0 or nbytes % unit:
+            ap.error(f"argument --sizes: {nbytes} B is not a positive multiple of {unit} B "
+                     + (f"(one {args.dtype} element)" if args.op == "all_reduce" else
+                        f"(4 ranks' parts of whole {args.dtype} elements)"))
     if args.rank_side:
         return rank_main(args.op, args.sizes, args.out, args.iters, args.dtype)
     import netns
