@@ -63,6 +63,21 @@ def test_collectives_table_keeps_wide_values_apart(capsys):
     assert len(head) == len(rule) == len(row) and row.endswith(" 123456.000")
 
 
+@pytest.mark.timeout(60)
+def test_multihost_table_names_sizes_under_a_mib_and_between_units(capsys):
+    # Before: the size column was nbytes >> 20 MiB, so 1 KiB read "0MiB" and 1.5 MiB "1MiB".
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multihost", ROOT / "tools" / "bench" / "multihost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = {"algorithm": "ring", "ran": "ring", "time_s": 1e-3, "algbw_gbps": 1.0, "busbw_gbps": 1.5,
+           "bound_s": 1e-3, "frac_of_bound": 1.0, "ok": True}
+    mod.print_table([{**row, "nbytes": n} for n in (1 << 10, 3 << 19, 64 << 20, 1000)])
+    sizes = [line.split()[2] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert sizes == ["1KiB", "1536KiB", "64MiB", "1000B"], sizes
+
+
 def test_collectives_bench_refuses_an_algorithm_an_op_does_not_have(tmp_path):
     proc = subprocess.run([sys.executable, "tools/bench/collectives.py", "--algorithm", "recursive_doubling",
                            "--ops", "all_gather"], capture_output=True, text=True, timeout=60, cwd=ROOT,

@@ -249,6 +249,24 @@ def tc_rate(text: str) -> str:
     return text.strip().lower()
 
 
+def fmt_size(nbytes: int) -> str:
+    """``64MiB``, ``1536KiB``, ``1000B``: the largest unit that divides it."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
+            return f"{nbytes // _UNITS[unit]}{unit}"
+    return f"{nbytes}B"
+
+
+def print_table(rows: list[dict]) -> None:
+    # (the size was ``nbytes >> 20`` MiB: 1KiB printed as 0MiB, 1.5 MiB as 1MiB: a tester's find)
+    print(f"{'algorithm':>13} {'ran':>13} {'size':>9} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+          f"{'bound ms':>9} {'of bound':>9} {'ok':>4}")
+    for r in rows:
+        print(f"{r['algorithm']:>13} {r['ran']:>13} {fmt_size(r['nbytes']):>9} {r['time_s'] * 1e3:9.1f} "
+              f"{r['algbw_gbps']:11.3f} {r['busbw_gbps']:11.3f} {r['bound_s'] * 1e3:9.1f} "
+              f"{r['frac_of_bound']:9.2f} {'yes' if r['ok'] else 'NO':>4}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--op", choices=sorted(ALGORITHMS), default="all_reduce",
@@ -292,12 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.op} {args.dtype}, 2 hosts x 2 ranks, link {args.rate} each way: measured {res['link_gbps']:.3f} GB/s "
           f"(one TCP stream)")
-    print(f"{'algorithm':>13} {'ran':>13} {'size':>8} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
-          f"{'bound ms':>9} {'of bound':>9} {'ok':>4}")
-    for r in res["rows"]:
-        print(f"{r['algorithm']:>13} {r['ran']:>13} {r['nbytes'] >> 20:>5}MiB {r['time_s'] * 1e3:9.1f} "
-              f"{r['algbw_gbps']:11.3f} {r['busbw_gbps']:11.3f} {r['bound_s'] * 1e3:9.1f} "
-              f"{r['frac_of_bound']:9.2f} {'yes' if r['ok'] else 'NO':>4}")
+    print_table(res["rows"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
