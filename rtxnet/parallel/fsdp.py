@@ -899,8 +899,10 @@ class FullyShardedDataParallel(torch.nn.Module):
             self.reset()
         for g in self._groups:
             # a tied parameter under any of its names (a checkpoint may keep one; the first
-            # registered alone was read before, and strict=False kept the old values silently)
-            given = [next((state_dict[f] for f in s.fqns if f in state_dict), None) for s in g.slots]
+            # registered alone was read before, and strict=False kept the old values silently);
+            # under several, the last registered, as torch copies each in turn into the one tensor
+            given = [next((state_dict[f] for f in reversed(s.fqns) if f in state_dict), None)
+                     for s in g.slots]
             missing = [s for s, v in zip(g.slots, given, strict=True) if v is None]
             if missing and relayout:
                 raise ConfigError(f"load_full_state_dict: the shards must be laid out for "

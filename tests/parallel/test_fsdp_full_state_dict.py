@@ -48,6 +48,17 @@ def test_a_tied_weight_given_under_its_second_name_alone_is_loaded_as_torch_does
         fsdp.load_full_state_dict(new)    # strict: the other name is missing, as torch says
 
 
+def test_a_tied_weight_given_under_both_names_takes_the_last_as_torch_does():
+    # torch copies emb.weight, then head.weight, into the one tensor: the second name's values
+    # stand; FSDP read the first name's alone
+    ref = _Tied()
+    fsdp = FullyShardedDataParallel(_Tied(), _Pg(), init_sync=False)
+    both = {"emb.weight": torch.full((5, 3), 1.0), "head.weight": torch.full((5, 3), 2.0)}
+    ref.load_state_dict(both)
+    fsdp.load_full_state_dict(both)
+    assert torch.equal(fsdp.full_state_dict()["emb.weight"], ref.emb.weight.detach())
+
+
 def test_a_module_with_extra_state_is_saved_and_loaded_as_torch_does():
     # before: AttributeError: 'dict' object has no attribute 'detach' from full_state_dict and
     # sharded_state_dict ('numel' at construction with init_sync on several ranks; a breaker's find)
