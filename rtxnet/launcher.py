@@ -1207,9 +1207,12 @@ class Launcher:
                 _say(f"stopped by {self.stop_signal} before {_ranks(unstarted)} started; exit "
                      f"code {self.first_failure[1]}")
             else:
-                if self.killed_after_signal and any(s.returncode == 137 for s in self.slots):
+                if (self.killed_after_signal and any(s.returncode == 137 for s in self.slots)
+                        and self.first_failure is not None
+                        and self.first_failure[0] >= self._stop_signal_at):
                     # a rank that ended by the signal first (143) hid one that ignored it and
-                    # was killed (a fresh user's find: README promises 137 then)
+                    # was killed (a fresh user's find: README promises 137 then); a rank that
+                    # failed before the signal stays the first failing one (its code stands)
                     self.first_failure = (time.monotonic(), 128 + signal.SIGKILL.value)
                 _say(f"stopped by {self.stop_signal}, forwarded to the ranks; exit code "
                      f"{self.first_failure[1] if self.first_failure else 0}")

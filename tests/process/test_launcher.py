@@ -657,6 +657,46 @@ def test_one_rank_ignoring_sigterm_past_the_grace_makes_the_exit_code_137(tmp_pa
     assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM, forwarded to the ranks; exit code 137"), err
 
 
+
+def test_a_rank_failing_before_the_signal_keeps_its_exit_code_though_another_was_killed(tmp_path):
+    # rank 0 fails (exit 3) before the SIGTERM; rank 1 ignores the signal and is killed after
+    # --grace: the first failing rank's 3 stands (README), not the killed rank's 137
+    script = tmp_path / "fail_then_stubborn.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        mark = {str(tmp_path / "rank0.pid")!r}
+        if os.environ["RANK"] == "0":
+            open(mark, "w").write(str(os.getpid()))
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while not os.path.exists(mark) or not open(mark).read():
+            time.sleep(0.05)
+        pid = int(open(mark).read())
+        while True:   # until rtxnet-run has reaped rank 0
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        print("ready", flush=True)
+        time.sleep(120)
+    """))
+    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1",
+                          "--grace", "1", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=procs.env(), cwd=ROOT)
+    try:
+        _read_until(p, "ready", 1, time.monotonic() + 30)
+        os.kill(p.pid, signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    assert "rank 0 exited with code 3" in err, err[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) still running 1 s after the signal: killing it", err), err[-3000:]
+    assert p.returncode == 3, err[-3000:]
+
 def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path):
     script = tmp_path / "stubborn.py"
     script.write_text(textwrap.dedent("""
