@@ -210,6 +210,11 @@ def _check_root(root: Any, fn: str, what: str = "root") -> None:
     if empty:
         raise ConfigError(f"checkpoint.{fn}: {what} {root!r} is empty: give the checkpoint folder "
                           f"('.' for the current one)")
+    try:
+        Path(os.fsdecode(root)).resolve()
+    except (RuntimeError, OSError) as exc:   # a symbolic link loop (raw RuntimeError: a tester's find)
+        raise ConfigError(f"checkpoint.{fn}: {what} {os.fsdecode(root)!r} cannot be resolved ({exc}): a "
+                          f"symbolic link that leads back to itself?") from None
 
 
 def _check_pg(pg: Any, fn: str, *, required: bool = False) -> None:
@@ -355,6 +360,12 @@ def _shown_error(err: BaseException, path: Path) -> str:
                      f"its target, or give another folder)")
         elif there.exists() and not there.is_dir():
             text += " (a file, where the checkpoint needs a folder)"
+    elif isinstance(err, NotADirectoryError) and err.filename:
+        # a folder of the path is a file (the root given was one): say which
+        there = Path(os.fsdecode(err.filename))
+        file = next((p for p in (there, *there.parents) if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            text += f" ({file} is a file, where the checkpoint needs a folder)"
     return text
 
 

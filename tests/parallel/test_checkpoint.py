@@ -295,6 +295,16 @@ def test_a_save_into_a_dangling_symlink_or_onto_a_file_says_what_is_there(tmp_pa
     (tmp_path / "r" / "step-3").write_text("x")
     with pytest.raises(CheckpointError, match=r"step-3'? \(a file, where the checkpoint needs a folder\)"):
         checkpoint.save(tmp_path / "r", 3, {"w": torch.zeros(2)})
+    # the root itself a file: NotADirectoryError for root/step-1, now naming the file; a root
+    # that is a symbolic link loop: a raw RuntimeError from Path.resolve (a re-verifier's finds)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match=r"\(.*afile is a file, where the checkpoint needs a folder\)"):
+        checkpoint.save(tmp_path / "afile", 1, {"w": torch.zeros(2)})
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for fn in (lambda: checkpoint.save(tmp_path / "loop", 1, {"w": torch.zeros(2)}),
+               lambda: checkpoint.load(tmp_path / "loop")):
+        with pytest.raises(ConfigError, match=r"loop'? cannot be resolved .*leads back to itself"):
+            fn()
 
 
 def test_corrupt_shard_is_refused_naming_the_file(tmp_path):
