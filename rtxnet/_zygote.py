@@ -355,6 +355,16 @@ class PooledProcess:
 
 READY_S = 120.0   # the server's imports, at most (torch takes seconds; on loaded cores, tens)
 ANSWER_S = 30.0   # its answer to a spawn request, at most
+STOPPED_LOOK_S = 0.5   # while it is awaited, how often rtxnet-run looks whether the server is stopped
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``T``, or ``t`` under a tracer) per ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 PR_SET_CHILD_SUBREAPER = 36   # <linux/prctl.h>, Linux 3.4
 
 
@@ -625,12 +635,11 @@ class ForkServer:
         # child), whatever becomes of the server meanwhile; "E ..." is a fork that failed; the
         # end of the pipe without either, a server or rank that died first
         try:
-            said = await _line_from(hello_r, ANSWER_S)
-        except TimeoutError:
+            said = await self._answer(hello_r)
+        except TimeoutError as e:
             said = _line_now(hello_r)   # (a last look: the rank may have said it just now)
             if not said.startswith("P"):
-                self._lost(f"did not answer a request to start a rank within {ANSWER_S:g} s (stopped, "
-                           f"or hung)")
+                self._lost(str(e))
                 self._kill()
         finally:
             os.close(hello_r)   # (a rank that says its pid after this ends by itself)
@@ -645,6 +654,32 @@ class ForkServer:
         child._pipes = [_Pipe(out_r), _Pipe(err_r)]
         child.stdout, child.stderr = (t.reader for t in child._pipes)
         return child
+
+    async def _answer(self, hello_r: int) -> str:
+        """The first line on ``hello_r`` (see :meth:`_fork`), looking every ``STOPPED_LOOK_S``
+        whether the server is stopped (SIGSTOP): one stopped at two looks in a row is given up
+        on then, not after ``ANSWER_S`` (a restart waiting that long outlived the others' rejoin
+        window, and the job lost its steps).
+
+        Raises:
+            TimeoutError: no line, the server stopped or ``ANSWER_S`` passed (the text says which)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ANSWER_S
+        stopped = 0
+        while True:
+            try:
+                return await _line_from(hello_r, min(STOPPED_LOOK_S, max(0.0, deadline - loop.time())))
+            except TimeoutError:
+                pass
+            stopped = stopped + 1 if self.proc is not None and _is_stopped(self.proc.pid) else 0
+            if stopped >= 2:
+                raise TimeoutError(f"is stopped (SIGSTOP?): it did not answer a request to start a rank "
+                                   f"within {STOPPED_LOOK_S * stopped:g} s")
+            if loop.time() >= deadline:
+                raise TimeoutError(f"did not answer a request to start a rank within {ANSWER_S:g} s "
+                                   f"(stopped, or hung)")
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:

@@ -378,6 +378,41 @@ def test_a_stopped_fork_server_does_not_hang_rtxnet_run(tmp_path):
     assert "exited with code" not in err, err[-3000:]   # (each rank's own exit 0, not a guess)
 
 
+CRASHER = textwrap.dedent("""
+    import os, sys, time
+    import numpy
+    print("up", os.getpid(), flush=True)
+    if os.environ["RANK"] == "1" and os.environ["RTXNET_RESTART_COUNT"] == "0":
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.05)
+        sys.exit(1)   # a crash: rtxnet-run restarts the rank
+    print("running", os.environ["RANK"], os.environ["RTXNET_RESTART_COUNT"], flush=True)
+""")
+
+
+def test_a_rank_restarted_while_the_fork_server_is_stopped_starts_without_waiting_30_s(tmp_path):
+    # A soak tester's find: a rank crashed while the server was SIGSTOPped; its restart waited
+    # the server's 30 s answer timeout, past ft_workload's rejoin window (30 s), so the
+    # survivors failed too and the job lost every committed step. A stopped server is given up
+    # on at once: the replacement starts as a fresh interpreter.
+    script, go = tmp_path / "crasher.py", tmp_path / "go"
+    script.write_text(CRASHER)
+    with _running(["--nproc", "2", "--max-restarts", "1", "--preload", "numpy", str(script), str(go)]) as launcher:
+        server = _server_of(launcher, _pids_said(launcher, "up", 2))
+        server.suspend()
+        t0 = time.monotonic()
+        go.write_text("")
+        try:
+            out, err = launcher.communicate(timeout=90)
+        finally:
+            if server.is_running():
+                server.kill()
+        took = time.monotonic() - t0
+    assert launcher.returncode == 0, err[-3000:]
+    assert "[rank1] running 1 1" in out, out + err[-3000:]
+    assert "stopped" in err and took < 15, (took, err[-3000:])
+
+
 LEAVER = textwrap.dedent("""
     import os, subprocess, sys, time
     import numpy
