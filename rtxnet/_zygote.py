@@ -53,6 +53,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 _MAX_PACKET = 1 << 20   # one spawn request: argv and environment (ARG_MAX is 2 MiB on Linux)
 
@@ -365,6 +366,8 @@ def _is_stopped(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
     except (OSError, IndexError):
         return False
+
+
 PR_SET_CHILD_SUBREAPER = 36   # <linux/prctl.h>, Linux 3.4
 
 
@@ -454,11 +457,13 @@ def reap_orphans() -> int:
     return reaped
 
 
-async def _line_from(fd: int, timeout: float) -> str:
+async def _line_from(fd: int, timeout: float, give_up: Callable[[], str | None] | None = None) -> str:
     """One line (without its newline) read from pipe ``fd``, or what came before its end.
+    ``give_up``, asked every ``STOPPED_LOOK_S`` while waiting, ends the wait early with the
+    reason it returns (None: wait on); what was read so far is kept across its looks.
 
     Raises:
-        TimeoutError: neither within ``timeout`` seconds."""
+        TimeoutError: neither within ``timeout`` seconds, or ``give_up``'s reason."""
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -480,6 +485,10 @@ async def _line_from(fd: int, timeout: float) -> str:
     loop.add_reader(fd, readable)
     try:
         async with asyncio.timeout(timeout):
+            while give_up is not None and not done.done():
+                await asyncio.wait([done], timeout=STOPPED_LOOK_S)
+                if not done.done() and (reason := give_up()) is not None:
+                    raise TimeoutError(reason)
             await done
     finally:
         loop.remove_reader(fd)
@@ -659,27 +668,22 @@ class ForkServer:
         """The first line on ``hello_r`` (see :meth:`_fork`), looking every ``STOPPED_LOOK_S``
         whether the server is stopped (SIGSTOP): one stopped at two looks in a row is given up
         on then, not after ``ANSWER_S`` (a restart waiting that long outlived the others' rejoin
-        window, and the job lost its steps).
+        window, and the job lost its steps: a soak test's find).
 
         Raises:
             TimeoutError: no line, the server stopped or ``ANSWER_S`` passed (the text says which)."""
-        import asyncio
+        looks = [0]
 
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ANSWER_S
-        stopped = 0
-        while True:
-            try:
-                return await _line_from(hello_r, min(STOPPED_LOOK_S, max(0.0, deadline - loop.time())))
-            except TimeoutError:
-                pass
-            stopped = stopped + 1 if self.proc is not None and _is_stopped(self.proc.pid) else 0
-            if stopped >= 2:
-                raise TimeoutError(f"is stopped (SIGSTOP?): it did not answer a request to start a rank "
-                                   f"within {STOPPED_LOOK_S * stopped:g} s")
-            if loop.time() >= deadline:
-                raise TimeoutError(f"did not answer a request to start a rank within {ANSWER_S:g} s "
-                                   f"(stopped, or hung)")
+        def stopped() -> str | None:
+            looks[0] = looks[0] + 1 if self.proc is not None and _is_stopped(self.proc.pid) else 0
+            return (f"is stopped (SIGSTOP?): it did not answer a request to start a rank within "
+                    f"{STOPPED_LOOK_S * looks[0]:g} s") if looks[0] >= 2 else None
+
+        try:
+            return await _line_from(hello_r, ANSWER_S, stopped)
+        except TimeoutError as exc:
+            raise TimeoutError(str(exc) or f"did not answer a request to start a rank within "
+                                           f"{ANSWER_S:g} s (stopped, or hung)") from None
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
