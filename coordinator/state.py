@@ -1361,6 +1361,15 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if job.finished_training:
         return refuse("JobFinishedError", f"{_finished_training(job)}; its members are ending")
     if len(job.members) + len(job.pending) >= job.max_ranks:
+        unheard = sorted(m.rank for m in job.members.values() if not m.heard)
+        if unheard:
+            # members replayed after a coordinator restart, not heard from since: most likely
+            # the rank this joiner replaces, declared lost after the heartbeat timeout (the
+            # "another launch" hint misled here: a soak test's find)
+            return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks}), "
+                          f"with rank{'s' if len(unheard) > 1 else ''} {', '.join(map(str, unheard))} "
+                          f"not heard from since the coordinator restarted: declared lost after "
+                          f"the heartbeat timeout if gone, then this one joins")
         return refuse("JobFullError", f"job {job_id!r} is full (max_ranks={job.max_ranks}){_TWO_LAUNCHES}")
     job.pending[ident] = newcomer
     state.where[ident] = job_id

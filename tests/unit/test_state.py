@@ -124,6 +124,26 @@ def test_full_job_refuses_further_joins():
     assert err and err[0]["error"] == "JobFullError" and "max_ranks=2" in err[0]["message"]
 
 
+def test_a_full_job_with_a_member_unheard_since_a_restart_says_so_not_another_launch():
+    # a replacement joining right after a coordinator restart found the job full of the rank it
+    # replaces (replayed, not heard from since): "another launch may use this job id" misled (a
+    # soak test's find)
+    h = Harness()
+    h.join("a")
+    h.join("b")
+    replayed = State()
+    for rec in h.records:
+        apply_record(replayed, rec, 5.0)
+    h.state = replayed                       # the restarted daemon's
+    h.req("a", "heartbeat", epoch=0, identity="a")
+    (err,) = errors(h.join("c"))
+    assert err["error"] == "JobFullError", err
+    assert "rank 1 not heard from since the coordinator restarted" in err["message"], err
+    assert "another launch" not in err["message"], err
+    h.req("b", "heartbeat", epoch=0, identity="b")
+    assert "another launch" in errors(h.join("c"))[0]["message"]   # both heard: the old hint
+
+
 def test_wrong_token_and_bad_bounds_refused():
     h = Harness()
     h.join("a", token="x", min_ranks=2, max_ranks=3)
