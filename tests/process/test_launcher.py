@@ -629,40 +629,45 @@ def test_omp_num_threads_is_1_for_each_rank_unless_given(tmp_path, given):
     assert ("OMP_NUM_THREADS=1 for each rank, as torchrun sets it" in out.stderr) == (given is None)
 
 
+def _sigterm_once_ready(tmp_path, script: str, ready: int, *options: str) -> tuple[int, str]:
+    """Run ``script`` under ``rtxnet-run --grace 1 *options``, SIGTERM rtxnet-run once ``ready``
+    ranks printed "ready"; returns its exit code and stderr."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "1", *options,
+                          str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=procs.env(), cwd=ROOT)
+    try:
+        _read_until(p, "ready", ready, time.monotonic() + 30)
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    assert re.search(r"rank 1 \(pid \d+\) still running 1 s after the signal: killing it", err), err[-3000:]
+    return p.returncode, err
+
+
 def test_one_rank_ignoring_sigterm_past_the_grace_makes_the_exit_code_137(tmp_path):
     # rank 0 ends by the SIGTERM (143), rank 1 ignores it and is killed after --grace: README
     # promises 137; the first rank's 143 stood (a fresh user's find)
-    script = tmp_path / "half_stubborn.py"
-    script.write_text(textwrap.dedent("""
+    code, err = _sigterm_once_ready(tmp_path, """
         import os, signal, time
         if os.environ["RANK"] == "1":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("ready", flush=True)
         time.sleep(120)
-    """))
-    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--grace", "1",
-                          str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=procs.env(), cwd=ROOT)
-    try:
-        _read_until(p, "ready", 2, time.monotonic() + 30)
-        os.kill(p.pid, signal.SIGTERM)
-        out, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait()
+    """, 2)
     assert "rank 0 exited with code 143" in err, err[-3000:]
-    assert re.search(r"rank 1 \(pid \d+\) still running 1 s after the signal: killing it", err), err[-3000:]
-    assert p.returncode == 137, err[-3000:]
+    assert code == 137, err[-3000:]
     assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM, forwarded to the ranks; exit code 137"), err
-
 
 
 def test_a_rank_failing_before_the_signal_keeps_its_exit_code_though_another_was_killed(tmp_path):
     # rank 0 fails (exit 3) before the SIGTERM; rank 1 ignores the signal and is killed after
     # --grace: the first failing rank's 3 stands (README), not the killed rank's 137
-    script = tmp_path / "fail_then_stubborn.py"
-    script.write_text(textwrap.dedent(f"""
+    code, err = _sigterm_once_ready(tmp_path, f"""
         import os, signal, sys, time
         mark = {str(tmp_path / "rank0.pid")!r}
         if os.environ["RANK"] == "0":
@@ -681,21 +686,10 @@ def test_a_rank_failing_before_the_signal_keeps_its_exit_code_though_another_was
         time.sleep(0.5)
         print("ready", flush=True)
         time.sleep(120)
-    """))
-    p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1",
-                          "--grace", "1", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=procs.env(), cwd=ROOT)
-    try:
-        _read_until(p, "ready", 1, time.monotonic() + 30)
-        os.kill(p.pid, signal.SIGTERM)
-        out, err = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait()
+    """, 1, "--min-ranks", "1")
     assert "rank 0 exited with code 3" in err, err[-3000:]
-    assert re.search(r"rank 1 \(pid \d+\) still running 1 s after the signal: killing it", err), err[-3000:]
-    assert p.returncode == 3, err[-3000:]
+    assert code == 3, err[-3000:]
+
 
 def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path):
     script = tmp_path / "stubborn.py"

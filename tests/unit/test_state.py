@@ -66,6 +66,13 @@ class Harness:
                         max_ranks=max_ranks, last_call_s=last_call_s, heartbeat_timeout_s=hb,
                         endpoint=f"tcp://h:{len(identity)}", host="h", pid=1)
 
+    def replayed(self, now: float = 5.0) -> State:
+        """A state rebuilt from the records journaled so far, as a restarted daemon's."""
+        state = State()
+        for rec in self.records:
+            apply_record(state, rec, now)
+        return state
+
     def tick(self, dt: float = 0.0, stalled_s: float = 0.0) -> list[Send]:
         self.clock.now += dt
         return self.run(Tick(stalled_s=stalled_s))
@@ -131,9 +138,7 @@ def test_a_full_job_with_a_member_unheard_since_a_restart_says_so_not_another_la
     h = Harness()
     h.join("a")
     h.join("b")
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 5.0)
+    replayed = h.replayed()
     h.state = replayed                       # the restarted daemon's
     h.req("a", "heartbeat", epoch=0, identity="a")
     (err,) = errors(h.join("c"))
@@ -544,9 +549,7 @@ def test_replaying_the_records_rebuilds_the_same_journaled_state():
     h.run(Disconnect("c"))
     h.req("a", "commit", epoch=1, identity="a", step=5, ok=True, timeout_s=5.0)
     h.req("b", "commit", epoch=1, identity="b", step=5, ok=True, timeout_s=5.0)
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 5.0)
+    replayed = h.replayed()
     assert snapshot(replayed) == snapshot(h.state)
     packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False, strict_map_key=False)
     assert snapshot(restore(packed, 5.0)) == snapshot(h.state)
@@ -594,9 +597,7 @@ def test_status_gives_no_heartbeat_age_for_a_member_replayed_but_not_heard_from_
     h = Harness()
     h.join("a")
     h.join("b")
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 5.0)
+    replayed = h.replayed()
     step(replayed, Request("a", wire.make("heartbeat", rid=1, job="j", epoch=0, identity="a", token="t")), 5.1)
     _, queries = step(replayed, Request("x", wire.make("status", rid=2, job="")), 5.3)
     acts = answer_status(replayed, queries, 5.3)
@@ -873,9 +874,7 @@ def test_a_full_coordinator_drops_the_forming_job_silent_longest_for_a_new_one(m
     h.clock.now += 1.0                       # forming2 silent 10.5 s now
     assert not errors(h.join("n2", job="new2", min_ranks=1, max_ranks=1))
     assert set(h.state.jobs) == {"running", "forming0", "new1", "new2"}
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 0.0)
+    replayed = h.replayed(0.0)
     assert set(replayed.jobs) == set(h.state.jobs)
     # the dropped one's joiner, heartbeating again, hears its job is unknown (and joins anew)
     assert h.req("f1", "heartbeat", job="forming1", identity="f1")[0].msg["body"]["state"] == "unknown"
@@ -926,9 +925,7 @@ def test_a_full_coordinator_drops_a_crashed_job_for_a_new_one_those_without_a_st
     h.clock.now += 30.0                      # the launcher's claim lapsed: that job is dead too
     assert not errors(h.join("r-new4", job="new4", min_ranks=1, max_ranks=1))
     assert set(h.state.jobs) == {"running", "new1", "new2", "new3", "new4"}
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 0.0)
+    replayed = h.replayed(0.0)
     assert set(replayed.jobs) == set(h.state.jobs)
 
 
@@ -1004,9 +1001,7 @@ def test_finish_turns_away_a_rank_admitted_after_the_last_commit_and_refuses_lat
         assert err and err[0]["error"] == "JobFinishedError" and "admits no new ranks" in err[0]["message"], err
     assert h.req("a", "status")[0].msg["body"]["jobs"][0]["finished_training"] is True
     # journaled: a restarted coordinator refuses the same way
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 5.0)
+    replayed = h.replayed()
     assert snapshot(replayed) == snapshot(h.state)
     packed = msgpack.unpackb(msgpack.packb(snapshot(h.state), use_bin_type=True), raw=False, strict_map_key=False)
     restored = restore(packed, 5.0)
@@ -1074,9 +1069,7 @@ def test_rewind_moves_the_committed_step_back_once_journaled_and_the_steps_are_v
     assert job.committed_epoch == e
     # finish() after fewer steps than before keeps every rank
     assert not pushes(h.req("c", "finish", epoch=e, identity="c"), "fenced")
-    replayed = State()
-    for rec in h.records:
-        apply_record(replayed, rec, 5.0)
+    replayed = h.replayed()
     assert snapshot(replayed) == snapshot(h.state)
 
 
