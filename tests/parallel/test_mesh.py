@@ -70,10 +70,14 @@ async def _rebuild_in_one_epoch(engine) -> dict:
     return out
 
 
+# a (2, 2) mesh ("dp", "tp") of 4 ranks: each rank's tp and dp group, by grid position
+TP_PAIRS = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
+DP_PAIRS = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+
+
 def test_a_mesh_built_twice_in_one_epoch_has_the_groups_of_a_mesh_built_once():
     res = run_world(4, _rebuild_in_one_epoch, timeout_s=90, default_timeout_s=OP_S)
-    tp = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
-    dp = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    tp, dp = TP_PAIRS, DP_PAIRS
     for r, out in enumerate(res):
         assert out["same_objects"] and out["fresh_objects"], out
         assert out["fresh_epoch"] == 1
@@ -127,8 +131,7 @@ def test_a_mesh_on_a_split_subgroup_lays_out_its_group_ranks():
     res = run_world(4, _on_split_subgroups, timeout_s=90, default_timeout_s=OP_S)
     # reversed: tp pairs group ranks 0, 1 (world 3, 2) and 2, 3 (world 1, 0); dp pairs group ranks
     # 0, 2 (world 3, 1) and 1, 3 (world 2, 0). Halves: tp is the half, dp the rank alone
-    tp = {0: "0,1", 1: "0,1", 2: "2,3", 3: "2,3"}
-    dp = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    tp, dp = TP_PAIRS, DP_PAIRS
     for r, out in enumerate(res):
         assert out["reversed"] == {"dp": dp[r], "tp": tp[r]}, (r, out)
         assert out["reversed_sums"] == {n: sum(int(k) + 1 for k in g[r].split(","))
