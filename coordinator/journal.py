@@ -26,6 +26,13 @@ the check of the frame after it (they replayed without a word before: a breaker'
 copied from another segment fails too. Version-1 frames in a segment (written before the chain)
 are still read; the chain goes on from their crc.
 
+A segment begins with a link frame (version 3, chained like the others, not a record): its payload
+is ``u64 g | u32 crc`` where ``crc`` is the payload crc of the snapshot the segment was started
+after (0: none). Replay compares it with ``snapshot.bin``'s, so a snapshot from another journal
+that covers the same generation (copied by hand) is refused, not replayed with this journal's
+segment as one mixed state (a breaker's find). A segment without one (written before the link)
+is read as before.
+
 Generations: the snapshot that covers generation ``G`` holds the effect of every record in every
 segment ``g <= G``. Replay reads the snapshot (``G = 0`` without one) and then the segments
 ``G+1, G+2, ...`` in order; segments ``g <= G`` are stale leftovers of an interrupted compaction
@@ -82,6 +89,7 @@ __all__ = [
     "FRAME_HEADER_NBYTES",
     "encode_frame",
     "encode_chained",
+    "encode_link",
     "segment_chain_seed",
 ]
 
@@ -90,7 +98,9 @@ log = structlog.get_logger(__name__)
 MAGIC = 0xA5
 VERSION = 1          # the snapshot's frame (and segments written before the chain)
 CHAINED_VERSION = 2  # segment frames, each crc chained to the frame before it
-_VERSIONS = (VERSION, CHAINED_VERSION)
+LINK_VERSION = 3     # a segment's first frame: the snapshot it follows (see the module doc)
+_VERSIONS = (VERSION, CHAINED_VERSION, LINK_VERSION)
+_LINK = struct.Struct("<QI")   # generation, snapshot payload crc
 _HEADER = struct.Struct("<BBIII")
 _HEADER_CRC_SPAN = 10  # magic, version, length, payload crc: what the header crc covers
 FRAME_HEADER_NBYTES = _HEADER.size  # 14
@@ -145,6 +155,14 @@ def encode_chained(payload: bytes | bytearray | memoryview, previous: int) -> tu
     """
     crc = zlib.crc32(payload, previous)
     return _frame_header(CHAINED_VERSION, payload, crc) + bytes(payload), crc
+
+
+def encode_link(generation: int, snapshot_crc: int) -> tuple[bytes, int]:
+    """The link frame that begins segment ``generation``, started after a snapshot of payload
+    crc ``snapshot_crc`` (0: none), and its crc, the next frame's ``previous``."""
+    payload = _LINK.pack(generation, snapshot_crc)
+    crc = zlib.crc32(payload, segment_chain_seed(generation))
+    return _frame_header(LINK_VERSION, payload, crc) + payload, crc
 
 
 def _is_journal_file(name: str) -> bool:
@@ -232,10 +250,11 @@ def _segment_name(generation: int) -> str:
 class _Scan:
     """What reading one segment found: good records, where they end, and a torn tail if any."""
 
-    __slots__ = ("records", "valid_nbytes", "torn_offset", "torn_nbytes", "torn_reason", "chain")
+    __slots__ = ("records", "valid_nbytes", "torn_offset", "torn_nbytes", "torn_reason", "chain", "link")
 
     def __init__(self) -> None:
         self.records: list[bytes] = []
+        self.link: tuple[int, int] | None = None   # the segment's link frame: (generation, crc)
         self.chain: int | None = None   # the crc the next frame chains from
         self.valid_nbytes = 0
         self.torn_offset: int | None = None
@@ -316,7 +335,15 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int, chain: int | N
                     torn_reason = "payload_cut_short"
                 else:
                     payload = view[offset + FRAME_HEADER_NBYTES : end]
-                    chained = version == CHAINED_VERSION
+                    if version == LINK_VERSION and (offset != 0 or length != _LINK.size):
+                        raise JournalCorruptError(
+                            f"journal {path}: a segment's link record at offset {offset} "
+                            f"({length} bytes): only a segment's first record is one, of "
+                            f"{_LINK.size} bytes",
+                            path=path,
+                            offset=offset,
+                        )
+                    chained = version in (CHAINED_VERSION, LINK_VERSION)
                     expected = zlib.crc32(payload, chain) if chained else zlib.crc32(payload)
                     if expected != crc:
                         if end != total:
@@ -330,7 +357,10 @@ def _scan_frames(data: bytes, path: str, max_payload_nbytes: int, chain: int | N
                             )
                         torn_reason = "crc_mismatch_last_record"
                     else:
-                        scan.records.append(payload.tobytes())
+                        if version == LINK_VERSION:
+                            scan.link = _LINK.unpack(payload)
+                        else:
+                            scan.records.append(payload.tobytes())
                         if chain is not None:
                             chain = crc
                         offset = end
@@ -423,6 +453,7 @@ class Journal:
         self._records_since_snapshot = 0
         self._bytes_since_snapshot = 0
         self._snapshot_ino: int | None = None   # the snapshot file's inode, once there is one
+        self._snapshot_crc = 0   # its payload crc (0: none), which a new segment's link names
         self.fsync_count = 0
         self.commit_count = 0
 
@@ -495,6 +526,7 @@ class Journal:
             self._dir.mkdir(parents=True, exist_ok=True)
             self._lock_directory()
             snapshot, covered = self._read_snapshot()
+            snapshot_crc = self._snapshot_crc
             segments = self._list_segments()
             if snapshot is not None and (not segments or segments[-1][0] < covered):
                 # write_snapshot keeps the segment the snapshot covers until the next one exists:
@@ -531,6 +563,17 @@ class Journal:
                 scan = _scan_frames(path.read_bytes(), str(path), self._max_record_nbytes,
                                     segment_chain_seed(generation))
                 chain = scan.chain
+                if index == 0 and scan.link is not None and scan.link != (generation, snapshot_crc):
+                    # (later segments follow snapshots compacted away since: not checked)
+                    raise JournalCorruptError(
+                        f"journal {path} was started after a snapshot of crc "
+                        f"{scan.link[1]:#010x}, but {self.snapshot_path} "
+                        + (f"is of crc {snapshot_crc:#010x}" if snapshot is not None else "is missing")
+                        + " (a snapshot from another journal, or an older one put back); nothing "
+                        "was changed: move the snapshot or the folder aside",
+                        path=str(path),
+                        offset=0,
+                    )
                 if scan.torn_offset is not None:
                     if index != len(live) - 1:
                         raise JournalCorruptError(
@@ -541,7 +584,7 @@ class Journal:
                         )
                     torn = (path, scan)
                 records.extend(scan.records)
-                nbytes += scan.valid_nbytes
+                nbytes += scan.valid_nbytes - (FRAME_HEADER_NBYTES + _LINK.size if scan.link else 0)
 
             # Everything checked: from here on the directory is repaired in place.
             if torn is not None:
@@ -585,12 +628,14 @@ class Journal:
                 self._generation = live[-1][0]
                 self._chain = chain if chain is not None else segment_chain_seed(self._generation)
                 self._fd = os.open(self.segment_path, os.O_WRONLY | os.O_APPEND)
+                if len(live) == 1 and (torn[1].valid_nbytes if torn else live[-1][1].stat().st_size) == 0:
+                    self._write_link(snapshot_crc)   # created, then the daemon died: begin it now
             else:
                 self._generation = covered + 1
-                self._chain = segment_chain_seed(self._generation)
                 self._fd = os.open(
                     self.segment_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644
                 )
+                self._write_link(snapshot_crc)
                 changed_dir = True
             if changed_dir and self._fsync:
                 fsync_dir(self._dir)
@@ -636,7 +681,16 @@ class Journal:
                 offset=0,
             )
         (covered,) = _GENERATION.unpack_from(payload)
+        self._snapshot_crc = zlib.crc32(payload)
         return payload[_GENERATION.size :], covered
+
+    def _write_link(self, snapshot_crc: int) -> None:
+        """Begin the live segment (empty, just made) with its link frame, written and fsynced
+        now (the caller fsyncs the folder); the next record chains from it."""
+        frame, self._chain = encode_link(self._generation, snapshot_crc)
+        _write_all(self._fd, frame)
+        if self._fsync:
+            os.fsync(self._fd)
 
     def _list_segments(self) -> list[tuple[int, Path]]:
         found = []
@@ -810,7 +864,7 @@ class Journal:
                     fsync_dir(self._dir)
                 old_fd, self._fd = self._fd, new_fd
                 self._generation = new_generation
-                self._chain = segment_chain_seed(new_generation)
+                self._write_link(self._snapshot_crc)
                 if old_fd is not None:
                     os.close(old_fd)
                 for generation, path in self._list_segments():
@@ -913,7 +967,8 @@ class Journal:
         """Steps up to the commit point; on failure remove the temp file and leave all as was."""
         tmp = self._dir / SNAPSHOT_TMP_NAME
         try:
-            frame = encode_frame(_GENERATION.pack(covered) + bytes(snapshot))
+            payload = _GENERATION.pack(covered) + bytes(snapshot)
+            frame = encode_frame(payload)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd, frame)
@@ -923,7 +978,7 @@ class Journal:
             finally:
                 os.close(fd)
             os.replace(tmp, self._dir / SNAPSHOT_NAME)
-            self._snapshot_ino = ino
+            self._snapshot_ino, self._snapshot_crc = ino, zlib.crc32(payload)
         except OSError as exc:
             try:
                 tmp.unlink(missing_ok=True)

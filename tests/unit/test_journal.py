@@ -28,6 +28,7 @@ from coordinator.journal import (
     Journal,
     encode_chained,
     encode_frame,
+    encode_link,
     segment_chain_seed,
 )
 from transport.errors import JournalCorruptError, JournalError
@@ -41,17 +42,22 @@ def segment(directory: Path, generation: int) -> Path:
     return directory / f"journal-{generation:020d}.log"
 
 
-def chained(records: list[bytes], generation: int = 1) -> bytes:
-    """The bytes of a segment of ``generation`` holding ``records`` (frames chained)."""
-    out, crc = b"", segment_chain_seed(generation)
+def chained(records: list[bytes], generation: int = 1, snapshot_crc: int | None = 0) -> bytes:
+    """The bytes of a segment of ``generation`` holding ``records`` (frames chained), begun with
+    its link to a snapshot of payload crc ``snapshot_crc`` (None: no link, as before links)."""
+    out, crc = (b"", segment_chain_seed(generation)) if snapshot_crc is None else encode_link(generation, snapshot_crc)
     for r in records:
         frame, crc = encode_chained(r, crc)
         out += frame
     return out
 
 
+LINK_NBYTES = len(encode_link(1, 0)[0])   # a segment's first frame, before its records
+
+
 def frame_offsets(records: list[bytes]) -> list[int]:
-    offsets, offset = [], 0
+    """Where each of ``records`` begins in a segment the journal wrote (after its link)."""
+    offsets, offset = [], LINK_NBYTES
     for r in records:
         offsets.append(offset)
         offset += FRAME_HEADER_NBYTES + len(r)
@@ -119,7 +125,7 @@ def test_unflushed_records_never_reach_the_file(tmp_path: Path) -> None:
     j = Journal(tmp_path)
     j.open()
     j.append(b"buffered")
-    assert segment(tmp_path, 1).read_bytes() == b""
+    assert segment(tmp_path, 1).read_bytes() == chained([])   # its link alone
     j.close()
 
 
@@ -447,7 +453,7 @@ def test_torn_record_followed_by_a_later_segment_is_corruption(tmp_path: Path) -
     segment(tmp_path, 2).write_bytes(encode_frame(b"c"))
     with pytest.raises(JournalCorruptError) as info:
         Journal(tmp_path).open()
-    assert (info.value.path, info.value.offset) == (str(seg1), FRAME_HEADER_NBYTES + 1)
+    assert (info.value.path, info.value.offset) == (str(seg1), LINK_NBYTES + FRAME_HEADER_NBYTES + 1)
 
 
 # ---------------------------------------------------------------------------- snapshots
@@ -732,6 +738,7 @@ def test_crash_at_every_file_operation_of_write_snapshot(tmp_path: Path) -> None
         *("open", "write", "fsync", "close", "replace"),  # snapshot.bin.tmp, the commit point
         *("open", "fsync", "close"),  # directory
         *("open", "open", "fsync", "close"),  # new segment, directory
+        *("write", "fsync"),  # its link (an empty segment gets it when the journal is opened)
         *("close", "unlink", "open", "fsync", "close"),  # old segment gone, directory
     ], crashed_at
 
@@ -932,10 +939,10 @@ def test_a_record_of_another_journal_version_is_named_as_such(tmp_path):
     write_journal(tmp_path, [b"one", b"two"])
     seg = segment(tmp_path, 1)
     data = bytearray(seg.read_bytes())
-    data[1] = 3                      # the first record's version byte
+    data[1] = 4                      # the link record's version byte
     seg.write_bytes(bytes(data))
-    with pytest.raises(JournalCorruptError, match=r"the record at offset 0 is of journal format version 3; "
-                                                  r"this coordinator reads versions 1/2"):
+    with pytest.raises(JournalCorruptError, match=r"the record at offset 0 is of journal format version 4; "
+                                                  r"this coordinator reads versions 1/2/3"):
         Journal(tmp_path).open()
 
 
@@ -949,12 +956,13 @@ def test_a_whole_valid_record_removed_repeated_or_moved_is_named_not_replayed(tm
     data = segment(tmp_path, 1).read_bytes()
     offs = frame_offsets(records) + [len(data)]
     frames = [data[offs[i]:offs[i + 1]] for i in range(len(records))]
+    link = data[:LINK_NBYTES]
     if edit == "remove":
-        bad, at = frames[0] + frames[2] + frames[3], offs[1]
+        bad, at = link + frames[0] + frames[2] + frames[3], offs[1]
     elif edit == "repeat":
-        bad, at = frames[0] + frames[1] + frames[1] + frames[2] + frames[3], offs[2]
+        bad, at = link + frames[0] + frames[1] + frames[1] + frames[2] + frames[3], offs[2]
     elif edit == "swap":
-        bad, at = frames[0] + frames[2] + frames[1] + frames[3], offs[1]
+        bad, at = link + frames[0] + frames[2] + frames[1] + frames[3], offs[1]
     else:
         bad, at = chained([b"x"], generation=7) + frames[1] + frames[2] + frames[3], 0
     segment(tmp_path, 1).write_bytes(bad)
@@ -968,6 +976,45 @@ def test_a_segment_of_unchained_frames_is_read_and_appended_to(tmp_path: Path) -
     # a journal written before the chain (version-1 frames) replays as before, and the records
     # appended after it chain on from its last frame
     segment(tmp_path, 1).write_bytes(encode_frame(b"old-1") + encode_frame(b"old-2"))
+    with Journal(tmp_path) as j:
+        assert j.open() == (None, [b"old-1", b"old-2"])
+        j.append(b"new")
+        j.flush_sync()
+    assert reopen(tmp_path) == (None, [b"old-1", b"old-2", b"new"])
+
+
+def test_a_snapshot_from_another_journal_covering_the_same_generation_is_refused(tmp_path: Path) -> None:
+    # A breaker's find: journals A and B each compacted once (both snapshots cover generation 1,
+    # both live segments are 2); B's snapshot.bin copied into A replayed as B's store plus A's
+    # records, one invented state. Each segment begins with a link naming the snapshot it
+    # follows, so the copy is refused, and nothing is changed.
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, state in ((a, b"state-a"), (b, b"state-b")):
+        with Journal(d) as j:
+            j.open()
+            j.append(b"before")
+            j.flush_sync()
+            j.write_snapshot(state)
+            j.append(b"after-" + state)
+            j.flush_sync()
+    before = {p.name: p.read_bytes() for p in a.iterdir()}
+    (a / "snapshot.bin").write_bytes((b / "snapshot.bin").read_bytes())
+    with pytest.raises(JournalCorruptError, match=r"was started after a snapshot of crc 0x[0-9a-f]{8}, but "
+                                                  r".*snapshot\.bin is of crc 0x[0-9a-f]{8} \(a snapshot from "
+                                                  r"another journal") as info:
+        Journal(a).open()
+    assert info.value.path == str(segment(a, 2))
+    assert {p.name: p.read_bytes() for p in a.iterdir() if p.name != "snapshot.bin"} == {
+        n: v for n, v in before.items() if n != "snapshot.bin"}
+    assert reopen(b) == (b"state-b", [b"after-state-b"])      # B's own is fine
+    (a / "snapshot.bin").unlink()                             # and A's without any snapshot
+    with pytest.raises(JournalCorruptError, match=r"segment .* is missing|is missing \(a snapshot"):
+        Journal(a).open()
+
+
+def test_a_segment_written_before_links_is_read_and_appended_to(tmp_path: Path) -> None:
+    # a journal of a version before the link (its segment begins with a record) replays as before
+    segment(tmp_path, 1).write_bytes(chained([b"old-1", b"old-2"], snapshot_crc=None))
     with Journal(tmp_path) as j:
         assert j.open() == (None, [b"old-1", b"old-2"])
         j.append(b"new")
