@@ -149,6 +149,24 @@ def test_record_size_limit(tmp_path: Path) -> None:
     assert reopen(tmp_path) == (None, [b"x" * 16])
 
 
+@pytest.mark.parametrize("limit", [1, 8, 11])
+def test_a_record_limit_under_the_link_size_still_reopens(tmp_path: Path, limit: int) -> None:
+    # a segment's link frame (12 bytes) is not a record: a journal with a smaller record limit
+    # wrote it and then refused its own segment at the next open ("claims 12 bytes, over the
+    # limit"): a re-verifier's find
+    with Journal(tmp_path, max_record_nbytes=limit) as j:
+        j.open()
+        j.append(b"x" * limit)
+        j.write_snapshot(b"s")
+        j.append(b"y")
+    assert reopen(tmp_path, max_record_nbytes=limit) == (b"s", [b"y"])
+    other = tmp_path / "other"   # a record over the limit is still refused
+    other.mkdir()
+    segment(other, 1).write_bytes(chained([b"z" * (limit + 1)]))
+    with pytest.raises(JournalCorruptError, match="over the limit"):
+        reopen(other, max_record_nbytes=limit)
+
+
 def test_default_record_size_limit_is_64_mib(tmp_path: Path) -> None:
     assert MAX_RECORD_NBYTES == 64 * 1024 * 1024
     with Journal(tmp_path, fsync=False) as j:
