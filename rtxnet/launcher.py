@@ -135,6 +135,7 @@ class _Slot:
     started_at: float = 0.0          # when its process started (time.monotonic())
     pause: float = 0.0               # the pause before its last restart (0: none; _restart_pause)
     exited_at: float = 0.0           # when the exit that a paused restart follows was taken
+    ended_at: float = 0.0            # when its process was seen to end (before its last output was read)
     # why its paused restart was not made (rtxnet-run stopping, training over): its exit, queued
     # again, then counts as final ("": not dropped)
     restart_dropped: str = ""
@@ -693,6 +694,8 @@ class Launcher:
 
     async def _watch(self, slot: _Slot, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
+        if proc is slot.proc:
+            slot.ended_at = time.monotonic()
         left = self._end_leftovers(slot, proc.pid, rc)
         if not left:
             self._tell_guard(f"-{proc.pid}")
@@ -1163,7 +1166,10 @@ class Launcher:
                     # a restart not made counts from its exit, before what stopped it (a SIGTERM
                     # during the pause gave exit code 143 or 1 depending on which exit the loop
                     # took first; a fresh user's find)
-                    when = slot.exited_at if dropped else time.monotonic()
+                    # and a failure counts from its process's end, not from when its last output
+                    # was read (a child it left held its stdout for _DRAIN_S: a SIGTERM meanwhile
+                    # made the rank that ignored it and was killed the first failing one, 137)
+                    when = slot.exited_at if dropped else slot.ended_at
                     if self.first_failure is None or when < self.first_failure[0]:
                         self.first_failure = (when, code)
                     if not await self._training_finished():

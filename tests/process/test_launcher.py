@@ -691,6 +691,41 @@ def test_a_rank_failing_before_the_signal_keeps_its_exit_code_though_another_was
     assert code == 3, err[-3000:]
 
 
+def test_a_rank_failing_before_the_signal_keeps_its_exit_code_while_its_output_is_read(tmp_path):
+    # A re-verifier's find: rank 1 exited 3 before the SIGTERM, but a child it left (ignoring
+    # SIGTERM) held its stdout, so rtxnet-run read its last output for _DRAIN_S more; its failure
+    # was dated when that ended, after the signal, and gave way to the killed rank 0's 137
+    script = tmp_path / "fail_leaving_a_child.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, subprocess, time
+        if os.environ["RANK"] == "0":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(120)
+        time.sleep(1)
+        subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 30"])   # holds the rank's stdout
+        os._exit(3)
+    """))
+    err_path = tmp_path / "err.txt"
+    with open(err_path, "w") as err_file:
+        p = subprocess.Popen([sys.executable, "-m", "rtxnet.launcher", "--nproc", "2", "--min-ranks", "1",
+                              "--grace", "3", str(script)], stdout=subprocess.DEVNULL, stderr=err_file,
+                             text=True, env=procs.env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while "exited 3 and left" not in err_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGTERM)   # (rank 1's output is still read: _DRAIN_S)
+        p.wait(timeout=40)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    err = err_path.read_text()
+    assert "rank 1 exited with code 3" in err, err[-3000:]
+    assert "rank 0 (pid" in err and "killing it" in err, err[-3000:]
+    assert p.returncode == 3, err[-3000:]
+
+
 def test_a_second_sigterm_kills_the_ranks_without_waiting_out_the_grace(tmp_path):
     script = tmp_path / "stubborn.py"
     script.write_text(textwrap.dedent("""
