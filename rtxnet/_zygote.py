@@ -606,9 +606,21 @@ class ForkServer:
 
         if self.trouble:
             return None
+        # a server stopped (SIGSTOP) at two looks in a row is given up on then, as in _answer:
+        # one stopped during its imports kept the ranks from starting for READY_S (a re-verifier's
+        # find)
+        looks = 0
         try:
             async with asyncio.timeout(READY_S):
-                ready = await asyncio.shield(self._ready)
+                while not self._ready.done():
+                    await asyncio.wait([self._ready], timeout=STOPPED_LOOK_S)
+                    looks = looks + 1 if not self._ready.done() and _is_stopped(self.proc.pid) else 0
+                    if looks >= 2:
+                        self._lost(f"is stopped (SIGSTOP?): it had not imported {', '.join(self.modules)} "
+                                   f"and was stopped for {STOPPED_LOOK_S * looks:g} s")
+                        self._kill()
+                        return None
+                ready = self._ready.result()
         except TimeoutError:
             self._lost(f"had not imported {', '.join(self.modules)} within {READY_S:g} s (stopped, "
                        f"or an import hangs)")

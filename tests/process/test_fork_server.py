@@ -313,6 +313,31 @@ def test_a_signal_while_the_server_imports_stops_the_job_without_starting_ranks(
     assert not psutil.pid_exists(server.pid) or server.status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_fork_server_stopped_during_its_imports_is_given_up_on_at_once(tmp_path):
+    # A re-verifier's find: the ranks waited READY_S (120 s) for a server SIGSTOPped while it
+    # imported; stopped at two looks in a row (STOPPED_LOOK_S apart), it is given up on as when
+    # it stops while a rank waits for its answer, and the ranks start as fresh interpreters
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
+    script = tmp_path / "quick.py"
+    script.write_text("import os\nprint('running', os.environ['RANK'], flush=True)\n")
+    with _running(["--nproc", "2", "--preload", "slow_import", str(script)]) as launcher:
+        deadline = time.monotonic() + 60
+        while "starting 2 ranks" not in launcher.stderr.readline() and time.monotonic() < deadline:
+            pass
+        server = _server_of(launcher)
+        server.suspend()
+        t0 = time.monotonic()
+        try:
+            out, err = launcher.communicate(timeout=150)
+        finally:
+            with contextlib.suppress(psutil.Error):
+                server.kill()
+        took = time.monotonic() - t0
+    assert launcher.returncode == 0, err[-3000:]
+    assert "[rank0] running 0" in out and "[rank1] running 1" in out, out + err[-3000:]
+    assert "is stopped (SIGSTOP?)" in err and took < 15, (took, err[-3000:])
+
+
 # SIGKILL to rtxnet-run's (argv[1]) fork server as soon as it has forked its first intermediate
 # process (polled every 0.2 ms; ends with rtxnet-run)
 KILL_AT_FORK = textwrap.dedent("""
