@@ -614,7 +614,8 @@ class ForkServer:
             async with asyncio.timeout(READY_S):
                 while not self._ready.done():
                     await asyncio.wait([self._ready], timeout=STOPPED_LOOK_S)
-                    looks = looks + 1 if not self._ready.done() and _is_stopped(self.proc.pid) else 0
+                    looks = looks + 1 if (not self._ready.done() and self.proc is not None
+                                          and _is_stopped(self.proc.pid)) else 0
                     if looks >= 2:
                         self._lost(f"is stopped (SIGSTOP?): it had not imported {', '.join(self.modules)} "
                                    f"and was stopped for {STOPPED_LOOK_S * looks:g} s")
