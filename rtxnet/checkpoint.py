@@ -1523,7 +1523,10 @@ def _resolve_step(root: str | os.PathLike, step: int | None) -> int:
     if step is None:
         step = latest(root)
         if step is None:
-            raise CheckpointError(f"no committed checkpoint under {root}")
+            missing = "" if os.path.isdir(root) else (
+                " (a file, where the checkpoints' folder should be)" if os.path.exists(root)
+                else " (no such folder)")
+            raise CheckpointError(f"no committed checkpoint under {root}{missing}")
     return _check_step(step)
 
 

@@ -300,6 +300,10 @@ def test_a_save_into_a_dangling_symlink_or_onto_a_file_says_what_is_there(tmp_pa
     (tmp_path / "afile").write_text("x")
     with pytest.raises(CheckpointError, match=r"\(.*afile is a file, where the checkpoint needs a folder\)"):
         checkpoint.save(tmp_path / "afile", 1, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint under .*afile \(a file, where"):
+        checkpoint.load(tmp_path / "afile")
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint under .*nowhere \(no such folder\)"):
+        checkpoint.load(tmp_path / "nowhere")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     for fn in (lambda: checkpoint.save(tmp_path / "loop", 1, {"w": torch.zeros(2)}),
                lambda: checkpoint.load(tmp_path / "loop")):
