@@ -2413,7 +2413,9 @@ WAIT_FOR_REPLACEMENT = textwrap.dedent("""
     ft = rtxnet.FaultTolerance(pg, st)
     while ft.step < 1000:
         with ft.guard() as step:
-            if step == 5 and pg.rank == 0 and os.environ.get("RTXNET_RESTART_COUNT", "0") == "0":
+            # launch rank 0, not pg.rank (a survivor renumbered 0 as it began step 5 exited
+            # too, and the test waited in vain for two survivors: a clean-clone run's failure)
+            if step == 5 and os.environ["RTXNET_RANK"] == "0" and os.environ.get("RTXNET_RESTART_COUNT", "0") == "0":
                 os._exit(1)
             c = np.ones(4)
             pg.all_reduce(c)
