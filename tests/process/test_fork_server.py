@@ -283,30 +283,38 @@ def _server_of(launcher: subprocess.Popen, ranks=()) -> psutil.Process | None:
     return None
 
 
-def test_a_signal_while_the_server_imports_stops_the_job_without_starting_ranks(tmp_path):
-    # Before: a rank forked after rtxnet-run forwarded the signal (its spawn waited for the
-    # server's imports) ran on until --grace and was SIGKILLed; later (a breaker's find) rtxnet-run
-    # waited out the imports (up to 120 s for a stopped server) and started a rank only to stop
-    # it. Ranks not started when the signal comes are not started; the server is killed.
+@contextlib.contextmanager
+def _stopped_while_importing(tmp_path, script: str):
+    """rtxnet-run of 2 ranks of ``script`` with ``--preload slow_import`` (3 s), its fork server
+    SIGSTOPped as it imports (once rtxnet-run says it starts the ranks); yields rtxnet-run and
+    the server, killed at the end."""
     (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
-    script = tmp_path / "sleeper.py"
-    script.write_text("import time\ntime.sleep(60)\n")
-    with _running(["--nproc", "2", "--preload", "slow_import", str(script)]) as launcher:
-        # the signal while the server imports (slow_import sleeps 3 s; the server is stopped
-        # too, as the breaker's was) and rank 0's start waits for it
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    with _running(["--nproc", "2", "--preload", "slow_import", str(path)]) as launcher:
         deadline = time.monotonic() + 60
         while "starting 2 ranks" not in launcher.stderr.readline() and time.monotonic() < deadline:
             pass
         server = _server_of(launcher)
         server.suspend()
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)
         try:
-            out, err = launcher.communicate(timeout=150)
+            yield launcher, server
         finally:
             with contextlib.suppress(psutil.Error):
                 server.kill()
+
+
+def test_a_signal_while_the_server_imports_stops_the_job_without_starting_ranks(tmp_path):
+    # Before: a rank forked after rtxnet-run forwarded the signal (its spawn waited for the
+    # server's imports) ran on until --grace and was SIGKILLed; later (a breaker's find) rtxnet-run
+    # waited out the imports (up to 120 s for a stopped server) and started a rank only to stop
+    # it. Ranks not started when the signal comes are not started; the server is killed.
+    with _stopped_while_importing(tmp_path, "import time\ntime.sleep(60)\n") as (launcher, server):
+        # the signal while the server imports, stopped too as the breaker's was (sent before
+        # rtxnet-run's two looks, 0.5 s apart, give the stopped server up)
+        t0 = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=150)
         took = time.monotonic() - t0
     assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "[rank" not in out + err and took < 10, (took, err[-3000:])
@@ -317,21 +325,10 @@ def test_a_fork_server_stopped_during_its_imports_is_given_up_on_at_once(tmp_pat
     # A re-verifier's find: the ranks waited READY_S (120 s) for a server SIGSTOPped while it
     # imported; stopped at two looks in a row (STOPPED_LOOK_S apart), it is given up on as when
     # it stops while a rank waits for its answer, and the ranks start as fresh interpreters
-    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
-    script = tmp_path / "quick.py"
-    script.write_text("import os\nprint('running', os.environ['RANK'], flush=True)\n")
-    with _running(["--nproc", "2", "--preload", "slow_import", str(script)]) as launcher:
-        deadline = time.monotonic() + 60
-        while "starting 2 ranks" not in launcher.stderr.readline() and time.monotonic() < deadline:
-            pass
-        server = _server_of(launcher)
-        server.suspend()
+    script = "import os\nprint('running', os.environ['RANK'], flush=True)\n"
+    with _stopped_while_importing(tmp_path, script) as (launcher, _):
         t0 = time.monotonic()
-        try:
-            out, err = launcher.communicate(timeout=150)
-        finally:
-            with contextlib.suppress(psutil.Error):
-                server.kill()
+        out, err = launcher.communicate(timeout=150)
         took = time.monotonic() - t0
     assert launcher.returncode == 0, err[-3000:]
     assert "[rank0] running 0" in out and "[rank1] running 1" in out, out + err[-3000:]
