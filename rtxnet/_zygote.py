@@ -606,19 +606,16 @@ class ForkServer:
 
         if self.trouble:
             return None
-        # a server stopped (SIGSTOP) at two looks in a row is given up on then, as in _answer:
-        # one stopped during its imports kept the ranks from starting for READY_S (a re-verifier's
-        # find)
-        looks = 0
+        # a server stopped (SIGSTOP) is given up on, as in _answer: one stopped during its
+        # imports kept the ranks from starting for READY_S (a re-verifier's find)
+        look = self._stop_look()
         try:
             async with asyncio.timeout(READY_S):
                 while not self._ready.done():
                     await asyncio.wait([self._ready], timeout=STOPPED_LOOK_S)
-                    looks = looks + 1 if (not self._ready.done() and self.proc is not None
-                                          and _is_stopped(self.proc.pid)) else 0
-                    if looks >= 2:
+                    if not self._ready.done() and (stopped_s := look()) is not None:
                         self._lost(f"is stopped (SIGSTOP?): it had not imported {', '.join(self.modules)} "
-                                   f"and was stopped for {STOPPED_LOOK_S * looks:g} s")
+                                   f"and was stopped for {stopped_s:g} s")
                         self._kill()
                         return None
                 ready = self._ready.result()
@@ -685,18 +682,31 @@ class ForkServer:
 
         Raises:
             TimeoutError: no line, the server stopped or ``ANSWER_S`` passed (the text says which)."""
-        looks = [0]
+        look = self._stop_look()
 
         def stopped() -> str | None:
-            looks[0] = looks[0] + 1 if self.proc is not None and _is_stopped(self.proc.pid) else 0
-            return (f"is stopped (SIGSTOP?): it did not answer a request to start a rank within "
-                    f"{STOPPED_LOOK_S * looks[0]:g} s") if looks[0] >= 2 else None
+            stopped_s = look()
+            return None if stopped_s is None else (
+                f"is stopped (SIGSTOP?): it did not answer a request to start a rank within {stopped_s:g} s")
 
         try:
             return await _line_from(hello_r, ANSWER_S, stopped)
         except TimeoutError as exc:
             raise TimeoutError(str(exc) or f"did not answer a request to start a rank within "
                                            f"{ANSWER_S:g} s (stopped, or hung)") from None
+
+    def _stop_look(self) -> Callable[[], float | None]:
+        """A look at the server, to take every ``STOPPED_LOOK_S`` while it is awaited: the seconds
+        it has been seen stopped (SIGSTOP) once that is two looks in a row (give up on it then),
+        else None."""
+        looks = 0
+
+        def look() -> float | None:
+            nonlocal looks
+            looks = looks + 1 if self.proc is not None and _is_stopped(self.proc.pid) else 0
+            return STOPPED_LOOK_S * looks if looks >= 2 else None
+
+        return look
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
