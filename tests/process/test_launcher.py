@@ -1796,10 +1796,10 @@ AFTER_TRAINING = NUMPY_STATE + textwrap.dedent("""
     import os, signal, sys, time
     import rtxnet
 
-    pg = rtxnet.init()
-    state = State()
-    ft = rtxnet.FaultTolerance(pg, state)
-    try:
+    try:   # the replacement may be turned away in init() itself: fenced as its epoch formed
+        pg = rtxnet.init()
+        state = State()
+        ft = rtxnet.FaultTolerance(pg, state)
         while ft.step < 5:
             with ft.guard() as step:
                 x = np.ones(4, np.float32)
