@@ -531,10 +531,12 @@ class Journal:
             snapshot, covered = self._read_snapshot()
             snapshot_crc = self._snapshot_crc
             segments = self._list_segments()
-            if snapshot is not None and (not segments or segments[-1][0] < covered):
+            if snapshot is not None and (segments[-1][0] < covered if segments else covered > 0):
                 # write_snapshot keeps the segment the snapshot covers until the next one exists:
                 # segments that all end before it mean a snapshot from another journal (or one
-                # whose newer segments were deleted); replaying would drop the segments' records
+                # whose newer segments were deleted); replaying would drop the segments' records.
+                # (A snapshot covering generation 0 is recreate's, in a folder made afresh: with
+                # no segment yet it is the whole state.)
                 newest = segments[-1][0] if segments else None
                 raise JournalCorruptError(
                     f"journal {self._dir}: {self.snapshot_path} covers generation {covered} but "
@@ -959,6 +961,16 @@ class Journal:
             except OSError as exc:         # (the folder gone again before its LOCK was made)
                 raise JournalError(f"journal {self._dir}: cannot lock the folder again: {exc}") from exc
             os.close(old_lock)
+        try:
+            no_segment = not self._list_segments()
+        except OSError as exc:
+            raise JournalError(f"journal {self._dir}: cannot list the folder again: {exc}") from exc
+        if no_segment:
+            # a folder made afresh: its snapshot covers generation 0 and the live segment is 1,
+            # so a daemon killed between the snapshot's rename and the segment's creation leaves
+            # the one shape open() takes for complete without any segment (a snapshot covering
+            # a later generation with none is another journal's, or its segments deleted)
+            self._generation = 0
         self.write_snapshot(snapshot)
         if self._fsync:
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -663,6 +664,67 @@ def test_a_folder_removed_again_at_any_file_operation_of_recreate_is_made_afresh
             break       # past the recreate's last file operation
         step += 1
     assert step > 5, step
+
+
+def test_a_crash_at_any_file_operation_of_recreate_leaves_a_folder_that_opens(tmp_path: Path) -> None:
+    """The daemon killed at the k-th file operation of a recreate (its folder was removed): a
+    restart opens the folder, with the recreated state once the snapshot's rename happened and
+    empty before it (the state lived only in the dead daemon then). Before, a kill after the
+    rename and before the new segment existed left a snapshot with no segment, which open()
+    refused as another journal's: the daemon could never start again on that path."""
+    names = ("open", "write", "fsync", "close", "replace", "unlink", "rename", "mkdir")
+    real = {name: getattr(os, name) for name in names}
+    state = [b"r0", b"r1"]
+    step, outcomes = 0, []
+    while True:
+        d = tmp_path / f"step{step}"
+        j = Journal(d)
+        j.open()
+        for r in state:
+            j.append(r)
+        j.flush_sync()
+        j.write_snapshot(msgpack.packb(state[:1]))   # a generation above 1 before the removal
+        shutil.rmtree(d)
+        calls, crashed, renamed = 0, [], []
+
+        def make(name: str, k: int = step + 1, crashed: list = crashed, renamed: list = renamed):
+            def wrapper(*args, **kwargs):
+                nonlocal calls
+                calls += 1
+                if calls >= k:   # the dead process does nothing more
+                    crashed.append(name)
+                    raise _Crash(name)
+                if name == "replace":
+                    renamed.append(True)
+                return real[name](*args, **kwargs)
+
+            return wrapper
+
+        try:
+            for name in names:
+                setattr(os, name, make(name))
+            j.recreate(msgpack.packb(state))
+        except _Crash:
+            pass
+        finally:
+            for name in names:
+                setattr(os, name, real[name])
+        for fd in (j._fd, j._lock_fd):   # the dead process's descriptors
+            with contextlib.suppress(OSError, TypeError):
+                os.close(fd)
+        snapshot, records = reopen(d)
+        got = (msgpack.unpackb(snapshot) if snapshot is not None else []) + records
+        assert got == (state if renamed else []), (step, crashed[:1], got)
+        outcomes.append(bool(renamed))
+        with Journal(d) as again:   # and it goes on from there
+            again.open()
+            again.append(b"c0")
+        snapshot, records = reopen(d)
+        assert records[-1:] == [b"c0"], step
+        if not crashed:
+            break
+        step += 1
+    assert step > 8 and outcomes.count(True) > 3, (step, outcomes)
 
 
 def test_a_snapshot_that_appears_or_is_swapped_under_the_journal_is_seen_and_written_over(tmp_path: Path) -> None:
