@@ -54,7 +54,9 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
 # long ones do not come last, and run two torch files at once less often. Seconds per file in a
 # measured run (2026-12-06): faults 161, launcher 152, train_digits 144, fsdp 108, coordinator
 # 97, tp_fault_tolerance 61, benches 60, multinode 50, ddp 40, reference 39, ... Longest first
-# alone put train_digits beside fsdp: each of their tests took 40-60% longer. Whole suite, 1186
+# alone put train_digits beside fsdp: each of their tests took 40-60% longer. (2026-12-07, 1407
+# tests: launcher 248, faults 230, train_digits 161, coordinator 150, fsdp 107, benches 84, ...,
+# fork_server 36: files left out of the list run last, in collection order.) Whole suite, 1186
 # tests, same idle machine: longest first 669 and 690 s, this order 694 s, pytest-xdist's own
 # 747 s (runs of one order spread by tens of seconds; two workers then). pytest-xdist's own order
 # (``--dist loadfile`` sorts files by their number of tests unless told
@@ -66,9 +68,10 @@ _LONGEST_FIRST = [
     "process/test_multinode.py", "process/test_benches.py",
     "collectives/test_reference.py", "parallel/test_ddp.py",
     "collectives/test_hierarchical.py", "parallel/test_pipeline.py",
-    "collectives/test_unusual.py", "gpu/test_kernels_compile.py",
+    "collectives/test_unusual.py", "process/test_fork_server.py", "gpu/test_kernels_compile.py",
     "process/test_coordinator_flood.py", "parallel/test_checkpoint.py",
-    "gpu/test_kernels.py", "collectives/test_bulk.py", "collectives/test_lifecycle.py",
+    "gpu/test_kernels.py", "process/test_large_state.py", "unit/test_api.py", "parallel/test_mesh.py",
+    "collectives/test_groups_p2p.py", "collectives/test_bulk.py", "collectives/test_lifecycle.py",
 ]
 
 
