@@ -110,7 +110,8 @@ class Job:
     kv_forgotten: dict[str, int] = field(default_factory=dict)
     # A member said training is over (``finish``): no rank is admitted any more (see _finish).
     finished_training: bool = False
-    fenced: set[str] = field(default_factory=set)  # identities declared lost
+    # identities declared lost, oldest first (a dict as an ordered set: status lists the newest)
+    fenced: dict[str, None] = field(default_factory=dict)
     # Not journaled: since when a formed job has had neither members nor joiners (every rank
     # crashed); after a restart the wait starts again from the replay.
     empty_since: float | None = None
@@ -424,9 +425,10 @@ def apply_record(state: State, rec: dict[str, Any], now: float) -> None:
             )
             state.where[pub["identity"]] = job.job
         for ident in rec.get("fenced", []):
-            job.fenced.add(ident)
+            job.fenced.pop(ident, None)
+            job.fenced[ident] = None
         for ident in rec.get("unfenced", []):
-            job.fenced.discard(ident)
+            job.fenced.pop(ident, None)
         job.ready_since = None
         # Votes of the old epoch are void: the members changed.
         job.votes.clear()
@@ -479,17 +481,21 @@ FENCED_AT_END_JOBS = 64   # jobs whose fenced processes State.fenced_at_end keep
 FENCED_SHOWN = 64         # fenced processes a status answer lists per job
 
 
-def _fenced_procs(identities: set[str]) -> list[dict[str, Any]]:
+def _fenced_procs(identities: dict[str, None]) -> list[dict[str, Any]]:
     """``[{"host", "pid"}]`` of fenced agents (declared lost, or turned away at the end of
-    training), read from their identities (``host/pid/uuid``, rtxnet.Agent's), sorted, at most
-    ``FENCED_SHOWN``: not the identities themselves, which would let a client take over an
-    agent's connection (see _status)."""
+    training), read from their identities (``host/pid/uuid``, rtxnet.Agent's), the newest
+    ``FENCED_SHOWN`` sorted: not the identities themselves, which would let a client take over an
+    agent's connection (see _status). The newest, not the lowest pids: rtxnet-run kills a frozen
+    rank only once it is listed, and in a job past 64 losses one frozen later was not (a leak
+    soak's find)."""
     out = []
-    for ident in identities:
+    for ident in reversed(identities):
         parts = ident.rsplit("/", 2)
         if len(parts) == 3 and parts[0] and parts[1].isdigit() and len(parts[1]) < 10:
             out.append({"host": parts[0], "pid": int(parts[1])})
-    return sorted(out, key=lambda d: (d["host"], d["pid"]))[:FENCED_SHOWN]
+            if len(out) == FENCED_SHOWN:
+                break
+    return sorted(out, key=lambda d: (d["host"], d["pid"]))
 
 
 _KV_WRITES = {"kv_set": "set", "kv_cas": "compare_set", "kv_del": "delete"}   # their API names
@@ -535,7 +541,7 @@ def snapshot(state: State) -> dict[str, Any]:
                 "committed_step": j.committed_step,
                 "committed_epoch": j.committed_epoch,
                 "commit_metadata": j.commit_metadata,
-                "fenced": sorted(j.fenced),
+                "fenced": list(j.fenced),   # oldest first
                 "since": {r: m.since for r, m in j.members.items()},
                 "finished_training": j.finished_training,
             }
@@ -1345,7 +1351,7 @@ def _join(state: State, identity: str, msg: dict, now: float, actions: list[Acti
     if existing is not None:
         # A repeated join (a late "fenced" notice, a retry): it is a member; say so and resend the
         # current epoch instead of refusing.
-        job.fenced.discard(ident)
+        job.fenced.pop(ident, None)
         existing.heard = True
         actions.append(_reply(identity, msg, job, state="member"))
         actions.append(_epoch_push(job, ident, [], [], "resync"))

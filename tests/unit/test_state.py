@@ -1324,3 +1324,32 @@ def test_withdrawing_a_kv_wait_touches_only_that_wait_however_many_are_parked(mo
     assert [(s.identity, s.msg["body"].get("values")) for s in woke] == [("b", None), ("a", {"x": b"1"})]
     err = errors(h.tick(2.0))
     assert [e["error"] for e in err] == ["RtxTimeoutError"] and not job.kv_waiters and not h.state.kv_waiting
+
+
+def test_status_names_a_process_declared_lost_after_more_than_64_others_in_its_job():
+    # rtxnet-run kills a frozen rank after --lost-grace only once its pid appears in the job's
+    # status "fenced" list, which shows at most FENCED_SHOWN (64) processes. That list was the
+    # lowest 64 pids, so in a long job with more than 64 losses a rank frozen later (a higher
+    # pid) was never listed, and never killed (a leak soak's find: SIGSTOPped 53 s, --lost-grace
+    # 10 s). The newest are listed, before and after a restart from a snapshot.
+    h = Harness()
+    ids = [f"vm/{1000 + i}/u{i}" for i in range(80)]
+    h.join(ids[0])
+    h.join(ids[1])
+    for i in range(2, 80):
+        h.run(Disconnect(ids[i - 1]))   # a crash: declared lost, fenced
+        h.join(ids[i])                  # its replacement
+    h.tick(1.5)
+    h.req(ids[0], "heartbeat", epoch=h.state.jobs["j"].epoch, identity=ids[0])
+    assert set(pushes(h.tick(0.7))) == {ids[0]}   # the newest one froze: declared lost
+
+    def fenced_pids(state) -> set[int]:
+        _, queries = step(state, Request("s", wire.make("status", rid=10**6, job="j")), h.clock.now)
+        body = answer_status(state, queries, h.clock.now)[0].msg["body"]
+        return {f["pid"] for f in body["jobs"][0]["fenced"]}
+
+    assert 1079 in fenced_pids(h.state)
+    assert len(fenced_pids(h.state)) == 64
+    restored = restore(msgpack.unpackb(msgpack.packb(snapshot(h.state)), strict_map_key=False), h.clock.now)
+    assert 1079 in fenced_pids(restored)
+    assert 1079 in fenced_pids(h.replayed(h.clock.now))
