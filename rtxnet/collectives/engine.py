@@ -151,6 +151,10 @@ class Op:
         if h.kind == Kind.ABORT:
             self.failed_remotely = True
             self.fail(_error_from_abort(h, self.name, self.group))
+            # the operation may still end well here (its part was done): see Engine._late_abort
+            shm = getattr(self.group, "_shm", None)
+            if shm is not None:
+                shm.renew = True
             return
         try:
             g = self.group.ranks.index(h.src)
@@ -1051,6 +1055,8 @@ class Engine:
             return
         key = (h.group, h.seq)
         if h.seq <= self._watermark.get(h.group, -1):
+            if h.kind == Kind.ABORT:
+                self._late_abort(h.group)
             return
         op = self._running.get(key)
         if op is not None:
@@ -1111,6 +1117,18 @@ class Engine:
                 del self._unstarted[gid]
                 self._forget_early(gid, op.seq)   # of a call cancelled while queued
         self._apply_when_idle()
+
+    def _late_abort(self, gid: str) -> None:
+        """A peer failed (or cancelled) an operation of group ``gid`` that ended, or may still
+        end, well here.
+        It unmapped this rank's shared-memory segment as it failed, and this rank unlinked that
+        file once every peer had mapped it: offered again, it could never be mapped there, and
+        every later shm operation of the group failed on that peer while succeeding here (a
+        breaker's find: a receiver's cancelled broadcast, then 8 of 8 broadcasts failed on it).
+        The group's next shm operation offers a fresh segment instead."""
+        group = next((g for g in self._groups if g.gid == gid), None)
+        if group is not None and group._shm is not None:
+            group._shm.renew = True
 
     def _abort_peers(self, op: Op, exc: BaseException) -> None:
         """Tell the group's other ranks that this operation failed here."""

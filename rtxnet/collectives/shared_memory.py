@@ -66,12 +66,16 @@ class ShmState:
         self.fresh = False
         self.unmapped_left: list[Segment | PeerSegment] = []   # see taint
         self.dropped: set[str] = set()   # names of the peers' segments taint unmapped
+        # a peer failed an operation that ended well here (Engine._late_abort): it may have
+        # unmapped this rank's segment, whose file is unlinked, so the next slot is a new one
+        self.renew = False
 
     def slot(self, nbytes: int, seq: int) -> tuple[memoryview, list]:
         """The next free slot of at least ``nbytes`` and the offer that names it."""
         self._unmap_left()
-        if self.seg is None or self.slot_nbytes < nbytes:
-            cap = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        if self.seg is None or self.slot_nbytes < nbytes or self.renew:
+            cap = max(-(-max(nbytes, 1) // _ALIGN) * _ALIGN, self.slot_nbytes if self.seg else 0)
+            self.renew = False
             try:
                 seg = self._new_segment(2 * cap)
             except OSError as exc:
