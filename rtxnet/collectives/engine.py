@@ -139,6 +139,7 @@ class Op:
         self._suspect: LinkBrokenError | None = None
         self._grace_timer: asyncio.TimerHandle | None = None
         self._settled: asyncio.Future | None = None
+        self._failed: asyncio.Future | None = None   # see bounded
         self._probe_timer: asyncio.TimerHandle | None = None
         self.timeout_s = timeout_s
         self.t0 = time.monotonic()
@@ -197,6 +198,8 @@ class Op:
             self._bulk_task.cancel()
         if self._settled is not None and not self._settled.done():
             self._settled.set_result(None)
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_result(None)
 
     def _give_up(self, grace_s: float | None) -> None:
         """No better error came for the broken stream: it is the operation's error."""
@@ -223,6 +226,37 @@ class Op:
                 self._give_up(None)
                 raise
         return exc if self.error is None else self.error
+
+    async def bounded(self, aw):
+        """Await ``aw``, work of other groups that this (hierarchical) operation runs (its
+        host's, the hosts' first ranks', a rail's operations), until it ends or this operation
+        fails first: a peer's abort (its call cancelled or failed part-way), this deadline. Then
+        ``aw`` is cancelled, which ends those groups' operations here and tells their peers, and
+        this operation's error is raised. Without it a rank whose peer had failed the
+        hierarchical call waited in a host group's stage the peer never made, for its whole
+        deadline (a breaker's find).
+
+        Returns:
+            ``aw``'s result.
+
+        Raises:
+            What ``aw`` raises, or this operation's error (``CollectiveError`` naming the peer
+            that failed, ``CollectiveTimeout``, ``PeerLostError``).
+        """
+        task = asyncio.ensure_future(aw)
+        try:
+            if self.error is None and not task.done():
+                if self._failed is None:
+                    self._failed = asyncio.get_running_loop().create_future()
+                await asyncio.wait((task, self._failed), return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise self.error
+            return task.result()
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            raise
 
     def _on_timeout(self) -> None:
         missing = sorted(self.group.ranks[g] for g in self._pending)
@@ -1158,6 +1192,14 @@ class Engine:
         self._early.pop((group.gid, seq), None)
         self._early_at.pop((group.gid, seq), None)
         self._unstarted[group.gid] = max(seq, self._unstarted.get(group.gid, seq))
+
+    def _skip_to(self, gid: str, seq: int) -> None:
+        """Group ``gid`` takes ``seq`` as its next operation number, past numbers it never used
+        here (:meth:`Group._align_inner`): what came for those is dropped, and what comes later
+        too (the watermark)."""
+        self._forget_early(gid, seq - 1)
+        if seq - 1 > self._watermark.get(gid, -1):
+            self._watermark[gid] = seq - 1
 
     def _forget_early(self, gid: str, upto: int) -> None:
         """Drop the messages kept for operations of ``gid`` numbered up to ``upto`` that never

@@ -93,6 +93,10 @@ SMALL_MAX_NBYTES = 64 * 1024      # all_reduce up to this size: "direct" (<= 8 r
 # this size, at most PIPELINE_MAX_CHUNKS (tools/bench/multihost.py)
 PIPELINE_CHUNK_NBYTES = 4 << 20
 PIPELINE_MAX_CHUNKS = 8
+# A hierarchical operation numbered s runs its host, leader and rail groups' operations from
+# number s * _INNER_STRIDE (see Group._in_step): far more than it ever makes in one group (at
+# most 3 stages of PIPELINE_MAX_CHUNKS chunks)
+_INNER_STRIDE = 1 << 16
 SHM_MIN_NBYTES = 64 * 1024        # same-host operations from this size: "shm"
 _DIRECT_MAX_RANKS = 8
 # CPU collectives that also run "hierarchical" (within each host, then among the hosts' first
@@ -1183,14 +1187,21 @@ class Group:
                 arr = buf.flat if k >= 2 else tensor
             if pre:
                 _divide_in_place(arr, self.size)
-            if k >= 2:
-                await _pipelined_hierarchical(intra, leaders, np.array_split(arr, k), sub, timeout)
-            else:
+
+            async def stages() -> None:
+                if k >= 2:
+                    await _pipelined_hierarchical(intra, leaders, np.array_split(arr, k), sub, timeout)
+                    return
                 await intra.reduce(arr, 0, sub, timeout=timeout)
                 if leaders is not None:
                     await leaders.all_reduce(arr, sub, timeout=timeout,
                                              algorithm="nccl" if gpu else None)
                 await intra.broadcast(arr, 0, timeout=timeout)
+
+            if gpu:   # (GPU stages keep their own numbering: NCCL and IPC boards, untested so)
+                await stages()
+            else:
+                await self._in_step(op, (intra, leaders), stages())
             if rop is ReduceOp.AVG and not pre:
                 await off_loop(nbytes, _divide_in_place, arr, self.size)
             if wide is not None:
@@ -1211,6 +1222,22 @@ class Group:
         nobody. Now they fail as the flat algorithms do (``CollectiveRefusedError``,
         ``CollectiveMismatchError`` on every rank at once), and the inner groups stay in step."""
         await op.hello(sig)
+
+    async def _in_step(self, op: Op, groups: tuple, stages) -> Any:
+        """Run ``stages`` (a coroutine: the operations of host, leader or rail ``groups`` that
+        hierarchical operation ``op`` is made of) numbered from ``op.seq * _INNER_STRIDE`` in
+        each of those groups, and cut short when ``op`` fails (:meth:`Op.bounded`). A rank
+        whose call was cancelled or failed part-way made fewer of those groups' operations than
+        its host-mates; numbered on from there, its next call's were paired with their previous
+        call's for good (a reduce against a broadcast: timeouts, or waits naming nobody, a
+        breaker's find). Every rank now numbers each hierarchical operation's stages alike, and
+        drops what comes for the numbers it skipped."""
+        base = op.seq * _INNER_STRIDE
+        for g in groups:
+            if g is not None and g._seq < base:
+                g._seq = base
+                self.engine._skip_to(g.gid, base)
+        return await op.bounded(stages)
 
     # -- hierarchical all_gather and reduce_scatter (CPU arrays) --------------------------------
 
@@ -1276,11 +1303,11 @@ class Group:
             # while chunk c is exchanged within the host
             by_rail = [np.empty(H * (hi - lo), dtype) for lo, hi in bounds]
             full = [np.empty(P * H * (hi - lo), dtype) for lo, hi in bounds]
-            await _pipelined(
+            await self._in_step(op, (rail, intra), _pipelined(
                 [functools.partial(rail.all_gather, by_rail[c], mine[lo:hi], timeout=timeout)
                  for c, (lo, hi) in enumerate(bounds)],
                 [functools.partial(intra.all_gather, full[c], by_rail[c], timeout=timeout)
-                 for c in range(len(bounds))])
+                 for c in range(len(bounds))]))
             pairs = [(slots[hosts[i][q]][lo:hi], full[c][(q * H + k) * (hi - lo):(q * H + k + 1) * (hi - lo)])
                      for c, (lo, hi) in enumerate(bounds) for q in range(P) for k, i in enumerate(orders[q])]
             await _copy_out(pairs, out_bufs)
@@ -1317,11 +1344,11 @@ class Group:
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
             by_rail = [np.empty(H * (hi - lo), dtype) for lo, hi in bounds]
             out = ob.flat if wide is None else np.empty(N, wide)
-            await _pipelined(
+            await self._in_step(op, (intra, rail), _pipelined(
                 [functools.partial(intra.reduce_scatter, by_rail[c], xs[c], sub, timeout=timeout)
                  for c in range(len(bounds))],
                 [functools.partial(rail.reduce_scatter, out[lo:hi], by_rail[c], sub, timeout=timeout)
-                 for c, (lo, hi) in enumerate(bounds)])
+                 for c, (lo, hi) in enumerate(bounds)]))
             await _average_and_commit(ob, out, rop, n)
             return output
 
@@ -1341,13 +1368,17 @@ class Group:
             await self._hello_first(op, sig)
             full = np.empty(len(hosts) * P * N, dtype)
             block = full[h * P * N:(h + 1) * P * N]
-            if leaders is not None:      # this host's first rank (rank 0 of its host group)
-                parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
-                await intra.gather(mine, parts, 0, timeout=timeout)
-                await leaders.all_gather(full, block, timeout=timeout)
-            else:
-                await intra.gather(mine, None, 0, timeout=timeout)
-            await intra.broadcast(full, 0, timeout=timeout)
+
+            async def stages() -> None:
+                if leaders is not None:      # this host's first rank (rank 0 of its host group)
+                    parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
+                    await intra.gather(mine, parts, 0, timeout=timeout)
+                    await leaders.all_gather(full, block, timeout=timeout)
+                else:
+                    await intra.gather(mine, None, 0, timeout=timeout)
+                await intra.broadcast(full, 0, timeout=timeout)
+
+            await self._in_step(op, (intra, leaders), stages())
             pairs = [(slots[g], full[(i * P + p) * N:(i * P + p + 1) * N])
                      for i, v in enumerate(hosts) for p, g in enumerate(v)]
             await _copy_out(pairs, out_bufs)
@@ -1377,15 +1408,19 @@ class Group:
             pairs = [(x[(i * P + p) * N:(i * P + p + 1) * N], chunks[g])
                      for i, v in enumerate(hosts) for p, g in enumerate(v)]
             await off_loop(n * N * dtype.itemsize, copy_pairs, pairs)
-            await intra.reduce(x, 0, sub, timeout=timeout)
             out = ob.flat if wide is None else np.empty(N, wide)
-            if leaders is not None:
-                block = x[h * P * N:(h + 1) * P * N]     # this host's block of the sums
-                await leaders.reduce_scatter(block, x, sub, timeout=timeout)
-                parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
-                await intra.scatter(out, parts, 0, timeout=timeout)
-            else:
-                await intra.scatter(out, None, 0, timeout=timeout)
+
+            async def stages() -> None:
+                await intra.reduce(x, 0, sub, timeout=timeout)
+                if leaders is not None:
+                    block = x[h * P * N:(h + 1) * P * N]     # this host's block of the sums
+                    await leaders.reduce_scatter(block, x, sub, timeout=timeout)
+                    parts = [block[p * N:(p + 1) * N] for p in range(len(hosts[h]))]
+                    await intra.scatter(out, parts, 0, timeout=timeout)
+                else:
+                    await intra.scatter(out, None, 0, timeout=timeout)
+
+            await self._in_step(op, (intra, leaders), stages())
             await _average_and_commit(ob, out, rop, n)
             return output
 

@@ -9,8 +9,10 @@ the world's (a split by key) included."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 
 import ml_dtypes
 import numpy as np
@@ -389,3 +391,84 @@ def test_the_host_groups_take_no_id_from_the_users_new_group():
     res = run_world(5, user_group_beside_host_groups, hosts=HOSTS)
     assert [r[0] for r in res] == [15.0] * 5, res
     assert [r[1:] for r in res[:2]] == [(300.0, "0,1#0")] * 2, res
+
+
+async def cancelled_while_a_leader_waits(engine, opname):
+    """Round 1: host b's first rank (2) is slow to enter the hosts' leader stage, and rank 0
+    (host a's first rank) is cancelled while it waits there: it never makes its host's last
+    stage, which rank 1 has begun. Then two calls every rank makes: they must be right."""
+    w = engine.world
+    n, r = w.size, w.rank
+    if opname == "all_reduce":
+        intra, leaders = w._host_groups()
+        slowed = leaders
+    else:
+        intra, rail, _ = w._rails()
+        slowed = rail
+    if r == 2:
+        inner_call = getattr(slowed, opname)
+
+        async def slow(*args, **kwargs):
+            await asyncio.sleep(0.6)
+            return await inner_call(*args, **kwargs)
+
+        setattr(slowed, opname, slow)
+
+    async def call(value: float, timeout: float):
+        N = 50_000
+        if opname == "all_reduce":
+            x = np.full(N, value, np.float32)
+            await w.all_reduce(x, algorithm="hierarchical", timeout=timeout)
+            return float(x[0]), float(x[-1])
+        if opname == "all_gather":
+            out = np.zeros(n * N, np.float32)
+            await w.all_gather(out, np.full(N, value, np.float32), algorithm="hierarchical", timeout=timeout)
+            return float(out[0]), float(out[-1])
+        out = np.zeros(N, np.float32)
+        await w.reduce_scatter(out, np.full(n * N, value, np.float32), algorithm="hierarchical",
+                               timeout=timeout)
+        return float(out[0]), float(out[-1])
+
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(call(1.0, 8))
+    if r == 0:
+        await asyncio.sleep(0.3)
+        task.cancel()
+    try:
+        first = await task
+    except asyncio.CancelledError:
+        first = "cancelled"
+    except Exception as exc:   # noqa: BLE001 (the class is the result)
+        first = type(exc).__name__
+    took = time.monotonic() - t0
+    if r == 2:
+        setattr(slowed, opname, inner_call)
+    after = []
+    for value in (r + 1.0, 10.0 * (r + 1)):
+        try:
+            after.append(await call(value, 8))
+        except Exception as exc:   # noqa: BLE001
+            after.append(type(exc).__name__)
+    return first, took, after
+
+
+@pytest.mark.parametrize("opname", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_a_hierarchical_call_cancelled_in_its_leader_stage_leaves_the_host_groups_in_step(opname):
+    # a breaker's find: a rank cancelled part-way never made its host group's later stages,
+    # which its host-mates had begun; they waited out the whole deadline there, and every later
+    # hierarchical call paired one rank's host-group operation with another's next one
+    # (reduce against broadcast: timeouts, or waits for nobody) for good
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    res = run_world(4, cancelled_while_a_leader_waits, opname, hosts=hosts, timeout_s=90)
+    for r, (first, took, after) in enumerate(res):
+        if r == 0:
+            assert first == "cancelled", res
+        else:   # failed at once by rank 0's abort, or done before it
+            assert first != "cancelled" and took < 5, (r, res)
+        if opname == "all_reduce":
+            want = [(10.0, 10.0), (100.0, 100.0)]
+        elif opname == "all_gather":
+            want = [(1.0, 4.0), (10.0, 40.0)]
+        else:
+            want = [(10.0, 10.0), (100.0, 100.0)]
+        assert after == want, (r, res)
