@@ -364,8 +364,10 @@ _STATES_RECEIVED_BEFORE_A_SECOND_LOSS = textwrap.dedent("""
         # each; launch rank 2 holds the only live copy of its own (its ring successor was launch
         # rank 3) and dies right after it sent it, while the others take the next
         out = await world_broadcast(apg, "broadcast")(buf, src, *args, **kwargs)
+        # (rank 3's loss failed launch rank 2's step, or, under load, came between two of its
+        # steps: a CI find, where it then never died)
         if launch == 2 and src == apg.rank and buf.dtype == np.uint8 and buf.size > 8 and any(
-                e["event"] == "failure" for e in ft.events):
+                e["event"] in ("failure", "lost_between_steps") for e in ft.events):
             await asyncio.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
         return out
