@@ -825,7 +825,8 @@ def _status_body(state: State, only: str, now: float) -> dict[str, Any]:
             break
         kept.append(j)
     at_end = {j: state.fenced_at_end[j] for j in fin if j in state.fenced_at_end} if only else {}
-    return {"jobs": kept, "jobs_omitted": total - len(kept), "finished": fin,
+    return {"jobs": kept, "launching": _launching(state, only or None, now),
+            "jobs_omitted": total - len(kept), "finished": fin,
             "finished_total": len(state.finished), "info_omitted": omitted, "fenced_at_end": at_end}
 
 
@@ -1494,6 +1495,26 @@ def _not_json_like(obj: Any, what: str, max_nbytes: int, why: str) -> str | None
 def _nbytes(obj: Any) -> int:
     """Encoded size of ``obj`` (msgpack, as the wire carries it), bytes."""
     return len(msgpack.packb(obj, use_bin_type=True))
+
+
+STATUS_LAUNCHING = 64   # jobs a status answer lists as launching (claimed, no rank joined yet)
+
+
+def _launching(state: State, only: str | None, now: float) -> list[dict[str, Any]]:
+    """Jobs that a launcher's live claim (``_claim``) holds and no rank has joined yet (its ranks
+    import, or wait before ``rtxnet.init()``): ``[{"job", "state": "launching", "launchers":
+    [{"node", "host", "pid"}], "members": []}]``, at most ``STATUS_LAUNCHING`` jobs. Before, such
+    a job showed as "no jobs" while a second launch of it was refused naming the first (a
+    breaker's find)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (job_id, node), claim in state.claims.items():
+        if (claim[2] <= now or job_id in state.jobs or job_id in state.finished
+                or (only is not None and job_id != only)):
+            continue
+        if job_id in out or len(out) < STATUS_LAUNCHING:
+            out.setdefault(job_id, []).append({"node": node, "host": claim[0], "pid": claim[1]})
+    return [{"job": j, "state": "launching", "launchers": sorted(v, key=lambda d: d["node"]),
+             "members": []} for j, v in sorted(out.items())]
 
 
 def _status(state: State, now: float, only: str | None = None) -> list[dict[str, Any]]:

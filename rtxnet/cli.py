@@ -7,8 +7,10 @@
 every rank lost, kept for restarted ranks), epoch, world size, last committed step and, per member,
 rank, host, pid, heartbeat age and, for a member that waits for the world to grow (a
 fault-tolerant job below its ``min_world_size``, a rank rejoining below ``min_ranks``), the world
-size it waits for; then the newest finished job ids, which cannot be used again
-(``--json``: entries ``{"job", "state": "finished", "committed_step", "members": []}`` after the
+size it waits for; jobs whose launchers have claimed them and no rank has joined yet
+(``launching``: each launcher's pid, host and node); then the newest finished job ids, which
+cannot be used again (``--json``: entries ``{"job", "state": "launching", "launchers",
+"members": []}`` and ``{"job", "state": "finished", "committed_step", "members": []}`` after the
 jobs). ADDR defaults to ``RTXNET_COORDINATOR`` or
 ``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time (after about
 2 s when nothing listens on a TCP address at all: two refused connects 1 s apart); 2 for a bad
@@ -118,7 +120,8 @@ def _jsonable(obj: Any) -> Any:
 
 def _render(status: dict) -> str:
     jobs, finished = status["jobs"], status["finished"]
-    lines = [] if jobs or status.get("jobs_omitted") else ["no jobs"]
+    launching = status.get("launching") or []   # (a coordinator before it: none)
+    lines = [] if jobs or launching or status.get("jobs_omitted") else ["no jobs"]
     for j in jobs:
         # a running world below its minimum, its members waiting for it to grow, says so (a
         # fresh user read "running" there as training); the rendezvous count only where anyone
@@ -160,6 +163,10 @@ def _render(status: dict) -> str:
             # fresh user read "not back" as the rank's)
             lines.append("  processes declared lost, not readmitted (a replacement has a new pid): " + ", ".join(
                 f"pid {f['pid']} on {_shown(f['host'])}{_exited(f)}" for f in j["fenced"]))
+    for j in launching:
+        lines.append(f"job {_shown(j['job'])}: launching, no rank has joined yet ("
+                     + "; ".join(f"rtxnet-run pid {c['pid']} on {_shown(str(c['host']))}, node {c['node']}"
+                                 for c in j["launchers"]) + ")")
     if status.get("jobs_omitted"):
         lines.append(f"... and {status['jobs_omitted']} more jobs not shown (the answer must fit one "
                      f"message)")
@@ -250,7 +257,8 @@ def _main(argv: list[str] | None = None) -> int:
             if args.json:
                 fin = [{"job": j, "state": "finished", "committed_step": s, "members": []}
                        for j, s in status["finished"].items()]
-                text = json.dumps(_jsonable(status["jobs"] + fin), indent=2)
+                text = json.dumps(_jsonable(status["jobs"] + (status.get("launching") or []) + fin),
+                                  indent=2)
             else:
                 text = _render(status)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -1353,3 +1353,31 @@ def test_status_names_a_process_declared_lost_after_more_than_64_others_in_its_j
     restored = restore(msgpack.unpackb(msgpack.packb(snapshot(h.state)), strict_map_key=False), h.clock.now)
     assert 1079 in fenced_pids(restored)
     assert 1079 in fenced_pids(h.replayed(h.clock.now))
+
+
+def test_status_shows_a_job_its_launchers_claimed_before_any_rank_joins():
+    from rtxnet.cli import _render
+
+    # a breaker's find: two launchers held a job's nodes while their ranks imported, and status
+    # said "no jobs" (a second launch of the job was refused naming the first meanwhile)
+    h = Harness()
+    h.req("l0", "claim", job="j", node=0, host="h0", pid=11, ttl_s=10.0)
+    h.req("l1", "claim", job="j", node=1, host="h1", pid=22, ttl_s=10.0)
+    h.req("l2", "claim", job="k", node=0, host="h0", pid=33, ttl_s=5.0)
+
+    def status(job: str = "") -> dict:
+        (s,) = h.req("cli", "status", job=job)
+        return s.msg["body"]
+
+    body = status()
+    assert body["jobs"] == [] and [j["job"] for j in body["launching"]] == ["j", "k"], body
+    assert body["launching"][0] == {"job": "j", "state": "launching", "members": [], "launchers": [
+        {"node": 0, "host": "h0", "pid": 11}, {"node": 1, "host": "h1", "pid": 22}]}
+    assert [j["job"] for j in status("k")["launching"]] == ["k"]
+    shown = _render(body)
+    assert "no jobs" not in shown and ("job j: launching, no rank has joined yet (rtxnet-run pid 11 on h0, "
+                                       "node 0; rtxnet-run pid 22 on h1, node 1)") in shown, shown
+    h.clock.now += 6.0                     # k's claim lapsed; a rank of j joined: a job now
+    h.join("a")
+    body = status()
+    assert [j["job"] for j in body["jobs"]] == ["j"] and body["launching"] == [], body
