@@ -201,12 +201,29 @@ async def off_loop(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
     heartbeat timeout (2 s), so the coordinator declared healthy ranks lost. Below the threshold
     the hand-off (tens of microseconds) would cost more than it saves.
 
-    If the awaiting task is cancelled (a deadline, a lost peer), the thread still finishes: the
-    arrays it writes hold unspecified values after a failed operation, as they do anyway.
+    If the awaiting task is cancelled (a deadline, a lost peer, the caller), the cancellation
+    waits for the thread, which cannot be stopped, before it goes on: nothing the thread changes
+    (a shared-memory slot, the caller's arrays) changes after the cancelled call's handlers ran
+    or the call returned. Before, a cancelled shm operation's handler dropped this rank's new
+    segment while the thread was still making it, and the next operation waited its whole
+    deadline for acknowledgements of a segment the peers had mapped long before (a
+    re-verifier's find). Such a cancellation takes as long as the work (about 0.2 s per GiB
+    copied here).
     """
     if nbytes < OFF_LOOP_NBYTES:
         return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            try:
+                await asyncio.wait((fut,))
+            except asyncio.CancelledError:   # cancelled again: still the thread's end first
+                pass
+        if not fut.cancelled():
+            fut.exception()   # (retrieved: its error is moot once the call was cancelled)
+        raise
 
 
 def copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:

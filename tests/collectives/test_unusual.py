@@ -683,3 +683,33 @@ def test_a_float_reduction_that_overflows_gives_inf_and_nan_without_a_numpy_warn
     # in cast" from rtxnet's own line; inf and NaN are IEEE's answers, as NCCL gives them
     for per_rank in run_world(2, overflow_quietly):
         assert per_rank == [(np.inf, np.inf, 60000.0, True)] * 4, per_rank
+
+
+@pytest.mark.timeout(30)
+async def test_a_call_cancelled_in_work_off_the_loop_returns_once_that_work_ended():
+    # a re-verifier's find: a cancelled shm operation's handler ran (ShmState.taint: no fresh
+    # segment) while its worker thread was still making a slot (fresh segment); the next
+    # operation then waited for peers' acknowledgements of a segment they had long mapped, for
+    # its whole deadline. A thread cannot be stopped: the cancellation now waits for it, so
+    # nothing it changes (a slot, the caller's arrays) changes after the caller's handlers ran.
+    import threading
+    import time
+
+    from rtxnet.collectives.arrays import OFF_LOOP_NBYTES, off_loop
+
+    started, ended = threading.Event(), threading.Event()
+
+    def work():
+        started.set()
+        time.sleep(0.4)
+        ended.set()
+        return 7
+
+    task = asyncio.ensure_future(off_loop(OFF_LOOP_NBYTES, work))
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended.is_set()
+    assert await off_loop(OFF_LOOP_NBYTES, work) == 7   # and an uncancelled call returns its result
