@@ -244,6 +244,8 @@ class Op:
             that failed, ``CollectiveTimeout``, ``PeerLostError``).
         """
         task = asyncio.ensure_future(aw)
+        # its error is retrieved whatever happens here (cancelled twice, this wait is too)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             if self.error is None and not task.done():
                 if self._failed is None:
@@ -254,7 +256,9 @@ class Op:
             return task.result()
         except BaseException:
             if not task.done():
-                task.cancel()
+                task.cancel(None if self.error is None else
+                            f"a stage of {self.name} (group {self.group.gid!r}, seq {self.seq}), "
+                            f"which failed: {self.error}")
                 await asyncio.gather(task, return_exceptions=True)
             raise
 

@@ -440,8 +440,11 @@ class Group:
                 everywhere = getattr(exc, "raised_on_every_rank", False)
                 if not (op.failed_remotely or everywhere or isinstance(
                         exc, (CollectiveMismatchError, PeerLostError, ClosedError))):
+                    # (a hierarchical operation's stage cut short by Op.bounded says why: it
+                    # was told as the user's cancel, hiding the peer's error, a re-verifier's find)
                     err = exc if not isinstance(exc, asyncio.CancelledError) else \
-                        CollectiveError("cancelled on that rank")
+                        CollectiveError("cancelled on that rank" + (
+                            f" ({exc.args[0]})" if exc.args and isinstance(exc.args[0], str) else ""))
                     engine._abort_peers(op, err)
                 if op.error is not None and exc is not op.error and not everywhere and not \
                         isinstance(exc, asyncio.CancelledError):
