@@ -1502,8 +1502,9 @@ STATUS_LAUNCHING = 64   # jobs a status answer lists as launching (claimed, no r
 
 def _launching(state: State, only: str | None, now: float) -> list[dict[str, Any]]:
     """Jobs that a launcher's live claim (``_claim``) holds and no rank has joined yet (its ranks
-    import, or wait before ``rtxnet.init()``): ``[{"job", "state": "launching", "launchers":
-    [{"node", "host", "pid"}], "members": []}]``, at most ``STATUS_LAUNCHING`` jobs. Before, such
+    import, or wait before ``rtxnet.init()``): ``[{"job", "state": "launching", "committed_step":
+    -1, "launchers": [{"node", "host", "pid"}], "members": []}]`` (the keys of a finished job's
+    ``rtxnet status --json`` entry, and the launchers), at most ``STATUS_LAUNCHING`` jobs. Before, such
     a job showed as "no jobs" while a second launch of it was refused naming the first (a
     breaker's find)."""
     out: dict[str, list[dict[str, Any]]] = {}
@@ -1513,8 +1514,9 @@ def _launching(state: State, only: str | None, now: float) -> list[dict[str, Any
             continue
         if job_id in out or len(out) < STATUS_LAUNCHING:
             out.setdefault(job_id, []).append({"node": node, "host": claim[0], "pid": claim[1]})
-    return [{"job": j, "state": "launching", "launchers": sorted(v, key=lambda d: d["node"]),
-             "members": []} for j, v in sorted(out.items())]
+    return [{"job": j, "state": "launching", "committed_step": -1,
+             "launchers": sorted(v, key=lambda d: d["node"]), "members": []}
+            for j, v in sorted(out.items())]
 
 
 def _status(state: State, now: float, only: str | None = None) -> list[dict[str, Any]]:

@@ -9,8 +9,8 @@ rank, host, pid, heartbeat age and, for a member that waits for the world to gro
 fault-tolerant job below its ``min_world_size``, a rank rejoining below ``min_ranks``), the world
 size it waits for; jobs whose launchers have claimed them and no rank has joined yet
 (``launching``: each launcher's pid, host and node); then the newest finished job ids, which
-cannot be used again (``--json``: entries ``{"job", "state": "launching", "launchers",
-"members": []}`` and ``{"job", "state": "finished", "committed_step", "members": []}`` after the
+cannot be used again (``--json``: entries ``{"job", "state": "launching", "committed_step": -1,
+"launchers", "members": []}`` and ``{"job", "state": "finished", "committed_step", "members": []}`` after the
 jobs). ADDR defaults to ``RTXNET_COORDINATOR`` or
 ``tcp://127.0.0.1:29600``. Exit code 1 when the coordinator does not answer in time (after about
 2 s when nothing listens on a TCP address at all: two refused connects 1 s apart); 2 for a bad

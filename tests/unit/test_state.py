@@ -1371,8 +1371,9 @@ def test_status_shows_a_job_its_launchers_claimed_before_any_rank_joins():
 
     body = status()
     assert body["jobs"] == [] and [j["job"] for j in body["launching"]] == ["j", "k"], body
-    assert body["launching"][0] == {"job": "j", "state": "launching", "members": [], "launchers": [
-        {"node": 0, "host": "h0", "pid": 11}, {"node": 1, "host": "h1", "pid": 22}]}
+    assert body["launching"][0] == {"job": "j", "state": "launching", "committed_step": -1, "members": [],
+                                    "launchers": [{"node": 0, "host": "h0", "pid": 11},
+                                                  {"node": 1, "host": "h1", "pid": 22}]}
     assert [j["job"] for j in status("k")["launching"]] == ["k"]
     shown = _render(body)
     assert "no jobs" not in shown and ("job j: launching, no rank has joined yet (rtxnet-run pid 11 on h0, "
