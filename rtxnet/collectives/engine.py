@@ -153,9 +153,7 @@ class Op:
             self.failed_remotely = True
             self.fail(_error_from_abort(h, self.name, self.group))
             # the operation may still end well here (its part was done): see Engine._late_abort
-            shm = getattr(self.group, "_shm", None)
-            if shm is not None:
-                shm.renew = True
+            self.engine._renew_shm(self.group)
             return
         try:
             g = self.group.ranks.index(h.src)
@@ -1117,7 +1115,7 @@ class Engine:
         for key, since in list(self._early_at.items()):
             if now - since < older_than_s or (before is not None and since >= before):
                 continue
-            group = next((g for g in self._groups if g.gid == key[0]), None)
+            group = self._group_by_id(key[0])
             if group is None or key[1] < group._seq:
                 continue
             out.append((group, key[1], sorted({h.src for h, _ in self._early.get(key, ())})))
@@ -1164,9 +1162,18 @@ class Engine:
         every later shm operation of the group failed on that peer while succeeding here (a
         breaker's find: a receiver's cancelled broadcast, then 8 of 8 broadcasts failed on it).
         The group's next shm operation offers a fresh segment instead."""
-        group = next((g for g in self._groups if g.gid == gid), None)
-        if group is not None and group._shm is not None:
-            group._shm.renew = True
+        self._renew_shm(self._group_by_id(gid))
+
+    def _group_by_id(self, gid: str):
+        """This rank's group of id ``gid`` in the current epoch, or None."""
+        return next((g for g in self._groups if g.gid == gid), None)
+
+    @staticmethod
+    def _renew_shm(group) -> None:
+        """The group's next shared-memory operation offers a fresh segment (see _late_abort)."""
+        shm = getattr(group, "_shm", None)
+        if shm is not None:
+            shm.renew = True
 
     def _abort_peers(self, op: Op, exc: BaseException) -> None:
         """Tell the group's other ranks that this operation failed here."""
